@@ -1,0 +1,159 @@
+"""The handoff: what P exports when stage 1 ends, and the checks D makes before importing.
+
+A handoff travels inside vLLM's ``kv_transfer_params``. The stock NIXL keys
+(``remote_block_ids``, ``remote_engine_id``, ...) stay where vLLM's NIXL connector
+expects them; our own fields live under ``KEY`` and are typed by :class:`Handoff`.
+
+Token ranges (N parent tokens, S suffix tokens, block size B)::
+
+    | prompt | stage-1 tokens ........ last |  suffix (S)  |
+    |<-------- parent: N tokens ---------->|
+    |<--- computed on P: N-1 tokens --->|      (the last sampled token has no KV yet)
+    |<----- imported by D: N-1 ------->|<- computed on D: S+1 ->|
+
+P exports ``cdiv(N-1, B)`` blocks (the last one partial). D imports exactly the tokens
+P computed, never its own suffix, so D computes ``S + 1`` tokens for the import step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+#: Bumped whenever the meaning of a handoff field changes. P and D must agree.
+PROTOCOL_VERSION = 1
+
+#: The key under which our fields travel inside ``kv_transfer_params``.
+KEY = "kvhandoff"
+
+#: Reads are refused this long before the lease ends: the READ itself, the clock
+#: difference between hosts and a stalled step must all fit in it.
+DEFAULT_LEASE_SAFETY_MARGIN_S = 2.0
+
+
+class HandoffError(ValueError):
+    """A handoff D must refuse. ``reason`` is a short machine-readable code."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def token_digest(token_ids: list[int] | tuple[int, ...]) -> str:
+    """SHA-256 over the token ids as little-endian int64: what D checks its prompt with."""
+    data = np.asarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """A finished stage-1 request's exported state, as P describes it."""
+
+    protocol_version: int
+    model_fingerprint: str
+    #: P's engine id and the engine-internal request id that holds the blocks.
+    engine_id: str
+    request_id: str
+    #: Parent = prompt + stage-1 tokens; P computed KV for all but the last one.
+    num_parent_tokens: int
+    num_computed_tokens: int
+    token_digest: str
+    block_size: int
+    num_blocks: int
+    kv_bytes_per_block: int
+    #: Wall-clock export time and lease end (seconds since the epoch, P's clock).
+    exported_at: float
+    lease_expires_at: float
+
+    def __post_init__(self) -> None:
+        if self.num_computed_tokens != self.num_parent_tokens - 1:
+            raise ValueError(
+                f"num_computed_tokens={self.num_computed_tokens} must be "
+                f"num_parent_tokens-1={self.num_parent_tokens - 1}"
+            )
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.kv_bytes_per_block
+
+    def lease_remaining_s(self, now: float | None = None) -> float:
+        return self.lease_expires_at - (time.time() if now is None else now)
+
+    # ---- kv_transfer_params <-> Handoff -------------------------------------------------
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> Handoff:
+        """Parse the handoff out of P's returned ``kv_transfer_params``."""
+        if not params or KEY not in params:
+            raise HandoffError("missing", "kv_transfer_params carry no kvhandoff handoff")
+        fields = params[KEY]
+        if not isinstance(fields, dict):
+            raise HandoffError("malformed", "kvhandoff handoff is not a mapping")
+        version = fields.get("protocol_version")
+        if version != PROTOCOL_VERSION:
+            raise HandoffError(
+                "protocol",
+                f"handoff protocol version {version!r}, this engine speaks "
+                f"{PROTOCOL_VERSION}",
+            )
+        try:
+            return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
+        except (KeyError, TypeError, ValueError) as e:
+            raise HandoffError("malformed", f"malformed handoff: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def import_params(
+    export_params: dict[str, Any], *, beam_width: int, beam_max_tokens: int
+) -> dict[str, Any]:
+    """The ``kv_transfer_params`` D's import request carries: a fresh copy of P's export
+    (the connector mutates it) with the import flag set and the beam fan-out attached,
+    so D's admission check can count the blocks the beams will need."""
+    params = {k: v for k, v in export_params.items() if k != KEY}
+    params[KEY] = dict(export_params[KEY])
+    params[KEY]["beam_width"] = beam_width
+    params[KEY]["beam_max_tokens"] = beam_max_tokens
+    params["do_remote_prefill"] = True
+    params["do_remote_decode"] = False
+    return params
+
+
+def validate_import(
+    handoff: Handoff,
+    prompt_token_ids: list[int],
+    *,
+    model_fingerprint: str,
+    now: float | None = None,
+    safety_margin_s: float = DEFAULT_LEASE_SAFETY_MARGIN_S,
+) -> None:
+    """Everything D checks before any READ. Raises :class:`HandoffError`."""
+    if handoff.model_fingerprint != model_fingerprint:
+        raise HandoffError(
+            "model",
+            f"handoff from model {handoff.model_fingerprint}, this engine serves "
+            f"{model_fingerprint}",
+        )
+    n = handoff.num_parent_tokens
+    if len(prompt_token_ids) < n:
+        raise HandoffError(
+            "digest",
+            f"prompt has {len(prompt_token_ids)} tokens, fewer than the "
+            f"{n}-token parent it continues",
+        )
+    if token_digest(prompt_token_ids[:n]) != handoff.token_digest:
+        raise HandoffError(
+            "digest",
+            f"the first {n} prompt tokens do not match the parent's token digest",
+        )
+    remaining = handoff.lease_remaining_s(now)
+    if remaining < safety_margin_s:
+        raise HandoffError(
+            "expired",
+            f"handoff lease expired or about to ({remaining:.2f}s left, need "
+            f">= {safety_margin_s:.2f}s)",
+        )

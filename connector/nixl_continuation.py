@@ -1,0 +1,267 @@
+"""ContinuationConnector: vLLM's NIXL pull connector plus continuation semantics.
+
+Loaded by vLLM through ``kv_connector_module_path="connector.nixl_continuation"``; it runs
+inside each engine-core process (scheduler side) and each worker (worker side).
+
+P side: a request sent with ``{"do_remote_decode": True}`` that ends by stop token, EOS or
+length keeps its blocks (stock behaviour) and its returned params gain a typed
+:class:`~connector.handoff.Handoff` under ``kvhandoff``: token count, token digest, lease.
+
+D side: the stock connector claims the whole prompt as remote; a continuation prompt
+(parent + suffix) would then import KV that P never computed. We import exactly
+``min(remote_num_tokens, len(prompt) - 1)`` tokens. Reads are refused once the lease is
+(nearly) over, and a READ that completes after the lease ended is discarded as a load
+failure: the freed blocks may already hold another request's KV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+
+from connector.handoff import (
+    DEFAULT_LEASE_SAFETY_MARGIN_S,
+    KEY,
+    PROTOCOL_VERSION,
+    token_digest,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes one logical block holds across all layers (K and V)."""
+    return sum(
+        g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+        for g in kv_cache_config.kv_cache_groups
+    )
+
+
+@dataclass(slots=True)
+class _ImportRecord:
+    num_tokens: int
+    num_blocks: int
+
+
+class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
+    """Scheduler side: export a typed handoff on P, import a continuation on D."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ):
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        from kvhandoff.model import model_fingerprint
+
+        self.model_fingerprint = model_fingerprint(vllm_config.model_config.model)
+        self.kv_bytes_per_block = kv_bytes_per_block(kv_cache_config)
+        self._imports: dict[str, _ImportRecord] = {}
+
+    # ---- D side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not (params and params.get("do_remote_prefill")):
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        # The last prompt token must be computed here to sample from it, and the
+        # suffix was never computed on P.
+        num_importable = min(
+            params.get("remote_num_tokens") or 0, request.num_prompt_tokens - 1
+        )
+        count = num_importable - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ):
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and num_external_tokens > 0:
+            local_block_ids = blocks.get_unhashed_block_ids_all_groups()
+            self._imports[request.request_id] = _ImportRecord(
+                num_tokens=num_external_tokens,
+                num_blocks=len(local_block_ids[0]) if local_block_ids else 0,
+            )
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    # ---- both sides --------------------------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        record = self._imports.pop(request.request_id, None)
+        delay_free, params = super().request_finished(request, block_ids)
+        if record is not None:
+            # D side: report what this request imported (the client sees it on the
+            # final RequestOutput.kv_transfer_params).
+            params = dict(params or {})
+            params[KEY] = {
+                "num_imported_tokens": record.num_tokens,
+                "num_imported_blocks": record.num_blocks,
+                "num_imported_bytes": record.num_blocks * self.kv_bytes_per_block,
+            }
+        elif delay_free and params is not None and params.get("do_remote_prefill"):
+            self._attach_handoff(request, params)
+        return delay_free, params
+
+    def _attach_handoff(self, request: Request, params: dict[str, Any]) -> None:
+        """P side: describe the held blocks as a typed, versioned handoff."""
+        num_parent_tokens = request.num_tokens
+        assert request.num_computed_tokens == num_parent_tokens - 1, (
+            f"P exported {request.num_computed_tokens} computed tokens for a "
+            f"{num_parent_tokens}-token parent: the lease would cover the wrong KV"
+        )
+        now = time.time()
+        # Stock NIXL stamps the deadline in this process's perf_counter; D's worker
+        # rebases it with the clock offset measured at the handshake.
+        params["remote_blocks_expiry_time"] = self._reqs_need_send[request.request_id]
+        params[KEY] = {
+            "protocol_version": PROTOCOL_VERSION,
+            "model_fingerprint": self.model_fingerprint,
+            "engine_id": self.engine_id,
+            "request_id": request.request_id,
+            "num_parent_tokens": num_parent_tokens,
+            "num_computed_tokens": request.num_computed_tokens,
+            "token_digest": token_digest(request.all_token_ids),
+            "block_size": self.block_size,
+            "num_blocks": len(params["remote_block_ids"][0]),
+            "kv_bytes_per_block": self.kv_bytes_per_block,
+            "exported_at": now,
+            "lease_expires_at": now + self._kv_lease_duration,
+        }
+        logger.debug(
+            "Exported %s: %d parent tokens, %d blocks, lease %ds",
+            request.request_id,
+            num_parent_tokens,
+            len(params["remote_block_ids"][0]),
+            self._kv_lease_duration,
+        )
+
+
+@contextlib.contextmanager
+def _nixl_agent_options(**options: Any):
+    """Create the stock worker's NIXL agent with ``options``.
+
+    vLLM 0.32 builds its agent config inline with the library default, which starts a
+    progress thread that busy-spins a whole core. On a CPU host shared by two engines
+    that halves every figure. The engine steps every millisecond while it holds or
+    awaits KV, and each step polls NIXL, so the thread is not needed there.
+    """
+    original = base_worker.nixl_agent_config
+    if original is None or not options:
+        yield
+        return
+    base_worker.nixl_agent_config = functools.partial(original, **options)
+    try:
+        yield
+    finally:
+        base_worker.nixl_agent_config = original
+
+
+class ContinuationConnectorWorker(NixlPullConnectorWorker):
+    """Worker side: stock READs, fenced by the lease."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ):
+        extra = vllm_config.kv_transfer_config
+        assert extra is not None
+        prog_thread = bool(extra.get_from_extra_config("nixl_progress_thread", False))
+        with _nixl_agent_options(enable_prog_thread=prog_thread):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._lease_margin_s = float(
+            extra.get_from_extra_config(
+                "lease_safety_margin_s", DEFAULT_LEASE_SAFETY_MARGIN_S
+            )
+        )
+        # req_id -> local perf_counter time by which the READ must have completed.
+        self._read_deadlines: dict[str, float] = {}
+
+    def _local_deadline(self, meta: Any) -> float | None:
+        remote = meta.remote
+        offset = self._engine_clock_offset.get(remote.engine_id)
+        if remote.blocks_expiry_time is None or offset is None:
+            return None
+        return remote.blocks_expiry_time - offset
+
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        assert meta.remote is not None
+        deadline = None
+        if meta.remote.engine_id in self._remote_agents:
+            deadline = self._local_deadline(meta)
+        if deadline is not None and any(meta.local_block_ids):
+            remaining = deadline - time.perf_counter()
+            if remaining < self._lease_margin_s:
+                logger.warning(
+                    "Refusing READ for %s: P's lease on its blocks ends in %.2fs "
+                    "(margin %.2fs); its blocks may be reused",
+                    req_id,
+                    remaining,
+                    self._lease_margin_s,
+                )
+                self.xfer_stats.record_kv_expired_req()
+                self._handle_failed_transfer(
+                    req_id, None, self._recv_failures, record_failed_transfer=False
+                )
+                return
+            self._read_deadlines[req_id] = deadline
+        super()._read_blocks_for_req(req_id, meta)
+
+    def _pop_done_transfers(
+        self, transfers: dict[str, list[int]]
+    ) -> tuple[set[str], set[str]]:
+        done, failed = super()._pop_done_transfers(transfers)
+        now = time.perf_counter()
+        for req_id in done:
+            deadline = self._read_deadlines.pop(req_id, None)
+            if deadline is not None and now >= deadline and req_id not in failed:
+                # P may have freed and reused the blocks while we read them.
+                logger.error(
+                    "Discarding READ for %s: it completed %.3fs after P's lease ended",
+                    req_id,
+                    now - deadline,
+                )
+                self.xfer_stats.record_kv_expired_req()
+                failed.add(req_id)
+        return done, failed
+
+
+class ContinuationConnector(NixlPullConnector):
+    """The connector class vLLM instantiates (see module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ):
+        # Skip NixlPullConnector.__init__ (it builds the stock halves), keep the base.
+        super(NixlPullConnector, self).__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = ContinuationConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = ContinuationConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+
+

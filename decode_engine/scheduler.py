@@ -1,0 +1,137 @@
+"""ContinuationScheduler: D admits a handoff only if it is valid and D can hold it.
+
+Selected with ``scheduler_cls="decode_engine.scheduler.ContinuationScheduler"``; it runs in
+the engine-core process. Before vLLM schedules anything, every newly arrived import
+request is checked once, before any transfer starts:
+
+- the handoff parses and speaks our protocol version, comes from the same model,
+  matches the prompt's first N tokens (digest) and its lease has time left;
+- the pool can hold the parent's blocks, the suffix and the beam fan-out.
+
+A request that fails a check is finished at admission with ``FINISHED_ERROR`` and the
+reason in ``kv_transfer_params["kvhandoff"]["error"]``. Finishing it while
+``do_remote_prefill`` is still set makes the stock connector notify P, so P releases its
+blocks now rather than at lease expiry. Stock vLLM would instead leave a request it
+cannot allocate WAITING forever, holding the queue and P's lease.
+
+Block arithmetic for a prompt of n tokens, block size B, beam width W, T beam tokens::
+
+    | full blocks: n // B, shared by all beams | tail: n % B + T tokens, one per beam |
+    needed = n // B + W * cdiv(n % B + T, B)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import Request, RequestStatus
+
+from connector.handoff import (
+    DEFAULT_LEASE_SAFETY_MARGIN_S,
+    KEY,
+    Handoff,
+    HandoffError,
+    validate_import,
+)
+
+logger = logging.getLogger(__name__)
+
+_ADMITTED = "_kvhandoff_admitted"
+
+
+def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
+                  beam_max_tokens: int) -> int:
+    """Blocks D must have free to import a parent and grow ``beam_width`` beams."""
+    num_full = num_prompt_tokens // block_size
+    tail = num_prompt_tokens - num_full * block_size + beam_max_tokens
+    return num_full + beam_width * cdiv(tail, block_size)
+
+
+class ContinuationScheduler(Scheduler):
+    """vLLM's scheduler with an up-front admission check for handoff imports."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        from kvhandoff.model import model_fingerprint
+
+        self._model_fingerprint = model_fingerprint(self.vllm_config.model_config.model)
+        config = self.vllm_config.kv_transfer_config
+        self._lease_margin_s = float(
+            config.get_from_extra_config(
+                "lease_safety_margin_s", DEFAULT_LEASE_SAFETY_MARGIN_S
+            )
+            if config
+            else DEFAULT_LEASE_SAFETY_MARGIN_S
+        )
+        self._rejected: list[tuple[Request, str, str]] = []
+
+    @property
+    def num_total_blocks(self) -> int:
+        # One block is vLLM's null block and never holds KV.
+        return self.kv_cache_config.num_blocks - 1
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        self._admit_new_imports()
+        return super().schedule(*args, **kwargs)
+
+    def _admit_new_imports(self) -> None:
+        for request in list(self.waiting):
+            params = request.kv_transfer_params
+            if not params or not params.get("do_remote_prefill") or params.get(_ADMITTED):
+                continue
+            params[_ADMITTED] = True
+            try:
+                self._check_import(request, params)
+            except HandoffError as e:
+                self._reject(request, e.reason, str(e))
+
+    def _check_import(self, request: Request, params: dict[str, Any]) -> None:
+        handoff = Handoff.from_params(params)
+        validate_import(
+            handoff,
+            request.prompt_token_ids or [],
+            model_fingerprint=self._model_fingerprint,
+            safety_margin_s=self._lease_margin_s,
+        )
+        fields = params[KEY]
+        beam_width = int(fields.get("beam_width", 1))
+        beam_max_tokens = int(fields.get("beam_max_tokens", 1))
+        needed = blocks_needed(
+            request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens
+        )
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        if needed > free:
+            raise HandoffError(
+                "capacity",
+                f"decode pool too small: needs {needed} blocks of {self.block_size} "
+                f"tokens ({request.num_prompt_tokens}-token prompt, beam width "
+                f"{beam_width}, {beam_max_tokens} beam tokens), {free} free of "
+                f"{self.num_total_blocks}",
+            )
+
+    def _reject(self, request: Request, reason: str, message: str) -> None:
+        logger.warning("Rejecting handoff %s at admission: %s", request.request_id, message)
+        self._rejected.append((request, reason, message))
+        # do_remote_prefill is still set: the connector notifies P to free its blocks.
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(*args, **kwargs)
+        rejected, self._rejected = self._rejected, []
+        for request, reason, message in rejected:
+            eco = outputs.get(request.client_index)
+            if eco is None:
+                eco = outputs[request.client_index] = EngineCoreOutputs(outputs=[])
+            eco.outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    kv_transfer_params={KEY: {"error": message, "reason": reason}},
+                )
+            )
+        return outputs

@@ -1,0 +1,279 @@
+"""One vLLM engine (AsyncLLM) configured for kvhandoff, shared by the P and D wrappers.
+
+Both roles load the same connector so either can export or import; the decode role also
+installs the admission-checking scheduler. Each engine gets its own NIXL side-channel
+port, set in the environment the engine-core process is started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput, SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+
+CONNECTOR_CLASS = "ContinuationConnector"
+CONNECTOR_MODULE = "connector.nixl_continuation"
+DECODE_SCHEDULER = "decode_engine.scheduler.ContinuationScheduler"
+
+#: Beam width is bounded by this; vLLM needs max_logprobs >= 2 * beam width.
+MAX_BEAM_WIDTH = 64
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to start one engine. Validated on construction."""
+
+    model: str
+    role: Role
+    block_size: int = 32
+    #: KV pool size. On CPU this is host RAM; vLLM's gpu_memory_utilization would
+    #: mean a fraction of *all* host RAM there.
+    kv_cache_memory_bytes: int = 256 << 20
+    max_model_len: int = 4096
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    max_logprobs: int = 2 * MAX_BEAM_WIDTH
+    enforce_eager: bool = True
+    load_format: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    #: Where NIXL reads from/writes to: None = the platform default ("cpu" on CPU
+    #: hosts, "cuda" on GPUs so transfers go device to device).
+    kv_buffer_device: str | None = None
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int | None = None
+    engine_id: str | None = None
+    #: Seconds P holds exported blocks for D to read.
+    lease_s: int = 30
+    lease_safety_margin_s: float = DEFAULT_LEASE_SAFETY_MARGIN_S
+    #: NIXL's progress thread busy-spins a core; off by default (see connector).
+    nixl_progress_thread: bool = False
+    #: UCX interfaces; "lo" keeps transfers on loopback (single host). None = all.
+    ucx_net_devices: str | None = "lo"
+    #: CPU hosts only: torch threads per engine (OMP_NUM_THREADS). vLLM's default
+    #: binds each engine's OpenMP threads to cores; with two engines and their
+    #: engine-core processes on the same cores, spin-waits made every step ~25x
+    #: slower here (265 ms vs 10 ms per token), so threads are left unbound.
+    cpu_threads: int | None = 1
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', not {self.role!r}")
+        if self.block_size <= 0 or self.block_size % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16: {self.block_size}")
+        for name in ("kv_cache_memory_bytes", "max_model_len", "max_num_seqs", "lease_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_logprobs < 2:
+            raise ValueError("max_logprobs must be >= 2 (beam width 1 needs 2)")
+        if not 0 <= self.lease_safety_margin_s < self.lease_s:
+            raise ValueError("lease_safety_margin_s must be in [0, lease_s)")
+
+    @property
+    def max_beam_width(self) -> int:
+        return min(MAX_BEAM_WIDTH, self.max_logprobs // 2)
+
+    def engine_args(self, engine_id: str) -> AsyncEngineArgs:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        kv_transfer = KVTransferConfig(
+            kv_connector=CONNECTOR_CLASS,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_producer" if self.role == "prefill" else "kv_consumer",
+            engine_id=engine_id,
+            kv_load_failure_policy="fail",
+            kv_connector_extra_config={
+                "kv_lease_duration": self.lease_s,
+                "lease_safety_margin_s": self.lease_safety_margin_s,
+                "nixl_progress_thread": self.nixl_progress_thread,
+                "backends": ["UCX"],
+            },
+            **({"kv_buffer_device": self.kv_buffer_device} if self.kv_buffer_device else {}),
+        )
+        return AsyncEngineArgs(
+            model=self.model,
+            tokenizer=self.model,
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_logprobs=self.max_logprobs,
+            enforce_eager=self.enforce_eager,
+            load_format=self.load_format,
+            dtype=self.dtype,
+            seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_prefix_caching=True,
+            kv_transfer_config=kv_transfer,
+            scheduler_cls=DECODE_SCHEDULER if self.role == "decode" else None,
+            disable_log_stats=False,
+        )
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set env vars while the engine-core process is spawned (it copies os.environ)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """KV pool state as of the engine's last step (current while it is idle)."""
+
+    num_total_blocks: int
+    num_used_blocks: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    block_size: int
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_total_blocks - self.num_used_blocks
+
+    @property
+    def is_clean(self) -> bool:
+        """No block held by a request or an export; cached blocks count as free."""
+        return self.num_used_blocks == 0 and not self.num_running_reqs and not self.num_waiting_reqs
+
+
+def _stats_logger_factory(sink: dict[str, Any]):
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _LatestSchedulerStats(StatLoggerBase):
+        """Keeps the last SchedulerStats the engine core sent."""
+
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                sink["scheduler"] = scheduler_stats
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _LatestSchedulerStats
+
+
+class VllmEngine:
+    """An AsyncLLM with the kvhandoff connector; base of PrefillEngine/DecodeEngine."""
+
+    def __init__(self, config: EngineConfig, llm: AsyncLLM, engine_id: str,
+                 stats: dict[str, Any]):
+        self.config = config
+        self.llm = llm
+        self.engine_id = engine_id
+        self._stats = stats
+        cache = llm.vllm_config.cache_config
+        self.block_size: int = cache.block_size
+        # vLLM reserves one block as the null block.
+        self.num_total_blocks: int = (cache.num_gpu_blocks or 1) - 1
+        model_config = llm.vllm_config.model_config
+        self.vocab_size: int = model_config.get_vocab_size()
+        self.max_model_len: int = model_config.max_model_len
+        self.eos_token_id: int | None = getattr(model_config.hf_config, "eos_token_id", None)
+
+    @classmethod
+    def start(cls, config: EngineConfig, **kwargs: Any):
+        """Start the engine (blocks until its engine core is up: ~30 s on CPU)."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_id = config.engine_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
+        port = config.side_channel_port or free_port(config.side_channel_host)
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": config.side_channel_host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+            "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
+            **({"UCX_NET_DEVICES": config.ucx_net_devices} if config.ucx_net_devices else {}),
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+            **({"OMP_NUM_THREADS": str(config.cpu_threads)} if config.cpu_threads else {}),
+            **config.extra_env,
+        }
+        stats: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        with _environment(env):
+            llm = AsyncLLM.from_engine_args(
+                config.engine_args(engine_id), stat_loggers=[_stats_logger_factory(stats)]
+            )
+        logger.info("Engine %s (%s) up in %.1fs, NIXL side channel %s:%d",
+                    engine_id, config.role, time.perf_counter() - t0,
+                    config.side_channel_host, port)
+        return cls(config, llm, engine_id, stats, **kwargs)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> RequestOutput:
+        """Run one request to completion and return its final output."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        final = None
+        async for out in self.llm.generate(
+            TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id
+        ):
+            final = out
+        assert final is not None and final.finished, f"{request_id}: no final output"
+        return final
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    def pool(self) -> PoolSnapshot:
+        s = self._stats.get("scheduler")
+        used = round(s.kv_cache_usage * self.num_total_blocks) if s else 0
+        return PoolSnapshot(
+            num_total_blocks=self.num_total_blocks,
+            num_used_blocks=used,
+            num_running_reqs=s.num_running_reqs if s else 0,
+            num_waiting_reqs=(s.num_waiting_reqs + s.num_skipped_waiting_reqs) if s else 0,
+            block_size=self.block_size,
+        )
+
+    async def wait_pool_clean(self, timeout_s: float = 10.0) -> PoolSnapshot:
+        """Wait until no block is held (exports are released when D has read them)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            snap = self.pool()
+            if snap.is_clean or time.monotonic() >= deadline:
+                return snap
+            await asyncio.sleep(0.05)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

@@ -1,0 +1,268 @@
+"""The built-in model: a small Llama with a locally trained tokenizer and seeded weights.
+
+Nothing is downloaded. On first use the model directory is generated into a cache
+directory (``$KVHANDOFF_CACHE`` or ``~/.cache/kvhandoff``) and reused afterwards:
+
+- ``tokenizer.json``: a byte-level BPE trained on a fixed, seeded synthetic corpus, with
+  ``<think>``, ``</think>``, ``<|sid_begin|>``, ``<|sid_end|>`` as single special tokens;
+- ``config.json``: ``LlamaForCausalLM``, float32, small enough for two CPU cores;
+- ``model.safetensors``: weights drawn from a fixed seed at initialisation scale.
+
+vLLM's dummy loader draws weights from U(-1e-3, 1e-3): logits come out nearly flat,
+beams tie, and a token-exact comparison stops meaning anything. Seeded weights at a
+realistic scale give peaked, well-separated logits instead.
+
+A "bias channel" gives ``</think>`` and EOS a realistic chance to end stage 1: residual
+dimension 0 is a constant (every embedding holds ``_BIAS_CHANNEL_VALUE`` there and no
+layer writes to it), so after the final norm it acts as a constant input that only the
+``</think>`` and EOS rows of ``lm_head`` read.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_MODEL_NAME = "kvhandoff-tiny-think-v1"
+THINK_START = "<think>"
+THINK_END = "</think>"
+SID_BEGIN = "<|sid_begin|>"
+SID_END = "<|sid_end|>"
+BOS = "<s>"
+EOS = "</s>"
+SPECIAL_TOKENS = [BOS, EOS, THINK_START, THINK_END, SID_BEGIN, SID_END]
+
+#: The continuation that turns a stage-1 parent into the stage-2 prompt.
+DEFAULT_SUFFIX_TEXT = f"{THINK_END}\n{SID_BEGIN}"
+
+_SEED = 20261122
+_BIAS_CHANNEL_VALUE = 4.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Llama dimensions of a generated model."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    vocab_size: int = 1024
+    max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+
+#: A ~100M-parameter shape for benchmarks (dummy weights are fine there).
+BENCH_SHAPE = ModelShape(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    vocab_size=1024,
+)
+
+_WORDS = (
+    "the user asked for items like these so we think about taste price season colour "
+    "brand size style fit material recent views clicks carts orders reviews rating "
+    "similar related popular new classic cheap premium light heavy warm cool outdoor "
+    "indoor kitchen garden travel sport music book film game phone laptop camera shoe "
+    "shirt coat bag watch lamp chair table bed sofa toy gift coffee tea snack fruit "
+    "because therefore however maybe likely probably first second then next finally "
+    "prefers avoids bought returned liked shared saved compared searched browsed "
+    "morning evening weekend holiday summer winter spring autumn budget value quality "
+    "recommend candidate ranking score signal history profile intent context session"
+).split()
+
+
+def cache_dir() -> Path:
+    """Where generated models live."""
+    root = os.environ.get("KVHANDOFF_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "kvhandoff"
+    )
+    return Path(root)
+
+
+def _corpus(num_lines: int = 6000) -> list[str]:
+    rng = random.Random(_SEED)
+    lines = []
+    for _ in range(num_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
+        if rng.random() < 0.3:
+            words.insert(rng.randint(0, len(words)), str(rng.randint(0, 999)))
+        lines.append(" ".join(words) + rng.choice([".", ",", "?", "!", "\n"]))
+    return lines
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int) -> int:
+    """Train the byte-level BPE tokenizer into ``out_dir``; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        additional_special_tokens=[THINK_START, THINK_END, SID_BEGIN, SID_END],
+    )
+    fast.save_pretrained(str(out_dir))
+    return len(fast)
+
+
+def _llama_config(shape: ModelShape, vocab_size: int, bos_id: int, eos_id: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.hidden_size // shape.num_attention_heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "initializer_range": 0.02,
+    }
+
+
+def _seeded_weights(shape: ModelShape, vocab_size: int, bias_rows: dict[int, float]):
+    import torch
+
+    g = torch.Generator().manual_seed(_SEED)
+    h, inter = shape.hidden_size, shape.intermediate_size
+    head_dim = h // shape.num_attention_heads
+    kv = shape.num_key_value_heads * head_dim
+
+    def normal(*size: int, std: float) -> torch.Tensor:
+        return torch.randn(*size, generator=g) * std
+
+    w: dict[str, torch.Tensor] = {}
+    embed = normal(vocab_size, h, std=1.0)
+    embed[:, 0] = _BIAS_CHANNEL_VALUE
+    w["model.embed_tokens.weight"] = embed
+    for i in range(shape.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = normal(h, h, std=h**-0.5)
+        w[p + "self_attn.k_proj.weight"] = normal(kv, h, std=h**-0.5)
+        w[p + "self_attn.v_proj.weight"] = normal(kv, h, std=h**-0.5)
+        o_proj = normal(h, h, std=0.5 * h**-0.5)
+        w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=h**-0.5)
+        w[p + "mlp.up_proj.weight"] = normal(inter, h, std=h**-0.5)
+        down = normal(h, inter, std=0.5 * inter**-0.5)
+        # Layers never write the bias channel, so it reaches the final norm intact.
+        o_proj[0, :] = 0.0
+        down[0, :] = 0.0
+        w[p + "self_attn.o_proj.weight"] = o_proj
+        w[p + "mlp.down_proj.weight"] = down
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    w["model.norm.weight"] = torch.ones(h)
+    lm_head = normal(vocab_size, h, std=2.5 * h**-0.5)
+    lm_head[:, 0] = 0.0
+    for token_id, bias in bias_rows.items():
+        lm_head[token_id, 0] = bias
+    w["lm_head.weight"] = lm_head
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def _build(out_dir: Path, shape: ModelShape, with_weights: bool) -> None:
+    from transformers import AutoTokenizer
+
+    vocab_size = build_tokenizer(out_dir, shape.vocab_size)
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = _llama_config(shape, vocab_size, ids[BOS], ids[EOS])
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if with_weights:
+        from safetensors.torch import save_file
+
+        # Logit offsets (in units of the normalised bias channel) that give </think> and
+        # EOS a few percent per step: stage 1 ends by either within tens of tokens.
+        weights = _seeded_weights(shape, vocab_size, {ids[THINK_END]: 1.3, ids[EOS]: 1.0})
+        save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _ensure(name: str, shape: ModelShape, with_weights: bool) -> Path:
+    target = cache_dir() / "models" / name
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time; others wait and reuse its result.
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        logger.info("Generating model %s into %s", name, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+        try:
+            _build(tmp, shape, with_weights)
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def builtin_model_dir() -> Path:
+    """The built-in test model (seeded weights), generated on first use."""
+    return _ensure(BUILTIN_MODEL_NAME, ModelShape(), with_weights=True)
+
+
+def bench_model_dir() -> Path:
+    """The ~100M-parameter benchmark model: config and tokenizer only; load it with
+    ``load_format="dummy"``."""
+    return _ensure("kvhandoff-bench-100m-v1", BENCH_SHAPE, with_weights=False)
+
+
+def resolve_model(model: str | None) -> Path:
+    """``None`` or ``"builtin"`` gives the built-in model; anything else must be a local
+    Hugging Face model directory."""
+    if model in (None, "", "builtin"):
+        return builtin_model_dir()
+    if model == "bench":
+        return bench_model_dir()
+    path = Path(model).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {model!r}: not a model directory (no config.json)")
+    return path
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A short digest of a model directory's config, compared when P and D meet."""
+    path = Path(model_dir)
+    config = path / "config.json"
+    data = config.read_bytes() if config.is_file() else str(model_dir).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
