@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
+from kvhandoff.types import MAX_BEAM_WIDTH
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
@@ -32,9 +33,6 @@ Role = Literal["prefill", "decode"]
 CONNECTOR_CLASS = "ContinuationConnector"
 CONNECTOR_MODULE = "connector.nixl_continuation"
 DECODE_SCHEDULER = "decode_engine.scheduler.ContinuationScheduler"
-
-#: Beam width is bounded by this; vLLM needs max_logprobs >= 2 * beam width.
-MAX_BEAM_WIDTH = 64
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,0 +1,141 @@
+"""Beam search over any engine's ``generate``, with vLLM's beam-search semantics.
+
+vLLM v1 runs beam search in its frontend (``LLM.beam_search``): every step sends one
+``max_tokens=1, logprobs=2W`` request per live beam, extends each beam by every returned
+candidate, moves EOS-terminated candidates to ``completed``, and keeps the W best by
+``cum_logprob / len(tokens) ** length_penalty`` (len counts the prompt, minus a trailing
+EOS). This module does the same, token for token, but over our own ``generate`` so that
+step 0 can carry ``kv_transfer_params`` (the import) and later steps hit the stage-2
+engine's prefix cache. ``sorted`` is stable, as in vLLM, so ties resolve identically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvhandoff.types import Beam, BeamParams, StageError
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput, SamplingParams
+
+GenerateFn = Callable[[list[int], "SamplingParams", str], Awaitable["RequestOutput"]]
+
+
+@dataclass(slots=True)
+class _Sequence:
+    tokens: list[int]  # prompt + generated, as in vLLM's BeamSearchSequence
+    cum_logprob: float = 0.0
+
+
+def beam_score(tokens: list[int], cum_logprob: float, eos_token_id: int | None,
+               length_penalty: float) -> float:
+    """vLLM's ``get_beam_search_score``."""
+    seq_len = len(tokens)
+    if tokens[-1] == eos_token_id:
+        seq_len -= 1
+    return cum_logprob / (max(seq_len, 1) ** length_penalty)
+
+
+@dataclass(slots=True)
+class BeamSearchOutcome:
+    beams: list[Beam]
+    first_output: Any  # the RequestOutput of step 0 (carries the import stats)
+    first_step_s: float
+    #: Per step: tokens computed by the engine (prompt tokens minus cached tokens).
+    step_computed_tokens: list[int] = field(default_factory=list)
+
+
+def _error_message(out: Any) -> str:
+    params = out.kv_transfer_params or {}
+    info = params.get("kvhandoff") or {}
+    return info.get("error") or "the engine finished the request with an error"
+
+
+async def beam_search(
+    generate: GenerateFn,
+    prompt_token_ids: list[int],
+    params: BeamParams,
+    *,
+    eos_token_id: int | None,
+    request_id: str,
+    first_step_extra_args: dict[str, Any] | None = None,
+) -> BeamSearchOutcome:
+    """Run beam search; ``first_step_extra_args`` go on the single step-0 request."""
+    from vllm import SamplingParams
+
+    width = params.beam_width
+    prompt_len = len(prompt_token_ids)
+
+    def score(seq: _Sequence) -> float:
+        return beam_score(seq.tokens, seq.cum_logprob, eos_token_id, params.length_penalty)
+
+    def sampling(extra_args: dict[str, Any] | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            logprobs=2 * width,
+            detokenize=False,
+            extra_args=extra_args,
+        )
+
+    beams = [_Sequence(tokens=list(prompt_token_ids))]
+    completed: list[_Sequence] = []
+    t0 = time.perf_counter()
+    first_output = None
+    first_step_s = 0.0
+    step_computed: list[int] = []
+    for step in range(params.max_tokens):
+        if not beams:
+            break
+        extra = first_step_extra_args if step == 0 else None
+        outputs = await asyncio.gather(
+            *(
+                generate(seq.tokens, sampling(extra), f"{request_id}-s{step}b{i}")
+                for i, seq in enumerate(beams)
+            )
+        )
+        if step == 0:
+            first_output = outputs[0]
+            first_step_s = time.perf_counter() - t0
+        for out in outputs:
+            if out.outputs[0].finish_reason in ("error", "abort"):
+                reason = ((out.kv_transfer_params or {}).get("kvhandoff") or {}).get(
+                    "reason", out.outputs[0].finish_reason
+                )
+                raise StageError("stage2", reason, _error_message(out))
+        step_computed.append(
+            sum(len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in outputs)
+        )
+        candidates: list[_Sequence] = []
+        for seq, out in zip(beams, outputs):
+            logprobs = out.outputs[0].logprobs
+            assert logprobs, f"{request_id}: step {step} returned no logprobs"
+            for token_id, lp in logprobs[0].items():
+                new = _Sequence(seq.tokens + [token_id], seq.cum_logprob + lp.logprob)
+                if token_id == eos_token_id and not params.ignore_eos:
+                    completed.append(new)
+                else:
+                    candidates.append(new)
+        beams = sorted(candidates, key=score, reverse=True)[:width]
+
+    completed.extend(beams)
+    best = sorted(completed, key=score, reverse=True)[:width]
+    return BeamSearchOutcome(
+        beams=[
+            Beam(
+                token_ids=seq.tokens[prompt_len:],
+                cum_logprob=seq.cum_logprob,
+                finish_reason="stop"
+                if seq.tokens[-1] == eos_token_id and not params.ignore_eos
+                else "length",
+            )
+            for seq in best
+        ],
+        first_output=first_output,
+        first_step_s=first_step_s,
+        step_computed_tokens=step_computed,
+    )

@@ -1,0 +1,94 @@
+"""DecodeEngine: stage 2 (beam search) on D, starting from an imported parent.
+
+Step 0 is a single request over ``parent + suffix`` that carries the handoff: D's
+scheduler admits it (valid, fits), the connector READs the parent's KV from P, and D
+computes only ``len(suffix) + 1`` tokens. Later steps hit D's prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from connector.handoff import KEY, Handoff, HandoffError, import_params
+from decode_engine.beam import beam_search
+from kvhandoff.engine import VllmEngine
+from kvhandoff.types import BeamParams, Stage2Result, StageError, validate_prompt
+
+logger = logging.getLogger(__name__)
+
+
+async def run_beam_stage(
+    engine: VllmEngine,
+    prompt_token_ids: list[int],
+    beam: BeamParams,
+    request_id: str,
+    first_step_extra_args: dict[str, Any] | None = None,
+) -> Stage2Result:
+    """Stage 2 on ``engine``; shared by the handoff path (D) and the colocated path."""
+    validate_prompt(
+        prompt_token_ids,
+        vocab_size=engine.vocab_size,
+        max_model_len=engine.max_model_len,
+        num_new_tokens=beam.max_tokens,
+    )
+    if beam.beam_width > engine.config.max_beam_width:
+        raise StageError("stage2", "beam_width",
+                         f"beam width {beam.beam_width} exceeds this engine's "
+                         f"{engine.config.max_beam_width} (max_logprobs/2)")
+    t0 = time.perf_counter()
+    outcome = await beam_search(
+        engine.generate,
+        prompt_token_ids,
+        beam,
+        eos_token_id=engine.eos_token_id,
+        request_id=request_id,
+        first_step_extra_args=first_step_extra_args,
+    )
+    first = outcome.first_output
+    imported = ((first.kv_transfer_params or {}).get(KEY) or {}) if first else {}
+    return Stage2Result(
+        beams=outcome.beams,
+        num_prompt_tokens=len(prompt_token_ids),
+        num_imported_tokens=int(imported.get("num_imported_tokens", 0)),
+        num_imported_bytes=int(imported.get("num_imported_bytes", 0)),
+        num_computed_tokens_first_step=outcome.step_computed_tokens[0],
+        num_computed_tokens_total=sum(outcome.step_computed_tokens),
+        first_step_s=outcome.first_step_s,
+        elapsed_s=time.perf_counter() - t0,
+        step_computed_tokens=outcome.step_computed_tokens,
+    )
+
+
+class DecodeEngine(VllmEngine):
+    """The decode/beam engine (D)."""
+
+    async def run_stage2(
+        self,
+        prompt_token_ids: list[int],
+        beam: BeamParams,
+        request_id: str,
+        *,
+        handoff_params: dict[str, Any],
+    ) -> Stage2Result:
+        try:
+            handoff = Handoff.from_params(handoff_params)
+        except HandoffError as e:
+            raise StageError("stage2", e.reason, str(e)) from e
+        params = import_params(
+            handoff_params, beam_width=beam.beam_width, beam_max_tokens=beam.max_tokens
+        )
+        result = await run_beam_stage(
+            self, prompt_token_ids, beam, request_id,
+            first_step_extra_args={"kv_transfer_params": params},
+        )
+        expected = handoff.num_computed_tokens
+        if result.num_prompt_tokens - result.num_computed_tokens_first_step < expected:
+            # The import did not cover the parent (e.g. a load failure recomputed it).
+            logger.warning(
+                "%s: D computed %d tokens for the import step, expected %d",
+                request_id, result.num_computed_tokens_first_step,
+                result.num_prompt_tokens - expected,
+            )
+        return result

@@ -1,0 +1,105 @@
+"""A two-stage request, run either across P and D (handoff) or on one engine (colocated).
+
+The colocated path is the correctness reference and the fallback for requests not worth
+disaggregating: stage 2 reuses stage 1's KV through the engine's own prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from decode_engine.engine import run_beam_stage
+from kvhandoff.types import (
+    BeamParams,
+    InvalidRequest,
+    Stage1Params,
+    Stage1Result,
+    Stage2Result,
+    continuation_prompt,
+    validate_prompt,
+)
+
+if TYPE_CHECKING:
+    from decode_engine.engine import DecodeEngine
+    from prefill_engine.engine import PrefillEngine
+
+Path = Literal["handoff", "colocated"]
+
+
+@dataclass(frozen=True)
+class TwoStageRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    suffix_token_ids: list[int]
+    stage1: Stage1Params = field(default_factory=Stage1Params)
+    beam: BeamParams = field(default_factory=BeamParams)
+    #: ``</think>``: not repeated when stage 1 already ended with it.
+    think_end_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise InvalidRequest("request_id", "is empty")
+
+
+@dataclass(slots=True)
+class TwoStageResult:
+    path: Path
+    prompt_token_ids: list[int]
+    stage1: Stage1Result
+    #: What was appended to the parent to form stage 2's prompt.
+    suffix_token_ids: list[int]
+    stage2: Stage2Result
+
+    @property
+    def parent_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.stage1.token_ids
+
+
+def check_request(req: TwoStageRequest, stage1_engine: PrefillEngine,
+                  stage2_engine: PrefillEngine | DecodeEngine) -> None:
+    """Everything that can be checked before stage 1 runs. Checking late would leave P
+    holding exported blocks for a stage 2 that never comes (until the lease ends)."""
+    engine = stage1_engine
+    validate_prompt(
+        req.prompt_token_ids,
+        vocab_size=engine.vocab_size,
+        max_model_len=min(engine.max_model_len, stage2_engine.max_model_len),
+        num_new_tokens=req.stage1.max_tokens + len(req.suffix_token_ids) + req.beam.max_tokens,
+    )
+    bad = next((t for t in req.suffix_token_ids if not 0 <= t < engine.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("suffix", f"token id {bad} is outside the vocabulary")
+    limit = stage2_engine.config.max_beam_width
+    if req.beam.beam_width > limit:
+        raise InvalidRequest("beam.beam_width",
+                             f"{req.beam.beam_width} exceeds this deployment's limit {limit}")
+
+
+def _stage2_prompt(req: TwoStageRequest, stage1: Stage1Result) -> tuple[list[int], list[int]]:
+    parent = req.prompt_token_ids + stage1.token_ids
+    prompt = continuation_prompt(parent, req.suffix_token_ids, req.think_end_id)
+    return prompt, prompt[len(parent):]
+
+
+async def run_handoff(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest) -> TwoStageResult:
+    """Stage 1 on P, KV handed to D over NIXL, stage 2 on D."""
+    check_request(req, p, d)
+    stage1 = await p.run_stage1(req.prompt_token_ids, req.stage1, f"{req.request_id}-p", export=True)
+    assert stage1.handoff_params is not None
+    prompt, suffix = _stage2_prompt(req, stage1)
+    stage2 = await d.run_stage2(
+        prompt, req.beam, f"{req.request_id}-d", handoff_params=stage1.handoff_params
+    )
+    return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2)
+
+
+async def run_colocated(engine: PrefillEngine, req: TwoStageRequest) -> TwoStageResult:
+    """Both stages on one engine, stage 2 from token ids through its prefix cache."""
+    check_request(req, engine, engine)
+    stage1 = await engine.run_stage1(
+        req.prompt_token_ids, req.stage1, f"{req.request_id}-c1", export=False
+    )
+    prompt, suffix = _stage2_prompt(req, stage1)
+    stage2 = await run_beam_stage(engine, prompt, req.beam, f"{req.request_id}-c2")
+    return TwoStageResult("colocated", list(req.prompt_token_ids), stage1, suffix, stage2)

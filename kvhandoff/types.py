@@ -1,0 +1,144 @@
+"""Request parameters and results shared by the engines, the pipeline and the harness.
+
+Parameters are frozen dataclasses validated on construction; bad values raise
+:class:`InvalidRequest`, which names the field (the router maps it to INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: vLLM's beam search caps beam width at 64 here too; logprobs = 2 * width.
+MAX_BEAM_WIDTH = 64
+
+
+class InvalidRequest(ValueError):
+    """A request field with a bad value."""
+
+    def __init__(self, field_name: str, reason: str):
+        super().__init__(f"{field_name}: {reason}")
+        self.field = field_name
+        self.reason = reason
+
+
+class StageError(RuntimeError):
+    """An engine finished a request with an error (e.g. D refused a handoff)."""
+
+    def __init__(self, stage: str, reason: str, message: str):
+        super().__init__(f"{stage}: {message}")
+        self.stage = stage
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Stage1Params:
+    """Sampling for stage 1 (thinking)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequest("stage1.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise InvalidRequest("stage1.temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest("stage1.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest("stage1.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class BeamParams:
+    """Beam search for stage 2, with vLLM's beam-search semantics."""
+
+    beam_width: int = 4
+    max_tokens: int = 3
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise InvalidRequest(
+                "beam.beam_width", f"must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}"
+            )
+        if self.max_tokens < 1:
+            raise InvalidRequest("beam.max_tokens", f"must be >= 1, got {self.max_tokens}")
+
+
+def validate_prompt(
+    prompt_token_ids: list[int],
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    num_new_tokens: int,
+    field_name: str = "prompt",
+) -> None:
+    """Check a token-id prompt against the model before it reaches an engine."""
+    if not prompt_token_ids:
+        raise InvalidRequest(field_name, "is empty")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(field_name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    total = len(prompt_token_ids) + num_new_tokens
+    if total > max_model_len:
+        raise InvalidRequest(
+            field_name,
+            f"{len(prompt_token_ids)} prompt tokens + {num_new_tokens} new tokens = {total} "
+            f"exceeds the model length {max_model_len}",
+        )
+
+
+def continuation_prompt(parent_ids: list[int], suffix_ids: list[int], think_end_id: int | None) -> list[int]:
+    """Stage 2's prompt: the parent then the suffix.
+
+    The default suffix starts with ``</think>``. When stage 1 already ended with
+    ``</think>`` (its stop token), that token is not repeated.
+    """
+    if (
+        think_end_id is not None
+        and parent_ids
+        and suffix_ids
+        and parent_ids[-1] == think_end_id
+        and suffix_ids[0] == think_end_id
+    ):
+        suffix_ids = suffix_ids[1:]
+    return list(parent_ids) + list(suffix_ids)
+
+
+@dataclass(slots=True)
+class Beam:
+    """One finished beam: generated tokens only (the prompt is not repeated)."""
+
+    token_ids: list[int]
+    cum_logprob: float
+    finish_reason: str  # "length" or "stop" (EOS)
+
+
+@dataclass(slots=True)
+class Stage1Result:
+    token_ids: list[int]
+    finish_reason: str
+    #: P's returned kv_transfer_params (None unless exported).
+    handoff_params: dict | None
+    elapsed_s: float
+
+
+@dataclass(slots=True)
+class Stage2Result:
+    beams: list[Beam]
+    #: Prompt tokens of the first beam step (parent + suffix).
+    num_prompt_tokens: int
+    #: Tokens imported over NIXL for the first step (0 on the colocated path).
+    num_imported_tokens: int
+    num_imported_bytes: int
+    #: Tokens the stage-2 engine computed for the first step / for all steps.
+    num_computed_tokens_first_step: int
+    num_computed_tokens_total: int
+    first_step_s: float
+    elapsed_s: float
+    step_computed_tokens: list[int] = field(default_factory=list)
