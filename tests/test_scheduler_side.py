@@ -1,0 +1,165 @@
+"""The connector's and D scheduler's logic, driven through vLLM's real Scheduler with no
+model: schedule() / update_from_output() by hand, as vLLM's own connector tests do."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from connector.handoff import KEY
+from kvhandoff.model import model_fingerprint
+from tests.utils import (
+    BLOCK_SIZE,
+    assert_scheduler_clean,
+    make_export_params,
+    make_import_request,
+    make_scheduler,
+)
+
+
+@pytest.fixture(scope="module")
+def fingerprint(model_dir):
+    return model_fingerprint(model_dir)
+
+
+def _model_output(finished_recving=None):
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=[], req_id_to_index={},
+        kv_connector_output=KVConnectorOutput(finished_recving=finished_recving or set()),
+    )
+
+
+def _schedule_and_collect(scheduler):
+    out = scheduler.schedule()
+    engine_outputs = scheduler.update_from_output(out, _model_output())
+    return out, [o for eco in engine_outputs.values() for o in eco.outputs]
+
+
+@pytest.mark.parametrize("num_parent,num_suffix", [(40, 3), (64, 3), (65, 2), (95, 40)])
+def test_import_claims_exactly_the_tokens_p_computed(model_dir, fingerprint, num_parent, num_suffix):
+    """D imports N-1 tokens (never the suffix) and then computes S+1 tokens."""
+    scheduler = make_scheduler(model_dir)
+    parent = list(range(10, 10 + num_parent))
+    prompt = parent + [7] * num_suffix
+    req = make_import_request(prompt, make_export_params(parent, model_fingerprint=fingerprint))
+
+    # STEP 1: admission passes; the request waits for its READ of cdiv(N-1, B) blocks.
+    scheduler.add_request(req)
+    out = scheduler.schedule()
+    meta = out.kv_connector_metadata
+    assert req.request_id in meta.reqs_to_recv
+    recv = meta.reqs_to_recv[req.request_id]
+    assert len(recv.local_block_ids[0]) == -(-(num_parent - 1) // BLOCK_SIZE)
+    assert req.num_computed_tokens == num_parent - 1
+    assert out.num_scheduled_tokens == {}
+
+    # STEP 2: the READ completes; D schedules only the last parent token + the suffix.
+    scheduler.update_from_output(out, _model_output(finished_recving={req.request_id}))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {req.request_id: num_suffix + 1}
+
+
+def _reject(scheduler, req):
+    scheduler.add_request(req)
+    out, outputs = _schedule_and_collect(scheduler)
+    assert out.num_scheduled_tokens == {}, "a rejected request must not be scheduled"
+    (result,) = outputs
+    assert result.finish_reason is not None and str(result.finish_reason).lower().endswith("error")
+    # In the same step P is told to release its blocks: an empty read.
+    notify = out.kv_connector_metadata.reqs_to_recv
+    assert req.request_id in notify and not any(notify[req.request_id].local_block_ids)
+    assert_scheduler_clean(scheduler)
+    return result.kv_transfer_params[KEY]
+
+
+def test_digest_mismatch_is_refused_before_any_read(model_dir, fingerprint):
+    scheduler = make_scheduler(model_dir)
+    parent = list(range(10, 60))
+    tampered = parent[:20] + [parent[20] + 1] + parent[21:]
+    req = make_import_request(tampered + [7, 8],
+                              make_export_params(parent, model_fingerprint=fingerprint))
+    info = _reject(scheduler, req)
+    assert info["reason"] == "digest" and "digest" in info["error"]
+
+
+def test_expired_lease_is_refused(model_dir, fingerprint):
+    scheduler = make_scheduler(model_dir)
+    parent = list(range(10, 60))
+    params = make_export_params(parent, model_fingerprint=fingerprint,
+                                lease_expires_at=time.time() - 1)
+    info = _reject(scheduler, make_import_request(parent + [7], params))
+    assert info["reason"] == "expired"
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("protocol_version", 999, "protocol"),
+    ("model_fingerprint", "0000000000000000", "model"),
+])
+def test_other_version_or_model_is_refused(model_dir, fingerprint, field, value, reason):
+    scheduler = make_scheduler(model_dir)
+    parent = list(range(10, 60))
+    params = make_export_params(parent, **{"model_fingerprint": fingerprint, field: value})
+    info = _reject(scheduler, make_import_request(parent + [7], params))
+    assert info["reason"] == reason
+
+
+def test_capacity_refusal_names_the_numbers_and_does_not_block_the_queue(model_dir, fingerprint):
+    # 20 blocks; a 300-token prompt with 32 beams needs 9 + 32 * 1 = 41.
+    scheduler = make_scheduler(model_dir, num_blocks=21)
+    parent = list(range(10, 310))
+    big = make_import_request(parent + [7], make_export_params(parent, model_fingerprint=fingerprint),
+                              request_id="big", beam_width=32)
+    info = _reject(scheduler, big)
+    assert info["reason"] == "capacity"
+    assert "needs 41 blocks" in info["error"] and "20 free of 20" in info["error"]
+
+    # A request that fits is admitted right after.
+    small_parent = list(range(10, 50))
+    small = make_import_request(small_parent + [7],
+                                make_export_params(small_parent, model_fingerprint=fingerprint),
+                                request_id="small", beam_width=2)
+    scheduler.add_request(small)
+    out = scheduler.schedule()
+    assert "small" in out.kv_connector_metadata.reqs_to_recv
+
+
+def test_export_attaches_a_typed_handoff(model_dir):
+    """P side: a stage-1 request that ends by length exports N-1 computed tokens."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from connector.handoff import Handoff, token_digest
+
+    init_none_hash(sha256)
+    scheduler = make_scheduler(model_dir, kv_role="kv_producer")
+    prompt = list(range(10, 75))
+    sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+    sampling.update_from_generation_config({}, 1)
+    req = Request(request_id="s1", prompt_token_ids=prompt, sampling_params=sampling,
+                  pooling_params=None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    req.kv_transfer_params = {"do_remote_decode": True}
+    scheduler.add_request(req)
+    final = None
+    for token in (500, 501, 502):
+        out = scheduler.schedule()
+        eco = scheduler.update_from_output(out, ModelRunnerOutput(
+            req_ids=["s1"], req_id_to_index={"s1": 0}, sampled_token_ids=[[token]]))
+        for o in (o for e in eco.values() for o in e.outputs):
+            if o.finish_reason is not None:
+                final = o
+    assert final is not None
+    handoff = Handoff.from_params(final.kv_transfer_params)
+    assert handoff.num_parent_tokens == len(prompt) + 3
+    assert handoff.num_computed_tokens == len(prompt) + 2
+    assert handoff.token_digest == token_digest(prompt + [500, 501, 502])
+    assert handoff.num_blocks == len(final.kv_transfer_params["remote_block_ids"][0]) == 3
+    assert handoff.lease_remaining_s() > 25
+    # The blocks stay held for D until it reads them (or the lease ends).
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 - 3

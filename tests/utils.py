@@ -1,0 +1,142 @@
+"""Builders shared by the tests: a real vLLM Scheduler with no model, handoff params."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from connector.handoff import KEY, PROTOCOL_VERSION, import_params, token_digest
+
+BLOCK_SIZE = 32
+P_ENGINE_ID = "prefill-test"
+
+
+def make_vllm_config(model_dir: str, *, kv_role: str = "kv_consumer", lease_s: int = 30,
+                     max_num_batched_tokens: int = 4096):
+    import torch  # noqa: F401  (vLLM's config imports expect torch loaded)
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_config = ModelConfig(model=model_dir, dtype="float32", seed=0)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=4096,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    cache_config.kv_cache_layout = "LBHNC"
+    kv_transfer = KVTransferConfig(
+        kv_connector="ContinuationConnector",
+        kv_connector_module_path="connector.nixl_continuation",
+        kv_role=kv_role,
+        engine_id="decode-test",
+        kv_connector_extra_config={"kv_lease_duration": lease_s},
+    )
+    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                      cache_config=cache_config, kv_transfer_config=kv_transfer,
+                      device_config=DeviceConfig("cpu"))
+
+
+def make_scheduler(model_dir: str, *, num_blocks: int = 200, **config_kwargs: Any):
+    """A real ContinuationScheduler (with our connector) over a fake KV layout."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from decode_engine.scheduler import ContinuationScheduler
+
+    vllm_config = make_vllm_config(model_dir, **config_kwargs)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(
+            ["layer"],
+            FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1,
+                              dtype=torch.float32),
+        )],
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return ContinuationScheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
+def make_export_params(parent_ids: list[int], *, model_fingerprint: str,
+                       lease_s: float = 30.0, **overrides: Any) -> dict[str, Any]:
+    """What P's connector returns for a finished stage 1 over ``parent_ids``."""
+    num_computed = len(parent_ids) - 1
+    num_blocks = -(-num_computed // BLOCK_SIZE)
+    now = time.time()
+    fields = {
+        "protocol_version": PROTOCOL_VERSION,
+        "model_fingerprint": model_fingerprint,
+        "engine_id": P_ENGINE_ID,
+        "request_id": "stage1-req",
+        "num_parent_tokens": len(parent_ids),
+        "num_computed_tokens": num_computed,
+        "token_digest": token_digest(parent_ids),
+        "block_size": BLOCK_SIZE,
+        "num_blocks": num_blocks,
+        "kv_bytes_per_block": 8 * BLOCK_SIZE,
+        "exported_at": now,
+        "lease_expires_at": now + lease_s,
+        **overrides,
+    }
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(range(100, 100 + num_blocks))],
+        "remote_engine_id": P_ENGINE_ID,
+        "remote_request_id": "stage1-req",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "tp_size": 1,
+        "remote_num_tokens": num_computed,
+        "remote_blocks_expiry_time": time.perf_counter() + lease_s,
+        KEY: fields,
+    }
+
+
+def make_import_request(prompt_ids: list[int], export_params: dict[str, Any], *,
+                        request_id: str = "import-1", beam_width: int = 4,
+                        beam_max_tokens: int = 3):
+    """D's step-0 request: prompt = parent + suffix, carrying the handoff."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    sampling = SamplingParams(max_tokens=1, logprobs=2 * beam_width)
+    sampling.update_from_generation_config({}, 1)
+    req = Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_ids),
+        sampling_params=sampling,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+    req.kv_transfer_params = import_params(
+        export_params, beam_width=beam_width, beam_max_tokens=beam_max_tokens
+    )
+    return req
+
+
+def assert_scheduler_clean(scheduler) -> None:
+    """No request, no held block (cached blocks are free)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    assert not scheduler.requests, f"requests left: {list(scheduler.requests)}"
+    assert len(scheduler.waiting) == 0 and len(scheduler.running) == 0
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "blocks leaked"
