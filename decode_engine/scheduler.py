@@ -27,7 +27,7 @@ from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from connector.handoff import (
@@ -68,6 +68,8 @@ class ContinuationScheduler(Scheduler):
             else DEFAULT_LEASE_SAFETY_MARGIN_S
         )
         self._rejected: list[tuple[Request, str, str]] = []
+        # Admitted imports whose request has not finished yet.
+        self._importing: set[str] = set()
 
     @property
     def num_total_blocks(self) -> int:
@@ -88,6 +90,8 @@ class ContinuationScheduler(Scheduler):
                 self._check_import(request, params)
             except HandoffError as e:
                 self._reject(request, e.reason, str(e))
+            else:
+                self._importing.add(request.request_id)
 
     def _check_import(self, request: Request, params: dict[str, Any]) -> None:
         handoff = Handoff.from_params(params)
@@ -121,6 +125,20 @@ class ContinuationScheduler(Scheduler):
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(*args, **kwargs)
+        for eco in outputs.values():
+            for out in eco.outputs:
+                if out.finish_reason is None or out.request_id not in self._importing:
+                    continue
+                self._importing.discard(out.request_id)
+                if out.finish_reason == FinishReason.ERROR and not out.kv_transfer_params:
+                    # vLLM fails a request whose KV load failed without saying why.
+                    out.kv_transfer_params = {KEY: {
+                        "reason": "import_failed",
+                        "error": "KV import from P failed: the READ was refused (P's lease "
+                                 "was about to end) or failed in transport; see D's log",
+                    }}
+        # Forget imports finished without an output (aborted by the client).
+        self._importing.intersection_update(self.requests)
         rejected, self._rejected = self._rejected, []
         for request, reason, message in rejected:
             eco = outputs.get(request.client_index)

@@ -117,9 +117,11 @@ class HarnessReport:
         return d
 
 
-def _prompt(length: int, seed: int, vocab_size: int, first_normal_id: int) -> list[int]:
-    rng = random.Random(seed * 7919 + length)
-    return [rng.randrange(first_normal_id, vocab_size) for _ in range(length)]
+def _prompt(length: int, key: str, token_ids: list[int]) -> list[int]:
+    """Random non-special token ids, distinct per case, so no case finds another's
+    parent in D's prefix cache (the import must cover the whole parent)."""
+    rng = random.Random(key)
+    return [rng.choice(token_ids) for _ in range(length)]
 
 
 class Harness:
@@ -130,6 +132,8 @@ class Harness:
         self.think_end_id = think_end_id
         self.eos_id = eos_id
         self.suffix_ids = suffix_ids
+        special = set(getattr(tokenizer, "all_special_ids", None) or [])
+        self.normal_ids = [i for i in range(p.vocab_size) if i not in special]
 
     async def _find_seed(self, case: Case, prompt: list[int], stage1: Stage1Params) -> int:
         """A stage-1 seed for which stage 1 ends the way the case asks."""
@@ -145,7 +149,7 @@ class Harness:
         raise RuntimeError(f"{case.name}: no seed in 400 makes stage 1 end by {case.ending}")
 
     def build_request(self, case: Case, seed: int, prompt: list[int]) -> TwoStageRequest:
-        extra = _prompt(case.extra_suffix_len, case.seed + 99, self.p.vocab_size, 6) if case.extra_suffix_len else []
+        extra = _prompt(case.extra_suffix_len, f"{case.name}/suffix", self.normal_ids)
         return TwoStageRequest(
             request_id=f"verify-{case.name}",
             prompt_token_ids=prompt,
@@ -157,7 +161,7 @@ class Harness:
         )
 
     async def run_case(self, case: Case) -> CaseReport:
-        prompt = _prompt(case.prompt_len, case.seed, self.p.vocab_size, 6)
+        prompt = _prompt(case.prompt_len, case.name, self.normal_ids)
         base = Stage1Params(max_tokens=case.stage1_max_tokens, temperature=1.0,
                             stop_token_ids=(self.think_end_id,))
         seed = await self._find_seed(case, prompt, base)

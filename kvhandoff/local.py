@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -69,7 +71,7 @@ async def local_pair(model: str | None = None, *, prefill_overrides: dict[str, A
                      **common: Any) -> AsyncIterator[LocalPair]:
     """Start P then D (about 30 s each on CPU); shut both down on exit."""
     from decode_engine.engine import DecodeEngine
-    from kvhandoff.engine import EngineConfig
+    from kvhandoff.engine import EngineConfig, shutdown_all
     from prefill_engine.engine import PrefillEngine
 
     model_dir = resolve_model(model)
@@ -82,6 +84,8 @@ async def local_pair(model: str | None = None, *, prefill_overrides: dict[str, A
                                             **{**common, **(decode_overrides or {})}))
         yield LocalPair(model_dir, p, d, tokens)
     finally:
-        for engine in (d, p):
-            if engine is not None:
-                engine.shutdown()
+        shutdown_all([d, p])
+        # Let the engines' cancelled output-handler tasks finish, so nothing keeps an
+        # AsyncLLM alive until interpreter teardown.
+        await asyncio.sleep(0.1)
+        gc.collect()
