@@ -90,8 +90,10 @@ class Handoff:
         if not params or KEY not in params:
             raise HandoffError("missing", "kv_transfer_params carry no kvhandoff handoff")
         fields = params[KEY]
-        if not isinstance(fields, dict):
+        if not isinstance(fields, dict) or "malformed" in fields:
             raise HandoffError("malformed", "kvhandoff handoff is not a mapping")
+        if not can_reach_p(params):
+            raise HandoffError("malformed", "handoff lacks well-formed NIXL transport fields")
         version = fields.get("protocol_version")
         if version != PROTOCOL_VERSION:
             raise HandoffError(
@@ -108,16 +110,39 @@ class Handoff:
         return asdict(self)
 
 
+#: The stock NIXL fields D needs to reach P (to READ, or to tell P to release).
+_TRANSPORT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "remote_block_ids": list,
+    "remote_engine_id": str,
+    "remote_request_id": str,
+    "remote_host": str,
+    "remote_port": int,
+    "tp_size": int,
+}
+
+
+def can_reach_p(params: dict[str, Any]) -> bool:
+    """Whether the stock NIXL fields are well-formed enough to contact P. A handoff
+    without them must never reach vLLM's connector: it indexes them unchecked."""
+    return all(isinstance(params.get(k), t) for k, t in _TRANSPORT_FIELDS.items()) and all(
+        isinstance(group, list) and all(isinstance(b, int) for b in group)
+        for group in params["remote_block_ids"]
+    )
+
+
 def import_params(
     export_params: dict[str, Any], *, beam_width: int, beam_max_tokens: int
 ) -> dict[str, Any]:
     """The ``kv_transfer_params`` D's import request carries: a fresh copy of P's export
     (the connector mutates it) with the import flag set and the beam fan-out attached,
-    so D's admission check can count the blocks the beams will need."""
+    so D's admission check can count the blocks the beams will need. Nothing is
+    validated here: D's scheduler is the one authority on what it accepts."""
     params = {k: v for k, v in export_params.items() if k != KEY}
-    params[KEY] = dict(export_params[KEY])
-    params[KEY]["beam_width"] = beam_width
-    params[KEY]["beam_max_tokens"] = beam_max_tokens
+    fields = export_params.get(KEY)
+    if fields is not None:
+        params[KEY] = dict(fields) if isinstance(fields, dict) else {"malformed": fields}
+        params[KEY]["beam_width"] = beam_width
+        params[KEY]["beam_max_tokens"] = beam_max_tokens
     params["do_remote_prefill"] = True
     params["do_remote_decode"] = False
     return params

@@ -35,6 +35,7 @@ from connector.handoff import (
     KEY,
     Handoff,
     HandoffError,
+    can_reach_p,
     validate_import,
 )
 
@@ -120,7 +121,11 @@ class ContinuationScheduler(Scheduler):
     def _reject(self, request: Request, reason: str, message: str) -> None:
         logger.warning("Rejecting handoff %s at admission: %s", request.request_id, message)
         self._rejected.append((request, reason, message))
-        # do_remote_prefill is still set: the connector notifies P to free its blocks.
+        params = request.kv_transfer_params
+        if not can_reach_p(params):
+            # Nobody to notify (and vLLM's connector would index the missing fields).
+            params["do_remote_prefill"] = False
+        # With do_remote_prefill still set, the connector tells P to free its blocks.
         self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:

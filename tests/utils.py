@@ -140,3 +140,27 @@ def assert_scheduler_clean(scheduler) -> None:
     assert not scheduler.requests, f"requests left: {list(scheduler.requests)}"
     assert len(scheduler.waiting) == 0 and len(scheduler.running) == 0
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "blocks leaked"
+
+
+def make_request(pair, *, request_id: str = "req", prompt_len: int = 40, prompt_seed: int = 0,
+                 stage1: dict[str, Any] | None = None, beam: dict[str, Any] | None = None,
+                 prompt_token_ids: list[int] | None = None,
+                 suffix_token_ids: list[int] | None = None):
+    """A two-stage request on the built-in model with keyword overrides."""
+    import random
+
+    from kvhandoff.pipeline import TwoStageRequest
+    from kvhandoff.types import BeamParams, Stage1Params
+
+    rng = random.Random(f"{request_id}/{prompt_seed}")
+    prompt = prompt_token_ids if prompt_token_ids is not None else [
+        rng.randrange(6, pair.p.vocab_size) for _ in range(prompt_len)]
+    return TwoStageRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        suffix_token_ids=pair.default_suffix_ids if suffix_token_ids is None else suffix_token_ids,
+        stage1=Stage1Params(**{"max_tokens": 16, "temperature": 1.0, "seed": 1,
+                               "stop_token_ids": (pair.think_end_id,), **(stage1 or {})}),
+        beam=BeamParams(**{"beam_width": 4, "max_tokens": 3, **(beam or {})}),
+        think_end_id=pair.think_end_id,
+    )
