@@ -231,13 +231,21 @@ class VllmEngine:
         stats: dict[str, Any] = {}
         t0 = time.perf_counter()
         with _environment(env):
-            llm = AsyncLLM.from_engine_args(
-                config.engine_args(engine_id), stat_loggers=[_stats_logger_factory(stats)]
+            # No local for the AsyncLLM: vLLM keeps this frame alive, and a local here
+            # would keep the engine from being collected after shutdown().
+            engine = cls(
+                config,
+                AsyncLLM.from_engine_args(
+                    config.engine_args(engine_id), stat_loggers=[_stats_logger_factory(stats)]
+                ),
+                engine_id,
+                stats,
+                **kwargs,
             )
         logger.info("Engine %s (%s) up in %.1fs, NIXL side channel %s:%d",
                     engine_id, config.role, time.perf_counter() - t0,
                     config.side_channel_host, port)
-        return cls(config, llm, engine_id, stats, **kwargs)
+        return engine
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str) -> RequestOutput:
