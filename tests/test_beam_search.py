@@ -1,0 +1,91 @@
+"""Our beam search: vLLM's semantics, checked against a scripted model and against
+vLLM's own beam search on a real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from decode_engine.beam import beam_score, beam_search, vllm_beam_search
+from kvhandoff.types import BeamParams
+
+EOS = 1
+VOCAB = 12
+
+
+def _scripted_generate(calls: list):
+    """A fake engine: deterministic logprobs per prefix (a unit test of this layer only)."""
+
+    async def generate(prompt, sampling, request_id):
+        calls.append((list(prompt), sampling.extra_args, request_id))
+        rng = random.Random(str(prompt))
+        logits = [rng.gauss(0, 2) for _ in range(VOCAB)]
+        z = math.log(sum(math.exp(x) for x in logits))
+        ranked = sorted(range(VOCAB), key=lambda t: -logits[t])[: sampling.logprobs]
+        lp = {t: SimpleNamespace(logprob=logits[t] - z) for t in ranked}
+        return SimpleNamespace(
+            outputs=[SimpleNamespace(logprobs=[lp], finish_reason="length")],
+            prompt_token_ids=list(prompt), num_cached_tokens=len(prompt) - 1,
+            kv_transfer_params=None,
+        )
+
+    return generate
+
+
+def _exhaustive_greedy(prompt, steps):
+    seq, calls = list(prompt), []
+    for _ in range(steps):
+        out = asyncio.run(_scripted_generate(calls)(seq, SimpleNamespace(logprobs=1, extra_args=None), "g"))
+        ((token, _),) = out.outputs[0].logprobs[0].items()
+        seq.append(token)
+        if token == EOS:
+            break
+    return seq[len(prompt):]
+
+
+def test_width_one_is_greedy():
+    prompt = [5, 6, 7]
+    out = asyncio.run(beam_search(_scripted_generate([]), prompt, BeamParams(beam_width=1, max_tokens=5),
+                                  eos_token_id=EOS, request_id="r"))
+    assert out.beams[0].token_ids == _exhaustive_greedy(prompt, 5)
+
+
+def test_import_args_ride_on_step_zero_only_and_one_request_per_live_beam():
+    calls: list = []
+    params = BeamParams(beam_width=4, max_tokens=3, ignore_eos=True)
+    out = asyncio.run(beam_search(_scripted_generate(calls), [5, 6, 7], params, eos_token_id=EOS,
+                                  request_id="r", first_step_extra_args={"kv_transfer_params": {"x": 1}}))
+    assert [c[1] for c in calls] == [{"kv_transfer_params": {"x": 1}}] + [None] * 8
+    assert len({c[2] for c in calls}) == len(calls), "request ids must be unique"
+    assert len(out.beams) == 4 and all(len(b.token_ids) == 3 for b in out.beams)
+    scores = [beam_score([5, 6, 7] + b.token_ids, b.cum_logprob, EOS, 1.0) for b in out.beams]
+    assert scores == sorted(scores, reverse=True)
+    assert out.step_computed_tokens == [1, 4, 4]
+
+
+def test_score_matches_vllm():
+    from vllm.entrypoints.generate.beam_search.utils import get_beam_search_score
+
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))]
+        cum, lp = -rng.random() * 10, rng.choice([0.0, 0.5, 1.0, 2.0])
+        assert beam_score(tokens, cum, EOS, lp) == get_beam_search_score(tokens, cum, EOS, lp)
+
+
+@pytest.mark.engines
+@pytest.mark.parametrize("width,length_penalty", [(1, 1.0), (4, 1.0), (8, 0.5)])
+def test_same_beams_as_vllms_own_beam_search(pair, run, width, length_penalty):
+    rng = random.Random(width)
+    prompt = [rng.randrange(6, pair.d.vocab_size) for _ in range(90)]
+    params = BeamParams(beam_width=width, max_tokens=3, length_penalty=length_penalty)
+    ours = run(beam_search(pair.d.generate, prompt, params, eos_token_id=pair.eos_id,
+                           request_id=f"ours-{width}")).beams
+    theirs = run(vllm_beam_search(pair.d.llm, pair.tokenizer, prompt, params, f"vllm-{width}"))
+    assert [b.token_ids for b in ours] == [b.token_ids for b in theirs]
+    for a, b in zip(ours, theirs):
+        assert abs(a.cum_logprob - b.cum_logprob) <= 1e-5

@@ -1,0 +1,78 @@
+"""The typed handoff and its checks, without engines."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from connector.handoff import (
+    KEY,
+    Handoff,
+    HandoffError,
+    import_params,
+    token_digest,
+    validate_import,
+)
+from decode_engine.scheduler import blocks_needed
+from kvhandoff.types import continuation_prompt
+from tests.utils import make_export_params
+
+PARENT = list(range(100, 171))
+
+
+def _handoff(**overrides) -> Handoff:
+    return Handoff.from_params(make_export_params(PARENT, model_fingerprint="m", **overrides))
+
+
+def test_round_trip_and_byte_count():
+    h = _handoff()
+    assert h.num_parent_tokens == 71 and h.num_computed_tokens == 70
+    assert h.num_blocks == 3 and h.num_bytes == 3 * h.kv_bytes_per_block
+
+
+def test_digest_covers_order_and_values():
+    assert token_digest([1, 2, 3]) != token_digest([1, 3, 2])
+    assert token_digest([1, 2, 3]) != token_digest([1, 2, 3, 0])
+
+
+@pytest.mark.parametrize("prompt,reason", [
+    (PARENT[:-1], "digest"),                      # shorter than the parent
+    ([0] + PARENT[1:] + [5], "digest"),           # one token changed
+])
+def test_validate_rejects_a_prompt_that_does_not_continue_the_parent(prompt, reason):
+    with pytest.raises(HandoffError) as err:
+        validate_import(_handoff(), prompt, model_fingerprint="m")
+    assert err.value.reason == reason
+
+
+def test_validate_rejects_expiry_within_the_safety_margin():
+    h = _handoff(lease_expires_at=time.time() + 1.0)
+    with pytest.raises(HandoffError) as err:
+        validate_import(h, PARENT + [1], model_fingerprint="m", safety_margin_s=2.0)
+    assert err.value.reason == "expired"
+    validate_import(h, PARENT + [1], model_fingerprint="m", safety_margin_s=0.5)
+
+
+def test_import_params_are_a_fresh_copy_each_time():
+    export = make_export_params(PARENT, model_fingerprint="m")
+    a = import_params(export, beam_width=4, beam_max_tokens=3)
+    a["do_remote_prefill"] = False
+    a[KEY]["beam_width"] = 99
+    b = import_params(export, beam_width=4, beam_max_tokens=3)
+    assert b["do_remote_prefill"] is True and b[KEY]["beam_width"] == 4
+    assert "beam_width" not in export[KEY]
+
+
+@pytest.mark.parametrize("n,w,t,expected", [
+    (64, 1, 1, 2 + 1),      # two full blocks shared, one tail block
+    (65, 4, 3, 2 + 4 * 1),  # 1 + 3 tail tokens fit one block per beam
+    (95, 32, 3, 2 + 32 * 2),  # 31 + 3 tail tokens need two blocks per beam
+])
+def test_blocks_needed(n, w, t, expected):
+    assert blocks_needed(n, 32, w, t) == expected
+
+
+def test_suffix_does_not_repeat_think_end():
+    assert continuation_prompt([5, 3], [3, 9, 4], think_end_id=3) == [5, 3, 9, 4]
+    assert continuation_prompt([5, 1], [3, 9, 4], think_end_id=3) == [5, 1, 3, 9, 4]
