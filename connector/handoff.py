@@ -112,7 +112,7 @@ class Handoff:
 
 #: The stock NIXL fields D needs to reach P (to READ, or to tell P to release).
 _TRANSPORT_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "remote_block_ids": list,
+    "remote_block_ids": (list, tuple),
     "remote_engine_id": str,
     "remote_request_id": str,
     "remote_host": str,
@@ -125,7 +125,7 @@ def can_reach_p(params: dict[str, Any]) -> bool:
     """Whether the stock NIXL fields are well-formed enough to contact P. A handoff
     without them must never reach vLLM's connector: it indexes them unchecked."""
     return all(isinstance(params.get(k), t) for k, t in _TRANSPORT_FIELDS.items()) and all(
-        isinstance(group, list) and all(isinstance(b, int) for b in group)
+        isinstance(group, (list, tuple)) and all(isinstance(b, int) for b in group)
         for group in params["remote_block_ids"]
     )
 
