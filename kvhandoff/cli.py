@@ -1,8 +1,9 @@
-"""The ``kvhandoff`` command."""
+"""The ``kvhandoff`` command: verify, serve, client, demo."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -14,19 +15,114 @@ def _verify(args: argparse.Namespace) -> int:
     return main_verify(args.model, args.quick, args.json)
 
 
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    from kvhandoff.model import resolve_model
+
+    kwargs = {"model": str(resolve_model(args.model)), "lease_s": args.lease_s,
+              "block_size": args.block_size, "max_model_len": args.max_model_len,
+              "nixl_progress_thread": args.nixl_progress_thread,
+              "side_channel_host": args.side_channel_host}
+    if args.kv_cache_mib:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
+    if args.side_channel_port:
+        kwargs["side_channel_port"] = args.side_channel_port
+    if args.load_format:
+        kwargs["load_format"] = args.load_format
+    if args.dtype:
+        kwargs["dtype"] = args.dtype
+    return kwargs
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.role == "router":
+        from kvhandoff.model import resolve_model
+        from router.core import RouterConfig
+        from router.service import serve_router
+
+        config = RouterConfig(
+            prefill=tuple(a for a in args.prefill.split(",") if a),
+            decode=tuple(a for a in (args.decode or "").split(",") if a),
+            model=str(resolve_model(args.model)),
+            colocated_below_tokens=args.colocated_below,
+        )
+        asyncio.run(serve_router(config, args.host, args.port))
+    else:
+        from kvhandoff.engine_service import serve_engine
+
+        asyncio.run(serve_engine(args.role, _engine_kwargs(args), args.host, args.port))
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    from kvhandoff.client import main_client
+
+    return main_client(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvhandoff.demo import main_demo
+
+    return main_demo(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("KVHANDOFF_LOG_LEVEL", "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def model_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=None,
+                       help="Hugging Face model directory (default: the built-in model)")
+
     verify = sub.add_parser(
-        "verify", help="prove the P->D handoff gives the same tokens as one engine"
-    )
-    verify.add_argument("--model", default=None,
-                        help="Hugging Face model directory (default: the built-in model)")
+        "verify", help="prove the P->D handoff gives the same tokens as one engine")
+    model_arg(verify)
     verify.add_argument("--json", default=None, metavar="PATH", help="write the full report here")
     verify.add_argument("--quick", action="store_true", help="a smaller case set")
     verify.set_defaults(func=_verify)
+
+    serve = sub.add_parser("serve", help="run an engine server or the router (gRPC)")
+    serve.add_argument("--role", choices=["prefill", "decode", "router"], required=True)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    model_arg(serve)
+    serve.add_argument("--kv-cache-mib", type=int, default=0, help="KV pool size (MiB)")
+    serve.add_argument("--block-size", type=int, default=32)
+    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--lease-s", type=int, default=30)
+    serve.add_argument("--load-format", default=None)
+    serve.add_argument("--dtype", default=None)
+    serve.add_argument("--side-channel-host", default="127.0.0.1",
+                       help="NIXL side channel address (a node IP across hosts)")
+    serve.add_argument("--side-channel-port", type=int, default=0)
+    serve.add_argument("--nixl-progress-thread", action="store_true",
+                       help="keep NIXL's busy-polling progress thread (GPU hosts)")
+    serve.add_argument("--prefill", default="", help="router: P endpoints host:port,...")
+    serve.add_argument("--decode", default="", help="router: D endpoints host:port,...")
+    serve.add_argument("--colocated-below", type=int, default=0,
+                       help="router: run requests whose parent is shorter colocated on P")
+    serve.set_defaults(func=_serve)
+
+    client = sub.add_parser("client", help="send one two-stage request to a router")
+    client.add_argument("--router", default="127.0.0.1:50051")
+    client.add_argument("--prompt", default=None, help="prompt text")
+    client.add_argument("--prompt-ids", default=None, help="prompt token ids, comma-separated")
+    client.add_argument("--max-tokens", type=int, default=64)
+    client.add_argument("--temperature", type=float, default=1.0)
+    client.add_argument("--seed", type=int, default=None)
+    client.add_argument("--beam-width", type=int, default=4)
+    client.add_argument("--beam-tokens", type=int, default=3)
+    client.add_argument("--path", choices=["auto", "handoff", "colocated"], default="auto")
+    client.add_argument("--stream", action="store_true")
+    client.add_argument("--timeout", type=float, default=120.0)
+    client.set_defaults(func=_client)
+
+    demo = sub.add_parser("demo", help="start P, D and the router; send requests; verify")
+    model_arg(demo)
+    demo.add_argument("--requests", type=int, default=8)
+    demo.add_argument("--beam-width", type=int, default=8)
+    demo.add_argument("--json", default=None, metavar="PATH")
+    demo.set_defaults(func=_demo)
     return parser
 
 
@@ -34,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # vLLM's own INFO lines drown the table; keep them unless asked.
+    # vLLM's own INFO lines drown the output; keep them unless asked.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", args.log_level.upper())
     return args.func(args)
 

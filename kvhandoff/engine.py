@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -246,6 +246,21 @@ class VllmEngine:
                     engine_id, config.role, time.perf_counter() - t0,
                     config.side_channel_host, port)
         return engine
+
+    async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
+                     request_id: str) -> AsyncIterator[RequestOutput]:
+        """Run one request, yielding each output delta (new tokens only). Cancelling
+        the consumer aborts the request in the engine."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.llm is None:
+            raise RuntimeError(f"engine {self.engine_id} is shut down")
+        params.output_kind = RequestOutputKind.DELTA
+        async for out in self.llm.generate(
+            TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id
+        ):
+            yield out
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str) -> RequestOutput:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from kvhandoff.engine import VllmEngine
 from kvhandoff.types import Stage1Params, Stage1Result, StageError, validate_prompt
@@ -19,14 +20,7 @@ logger = logging.getLogger(__name__)
 class PrefillEngine(VllmEngine):
     """The prefill/sampling engine (P). Also serves the colocated path."""
 
-    async def run_stage1(
-        self,
-        prompt_token_ids: list[int],
-        params: Stage1Params,
-        request_id: str,
-        *,
-        export: bool,
-    ) -> Stage1Result:
+    def _sampling(self, prompt_token_ids: list[int], params: Stage1Params, export: bool):
         from vllm import SamplingParams
 
         validate_prompt(
@@ -35,28 +29,63 @@ class PrefillEngine(VllmEngine):
             max_model_len=self.max_model_len,
             num_new_tokens=params.max_tokens,
         )
-        sampling = SamplingParams(
+        return SamplingParams(
             max_tokens=params.max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else 0,
+            top_k=params.top_k,
             seed=params.seed,
             stop_token_ids=list(params.stop_token_ids),
             detokenize=False,
             extra_args={"kv_transfer_params": {"do_remote_decode": True}} if export else None,
         )
+
+    async def stream_stage1(
+        self,
+        prompt_token_ids: list[int],
+        params: Stage1Params,
+        request_id: str,
+        *,
+        export: bool,
+    ) -> AsyncIterator[tuple[list[int], Stage1Result | None]]:
+        """Yield ``(new_token_ids, None)`` as tokens are sampled, then
+        ``([], result)`` once stage 1 has finished."""
+        sampling = self._sampling(prompt_token_ids, params, export)
         t0 = time.perf_counter()
-        out = await self.generate(prompt_token_ids, sampling, request_id)
-        completion = out.outputs[0]
-        if completion.finish_reason not in ("stop", "length"):
-            raise StageError("stage1", completion.finish_reason or "unknown",
-                             f"stage 1 ended with finish_reason={completion.finish_reason}")
-        handoff_params = out.kv_transfer_params if export else None
+        token_ids: list[int] = []
+        last = None
+        async for out in self.stream(prompt_token_ids, sampling, request_id):
+            last = out
+            new = list(out.outputs[0].token_ids)
+            if new:
+                token_ids.extend(new)
+                yield new, None
+        assert last is not None and last.finished, f"{request_id}: no final output"
+        reason = last.outputs[0].finish_reason
+        if reason not in ("stop", "length"):
+            raise StageError("stage1", reason or "unknown",
+                             f"stage 1 ended with finish_reason={reason}")
+        handoff_params = last.kv_transfer_params if export else None
         if export and not handoff_params:
             raise StageError("stage1", "export", "P finished stage 1 but exported no handoff")
-        return Stage1Result(
-            token_ids=list(completion.token_ids),
-            finish_reason=completion.finish_reason,
+        yield [], Stage1Result(
+            token_ids=token_ids,
+            finish_reason=reason,
             handoff_params=handoff_params,
             elapsed_s=time.perf_counter() - t0,
         )
+
+    async def run_stage1(
+        self,
+        prompt_token_ids: list[int],
+        params: Stage1Params,
+        request_id: str,
+        *,
+        export: bool,
+    ) -> Stage1Result:
+        result = None
+        async for _, final in self.stream_stage1(prompt_token_ids, params, request_id,
+                                                 export=export):
+            result = final or result
+        assert result is not None
+        return result

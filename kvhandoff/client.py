@@ -1,0 +1,104 @@
+"""A small synchronous client for the router (``kvhandoff client``, the demo, tests)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import grpc
+
+from kvhandoff.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+PATHS = {"auto": common_pb2.PATH_AUTO, "handoff": common_pb2.PATH_HANDOFF,
+         "colocated": common_pb2.PATH_COLOCATED}
+
+
+def make_request(*, prompt: str | list[int], max_tokens: int = 64, temperature: float = 1.0,
+                 seed: int | None = None, beam_width: int = 4, beam_tokens: int = 3,
+                 path: str = "auto", request_id: str = "",
+                 suffix: str | list[int] | None = None) -> router_pb2.GenerateRequest:
+    req = router_pb2.GenerateRequest(request_id=request_id, path=PATHS[path])
+    if isinstance(prompt, str):
+        req.prompt_text = prompt
+    else:
+        req.prompt_token_ids.ids.extend(prompt)
+    if isinstance(suffix, str):
+        req.suffix_text = suffix
+    elif suffix is not None:
+        req.suffix_token_ids.ids.extend(suffix)
+    req.stage1.max_tokens = max_tokens
+    req.stage1.temperature = temperature
+    if seed is not None:
+        req.stage1.seed = seed
+    req.beam.beam_width = beam_width
+    req.beam.max_tokens = beam_tokens
+    return req
+
+
+class RouterClient:
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+
+    def generate(self, req: router_pb2.GenerateRequest, timeout: float | None = 120.0):
+        return self.stub.Generate(req, timeout=timeout)
+
+    def generate_stream(self, req: router_pb2.GenerateRequest, timeout: float | None = 120.0):
+        return self.stub.GenerateStream(req, timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> RouterClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def format_response(resp: router_pb2.GenerateResponse) -> str:
+    s, t = resp.stats, resp.timings
+    lines = [
+        f"request {resp.request_id}: path {common_pb2.Path.Name(s.path)}, "
+        f"P {s.prefill_endpoint}, D {s.decode_endpoint or '-'}",
+        f"thinking ({len(resp.thinking_token_ids)} tokens, {resp.stage1_finish_reason}): "
+        f"{resp.thinking_text!r}",
+        f"parent {s.num_parent_tokens} tokens; imported {s.num_imported_tokens} "
+        f"({s.num_bytes_moved / 1024:.0f} KiB); stage-2 engine computed "
+        f"{s.num_computed_tokens_first_step} for the first step, {s.num_computed_tokens_total} in all",
+        f"stage 1 {t.stage1_ms:.1f} ms, stage 2 first step {t.stage2_first_step_ms:.1f} ms, "
+        f"stage 2 {t.stage2_ms:.1f} ms, total {t.total_ms:.1f} ms",
+    ]
+    for i, b in enumerate(resp.beams):
+        lines.append(f"  beam {i}: {list(b.token_ids)} {b.text!r} logp={b.cum_logprob:.4f}")
+    return "\n".join(lines)
+
+
+def main_client(args: argparse.Namespace) -> int:
+    if args.prompt_ids:
+        prompt: str | list[int] = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        print("kvhandoff client: give --prompt or --prompt-ids", file=sys.stderr)
+        return 2
+    req = make_request(prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                       seed=args.seed, beam_width=args.beam_width, beam_tokens=args.beam_tokens,
+                       path=args.path)
+    with RouterClient(args.router) as client:
+        try:
+            if args.stream:
+                resp = None
+                for event in client.generate_stream(req, timeout=args.timeout):
+                    if event.HasField("stage1_tokens"):
+                        print(f"stage-1 tokens: {list(event.stage1_tokens.ids)}", flush=True)
+                    else:
+                        resp = event.result
+            else:
+                resp = client.generate(req, timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"kvhandoff client: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(format_response(resp))
+    return 0

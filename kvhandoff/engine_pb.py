@@ -1,0 +1,87 @@
+"""Engine-service conversions between protobuf messages and in-process types."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from connector.handoff import KEY
+from kvhandoff.types import Beam, BeamParams, InvalidRequest, Stage1Params
+from kvhandoff.v1 import common_pb2
+
+_HANDOFF_FIELDS = ("protocol_version", "model_fingerprint", "engine_id", "request_id",
+                   "num_parent_tokens", "num_computed_tokens", "token_digest", "block_size",
+                   "num_blocks", "kv_bytes_per_block", "exported_at", "lease_expires_at")
+_TRANSPORT_FIELDS = ("remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+                     "remote_blocks_expiry_time")
+
+
+def handoff_to_pb(params: dict[str, Any]) -> common_pb2.Handoff:
+    fields = params.get(KEY) or {}
+    msg = common_pb2.Handoff(**{k: fields[k] for k in _HANDOFF_FIELDS if k in fields})
+    for k in _TRANSPORT_FIELDS:
+        if params.get(k) is not None:
+            setattr(msg, k, params[k])
+    for group in params.get("remote_block_ids") or ():
+        msg.remote_block_ids.add(ids=list(group))
+    return msg
+
+
+def handoff_from_pb(msg: common_pb2.Handoff) -> dict[str, Any]:
+    """P's export params as vLLM's NIXL connector and our D scheduler expect them."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": msg.engine_id,
+        "remote_request_id": msg.request_id,
+        "remote_num_tokens": msg.num_computed_tokens,
+        "remote_block_ids": [list(g.ids) for g in msg.remote_block_ids],
+        "transfer_mode": "pull",
+        **{k: getattr(msg, k) for k in _TRANSPORT_FIELDS},
+        KEY: {k: getattr(msg, k) for k in _HANDOFF_FIELDS},
+    }
+
+
+def stage1_from_pb(msg: common_pb2.Stage1Sampling, *, default_stop_ids: tuple[int, ...] = (),
+                   default_max_tokens: int = 256) -> Stage1Params:
+    return Stage1Params(
+        max_tokens=msg.max_tokens or default_max_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids) or default_stop_ids,
+    )
+
+
+def stage1_to_pb(p: Stage1Params) -> common_pb2.Stage1Sampling:
+    msg = common_pb2.Stage1Sampling(max_tokens=p.max_tokens, temperature=p.temperature,
+                                    top_p=p.top_p, top_k=p.top_k,
+                                    stop_token_ids=list(p.stop_token_ids))
+    if p.seed is not None:
+        if p.seed < 0:
+            raise InvalidRequest("stage1.seed", "must be >= 0")
+        msg.seed = p.seed
+    return msg
+
+
+def beam_from_pb(msg: common_pb2.BeamSearch) -> BeamParams:
+    return BeamParams(
+        beam_width=msg.beam_width or 4,
+        max_tokens=msg.max_tokens or 3,
+        length_penalty=msg.length_penalty if msg.HasField("length_penalty") else 1.0,
+    )
+
+
+def beam_to_pb(p: BeamParams) -> common_pb2.BeamSearch:
+    return common_pb2.BeamSearch(beam_width=p.beam_width, max_tokens=p.max_tokens,
+                                 length_penalty=p.length_penalty)
+
+
+def beams_to_pb(beams: list[Beam]) -> list[common_pb2.Beam]:
+    return [common_pb2.Beam(token_ids=b.token_ids, cum_logprob=b.cum_logprob,
+                            finish_reason=b.finish_reason) for b in beams]
+
+
+def beams_from_pb(beams) -> list[Beam]:
+    return [Beam(token_ids=list(b.token_ids), cum_logprob=b.cum_logprob,
+                 finish_reason=b.finish_reason) for b in beams]

@@ -1,0 +1,201 @@
+"""The Engine gRPC service: one engine (P or D) behind a thin grpc.aio servicer.
+
+Started by ``kvhandoff serve --role prefill|decode``. Binds 127.0.0.1 by default, serves
+gRPC health (SERVING once the engine is up) and server reflection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvhandoff import engine_pb
+from kvhandoff.errors import status_for
+from kvhandoff.types import InvalidRequest
+from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+#: Engine messages carry token lists; 64 MiB is far above any valid request.
+MAX_MESSAGE_BYTES = 64 << 20
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class EngineStarting(RuntimeError):
+    """The server is up but its engine is still loading."""
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, EngineStarting):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is starting")
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.exception("internal error", exc_info=exc)
+    await context.abort(code, message)
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, role: str, model_fingerprint: str, think_end_id: int | None):
+        #: Set once the engine is up; until then every call is UNAVAILABLE.
+        self.engine: Any = None
+        self.role = role
+        self.model_fingerprint = model_fingerprint
+        self.default_stop_ids = (think_end_id,) if think_end_id is not None else ()
+        # request_id -> the task serving it, so Abort can cancel it (which aborts the
+        # request and its beam requests inside vLLM).
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    @contextlib.contextmanager
+    def _track(self, request_id: str):
+        if self.engine is None:
+            raise EngineStarting()
+        if not request_id:
+            raise InvalidRequest("request_id", "is empty")
+        if request_id in self._tasks:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+        self._tasks[request_id] = asyncio.current_task()
+        try:
+            yield
+        finally:
+            self._tasks.pop(request_id, None)
+
+    async def Stage1(self, request: engine_pb2.Stage1Request, context):
+        try:
+            if self.role != "prefill":
+                raise InvalidRequest("role", "stage 1 runs on a prefill engine")
+            params = engine_pb.stage1_from_pb(request.sampling,
+                                              default_stop_ids=self.default_stop_ids)
+            with self._track(request.request_id):
+                async for new, result in self.engine.stream_stage1(
+                    list(request.prompt_token_ids), params, request.request_id,
+                    export=request.export,
+                ):
+                    if result is None:
+                        yield engine_pb2.Stage1Event(new_token_ids=new)
+                        continue
+                    event = engine_pb2.Stage1Event(finish_reason=result.finish_reason)
+                    if result.handoff_params:
+                        event.handoff.CopyFrom(engine_pb.handoff_to_pb(result.handoff_params))
+                    yield event
+        except Exception as e:  # mapped to a status; the engine keeps serving
+            await abort_with(context, e)
+
+    async def Stage2(self, request: engine_pb2.Stage2Request, context):
+        from decode_engine.engine import run_beam_stage
+
+        try:
+            beam = engine_pb.beam_from_pb(request.beam)
+            prompt = list(request.prompt_token_ids)
+            with self._track(request.request_id):
+                if request.HasField("handoff"):
+                    if self.role != "decode":
+                        raise InvalidRequest("handoff", "imports run on a decode engine")
+                    result = await self.engine.run_stage2(
+                        prompt, beam, request.request_id,
+                        handoff_params=engine_pb.handoff_from_pb(request.handoff))
+                else:
+                    result = await run_beam_stage(self.engine, prompt, beam, request.request_id)
+            return engine_pb2.Stage2Response(
+                beams=engine_pb.beams_to_pb(result.beams),
+                num_imported_tokens=result.num_imported_tokens,
+                num_imported_bytes=result.num_imported_bytes,
+                num_computed_tokens_first_step=result.num_computed_tokens_first_step,
+                num_computed_tokens_total=result.num_computed_tokens_total,
+                first_step_ms=result.first_step_s * 1e3,
+                total_ms=result.elapsed_s * 1e3,
+            )
+        except Exception as e:
+            await abort_with(context, e)
+
+    async def GetCapacity(self, request, context) -> engine_pb2.Capacity:
+        if self.engine is None:
+            await abort_with(context, EngineStarting())
+        snap = self.engine.pool()
+        return engine_pb2.Capacity(
+            role=self.role,
+            engine_id=self.engine.engine_id,
+            num_total_blocks=snap.num_total_blocks,
+            num_free_blocks=snap.num_free_blocks,
+            block_size=snap.block_size,
+            num_running_reqs=snap.num_running_reqs,
+            num_waiting_reqs=snap.num_waiting_reqs,
+            max_model_len=self.engine.max_model_len,
+            max_beam_width=self.engine.config.max_beam_width,
+            vocab_size=self.engine.vocab_size,
+            model_fingerprint=self.model_fingerprint,
+        )
+
+    async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
+        task = self._tasks.get(request.request_id)
+        if task is not None:
+            task.cancel()
+        return engine_pb2.AbortResponse()
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]):
+    """Register gRPC health (NOT_SERVING until ``set_serving``) and reflection."""
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME,
+                                         reflection.SERVICE_NAME], server)
+    return health_servicer
+
+
+async def wait_for_shutdown_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port: int) -> None:
+    """Start the engine, serve until SIGTERM/SIGINT, then shut everything down."""
+    from decode_engine.engine import DecodeEngine
+    from kvhandoff.engine import EngineConfig
+    from kvhandoff.local import ModelTokens
+    from kvhandoff.model import model_fingerprint
+    from prefill_engine.engine import PrefillEngine
+
+    config = EngineConfig(role=role, **config_kwargs)
+    tokens = ModelTokens.load(config.model)
+    servicer = EngineServicer(role, model_fingerprint(config.model), tokens.think_end_id)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    names = [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name]
+    health_servicer = add_health_and_reflection(server, names)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    logger.info("%s engine server on %s:%d, starting the engine", role, host, bound)
+
+    t0 = time.perf_counter()
+    cls = PrefillEngine if role == "prefill" else DecodeEngine
+    engine = await asyncio.to_thread(cls.start, config)
+    servicer.engine = engine
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("%s engine %s serving on %s:%d (ready in %.1fs)", role, engine.engine_id,
+                host, bound, time.perf_counter() - t0)
+    print(f"kvhandoff {role} serving on {host}:{bound}", flush=True)
+    try:
+        await wait_for_shutdown_signal()
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=2.0)
+        engine.shutdown()
+
+
+__all__ = ["EngineServicer", "serve_engine", "common_pb2"]

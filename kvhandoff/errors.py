@@ -1,0 +1,40 @@
+"""Errors to gRPC status codes, in one place (engine servers and router share it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from connector.handoff import HandoffError
+from kvhandoff.types import InvalidRequest, StageError
+
+#: StageError / HandoffError reasons -> status code. Unknown reasons are INTERNAL.
+_REASON_CODES = {
+    "capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "expired": grpc.StatusCode.FAILED_PRECONDITION,
+    "digest": grpc.StatusCode.INVALID_ARGUMENT,
+    "protocol": grpc.StatusCode.INVALID_ARGUMENT,
+    "model": grpc.StatusCode.INVALID_ARGUMENT,
+    "malformed": grpc.StatusCode.INVALID_ARGUMENT,
+    "missing": grpc.StatusCode.INVALID_ARGUMENT,
+    "beam_width": grpc.StatusCode.INVALID_ARGUMENT,
+    "import_failed": grpc.StatusCode.UNAVAILABLE,
+    "abort": grpc.StatusCode.CANCELLED,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and message a client sees for ``exc`` (never a stack trace)."""
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, (StageError, HandoffError)):
+        return _REASON_CODES.get(exc.reason, grpc.StatusCode.INTERNAL), str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or exc.code().name
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    if isinstance(exc, ValueError):
+        # vLLM's own input checks raise ValueError with a readable message.
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for the kvhandoff.v1 protocol (see proto/; scripts/gen-proto)."""

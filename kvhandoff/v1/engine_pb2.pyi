@@ -1,0 +1,100 @@
+from kvhandoff.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Stage1Request(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.Stage1Sampling
+    export: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ...) -> None: ...
+
+class Stage1Event(_message.Message):
+    __slots__ = ("new_token_ids", "finish_reason", "handoff")
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    handoff: _common_pb2.Handoff
+    def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ...) -> None: ...
+
+class Stage2Request(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "beam", "handoff")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    beam: _common_pb2.BeamSearch
+    handoff: _common_pb2.Handoff
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ...) -> None: ...
+
+class Stage2Response(_message.Message):
+    __slots__ = ("beams", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens_first_step", "num_computed_tokens_total", "first_step_ms", "total_ms")
+    BEAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    beams: _containers.RepeatedCompositeFieldContainer[_common_pb2.Beam]
+    num_imported_tokens: int
+    num_imported_bytes: int
+    num_computed_tokens_first_step: int
+    num_computed_tokens_total: int
+    first_step_ms: float
+    total_ms: float
+    def __init__(self, beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., first_step_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class CapacityRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    engine_id: str
+    num_total_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    max_model_len: int
+    max_beam_width: int
+    vocab_size: int
+    model_fingerprint: str
+    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,92 @@
+from kvhandoff.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "suffix_text", "suffix_token_ids", "beam", "path", "timeout_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STAGE1_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_TEXT_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_text: str
+    prompt_token_ids: _common_pb2.TokenIds
+    stage1: _common_pb2.Stage1Sampling
+    suffix_text: str
+    suffix_token_ids: _common_pb2.TokenIds
+    beam: _common_pb2.BeamSearch
+    path: _common_pb2.Path
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("stage1_ms", "stage2_first_step_ms", "stage2_ms", "total_ms")
+    STAGE1_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGE2_FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGE2_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    stage1_ms: float
+    stage2_first_step_ms: float
+    stage2_ms: float
+    total_ms: float
+    def __init__(self, stage1_ms: _Optional[float] = ..., stage2_first_step_ms: _Optional[float] = ..., stage2_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class HandoffStats(_message.Message):
+    __slots__ = ("path", "prefill_endpoint", "decode_endpoint", "num_parent_tokens", "num_imported_tokens", "num_bytes_moved", "num_computed_tokens_first_step", "num_computed_tokens_total")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    path: _common_pb2.Path
+    prefill_endpoint: str
+    decode_endpoint: str
+    num_parent_tokens: int
+    num_imported_tokens: int
+    num_bytes_moved: int
+    num_computed_tokens_first_step: int
+    num_computed_tokens_total: int
+    def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    THINKING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    THINKING_TEXT_FIELD_NUMBER: _ClassVar[int]
+    STAGE1_FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BEAMS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    thinking_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    thinking_text: str
+    stage1_finish_reason: str
+    suffix_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    beams: _containers.RepeatedCompositeFieldContainer[_common_pb2.Beam]
+    timings: Timings
+    stats: HandoffStats
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., stage1_finish_reason: _Optional[str] = ..., suffix_token_ids: _Optional[_Iterable[int]] = ..., beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stats: _Optional[_Union[HandoffStats, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateStreamEvent(_message.Message):
+    __slots__ = ("stage1_tokens", "result")
+    STAGE1_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    stage1_tokens: _common_pb2.TokenIds
+    result: GenerateResponse
+    def __init__(self, stage1_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,281 @@
+"""The router's logic: pick engines, run a two-stage request over gRPC, collect results.
+
+Prompts arrive as text or token ids; text is tokenised once here and the parent is
+never re-tokenised (stage 2's prompt is built from token ids). P is chosen by least
+outstanding requests; D by capacity: a D whose pool cannot hold the parent, the suffix
+and the beam tails is skipped. If none can, the request still goes to the D with the
+most free blocks: its scheduler refuses at admission (RESOURCE_EXHAUSTED with the
+numbers) and tells P to release the parent's blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from decode_engine.scheduler import blocks_needed
+from kvhandoff import engine_pb
+from kvhandoff.types import InvalidRequest, Stage1Params, continuation_prompt, validate_prompt
+from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
+
+logger = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    model: str
+    #: AUTO runs requests whose parent can be at most this long colocated on P.
+    colocated_below_tokens: int = 0
+    capacity_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            raise ValueError("at least one prefill endpoint is needed")
+        if self.colocated_below_tokens < 0:
+            raise ValueError("colocated_below_tokens must be >= 0")
+
+
+@dataclass
+class Endpoint:
+    address: str
+    stub: engine_pb2_grpc.EngineStub
+    channel: grpc.aio.Channel
+    outstanding: int = 0
+    capacity: engine_pb2.Capacity | None = None
+
+
+@dataclass
+class Plan:
+    """A validated two-stage request, all token ids."""
+
+    request_id: str
+    prompt_ids: list[int]
+    suffix_ids: list[int]
+    stage1: Stage1Params
+    beam: Any  # BeamParams
+    path: int
+    deadline: float | None  # time.monotonic() by which the request must be done
+
+
+@dataclass
+class Outcome:
+    plan: Plan
+    prefill: str
+    decode: str | None
+    thinking_ids: list[int] = field(default_factory=list)
+    stage1_finish_reason: str = ""
+    suffix_ids: list[int] = field(default_factory=list)
+    stage2: engine_pb2.Stage2Response | None = None
+    stage1_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+class Router:
+    def __init__(self, config: RouterConfig):
+        from kvhandoff.local import ModelTokens
+
+        self.config = config
+        self.tokens = ModelTokens.load(config.model)
+        self.prefill = [self._endpoint(a) for a in config.prefill]
+        self.decode = [self._endpoint(a) for a in config.decode]
+        self._ids = itertools.count()
+
+    @staticmethod
+    def _endpoint(address: str) -> Endpoint:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return Endpoint(address, engine_pb2_grpc.EngineStub(channel), channel)
+
+    async def close(self) -> None:
+        for ep in (*self.prefill, *self.decode):
+            await ep.channel.close()
+
+    # ---- request -> plan ---------------------------------------------------------------
+    def _ids_of(self, text: str, field_name: str) -> list[int]:
+        if len(text) > 1 << 20:
+            raise InvalidRequest(field_name, "longer than 1 MiB")
+        return self.tokens.tokenizer.encode(text, add_special_tokens=False)
+
+    async def refresh_capacity(self, endpoints: list[Endpoint]) -> None:
+        async def one(ep: Endpoint) -> None:
+            try:
+                ep.capacity = await ep.stub.GetCapacity(
+                    engine_pb2.CapacityRequest(), timeout=self.config.capacity_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                logger.warning("engine %s unavailable: %s", ep.address, e.code().name)
+                ep.capacity = None
+
+        await asyncio.gather(*(one(ep) for ep in endpoints))
+
+    def plan(self, req: router_pb2.GenerateRequest, deadline: float | None) -> Plan:
+        from kvhandoff.types import BeamParams  # noqa: F401  (engine_pb builds it)
+
+        which = req.WhichOneof("prompt")
+        if which == "prompt_text":
+            prompt = self._ids_of(req.prompt_text, "prompt_text")
+        elif which == "prompt_token_ids":
+            prompt = list(req.prompt_token_ids.ids)
+        else:
+            raise InvalidRequest("prompt", "set prompt_text or prompt_token_ids")
+        which = req.WhichOneof("suffix")
+        if which == "suffix_text":
+            suffix = self._ids_of(req.suffix_text, "suffix_text")
+        elif which == "suffix_token_ids":
+            suffix = list(req.suffix_token_ids.ids)
+        else:
+            suffix = list(self.tokens.default_suffix_ids)
+        think_end = self.tokens.think_end_id
+        stage1 = engine_pb.stage1_from_pb(
+            req.stage1, default_stop_ids=(think_end,) if think_end is not None else ())
+        beam = engine_pb.beam_from_pb(req.beam)
+        cap = next((ep.capacity for ep in self.prefill if ep.capacity), None)
+        if cap is not None:
+            validate_prompt(prompt, vocab_size=cap.vocab_size, max_model_len=cap.max_model_len,
+                            num_new_tokens=stage1.max_tokens + len(suffix) + beam.max_tokens)
+            bad = next((t for t in suffix if not 0 <= t < cap.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest("suffix", f"token id {bad} is outside the vocabulary")
+        elif not prompt:
+            raise InvalidRequest("prompt", "is empty")
+        if req.timeout_ms:
+            t = time.monotonic() + req.timeout_ms / 1e3
+            deadline = t if deadline is None else min(deadline, t)
+        request_id = req.request_id or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if len(request_id) > 128:
+            raise InvalidRequest("request_id", "longer than 128 characters")
+        path = req.path
+        if path == common_pb2.PATH_AUTO:
+            longest_parent = len(prompt) + stage1.max_tokens
+            path = (common_pb2.PATH_COLOCATED
+                    if not self.decode or longest_parent < self.config.colocated_below_tokens
+                    else common_pb2.PATH_HANDOFF)
+        if path == common_pb2.PATH_HANDOFF and not self.decode:
+            raise InvalidRequest("path", "no decode engine is configured")
+        return Plan(request_id, prompt, suffix, stage1, beam, path, deadline)
+
+    # ---- engine choice -----------------------------------------------------------------
+    def _pick_prefill(self) -> Endpoint:
+        live = [ep for ep in self.prefill if ep.capacity is not None] or self.prefill
+        return min(live, key=lambda ep: ep.outstanding)
+
+    async def _pick_decode(self, num_prompt_tokens: int, plan: Plan) -> Endpoint:
+        await self.refresh_capacity(self.decode)
+        live = [ep for ep in self.decode if ep.capacity is not None]
+        if not live:
+            raise grpc_error(grpc.StatusCode.UNAVAILABLE, "no decode engine is reachable")
+
+        def fits(ep: Endpoint) -> bool:
+            c = ep.capacity
+            need = blocks_needed(num_prompt_tokens, c.block_size, plan.beam.beam_width,
+                                 plan.beam.max_tokens)
+            return need <= c.num_free_blocks and plan.beam.beam_width <= c.max_beam_width
+
+        fitting = [ep for ep in live if fits(ep)]
+        return max(fitting or live, key=lambda ep: (ep.capacity.num_free_blocks, -ep.outstanding))
+
+    # ---- running -----------------------------------------------------------------------
+    def _timeout(self, plan: Plan) -> float | None:
+        if plan.deadline is None:
+            return None
+        left = plan.deadline - time.monotonic()
+        if left <= 0:
+            raise asyncio.TimeoutError()
+        return left
+
+    async def run(self, plan: Plan) -> AsyncIterator[list[int] | Outcome]:
+        """Yield stage-1 token batches as P samples them, then the Outcome."""
+        t0 = time.perf_counter()
+        handoff = plan.path == common_pb2.PATH_HANDOFF
+        p = self._pick_prefill()
+        out = Outcome(plan, p.address, None)
+        p.outstanding += 1
+        try:
+            call = p.stub.Stage1(engine_pb2.Stage1Request(
+                request_id=f"{plan.request_id}-s1", prompt_token_ids=plan.prompt_ids,
+                sampling=engine_pb.stage1_to_pb(plan.stage1), export=handoff),
+                timeout=self._timeout(plan))
+            handoff_msg = None
+            async for event in call:
+                if event.new_token_ids:
+                    out.thinking_ids.extend(event.new_token_ids)
+                    yield list(event.new_token_ids)
+                if event.finish_reason:
+                    out.stage1_finish_reason = event.finish_reason
+                    if event.HasField("handoff"):
+                        handoff_msg = event.handoff
+        finally:
+            p.outstanding -= 1
+        out.stage1_ms = (time.perf_counter() - t0) * 1e3
+
+        parent = plan.prompt_ids + out.thinking_ids
+        stage2_prompt = continuation_prompt(parent, plan.suffix_ids, self.tokens.think_end_id)
+        out.suffix_ids = stage2_prompt[len(parent):]
+        request = engine_pb2.Stage2Request(
+            request_id=f"{plan.request_id}-s2", prompt_token_ids=stage2_prompt,
+            beam=engine_pb.beam_to_pb(plan.beam))
+        if handoff:
+            if handoff_msg is None:
+                raise grpc_error(grpc.StatusCode.INTERNAL, "prefill engine exported no handoff")
+            request.handoff.CopyFrom(handoff_msg)
+            d = await self._pick_decode(len(stage2_prompt), plan)
+            out.decode = d.address
+        else:
+            d = p
+        d.outstanding += 1
+        try:
+            out.stage2 = await d.stub.Stage2(request, timeout=self._timeout(plan))
+        finally:
+            d.outstanding -= 1
+        out.total_ms = (time.perf_counter() - t0) * 1e3
+        yield out
+
+
+class RouterError(Exception):
+    """An error with a gRPC status decided by the router itself."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def grpc_error(code: grpc.StatusCode, message: str) -> RouterError:
+    return RouterError(code, message)
+
+
+def to_response(out: Outcome, tokenizer: Any) -> router_pb2.GenerateResponse:
+    s2 = out.stage2
+    assert s2 is not None
+    beams = list(s2.beams)
+    for b in beams:
+        b.text = tokenizer.decode(list(b.token_ids), skip_special_tokens=False)
+    return router_pb2.GenerateResponse(
+        request_id=out.plan.request_id,
+        prompt_token_ids=out.plan.prompt_ids,
+        thinking_token_ids=out.thinking_ids,
+        thinking_text=tokenizer.decode(out.thinking_ids, skip_special_tokens=False),
+        stage1_finish_reason=out.stage1_finish_reason,
+        suffix_token_ids=out.suffix_ids,
+        beams=beams,
+        timings=router_pb2.Timings(stage1_ms=out.stage1_ms, stage2_first_step_ms=s2.first_step_ms,
+                                   stage2_ms=s2.total_ms, total_ms=out.total_ms),
+        stats=router_pb2.HandoffStats(
+            path=out.plan.path, prefill_endpoint=out.prefill, decode_endpoint=out.decode or "",
+            num_parent_tokens=len(out.plan.prompt_ids) + len(out.thinking_ids),
+            num_imported_tokens=s2.num_imported_tokens, num_bytes_moved=s2.num_imported_bytes,
+            num_computed_tokens_first_step=s2.num_computed_tokens_first_step,
+            num_computed_tokens_total=s2.num_computed_tokens_total),
+    )

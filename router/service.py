@@ -1,0 +1,89 @@
+"""The Router gRPC service (thin): requests in, ``router.core.Router`` does the work."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from kvhandoff.engine_service import (
+    SERVER_OPTIONS,
+    add_health_and_reflection,
+    wait_for_shutdown_signal,
+)
+from kvhandoff.errors import status_for
+from kvhandoff.v1 import router_pb2, router_pb2_grpc
+from router.core import Outcome, Router, RouterConfig, RouterError, to_response
+
+logger = logging.getLogger(__name__)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, RouterError):
+        code, message = exc.code, str(exc)
+    else:
+        code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.error("internal error", exc_info=exc)
+    await context.abort(code, message)
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Generate(self, request, context):
+        try:
+            plan = self.router.plan(request, _deadline(context))
+            async for item in self.router.run(plan):
+                if isinstance(item, Outcome):
+                    return to_response(item, self.router.tokens.tokenizer)
+        except Exception as e:  # mapped to a status in one place
+            await _abort(context, e)
+
+    async def GenerateStream(self, request, context):
+        try:
+            plan = self.router.plan(request, _deadline(context))
+            async for item in self.router.run(plan):
+                if isinstance(item, Outcome):
+                    yield router_pb2.GenerateStreamEvent(
+                        result=to_response(item, self.router.tokens.tokenizer))
+                else:
+                    yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+        except Exception as e:
+            await _abort(context, e)
+
+
+async def serve_router(config: RouterConfig, host: str, port: int) -> None:
+    router = Router(config)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+    names = [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name]
+    health = add_health_and_reflection(server, names)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ["", *names]:
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    # SERVING once every configured engine has answered once.
+    while True:
+        await router.refresh_capacity(router.prefill + router.decode)
+        if all(ep.capacity is not None for ep in router.prefill + router.decode):
+            break
+        await asyncio.sleep(0.5)
+    for name in ["", *names]:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(f"kvhandoff router serving on {host}:{bound}", flush=True)
+    try:
+        await wait_for_shutdown_signal()
+    finally:
+        await health.enter_graceful_shutdown()
+        await server.stop(grace=2.0)
+        await router.close()
