@@ -192,8 +192,9 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
                 "lease_safety_margin_s", DEFAULT_LEASE_SAFETY_MARGIN_S
             )
         )
-        # req_id -> local perf_counter time by which the READ must have completed.
-        self._read_deadlines: dict[str, float] = {}
+        # req_id -> (local perf_counter time by which the READ must have completed,
+        # when it was issued).
+        self._read_deadlines: dict[str, tuple[float, float]] = {}
 
     def _local_deadline(self, meta: Any) -> float | None:
         remote = meta.remote
@@ -222,7 +223,7 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
                     req_id, None, self._recv_failures, record_failed_transfer=False
                 )
                 return
-            self._read_deadlines[req_id] = deadline
+            self._read_deadlines[req_id] = (deadline, time.perf_counter())
         super()._read_blocks_for_req(req_id, meta)
 
     def _pop_done_transfers(
@@ -231,13 +232,19 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
         done, failed = super()._pop_done_transfers(transfers)
         now = time.perf_counter()
         for req_id in done:
-            deadline = self._read_deadlines.pop(req_id, None)
-            if deadline is not None and now >= deadline and req_id not in failed:
+            fence = self._read_deadlines.pop(req_id, None)
+            if fence is None:
+                continue
+            deadline, issued_at = fence
+            if now >= deadline and req_id not in failed:
                 # P may have freed and reused the blocks while we read them.
                 logger.error(
-                    "Discarding READ for %s: it completed %.3fs after P's lease ended",
+                    "Discarding READ for %s: it completed %.3fs after P's lease ended "
+                    "(issued %.3fs before the lease end, took %.3fs)",
                     req_id,
                     now - deadline,
+                    deadline - issued_at,
+                    now - issued_at,
                 )
                 self.xfer_stats.record_kv_expired_req()
                 failed.add(req_id)

@@ -279,6 +279,17 @@ class VllmEngine:
         assert final is not None and final.finished, f"{request_id}: no final output"
         return final
 
+    async def warmup(self) -> None:
+        """Run the first logprobs requests now. vLLM compiles its logprobs gather on
+        first use (seconds on CPU); during that the engine does not step, so a KV READ
+        in flight would look seconds slow and could outlive P's lease."""
+        from vllm import SamplingParams
+
+        for k in (2, 8):
+            await self.generate([1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0,
+                                                          logprobs=k, detokenize=False),
+                                f"warmup-{self.engine_id}-{k}")
+
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 

@@ -44,7 +44,7 @@ def handoff_from_pb(msg: common_pb2.Handoff) -> dict[str, Any]:
 def stage1_from_pb(msg: common_pb2.Stage1Sampling, *, default_stop_ids: tuple[int, ...] = (),
                    default_max_tokens: int = 256) -> Stage1Params:
     return Stage1Params(
-        max_tokens=msg.max_tokens or default_max_tokens,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         top_k=msg.top_k,
@@ -66,8 +66,8 @@ def stage1_to_pb(p: Stage1Params) -> common_pb2.Stage1Sampling:
 
 def beam_from_pb(msg: common_pb2.BeamSearch) -> BeamParams:
     return BeamParams(
-        beam_width=msg.beam_width or 4,
-        max_tokens=msg.max_tokens or 3,
+        beam_width=msg.beam_width if msg.HasField("beam_width") else 4,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else 3,
         length_penalty=msg.length_penalty if msg.HasField("length_penalty") else 1.0,
     )
 

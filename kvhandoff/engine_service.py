@@ -184,6 +184,7 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
     t0 = time.perf_counter()
     cls = PrefillEngine if role == "prefill" else DecodeEngine
     engine = await asyncio.to_thread(cls.start, config)
+    await engine.warmup()
     servicer.engine = engine
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

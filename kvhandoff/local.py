@@ -82,6 +82,7 @@ async def local_pair(model: str | None = None, *, prefill_overrides: dict[str, A
                                              **{**common, **(prefill_overrides or {})}))
         d = DecodeEngine.start(EngineConfig(model=str(model_dir), role="decode",
                                             **{**common, **(decode_overrides or {})}))
+        await asyncio.gather(p.warmup(), d.warmup())
         yield LocalPair(model_dir, p, d, tokens)
     finally:
         shutdown_all([d, p])

@@ -116,7 +116,8 @@ class Router:
                 ep.capacity = await ep.stub.GetCapacity(
                     engine_pb2.CapacityRequest(), timeout=self.config.capacity_timeout_s)
             except grpc.aio.AioRpcError as e:
-                logger.warning("engine %s unavailable: %s", ep.address, e.code().name)
+                if ep.capacity is not None:
+                    logger.warning("engine %s unavailable: %s", ep.address, e.code().name)
                 ep.capacity = None
 
         await asyncio.gather(*(one(ep) for ep in endpoints))

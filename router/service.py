@@ -72,10 +72,13 @@ async def serve_router(config: RouterConfig, host: str, port: int) -> None:
     await server.start()
     for name in ["", *names]:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    # SERVING once every configured engine has answered once.
+    # SERVING once a prefill engine (and a decode engine, if any are configured) answers;
+    # engines that are down are skipped until they answer.
     while True:
         await router.refresh_capacity(router.prefill + router.decode)
-        if all(ep.capacity is not None for ep in router.prefill + router.decode):
+        if any(ep.capacity for ep in router.prefill) and (
+            not router.decode or any(ep.capacity for ep in router.decode)
+        ):
             break
         await asyncio.sleep(0.5)
     for name in ["", *names]:

@@ -65,3 +65,56 @@ def assert_pools_clean(pair, run):
             assert snap.is_clean, f"{name} pool not clean: {snap}"
 
     return _check
+
+
+#: The gRPC cluster's D pool: 17 MiB = 136 blocks (135 usable), just above vLLM's minimum.
+CLUSTER_D_MIB = 17
+
+
+@pytest.fixture(scope="session")
+def cluster(model_dir, tmp_path_factory):
+    """P, D and the router as separate `kvhandoff serve` processes on loopback."""
+    from kvhandoff.demo import local_cluster
+
+    with local_cluster(model_dir, tmp_path_factory.mktemp("cluster-logs"),
+                       decode_mib=CLUSTER_D_MIB, prefill_mib=64, lease_s=LEASE_S) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def router_client(cluster):
+    from kvhandoff.client import RouterClient
+
+    with RouterClient(cluster["router"]) as client:
+        yield client
+
+
+def engine_stub(address: str):
+    import grpc
+
+    from kvhandoff.v1 import engine_pb2_grpc
+
+    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(address))
+
+
+@pytest.fixture
+def assert_cluster_clean(cluster):
+    """After a test: every engine server's pool holds no block and no request."""
+    from kvhandoff.v1 import engine_pb2
+
+    def _check(timeout_s: float = LEASE_S + 5.0) -> None:
+        import time
+
+        for server in [cluster["prefill"], *cluster["decode"]]:
+            stub = engine_stub(server.address)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                cap = stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
+                clean = (cap.num_free_blocks == cap.num_total_blocks
+                         and not cap.num_running_reqs and not cap.num_waiting_reqs)
+                if clean or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert clean, f"{server.role} {server.address} not clean: {cap}"
+
+    return _check

@@ -1,0 +1,184 @@
+"""End to end over real gRPC on loopback: router, P and D as separate processes.
+
+WORK IN PROGRESS (issue 3), not collected by pytest (the file name does not match
+test_*.py). Known problem: with P and D in separate process trees a NIXL READ stalls
+until P's agent makes progress; with the progress thread on, the two spinning threads
+slow 2-core machines so much that 10 s leases expire. Run by hand:
+.venv/bin/python -m pytest tests/grpc_e2e_wip.py"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvhandoff.client import make_request
+from kvhandoff.v1 import common_pb2, engine_pb2
+from tests.conftest import engine_stub
+
+
+PROMPT = "the user bought a warm coat and hiking boots so we think they like the outdoors"
+
+
+pytestmark = [pytest.mark.engines]
+
+
+def test_unary_text_prompt_runs_both_stages_with_a_handoff(router_client, cluster, assert_cluster_clean):
+    resp = router_client.generate(make_request(prompt=PROMPT, max_tokens=24, seed=3,
+                                               beam_width=4, path="handoff"))
+    s = resp.stats
+    assert s.path == common_pb2.PATH_HANDOFF
+    assert s.decode_endpoint == cluster["decode"][0].address
+    assert len(resp.beams) == 4 and all(len(b.token_ids) == 3 for b in resp.beams)
+    assert resp.thinking_text and all(isinstance(b.text, str) for b in resp.beams)
+    assert s.num_parent_tokens == len(resp.prompt_token_ids) + len(resp.thinking_token_ids)
+    assert s.num_imported_tokens == s.num_parent_tokens - 1
+    assert s.num_computed_tokens_first_step == len(resp.suffix_token_ids) + 1
+    assert s.num_bytes_moved > 0
+    assert resp.timings.total_ms >= resp.timings.stage1_ms > 0
+    assert_cluster_clean()
+
+
+def test_token_prompt_handoff_equals_colocated(router_client, assert_cluster_clean):
+    ids = list(range(40, 140))
+    got = router_client.generate(make_request(prompt=ids, max_tokens=32, seed=5, beam_width=8,
+                                              path="handoff"))
+    ref = router_client.generate(make_request(prompt=ids, max_tokens=32, seed=5, beam_width=8,
+                                              path="colocated"))
+    assert ref.stats.path == common_pb2.PATH_COLOCATED and not ref.stats.decode_endpoint
+    assert list(got.prompt_token_ids) == ids
+    assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    for a, b in zip(got.beams, ref.beams):
+        assert abs(a.cum_logprob - b.cum_logprob) <= 1e-5
+    assert_cluster_clean()
+
+
+def test_streaming_sends_stage1_tokens_then_the_result(router_client, assert_cluster_clean):
+    events = list(router_client.generate_stream(make_request(prompt=PROMPT, max_tokens=40,
+                                                             seed=11, path="handoff")))
+    token_events = [e for e in events if e.HasField("stage1_tokens")]
+    assert events[-1].HasField("result") and len(token_events) == len(events) - 1
+    streamed = [t for e in token_events for t in e.stage1_tokens.ids]
+    assert streamed == list(events[-1].result.thinking_token_ids)
+    assert len(token_events) >= 2, "tokens should arrive as they are sampled"
+    assert_cluster_clean()
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"prompt": []}, "prompt: is empty"),
+    ({"prompt": [5, 100000]}, "outside the vocabulary"),
+    ({"prompt": [10] * 4100}, "exceeds the model length"),
+    ({"beam_width": 0}, "beam.beam_width"),
+    ({"beam_width": 65}, "beam.beam_width"),
+    ({"max_tokens": 0}, "stage1.max_tokens"),
+    ({"beam_tokens": 0}, "beam.max_tokens"),
+    ({"temperature": -1.0}, "stage1.temperature"),
+    ({"suffix": [1 << 30]}, "suffix"),
+])
+def test_bad_input_is_invalid_argument_naming_the_field(router_client, assert_cluster_clean,
+                                                        kwargs, words):
+    req = make_request(**{"prompt": PROMPT, **kwargs})
+    with pytest.raises(grpc.RpcError) as err:
+        router_client.generate(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.value.details()
+    assert_cluster_clean(timeout_s=5)
+
+
+def test_d_too_small_is_resource_exhausted_with_numbers(router_client, assert_cluster_clean):
+    req = make_request(prompt=[i % 1000 + 10 for i in range(2500)], max_tokens=4, seed=1, beam_width=64,
+                       path="handoff")
+    with pytest.raises(grpc.RpcError) as err:
+        router_client.generate(req, timeout=120)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "needs" in err.value.details() and "free of 135" in err.value.details()
+    assert_cluster_clean()
+
+
+def test_tampered_handoff_sent_to_d_directly_is_refused(cluster, assert_cluster_clean):
+    p = engine_stub(cluster["prefill"].address)
+    d = engine_stub(cluster["decode"][0].address)
+    prompt = list(range(20, 90))
+    events = list(p.Stage1(engine_pb2.Stage1Request(
+        request_id="direct-1", prompt_token_ids=prompt, export=True,
+        sampling=common_pb2.Stage1Sampling(max_tokens=8, seed=2)), timeout=60))
+    handoff = events[-1].handoff
+    thinking = [t for e in events for t in e.new_token_ids]
+    bad = common_pb2.Handoff()
+    bad.CopyFrom(handoff)
+    bad.token_digest = "0" * 64
+    with pytest.raises(grpc.RpcError) as err:
+        d.Stage2(engine_pb2.Stage2Request(request_id="direct-2", handoff=bad,
+                                          prompt_token_ids=prompt + thinking + [3]), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "digest" in err.value.details()
+    assert_cluster_clean()
+
+
+def _cancel_after(future, seconds: float) -> None:
+    threading.Timer(seconds, future.cancel).start()
+
+
+def test_cancel_during_stage1_aborts_it_and_frees_p(router_client, assert_cluster_clean):
+    req = make_request(prompt=PROMPT, max_tokens=3000, temperature=1.0, seed=1, path="handoff")
+    req.stage1.stop_token_ids.append(5)  # <|sid_end|> instead of </think>: a long stage 1
+    call = router_client.stub.Generate.future(req, timeout=120)
+    _cancel_after(call, 1.5)
+    with pytest.raises(grpc.FutureCancelledError):
+        call.result()
+    assert_cluster_clean()
+
+
+def test_cancel_during_stage2_aborts_the_beams_and_frees_both(router_client, assert_cluster_clean):
+    req = make_request(prompt=[i % 1000 + 10 for i in range(1500)], max_tokens=1, seed=1, beam_width=32,
+                       beam_tokens=60, path="handoff")
+    stream = router_client.generate_stream(req, timeout=120)
+    first = next(stream)  # stage 1's only token: stage 2 starts now
+    assert first.HasField("stage1_tokens")
+    time.sleep(2.0)
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert_cluster_clean()
+
+
+def test_health_and_reflection_on_every_server(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    expected = {cluster["router"]: "kvhandoff.v1.Router",
+                cluster["prefill"].address: "kvhandoff.v1.Engine",
+                cluster["decode"][0].address: "kvhandoff.v1.Engine"}
+    for address, service in expected.items():
+        with grpc.insecure_channel(address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+            responses = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+            names = {s.name for r in responses for s in r.list_services_response.service}
+            assert service in names and "grpc.health.v1.Health" in names
+
+
+def test_two_decode_endpoints_with_one_down(cluster, model_dir, tmp_path, assert_cluster_clean):
+    from kvhandoff.client import RouterClient
+    from kvhandoff.demo import _spawn, _stop, wait_serving
+    from kvhandoff.engine import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    live = cluster["decode"][0].address
+    router = _spawn("router", free_port(), ["--model", model_dir, "--prefill",
+                                            cluster["prefill"].address, "--decode", f"{dead},{live}"],
+                    tmp_path)
+    try:
+        wait_serving(router.address, [router], timeout_s=120)
+        with RouterClient(router.address) as client:
+            for seed in range(3):
+                resp = client.generate(make_request(prompt=PROMPT, max_tokens=8, seed=seed,
+                                                    path="handoff"))
+                assert resp.stats.decode_endpoint == live
+    finally:
+        _stop([router])
+    assert_cluster_clean()
