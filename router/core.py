@@ -123,8 +123,6 @@ class Router:
         await asyncio.gather(*(one(ep) for ep in endpoints))
 
     def plan(self, req: router_pb2.GenerateRequest, deadline: float | None) -> Plan:
-        from kvhandoff.types import BeamParams  # noqa: F401  (engine_pb builds it)
-
         which = req.WhichOneof("prompt")
         if which == "prompt_text":
             prompt = self._ids_of(req.prompt_text, "prompt_text")
