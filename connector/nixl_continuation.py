@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -156,24 +157,55 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         )
 
 
-@contextlib.contextmanager
-def _nixl_agent_options(**options: Any):
-    """Create the stock worker's NIXL agent with ``options``.
+def _agent_config_with_delay(bind: Any, delay_us: int) -> type:
+    """A ``nixlAgentConfig`` whose progress-thread delay is ``delay_us``.
 
-    vLLM 0.32 builds its agent config inline with the library default, which starts a
-    progress thread that busy-spins a whole core. On a CPU host shared by two engines
-    that halves every figure. The engine steps every millisecond while it holds or
-    awaits KV, and each step polls NIXL, so the thread is not needed there.
+    The Python API pins ``pthrDelay`` to 0 (a thread that busy-spins a core); the C++
+    agent sleeps ``pthrDelay`` microseconds between progress sweeps when it is set.
+    """
+    base = bind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 (the binding's name)
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, delay_us)
+
+    return _Config
+
+
+@contextlib.contextmanager
+def _nixl_agent_options(*, progress_thread: bool, progress_delay_us: int):
+    """Create the stock worker's NIXL agent with our progress settings.
+
+    vLLM 0.32 builds its agent with the library defaults: a progress thread that
+    busy-spins a whole core. Without any progress thread, P answers a READ only
+    while its worker happens to call into NIXL, and with P and D as separate
+    servers on 2 cores those calls were seen to stall for seconds. A progress
+    thread that sleeps ``progress_delay_us`` between sweeps keeps both: transfers
+    progress on their own and an idle engine costs a few percent of a core.
     """
     original = base_worker.nixl_agent_config
-    if original is None or not options:
+    api = sys.modules.get(getattr(base_worker.NixlWrapper, "__module__", ""), None)
+    bind = getattr(api, "nixlBind", None)
+    if original is None:
         yield
         return
-    base_worker.nixl_agent_config = functools.partial(original, **options)
+    saved_config = bind.nixlAgentConfig if bind is not None else None
+    base_worker.nixl_agent_config = functools.partial(
+        original, enable_prog_thread=progress_thread
+    )
+    if progress_thread and progress_delay_us > 0 and bind is not None:
+        bind.nixlAgentConfig = _agent_config_with_delay(bind, progress_delay_us)
     try:
         yield
     finally:
         base_worker.nixl_agent_config = original
+        if bind is not None:
+            bind.nixlAgentConfig = saved_config
 
 
 class ContinuationConnectorWorker(NixlPullConnectorWorker):
@@ -184,8 +216,12 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
     ):
         extra = vllm_config.kv_transfer_config
         assert extra is not None
-        prog_thread = bool(extra.get_from_extra_config("nixl_progress_thread", False))
-        with _nixl_agent_options(enable_prog_thread=prog_thread):
+        with _nixl_agent_options(
+            progress_thread=bool(extra.get_from_extra_config("nixl_progress_thread", True)),
+            progress_delay_us=int(
+                extra.get_from_extra_config("nixl_progress_delay_us", 500)
+            ),
+        ):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self._lease_margin_s = float(
             extra.get_from_extra_config(

@@ -20,7 +20,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
     kwargs = {"model": str(resolve_model(args.model)), "lease_s": args.lease_s,
               "block_size": args.block_size, "max_model_len": args.max_model_len,
-              "nixl_progress_thread": args.nixl_progress_thread,
+              "nixl_progress_thread": args.nixl_progress_delay_us >= 0,
+              "nixl_progress_delay_us": max(0, args.nixl_progress_delay_us),
               "side_channel_host": args.side_channel_host}
     if args.kv_cache_mib:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
@@ -95,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--side-channel-host", default="127.0.0.1",
                        help="NIXL side channel address (a node IP across hosts)")
     serve.add_argument("--side-channel-port", type=int, default=0)
-    serve.add_argument("--nixl-progress-thread", action="store_true",
-                       help="keep NIXL's busy-polling progress thread (GPU hosts)")
+    serve.add_argument("--nixl-progress-delay-us", type=int, default=500,
+                       help="NIXL progress thread sleep between sweeps (µs); 0 = NIXL's "
+                            "busy-spinning thread, -1 = no thread (the engine polls)")
     serve.add_argument("--prefill", default="", help="router: P endpoints host:port,...")
     serve.add_argument("--decode", default="", help="router: D endpoints host:port,...")
     serve.add_argument("--colocated-below", type=int, default=0,

@@ -86,15 +86,11 @@ def wait_serving(address: str, servers: list[ServerProcess], timeout_s: float = 
 def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                   prefill_mib: int = 128, lease_s: int = 30,
                   extra_decode: int = 0,
-                  nixl_progress_thread: bool = True) -> Iterator[dict[str, object]]:
+                  engine_flags: tuple[str, ...] = ()) -> Iterator[dict[str, object]]:
     """P, D (and ``extra_decode`` more Ds) and a router, each its own process."""
     log_dir.mkdir(parents=True, exist_ok=True)
     model_args = ["--model", model] if model else []
-    engine_args = [*model_args, "--lease-s", str(lease_s)]
-    if nixl_progress_thread:
-        # Engines in separate process trees: READs were seen to stall until the owner
-        # made progress; the progress thread makes P answer them (see README).
-        engine_args.append("--nixl-progress-thread")
+    engine_args = [*model_args, "--lease-s", str(lease_s), *engine_flags]
     servers: list[ServerProcess] = []
     try:
         p = _spawn("prefill", free_port(), [*engine_args, "--kv-cache-mib", str(prefill_mib)], log_dir)

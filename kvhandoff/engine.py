@@ -73,8 +73,10 @@ class EngineConfig:
     #: Seconds P holds exported blocks for D to read.
     lease_s: int = 30
     lease_safety_margin_s: float = DEFAULT_LEASE_SAFETY_MARGIN_S
-    #: NIXL's progress thread busy-spins a core; off by default (see connector).
-    nixl_progress_thread: bool = False
+    #: NIXL progress thread, sleeping ``nixl_progress_delay_us`` between sweeps
+    #: (0 = NIXL's own busy-spinning thread: only for hosts with a core to spare).
+    nixl_progress_thread: bool = True
+    nixl_progress_delay_us: int = 500
     #: UCX interfaces; "lo" keeps transfers on loopback (single host). None = all.
     ucx_net_devices: str | None = "lo"
     #: CPU hosts only: torch threads per engine (OMP_NUM_THREADS). vLLM's default
@@ -115,6 +117,7 @@ class EngineConfig:
                 "kv_lease_duration": self.lease_s,
                 "lease_safety_margin_s": self.lease_safety_margin_s,
                 "nixl_progress_thread": self.nixl_progress_thread,
+                "nixl_progress_delay_us": self.nixl_progress_delay_us,
                 "backends": ["UCX"],
             },
             **({"kv_buffer_device": self.kv_buffer_device} if self.kv_buffer_device else {}),

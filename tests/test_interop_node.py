@@ -1,0 +1,82 @@
+"""The contract is the .proto, not the Python stubs: a Node.js client built with
+@grpc/grpc-js from proto/ alone gets the same answers as the project's own client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvhandoff.client import make_request
+from kvhandoff.harness import LOGPROB_TOLERANCE
+
+NODE_DIR = Path(__file__).resolve().parent.parent / "interop" / "node"
+
+pytestmark = [
+    pytest.mark.engines,
+    pytest.mark.skipif(shutil.which("node") is None or shutil.which("npm") is None,
+                       reason="Node.js and npm are needed for the second gRPC implementation"),
+]
+
+
+@pytest.fixture(scope="module")
+def node_client() -> Path:
+    if not (NODE_DIR / "node_modules" / ".package-lock.json").exists():
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+                       cwd=NODE_DIR, check=True, timeout=600)
+    return NODE_DIR / "client.js"
+
+
+def _node(client: Path, router: str, request: dict) -> tuple[int, dict]:
+    proc = subprocess.run(["node", str(client), router, json.dumps(request)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.stdout, proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def _same(node_resp: dict, py_resp) -> None:
+    assert node_resp["thinking_token_ids"] == list(py_resp.thinking_token_ids)
+    assert node_resp["thinking_text"] == py_resp.thinking_text
+    assert node_resp["prompt_token_ids"] == list(py_resp.prompt_token_ids)
+    assert node_resp["suffix_token_ids"] == list(py_resp.suffix_token_ids)
+    assert [b["token_ids"] for b in node_resp["beams"]] == [list(b.token_ids) for b in py_resp.beams]
+    assert [b["text"] for b in node_resp["beams"]] == [b.text for b in py_resp.beams]
+    for a, b in zip(node_resp["beams"], py_resp.beams):
+        assert abs(a["cum_logprob"] - b.cum_logprob) <= LOGPROB_TOLERANCE
+    assert node_resp["stats"]["path"] == "PATH_HANDOFF"
+    # Not num_imported_tokens: the second request finds the first one's full blocks
+    # in D's prefix cache and imports only the rest.
+    assert node_resp["stats"]["num_parent_tokens"] == py_resp.stats.num_parent_tokens
+
+
+@pytest.mark.parametrize("prompt", [
+    "a customer who bought tents and maps",
+    list(range(300, 380)),
+], ids=["text", "token_ids"])
+def test_node_client_gets_the_same_answers(node_client, cluster, router_client, prompt,
+                                           assert_cluster_clean):
+    request = {"request_id": "", "stage1": {"max_tokens": 24, "temperature": 1.0, "seed": 7},
+               "beam": {"beam_width": 4, "max_tokens": 3}, "path": "PATH_HANDOFF"}
+    if isinstance(prompt, str):
+        request["prompt_text"] = prompt
+    else:
+        request["prompt_token_ids"] = {"ids": prompt}
+    rc, out = _node(node_client, cluster["router"], request)
+    assert rc == 0, out
+    ours = router_client.generate(make_request(prompt=prompt, max_tokens=24, seed=7,
+                                               beam_width=4, path="handoff"))
+    _same(out["unary"], ours)
+    _same(out["stream"]["result"], ours)
+    assert out["stream"]["stage1_ids"] == list(ours.thinking_token_ids)
+    assert_cluster_clean()
+
+
+def test_node_client_sees_invalid_argument_with_the_field(node_client, cluster):
+    request = {"prompt_text": "hello", "beam": {"beam_width": 1000}}
+    rc, out = _node(node_client, cluster["router"], request)
+    assert rc == 3
+    assert out["code"] == 3  # INVALID_ARGUMENT
+    assert "beam.beam_width" in out["details"]
