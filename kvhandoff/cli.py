@@ -1,4 +1,4 @@
-"""The ``kvhandoff`` command: verify, serve, client, demo."""
+"""The ``kvhandoff`` command: verify, serve, client, demo, bench."""
 
 from __future__ import annotations
 
@@ -46,11 +46,14 @@ def _serve(args: argparse.Namespace) -> int:
             model=str(resolve_model(args.model)),
             colocated_below_tokens=args.colocated_below,
         )
-        asyncio.run(serve_router(config, args.host, args.port))
+        metrics_port = None if args.metrics_port < 0 else args.metrics_port
+        asyncio.run(serve_router(config, args.host, args.port, metrics_port))
     else:
         from kvhandoff.engine_service import serve_engine
 
-        asyncio.run(serve_engine(args.role, _engine_kwargs(args), args.host, args.port))
+        metrics_port = None if args.metrics_port < 0 else args.metrics_port
+        asyncio.run(serve_engine(args.role, _engine_kwargs(args), args.host, args.port,
+                                 metrics_port))
     return 0
 
 
@@ -58,6 +61,12 @@ def _client(args: argparse.Namespace) -> int:
     from kvhandoff.client import main_client
 
     return main_client(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvhandoff.bench import main_bench
+
+    return main_bench(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -101,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "busy-spinning thread, -1 = no thread (the engine polls)")
     serve.add_argument("--prefill", default="", help="router: P endpoints host:port,...")
     serve.add_argument("--decode", default="", help="router: D endpoints host:port,...")
+    serve.add_argument("--metrics-port", type=int, default=-1,
+                       help="serve Prometheus /metrics on this port (0 = any; default: off)")
     serve.add_argument("--colocated-below", type=int, default=0,
                        help="router: run requests whose parent is shorter colocated on P")
     serve.set_defaults(func=_serve)
@@ -118,6 +129,22 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--stream", action="store_true")
     client.add_argument("--timeout", type=float, default=120.0)
     client.set_defaults(func=_client)
+
+    bench = sub.add_parser("bench", help="measure the handoff against the alternatives")
+    bench.add_argument("--model", default=None,
+                       help="model directory (default: the ~100M bench model, dummy weights)")
+    bench.add_argument("--quick", action="store_true", help="a few requests, two sweep points")
+    bench.add_argument("--prompt-tokens", type=int, default=None)
+    bench.add_argument("--stage1-tokens", type=int, default=None)
+    bench.add_argument("--beam-width", type=int, default=None)
+    bench.add_argument("--beam-tokens", type=int, default=None)
+    bench.add_argument("--requests", type=int, default=None)
+    bench.add_argument("--concurrency", default=None, help="e.g. 1,4,16")
+    bench.add_argument("--sweep", default=None, help="parent lengths, e.g. 256,1024,4096")
+    bench.add_argument("--seed", type=int, default=None)
+    bench.add_argument("--json", default=None, metavar="PATH")
+    bench.add_argument("--plot", default=None, metavar="PATH", help="PNG")
+    bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="start P, D and the router; send requests; verify")
     model_arg(demo)

@@ -34,17 +34,21 @@ class ServerProcess:
     address: str
     proc: subprocess.Popen
     log_path: Path
+    #: Prometheus endpoint (http://host:port/metrics).
+    metrics_url: str = ""
 
 
 def _spawn(role: str, port: int, extra: list[str], log_dir: Path) -> ServerProcess:
     log_path = log_dir / f"{role}.log"
+    metrics_port = free_port()
     cmd = [sys.executable, "-m", "kvhandoff.cli", "serve", "--role", role,
-           "--port", str(port), *extra]
+           "--port", str(port), "--metrics-port", str(metrics_port), *extra]
     with open(log_path, "w") as log:
         # Own process group: the engine's own processes die with it on shutdown.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    return ServerProcess(role, f"127.0.0.1:{port}", proc, log_path)
+    return ServerProcess(role, f"127.0.0.1:{port}", proc, log_path,
+                         f"http://127.0.0.1:{metrics_port}/metrics")
 
 
 def _stop(servers: list[ServerProcess], grace_s: float = 30.0) -> None:
@@ -105,7 +109,8 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                                                ",".join(d.address for d in decodes)], log_dir)
         servers.append(router)
         wait_serving(router.address, servers)
-        yield {"router": router.address, "prefill": p, "decode": decodes, "servers": servers}
+        yield {"router": router.address, "prefill": p, "decode": decodes, "servers": servers,
+               "router_metrics": router.metrics_url}
     finally:
         _stop(servers)
 
@@ -127,27 +132,37 @@ def main_demo(args: argparse.Namespace) -> int:
 
             def both(i: int):
                 kw = dict(prompt=prompts[i], max_tokens=96, seed=i, beam_width=args.beam_width)
-                got = client.generate(make_request(path="handoff", request_id=f"demo-{i}", **kw))
-                ref = client.generate(make_request(path="colocated", request_id=f"ref-{i}", **kw))
+                try:
+                    got = client.generate(make_request(path="handoff", request_id=f"demo-{i}", **kw))
+                    ref = client.generate(make_request(path="colocated", request_id=f"ref-{i}", **kw))
+                except grpc.RpcError as e:
+                    return f"{e.code().name}: {e.details()}"
                 return got, ref
 
             with ThreadPoolExecutor(4) as pool:
                 results = list(tqdm(pool.map(both, range(len(prompts))), total=len(prompts),
                                     desc="two-stage requests", unit="req"))
     print(f"\n{'req':<8}{'stage1':>7}{'parent':>7}{'imported':>9}{'D comp':>7}{'KiB':>6}"
-          f"{'first beam ms':>14}  top beam                      verified")
-    for i, (got, ref) in enumerate(results):
+          f"{'first beam ms':>14}  {'top beam ids':<18}{'logp':>8}  verified")
+    for i, result in enumerate(results):
+        if isinstance(result, str):
+            ok_all = False
+            print(f"demo-{i:<3} FAILED: {result}")
+            rows.append({"request_id": f"demo-{i}", "verified": False, "error": result})
+            continue
+        got, ref = result
         same = (list(got.thinking_token_ids) == list(ref.thinking_token_ids)
                 and [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
                 and all(abs(a.cum_logprob - b.cum_logprob) <= LOGPROB_TOLERANCE
                         for a, b in zip(got.beams, ref.beams)))
         ok_all &= same
         s = got.stats
-        top = got.beams[0].text if got.beams else ""
+        top = str(list(got.beams[0].token_ids)) if got.beams else "-"
+        logp = got.beams[0].cum_logprob if got.beams else float("nan")
         print(f"demo-{i:<3}{len(got.thinking_token_ids):>7}{s.num_parent_tokens:>7}"
               f"{s.num_imported_tokens:>9}{s.num_computed_tokens_first_step:>7}"
               f"{s.num_bytes_moved / 1024:>6.0f}{got.timings.stage2_first_step_ms:>14.1f}  "
-              f"{top!r:<30}{'yes' if same else 'NO'}")
+              f"{top:<18}{logp:>8.3f}  {'yes' if same else 'NO'}")
         rows.append({"request_id": got.request_id, "verified": same,
                      "num_parent_tokens": s.num_parent_tokens,
                      "num_imported_tokens": s.num_imported_tokens,
@@ -156,10 +171,17 @@ def main_demo(args: argparse.Namespace) -> int:
                      "stage2_first_step_ms": got.timings.stage2_first_step_ms,
                      "colocated_stage2_first_step_ms": ref.timings.stage2_first_step_ms})
     n_ok = sum(r["verified"] for r in rows)
-    imp = sum(r["num_imported_tokens"] for r in rows)
-    comp = sum(r["num_computed_tokens_d"] for r in rows)
+    done = [r for r in rows if "error" not in r]
+    imp = sum(r["num_imported_tokens"] for r in done)
+    comp = sum(r["num_computed_tokens_d"] for r in done)
+    first = sorted(r["stage2_first_step_ms"] for r in done)
+    ref_first = sorted(r["colocated_stage2_first_step_ms"] for r in done)
     print(f"\n{n_ok}/{len(rows)} requests identical to the colocated reference; "
           f"D imported {imp} tokens and computed {comp} for the import steps.")
+    if done:
+        print(f"stage-2 first beam step p50: handoff {first[len(first) // 2]:.1f} ms, "
+              f"colocated {ref_first[len(ref_first) // 2]:.1f} ms (P, D, the router and this "
+              f"client share this machine's cores)")
     if args.json:
         Path(args.json).write_text(json.dumps({"ok": ok_all, "requests": rows}, indent=1) + "\n")
     return 0 if ok_all else 1

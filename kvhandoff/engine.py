@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -178,11 +179,45 @@ class PoolSnapshot:
         return self.num_used_blocks == 0 and not self.num_running_reqs and not self.num_waiting_reqs
 
 
+@dataclass
+class EngineCounters:
+    """Cumulative counters from vLLM's stat loggers (prompt tokens by source, and the NIXL
+    connector's transfer stats), for metrics and benchmarks."""
+
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    prompt_tokens_transferred: int = 0
+    generation_tokens: int = 0
+    transfers: int = 0
+    transfer_s: float = 0.0
+    transfer_bytes: int = 0
+    failed_transfers: int = 0
+    failed_notifications: int = 0
+    failed_handshakes: int = 0
+    expired_leases: int = 0
+    #: The latest transfers' (seconds, bytes), newest last.
+    recent_transfers: deque = field(default_factory=lambda: deque(maxlen=256))
+
+    def add_connector_stats(self, data: dict[str, list]) -> None:
+        durations = data.get("transfer_duration", [])
+        sizes = data.get("bytes_transferred", [])
+        self.transfers += len(durations)
+        self.transfer_s += float(sum(durations))
+        self.transfer_bytes += int(sum(sizes))
+        self.recent_transfers.extend(zip(durations, sizes))
+        self.failed_transfers += len(data.get("num_failed_transfers", []))
+        self.failed_notifications += len(data.get("num_failed_notifications", []))
+        self.failed_handshakes += len(data.get("num_failed_handshakes", []))
+        self.expired_leases += len(data.get("num_kv_expired_reqs", []))
+
+
 def _stats_logger_factory(sink: dict[str, Any]):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    class _LatestSchedulerStats(StatLoggerBase):
-        """Keeps the last SchedulerStats the engine core sent."""
+    counters = sink.setdefault("counters", EngineCounters())
+
+    class _StatsSink(StatLoggerBase):
+        """Keeps the last SchedulerStats and accumulates counters."""
 
         def __init__(self, vllm_config: Any, engine_index: int = 0):
             pass
@@ -190,11 +225,19 @@ def _stats_logger_factory(sink: dict[str, Any]):
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
             if scheduler_stats is not None:
                 sink["scheduler"] = scheduler_stats
+                if scheduler_stats.kv_connector_stats:
+                    counters.add_connector_stats(scheduler_stats.kv_connector_stats)
+            if iteration_stats is not None:
+                tokens = iteration_stats.prompt_token_stats
+                counters.prompt_tokens_computed += tokens.computed
+                counters.prompt_tokens_cached += tokens.local_cache_hit
+                counters.prompt_tokens_transferred += tokens.external_kv_transfer
+                counters.generation_tokens += iteration_stats.num_generation_tokens
 
         def log_engine_initialized(self) -> None:
             pass
 
-    return _LatestSchedulerStats
+    return _StatsSink
 
 
 class VllmEngine:
@@ -295,6 +338,10 @@ class VllmEngine:
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
+
+    @property
+    def counters(self) -> EngineCounters:
+        return self._stats["counters"]
 
     def pool(self) -> PoolSnapshot:
         s = self._stats.get("scheduler")

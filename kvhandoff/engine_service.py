@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvhandoff import engine_pb
+from kvhandoff.engine_metrics import HandoffCounts, serve_metrics
 from kvhandoff.errors import status_for
 from kvhandoff.types import InvalidRequest
 from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -55,6 +56,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # request_id -> the task serving it, so Abort can cancel it (which aborts the
         # request and its beam requests inside vLLM).
         self._tasks: dict[str, asyncio.Task] = {}
+        self.counts = HandoffCounts()
 
     @contextlib.contextmanager
     def _track(self, request_id: str):
@@ -87,6 +89,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     event = engine_pb2.Stage1Event(finish_reason=result.finish_reason)
                     if result.handoff_params:
                         event.handoff.CopyFrom(engine_pb.handoff_to_pb(result.handoff_params))
+                        self.counts.exports += 1
                     yield event
         except Exception as e:  # mapped to a status; the engine keeps serving
             await abort_with(context, e)
@@ -101,9 +104,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 if request.HasField("handoff"):
                     if self.role != "decode":
                         raise InvalidRequest("handoff", "imports run on a decode engine")
-                    result = await self.engine.run_stage2(
-                        prompt, beam, request.request_id,
-                        handoff_params=engine_pb.handoff_from_pb(request.handoff))
+                    try:
+                        result = await self.engine.run_stage2(
+                            prompt, beam, request.request_id,
+                            handoff_params=engine_pb.handoff_from_pb(request.handoff))
+                    except Exception:
+                        self.counts.import_failures += 1
+                        raise
+                    self.counts.imports += 1
                 else:
                     result = await run_beam_stage(self.engine, prompt, beam, request.request_id)
             return engine_pb2.Stage2Response(
@@ -160,7 +168,8 @@ async def wait_for_shutdown_signal() -> None:
     await stop.wait()
 
 
-async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port: int) -> None:
+async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port: int,
+                       metrics_port: int | None = None) -> None:
     """Start the engine, serve until SIGTERM/SIGINT, then shut everything down."""
     from decode_engine.engine import DecodeEngine
     from kvhandoff.engine import EngineConfig
@@ -179,6 +188,9 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if metrics_port is not None:
+        bound_metrics = serve_metrics(servicer, host, metrics_port)
+        print(f"kvhandoff {role} metrics on http://{host}:{bound_metrics}/metrics", flush=True)
     logger.info("%s engine server on %s:%d, starting the engine", role, host, bound)
 
     t0 = time.perf_counter()

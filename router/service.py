@@ -17,18 +17,17 @@ from kvhandoff.engine_service import (
 from kvhandoff.errors import status_for
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
 from router.core import Outcome, Router, RouterConfig, RouterError, to_response
+from router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, RouterError):
-        code, message = exc.code, str(exc)
-    else:
-        code, message = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        logger.error("internal error", exc_info=exc)
-    await context.abort(code, message)
+        return exc.code, str(exc)
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED, "cancelled by the client"
+    return status_for(exc)
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -37,35 +36,57 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, metrics: RouterMetrics | None = None):
         self.router = router
+        self.metrics = metrics or RouterMetrics()
+
+    def _response(self, item: Outcome) -> router_pb2.GenerateResponse:
+        resp = to_response(item, self.router.tokens.tokenizer)
+        self.metrics.observe(resp)
+        return resp
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        code, message = _status(exc)
+        remaining = context.time_remaining()
+        if code == grpc.StatusCode.CANCELLED and remaining is not None and remaining <= 0:
+            code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+        self.metrics.observe_error(code, message)
+        if code == grpc.StatusCode.INTERNAL:
+            logger.error("internal error", exc_info=exc)
+        if isinstance(exc, asyncio.CancelledError):
+            raise exc
+        await context.abort(code, message)
 
     async def Generate(self, request, context):
         try:
             plan = self.router.plan(request, _deadline(context))
             async for item in self.router.run(plan):
                 if isinstance(item, Outcome):
-                    return to_response(item, self.router.tokens.tokenizer)
-        except Exception as e:  # mapped to a status in one place
-            await _abort(context, e)
+                    return self._response(item)
+        except (Exception, asyncio.CancelledError) as e:  # mapped to a status in one place
+            await self._abort(context, e)
 
     async def GenerateStream(self, request, context):
         try:
             plan = self.router.plan(request, _deadline(context))
             async for item in self.router.run(plan):
                 if isinstance(item, Outcome):
-                    yield router_pb2.GenerateStreamEvent(
-                        result=to_response(item, self.router.tokens.tokenizer))
+                    yield router_pb2.GenerateStreamEvent(result=self._response(item))
                 else:
                     yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
-        except Exception as e:
-            await _abort(context, e)
+        except (Exception, asyncio.CancelledError) as e:
+            await self._abort(context, e)
 
 
-async def serve_router(config: RouterConfig, host: str, port: int) -> None:
+async def serve_router(config: RouterConfig, host: str, port: int,
+                       metrics_port: int | None = None) -> None:
     router = Router(config)
+    metrics = RouterMetrics()
+    if metrics_port is not None:
+        bound_metrics = metrics.serve(host, metrics_port)
+        print(f"kvhandoff router metrics on http://{host}:{bound_metrics}/metrics", flush=True)
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, metrics), server)
     names = [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name]
     health = add_health_and_reflection(server, names)
     bound = server.add_insecure_port(f"{host}:{port}")

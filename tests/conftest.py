@@ -1,10 +1,13 @@
-"""Shared fixtures. Engines are expensive (~30 s each on CPU): one P and one D for the
-whole session, shared by every integration test, driven from one event loop."""
+"""Shared fixtures. Engines are expensive (~30 s each on CPU) and share 2 cores, so two
+engine groups are started once each and never run at the same time: the in-process P+D
+``pair`` and the ``cluster`` of `kvhandoff serve` processes. Tests are ordered by the
+group they use (unit tests, pair, tests with their own processes, cluster) and each
+group is shut down after its last test."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -42,17 +45,63 @@ def run(loop):
     return _run
 
 
-@pytest.fixture(scope="session")
+class _Shared:
+    """An engine group shared by consecutive tests; closed after the last of them."""
+
+    def __init__(self) -> None:
+        self._value: Any = None
+        self._close: Callable[[], Any] | None = None
+
+    def get(self, start: Callable[[], tuple[Any, Callable[[], Any]]]) -> Any:
+        if self._close is None:
+            self._value, self._close = start()
+        return self._value
+
+    def close(self) -> None:
+        close, self._value, self._close = self._close, None, None
+        if close is not None:
+            close()
+
+
+_GROUPS = {"pair": _Shared(), "cluster": _Shared()}
+
+
+def _group_order(item: pytest.Item) -> int:
+    names = set(getattr(item, "fixturenames", ()))
+    if "pair" in names:
+        return 1
+    if "cluster" in names:
+        return 3
+    return 2 if item.get_closest_marker("engines") else 0
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=_group_order)  # stable: file order within a group
+
+
+def pytest_runtest_teardown(item, nextitem):
+    for name, group in _GROUPS.items():
+        if nextitem is None or name not in getattr(nextitem, "fixturenames", ()):
+            group.close()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for group in _GROUPS.values():
+        group.close()
+
+
+@pytest.fixture
 def pair(run, model_dir):
     """A real P and D on the built-in model, NIXL over loopback."""
     from kvhandoff.local import local_pair
 
-    cm = local_pair(model_dir, lease_s=LEASE_S,
-                    prefill_overrides={"kv_cache_memory_bytes": P_POOL_BYTES},
-                    decode_overrides={"kv_cache_memory_bytes": D_POOL_BYTES})
-    pair = run(cm.__aenter__())
-    yield pair
-    run(cm.__aexit__(None, None, None))
+    def start():
+        cm = local_pair(model_dir, lease_s=LEASE_S,
+                        prefill_overrides={"kv_cache_memory_bytes": P_POOL_BYTES},
+                        decode_overrides={"kv_cache_memory_bytes": D_POOL_BYTES})
+        return run(cm.__aenter__()), lambda: run(cm.__aexit__(None, None, None))
+
+    return _GROUPS["pair"].get(start)
 
 
 @pytest.fixture
@@ -73,17 +122,20 @@ CLUSTER_D_MIB = 17
 CLUSTER_LEASE_S = 30
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def cluster(model_dir, tmp_path_factory):
     """P, D and the router as separate `kvhandoff serve` processes on loopback."""
     from kvhandoff.demo import local_cluster
 
-    with local_cluster(model_dir, tmp_path_factory.mktemp("cluster-logs"),
-                       decode_mib=CLUSTER_D_MIB, prefill_mib=64, lease_s=CLUSTER_LEASE_S) as c:
-        yield c
+    def start():
+        cm = local_cluster(model_dir, tmp_path_factory.mktemp("cluster-logs"),
+                           decode_mib=CLUSTER_D_MIB, prefill_mib=64, lease_s=CLUSTER_LEASE_S)
+        return cm.__enter__(), lambda: cm.__exit__(None, None, None)
+
+    return _GROUPS["cluster"].get(start)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def router_client(cluster):
     from kvhandoff.client import RouterClient
 

@@ -111,9 +111,16 @@ def test_tampered_handoff_sent_to_d_directly_is_refused(cluster, assert_cluster_
     assert_cluster_clean()
 
 
-def test_cancel_during_stage1_aborts_it_and_frees_p(router_client, assert_cluster_clean):
-    # Greedy on the built-in model never picks </think>: stage 1 runs to max_tokens.
+def _long_stage1_request():
+    """Greedy, and stopping only at <|sid_end|> (which replaces the default </think>
+    stop): stage 1 runs for thousands of tokens."""
     req = make_request(prompt=PROMPT, max_tokens=3000, temperature=0.0, path="handoff")
+    req.stage1.stop_token_ids.append(5)
+    return req
+
+
+def test_cancel_during_stage1_aborts_it_and_frees_p(router_client, assert_cluster_clean):
+    req = _long_stage1_request()
     stream = router_client.generate_stream(req, timeout=120)
     first = next(stream)
     assert first.HasField("stage1_tokens")
@@ -175,4 +182,21 @@ def test_two_decode_endpoints_with_one_down(cluster, model_dir, tmp_path, assert
                 assert resp.stats.decode_endpoint == live
     finally:
         _stop([router])
+    assert_cluster_clean()
+
+
+@pytest.mark.parametrize("how", ["grpc_deadline", "timeout_ms"])
+def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, assert_cluster_clean,
+                                                                 how):
+    req = _long_stage1_request()
+    timeout = 120.0
+    if how == "timeout_ms":
+        req.timeout_ms = 1500
+    else:
+        timeout = 1.5
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        router_client.generate(req, timeout=timeout)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 10
     assert_cluster_clean()

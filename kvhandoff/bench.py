@@ -1,0 +1,380 @@
+"""``kvhandoff bench``: what the handoff buys, against what a user would do instead, in one
+run on one machine.
+
+Workload (generative recommendation): a ~500-token prompt, stage 1 sampling ~200 tokens
+(until ``</think>`` or max_tokens), suffix ``</think>\\n<|sid_begin|>``, stage 2 beam search
+(width 32, 3 tokens). Modes, each running its own stage 1 on P:
+
+- ``text_roundtrip`` (A): stage 2 is a brand-new text request on D: prompt text + thinking
+  text + suffix re-tokenised, D's prefix cache emptied first (nothing reused).
+- ``colocated`` (B): stage 2 on P from token ids, stage 1's KV reused by the prefix cache.
+- ``handoff`` (C): this project: P exports, D imports over NIXL, D computes the tail.
+- ``vllm_beam_search`` (D): vLLM's own beam search on P over the same continuation prompt.
+
+Engines run in this process (no gRPC) so the figures are the engines' own. Stage-2 times:
+the first beam step (for C it includes the NIXL READ) and the whole beam search.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvhandoff.types import BeamParams, Stage1Params
+
+MODES = ("text_roundtrip", "colocated", "handoff", "vllm_beam_search")
+
+
+@dataclass
+class BenchConfig:
+    model: str | None = "bench"
+    prompt_tokens: int = 500
+    stage1_tokens: int = 200
+    beam_width: int = 32
+    beam_tokens: int = 3
+    requests: int = 8
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    sweep: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    seed: int = 0
+    nixl_sizes_mib: tuple[int, ...] = (32, 128, 512)
+    #: Requests per concurrency level = level x rounds.
+    rounds: int = 2
+
+    @classmethod
+    def quick(cls, **kw: Any) -> BenchConfig:
+        base = dict(requests=3, concurrency=(1, 4), sweep=(256, 2048), nixl_sizes_mib=(32, 128),
+                    rounds=1)
+        return cls(**{**base, **kw})
+
+
+@dataclass
+class Sample:
+    """One two-stage request in one mode."""
+
+    mode: str
+    stage1_tokens: int
+    parent_tokens: int
+    stage2_first_beam_ms: float
+    stage2_total_ms: float
+    end_to_end_ms: float
+    computed_tokens_d: int
+    kv_bytes: int = 0
+    transfer_ms: float | None = None
+    beams: list[list[int]] = field(default_factory=list)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
+    return round(values[k], 3)
+
+
+def _prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
+    from kvhandoff.model import _WORDS  # the built-in corpus's words
+
+    rng = random.Random(seed)
+    words = _WORDS.split()
+    out = []
+    for _ in range(n):
+        ids: list[int] = []
+        while len(ids) < length:
+            ids += tokenizer.encode(" ".join(rng.choice(words) for _ in range(64)),
+                                    add_special_tokens=False)
+        out.append(ids[:length])
+    return out
+
+
+class Bench:
+    def __init__(self, pair: Any, cfg: BenchConfig):
+        from kvhandoff.model import DEFAULT_SUFFIX_TEXT
+
+        self.pair, self.cfg = pair, cfg
+        self.p, self.d = pair.p, pair.d
+        self.tok = pair.tokenizer
+        self.suffix_text = DEFAULT_SUFFIX_TEXT
+        self.suffix_ids = pair.default_suffix_ids
+        self.beam = BeamParams(beam_width=cfg.beam_width, max_tokens=cfg.beam_tokens)
+        self._n = 0
+
+    def _rid(self, mode: str) -> str:
+        self._n += 1
+        return f"bench-{mode}-{self._n}"
+
+    def _stage1_params(self, seed: int, max_tokens: int | None = None) -> Stage1Params:
+        return Stage1Params(max_tokens=max_tokens or self.cfg.stage1_tokens, temperature=1.0,
+                            seed=seed, stop_token_ids=tuple(
+                                t for t in (self.pair.think_end_id,) if t is not None))
+
+    def _request(self, prompt: list[int], seed: int, max_tokens: int | None = None):
+        from kvhandoff.pipeline import TwoStageRequest
+
+        return TwoStageRequest(request_id=self._rid("req"), prompt_token_ids=prompt,
+                               suffix_token_ids=self.suffix_ids,
+                               stage1=self._stage1_params(seed, max_tokens), beam=self.beam,
+                               think_end_id=self.pair.think_end_id)
+
+    async def one(self, mode: str, prompt: list[int], seed: int,
+                  stage1_tokens: int | None = None) -> Sample:
+        from decode_engine.beam import vllm_beam_search
+        from decode_engine.engine import run_beam_stage
+        from kvhandoff.pipeline import _stage2_prompt, run_colocated, run_handoff
+
+        req = self._request(prompt, seed, stage1_tokens)
+        t0 = time.perf_counter()
+        if mode == "handoff":
+            before = self.d.counters.transfer_s, self.d.counters.transfers
+            res = await run_handoff(self.p, self.d, req)
+            s2 = res.stage2
+            c = self.d.counters
+            transfer = (c.transfer_s - before[0]) * 1e3 if c.transfers > before[1] else None
+            return Sample(mode, len(res.stage1.token_ids), len(res.parent_token_ids),
+                          s2.first_step_s * 1e3, s2.elapsed_s * 1e3,
+                          (time.perf_counter() - t0) * 1e3, s2.num_computed_tokens_total,
+                          s2.num_imported_bytes, transfer,
+                          [b.token_ids for b in s2.beams])
+        if mode == "colocated":
+            res = await run_colocated(self.p, req)
+            s2 = res.stage2
+            return Sample(mode, len(res.stage1.token_ids), len(res.parent_token_ids),
+                          s2.first_step_s * 1e3, s2.elapsed_s * 1e3,
+                          (time.perf_counter() - t0) * 1e3, s2.num_computed_tokens_total,
+                          beams=[b.token_ids for b in s2.beams])
+        stage1 = await self.p.run_stage1(prompt, req.stage1, self._rid("s1"), export=False)
+        parent = prompt + stage1.token_ids
+        if mode == "text_roundtrip":
+            text = self.tok.decode(parent, skip_special_tokens=False) + self.suffix_text
+            ids = self.tok.encode(text, add_special_tokens=False)
+            await self.d.llm.reset_prefix_cache()
+            s2 = await run_beam_stage(self.d, ids, self.beam, self._rid("a2"))
+            return Sample(mode, len(stage1.token_ids), len(parent),
+                          s2.first_step_s * 1e3, s2.elapsed_s * 1e3,
+                          (time.perf_counter() - t0) * 1e3, s2.num_computed_tokens_total,
+                          beams=[b.token_ids for b in s2.beams])
+        assert mode == "vllm_beam_search"
+        prompt2, _ = _stage2_prompt(req, stage1)
+        before = self.p.counters.prompt_tokens_computed
+        # vLLM's beam search reports nothing until the end: its first step is timed as a
+        # 1-token search on the same prompt (same cache state as B's first step).
+        t1 = time.perf_counter()
+        await vllm_beam_search(self.p.llm, self.tok, prompt2,
+                               BeamParams(beam_width=self.beam.beam_width, max_tokens=1),
+                               self._rid("d1"))
+        first_ms = (time.perf_counter() - t1) * 1e3
+        t2 = time.perf_counter()
+        beams = await vllm_beam_search(self.p.llm, self.tok, prompt2, self.beam, self._rid("d2"))
+        total_ms = (time.perf_counter() - t2) * 1e3
+        computed = self.p.counters.prompt_tokens_computed - before
+        return Sample(mode, len(stage1.token_ids), len(parent), first_ms, total_ms,
+                      (time.perf_counter() - t0) * 1e3 - first_ms, computed,
+                      beams=[b.token_ids[len(prompt2):] if len(b.token_ids) > len(prompt2)
+                             else b.token_ids for b in beams])
+
+    async def sweep_point(self, parent_tokens: int, seed: int) -> dict[str, Any]:
+        """Transfer time of a ``parent_tokens`` parent vs the prefill it replaces on D."""
+        from vllm import SamplingParams
+
+        prompt = _prompts(self.tok, 1, parent_tokens - 1, seed)[0]
+        s = await self.one("handoff", prompt, seed, stage1_tokens=1)
+        await self.d.llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        await self.d.generate(prompt + [0], SamplingParams(max_tokens=1, temperature=0.0),
+                              self._rid("prefill"))
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        return {"parent_tokens": s.parent_tokens, "kv_bytes": s.kv_bytes,
+                "transfer_ms": None if s.transfer_ms is None else round(s.transfer_ms, 3),
+                "import_step_ms": round(s.stage2_first_beam_ms, 3),
+                "prefill_ms": round(prefill_ms, 3)}
+
+
+def _summary(samples: list[Sample]) -> dict[str, Any]:
+    first = [s.stage2_first_beam_ms for s in samples]
+    total = [s.stage2_total_ms for s in samples]
+    e2e = [s.end_to_end_ms for s in samples]
+    out: dict[str, Any] = {
+        "n": len(samples),
+        "stage2_first_beam_ms_p50": _pct(first, 0.5),
+        "stage2_first_beam_ms_p95": _pct(first, 0.95),
+        "stage2_total_ms_p50": _pct(total, 0.5),
+        "stage2_total_ms_p95": _pct(total, 0.95),
+        "end_to_end_ms_p50": _pct(e2e, 0.5),
+        "computed_tokens_d_per_request": statistics.mean(s.computed_tokens_d for s in samples)
+        if samples else None,
+        "parent_tokens_mean": statistics.mean(s.parent_tokens for s in samples) if samples else None,
+    }
+    moved = [s for s in samples if s.kv_bytes and s.transfer_ms]
+    if moved:
+        out["kv_bytes_per_request"] = statistics.mean(s.kv_bytes for s in moved)
+        out["transfer_ms_p50"] = _pct([s.transfer_ms for s in moved], 0.5)
+        out["transfer_gbps"] = round(sum(s.kv_bytes for s in moved)
+                                     / (sum(s.transfer_ms for s in moved) / 1e3) / 1e9, 3)
+    return out
+
+
+async def run_bench(cfg: BenchConfig, progress: Any = None) -> dict[str, Any]:
+    from kvhandoff.local import local_pair
+    from kvhandoff.nixl_probe import measure_transfer
+
+    def tick(label: str) -> None:
+        if progress is not None:
+            progress(label)
+
+    max_parent = max([*cfg.sweep, cfg.prompt_tokens + cfg.stage1_tokens])
+    max_len = max_parent + 64
+    max_len += -max_len % 32
+    pool = 2 << 30
+    common = dict(max_model_len=max_len, kv_cache_memory_bytes=pool, lease_s=60,
+                  max_num_seqs=max(64, cfg.beam_width * max(cfg.concurrency)),
+                  max_logprobs=max(64, 2 * cfg.beam_width))
+    if cfg.model == "bench":
+        common["load_format"] = "dummy"
+    result: dict[str, Any] = {"config": {**asdict(cfg)}, "modes": {}, "concurrency": [],
+                              "sweep": [], "transfer": {}}
+    t_start = time.perf_counter()
+    async with local_pair(cfg.model, **common) as pair:
+        bench = Bench(pair, cfg)
+        prompts = _prompts(bench.tok, cfg.requests, cfg.prompt_tokens, cfg.seed)
+        # Warm every path once (first NIXL handshake, compile of logprobs gathers).
+        for mode in MODES:
+            await bench.one(mode, prompts[0][:64], 1, stage1_tokens=4)
+        tick("warm-up")
+        by_mode: dict[str, list[Sample]] = {m: [] for m in MODES}
+        for i, prompt in enumerate(prompts):
+            for mode in MODES:
+                by_mode[mode].append(await bench.one(mode, prompt, cfg.seed + i))
+                tick(f"{mode} {i + 1}/{len(prompts)}")
+        for mode in MODES:
+            result["modes"][mode] = _summary(by_mode[mode])
+        ref = {i: s.beams for i, s in enumerate(by_mode["colocated"])}
+        for mode in MODES:
+            same = sum(s.beams == ref[i] for i, s in enumerate(by_mode[mode]))
+            result["modes"][mode]["beams_match_colocated"] = f"{same}/{len(prompts)}"
+        for c in cfg.concurrency:
+            for mode in MODES:
+                n = c * cfg.rounds
+                cp = _prompts(bench.tok, n, cfg.prompt_tokens, cfg.seed + 1000 * c)
+                sem = asyncio.Semaphore(c)
+
+                async def go(i: int, prompt: list[int]) -> Sample:
+                    async with sem:
+                        return await bench.one(mode, prompt, cfg.seed + i)
+
+                t0 = time.perf_counter()
+                samples = await asyncio.gather(*(go(i, p) for i, p in enumerate(cp)))
+                wall = time.perf_counter() - t0
+                result["concurrency"].append({
+                    "mode": mode, "concurrency": c, "requests": n,
+                    "requests_per_s": round(n / wall, 3),
+                    "end_to_end_ms_p50": _pct([s.end_to_end_ms for s in samples], 0.5),
+                    "stage2_first_beam_ms_p50": _pct([s.stage2_first_beam_ms for s in samples], 0.5),
+                })
+                tick(f"concurrency {c} {mode}")
+        for i, n in enumerate(cfg.sweep):
+            result["sweep"].append(await bench.sweep_point(n, cfg.seed + 7 + i))
+            tick(f"sweep {n}")
+    result["transfer"] = measure_transfer([m << 20 for m in cfg.nixl_sizes_mib])
+    tick("raw transfer")
+    result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    return result
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"{'mode':<18}{'first beam p50':>15}{'p95':>9}{'stage2 p50':>12}{'p95':>9}"
+             f"{'e2e p50':>10}{'D computed':>11}{'KiB moved':>10}{'GB/s':>7}  beams=B"]
+    for mode in MODES:
+        m = r["modes"][mode]
+        kib = m.get("kv_bytes_per_request")
+        lines.append(
+            f"{mode:<18}{m['stage2_first_beam_ms_p50']:>15.1f}{m['stage2_first_beam_ms_p95']:>9.1f}"
+            f"{m['stage2_total_ms_p50']:>12.1f}{m['stage2_total_ms_p95']:>9.1f}"
+            f"{m['end_to_end_ms_p50']:>10.0f}{m['computed_tokens_d_per_request']:>11.1f}"
+            f"{(kib / 1024 if kib else 0):>10.0f}{m.get('transfer_gbps', 0):>7.2f}  "
+            f"{m['beams_match_colocated']}")
+    lines.append("")
+    lines.append(f"{'concurrency':<12}{'mode':<18}{'req/s':>8}{'e2e p50 ms':>12}{'first beam p50':>16}")
+    for row in r["concurrency"]:
+        lines.append(f"{row['concurrency']:<12}{row['mode']:<18}{row['requests_per_s']:>8.2f}"
+                     f"{row['end_to_end_ms_p50']:>12.0f}{row['stage2_first_beam_ms_p50']:>16.1f}")
+    lines.append("")
+    lines.append(f"{'parent tokens':<14}{'KiB':>8}{'transfer ms':>13}{'import step ms':>16}"
+                 f"{'prefill ms':>12}")
+    for row in r["sweep"]:
+        t = row["transfer_ms"]
+        lines.append(f"{row['parent_tokens']:<14}{row['kv_bytes'] / 1024:>8.0f}"
+                     f"{(t if t is not None else float('nan')):>13.2f}"
+                     f"{row['import_step_ms']:>16.1f}{row['prefill_ms']:>12.1f}")
+    t = r["transfer"]
+    lines.append("")
+    lines.append(f"raw NIXL READ {t['nixl_gbps']:.2f} GB/s vs same-host memcpy {t['memcpy_gbps']:.2f}"
+                 f" GB/s (largest size; per size in the JSON)")
+    return "\n".join(lines)
+
+
+def plot(r: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    xs = range(len(MODES))
+    first = [r["modes"][m]["stage2_first_beam_ms_p50"] for m in MODES]
+    total = [r["modes"][m]["stage2_total_ms_p50"] for m in MODES]
+    ax1.bar([x - 0.2 for x in xs], first, width=0.4, label="first beam step p50")
+    ax1.bar([x + 0.2 for x in xs], total, width=0.4, label="stage 2 total p50")
+    ax1.set_xticks(list(xs), [m.replace("_", "\n") for m in MODES])
+    ax1.set_ylabel("ms")
+    ax1.set_yscale("log")
+    ax1.set_title("stage 2 latency by mode")
+    ax1.legend()
+    sweep = r["sweep"]
+    ax2.plot([s["parent_tokens"] for s in sweep], [s["transfer_ms"] or 0 for s in sweep], "o-",
+             label="NIXL transfer")
+    ax2.plot([s["parent_tokens"] for s in sweep], [s["prefill_ms"] for s in sweep], "s-",
+             label="prefill it replaces")
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("parent tokens")
+    ax2.set_ylabel("ms")
+    ax2.set_title("transfer vs prefill")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    kw: dict[str, Any] = {"model": args.model or "bench"}
+    for name in ("prompt_tokens", "stage1_tokens", "beam_width", "beam_tokens", "requests",
+                 "seed"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.concurrency:
+        kw["concurrency"] = tuple(int(x) for x in args.concurrency.split(","))
+    if args.sweep:
+        kw["sweep"] = tuple(int(x) for x in args.sweep.split(","))
+    cfg = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
+    steps = 1 + cfg.requests * len(MODES) + len(cfg.concurrency) * len(MODES) + len(cfg.sweep) + 1
+    with tqdm(total=steps, desc="bench", unit="step") as bar:
+        def progress(label: str) -> None:
+            bar.set_postfix_str(label)
+            bar.update(1)
+
+        result = asyncio.run(run_bench(cfg, progress))
+    print(format_report(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(result, args.plot)
+    return 0

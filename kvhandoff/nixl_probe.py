@@ -1,0 +1,88 @@
+"""Raw NIXL READ bandwidth between two processes on this host, against a same-host memory
+copy of the same bytes: the physical limit a handoff's transfer is compared with.
+
+A child process registers a buffer and publishes its NIXL metadata; this process READs it
+(UCX backend, no progress thread on either side: the reader drives the transfer, the
+owner polls its notifications like an engine does)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+
+def _owner(size: int, conn: Any) -> None:
+    import numpy as np
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent("kvh-probe-owner", nixl_agent_config(enable_prog_thread=False,
+                                                            backends=["UCX"]))
+    buf = np.ones(size, dtype=np.uint8)
+    agent.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
+    descs = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
+    conn.send((agent.get_agent_metadata(), agent.get_serialized_descs(descs)))
+    while not conn.poll(0.0005):
+        agent.get_new_notifs()
+    conn.recv()
+
+
+def _read_gbps(size: int, repeats: int) -> float:
+    import numpy as np
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=_owner, args=(size, child), daemon=True)
+    owner.start()
+    try:
+        meta, serialized = parent.recv()
+        agent = nixl_agent(f"kvh-probe-reader-{os.getpid()}",
+                           nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        buf = np.zeros(size, dtype=np.uint8)
+        agent.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
+        local = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
+        remote_name = agent.add_remote_agent(meta)
+        remote = agent.deserialize_descs(serialized)
+        best = float("inf")
+        for i in range(repeats + 1):  # the first READ sets up the connection: not timed
+            handle = agent.initialize_xfer("READ", local, remote, remote_name)
+            t0 = time.perf_counter()
+            state = agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                state = agent.check_xfer_state(handle)
+            elapsed = time.perf_counter() - t0
+            agent.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL READ of {size} bytes ended in {state}")
+            if i:
+                best = min(best, elapsed)
+        if not buf[:16].all():
+            raise RuntimeError("NIXL READ returned the wrong bytes")
+        agent.remove_remote_agent(remote_name)
+        return size / best / 1e9
+    finally:
+        parent.send("stop")
+        owner.join(10)
+
+
+def _memcpy_gbps(size: int, repeats: int) -> float:
+    import numpy as np
+
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return size / best / 1e9
+
+
+def measure_transfer(sizes: list[int], repeats: int = 3) -> dict[str, Any]:
+    rows = [{"bytes": n, "nixl_gbps": round(_read_gbps(n, repeats), 3),
+             "memcpy_gbps": round(_memcpy_gbps(n, repeats), 3)} for n in sizes]
+    largest = rows[-1]
+    return {"nixl_gbps": largest["nixl_gbps"], "memcpy_gbps": largest["memcpy_gbps"],
+            "ratio": round(largest["nixl_gbps"] / largest["memcpy_gbps"], 3), "sizes": rows}

@@ -1,0 +1,67 @@
+"""The router's Prometheus metrics, on their own registry, served on ``/metrics``."""
+
+from __future__ import annotations
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from kvhandoff.v1 import common_pb2, router_pb2
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvhandoff_router_requests", "Two-stage requests by outcome",
+                                ["outcome", "code"], registry=r)
+        self.stage_seconds = Histogram("kvhandoff_router_stage_seconds",
+                                       "Latency by stage of successful requests", ["stage"],
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.paths = Counter("kvhandoff_router_path_decisions",
+                             "Requests run colocated or with a handoff", ["path"], registry=r)
+        self.handoff_bytes = Counter("kvhandoff_router_handoff_bytes",
+                                     "KV bytes D imported from P", registry=r)
+        self.import_step_seconds = Histogram(
+            "kvhandoff_router_import_step_seconds",
+            "D's first beam step of a handoff: the NIXL READ plus the tail's compute",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens_imported = Counter("kvhandoff_router_tokens_imported",
+                                       "Parent tokens D imported over NIXL", registry=r)
+        self.tokens_computed_d = Counter(
+            "kvhandoff_router_tokens_computed_d",
+            "Tokens the stage-2 engine computed for the first beam step", registry=r)
+        self.capacity_rejections = Counter(
+            "kvhandoff_router_capacity_rejections",
+            "Requests no decode engine could hold (RESOURCE_EXHAUSTED)", registry=r)
+        self.expired_leases = Counter(
+            "kvhandoff_router_expired_leases",
+            "Handoffs refused or discarded because P's lease on the blocks ended", registry=r)
+
+    def serve(self, host: str, port: int) -> int:
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
+
+    def observe(self, resp: router_pb2.GenerateResponse) -> None:
+        s, t = resp.stats, resp.timings
+        path = common_pb2.Path.Name(s.path).removeprefix("PATH_").lower()
+        self.requests.labels("ok", "OK").inc()
+        self.paths.labels(path).inc()
+        self.stage_seconds.labels("stage1").observe(t.stage1_ms / 1e3)
+        self.stage_seconds.labels("stage2_first_step").observe(t.stage2_first_step_ms / 1e3)
+        self.stage_seconds.labels("stage2").observe(t.stage2_ms / 1e3)
+        self.stage_seconds.labels("total").observe(t.total_ms / 1e3)
+        self.tokens_computed_d.inc(s.num_computed_tokens_first_step)
+        if s.path == common_pb2.PATH_HANDOFF:
+            self.handoff_bytes.inc(s.num_bytes_moved)
+            self.tokens_imported.inc(s.num_imported_tokens)
+            self.import_step_seconds.observe(t.stage2_first_step_ms / 1e3)
+
+    def observe_error(self, code: grpc.StatusCode, message: str) -> None:
+        outcome = "cancelled" if code == grpc.StatusCode.CANCELLED else "error"
+        self.requests.labels(outcome, code.name).inc()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.capacity_rejections.inc()
+        if "lease" in message:
+            self.expired_leases.inc()

@@ -1,0 +1,44 @@
+"""The README's first command underneath: `kvhandoff demo` starts P, D and the router as
+processes, verifies every request against the colocated reference, exits 0 and leaves no
+process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.engines]
+
+
+def _processes_in(cwd: Path) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{pid}/cwd").resolve() == cwd.resolve():
+                found.append(int(pid))
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+    return found
+
+
+def test_demo_verifies_every_request_and_leaves_nothing_running(model_dir, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.cli", "demo", "--model", model_dir, "--requests", "3",
+         "--beam-width", "4", "--json", str(tmp_path / "demo.json")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["ok"] and len(report["requests"]) == 3
+    for row in report["requests"]:
+        assert row["verified"]
+        assert row["num_imported_tokens"] == row["num_parent_tokens"] - 1
+        assert row["num_computed_tokens_d"] in (3, 4)  # len(suffix) + 1; 2-token suffix after </think>
+    assert "3/3 requests identical" in proc.stdout
+    assert _processes_in(tmp_path) == []

@@ -1,0 +1,77 @@
+"""The router's Prometheus endpoint: counters move by exactly what the responses say."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvhandoff.client import make_request
+
+pytestmark = [pytest.mark.engines]
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _delta(before, after, name, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_router_metrics_count_what_the_responses_say(cluster, router_client, assert_cluster_clean):
+    url = cluster["router_metrics"]
+    before = _scrape(url)
+    handoff = router_client.generate(make_request(prompt="metrics please", max_tokens=12, seed=4,
+                                                  beam_width=4, path="handoff"))
+    colocated = router_client.generate(make_request(prompt="metrics please", max_tokens=12,
+                                                    seed=4, beam_width=4, path="colocated"))
+    with pytest.raises(grpc.RpcError):
+        router_client.generate(make_request(prompt="x", beam_width=0))
+    after = _scrape(url)
+
+    assert _delta(before, after, "kvhandoff_router_requests_total", outcome="ok", code="OK") == 2
+    assert _delta(before, after, "kvhandoff_router_requests_total", outcome="error",
+                  code="INVALID_ARGUMENT") == 1
+    assert _delta(before, after, "kvhandoff_router_path_decisions_total", path="handoff") == 1
+    assert _delta(before, after, "kvhandoff_router_path_decisions_total", path="colocated") == 1
+    assert _delta(before, after, "kvhandoff_router_handoff_bytes_total") == \
+        handoff.stats.num_bytes_moved > 0
+    assert _delta(before, after, "kvhandoff_router_tokens_imported_total") == \
+        handoff.stats.num_imported_tokens > 0
+    assert _delta(before, after, "kvhandoff_router_tokens_computed_d_total") == \
+        handoff.stats.num_computed_tokens_first_step + colocated.stats.num_computed_tokens_first_step
+    assert _delta(before, after, "kvhandoff_router_stage_seconds_count", stage="total") == 2
+    assert _delta(before, after, "kvhandoff_router_import_step_seconds_count") == 1
+    assert_cluster_clean()
+
+
+def test_engine_metrics_show_vllm_and_handoff_counters(cluster, router_client, assert_cluster_clean):
+    p_url, d_url = cluster["prefill"].metrics_url, cluster["decode"][0].metrics_url
+    p0, d0 = _scrape(p_url), _scrape(d_url)
+    resp = router_client.generate(make_request(prompt=list(range(100, 180)), max_tokens=10,
+                                               seed=9, beam_width=2, path="handoff"))
+    assert_cluster_clean()
+    p1, d1 = _scrape(p_url), _scrape(d_url)
+
+    def d(before, after, name):
+        keys = [k for k in after if k[0] == name]
+        assert keys, f"{name} missing"
+        return sum(after[k] - before.get(k, 0.0) for k in keys)
+
+    assert d(p0, p1, "kvhandoff_engine_exports_total") == 1
+    assert d(d0, d1, "kvhandoff_engine_imports_total") == 1
+    assert d(d0, d1, "kvhandoff_engine_nixl_transfers_total") == 1
+    assert d(d0, d1, "kvhandoff_engine_nixl_transfer_bytes_total") == resp.stats.num_bytes_moved
+    assert d(d0, d1, "kvhandoff_engine_prompt_tokens_transferred_total") == \
+        resp.stats.num_imported_tokens
+    # vLLM's own metrics are there too.
+    assert any(k[0].startswith("vllm:") for k in d1)
