@@ -49,8 +49,8 @@ class BenchConfig:
 
     @classmethod
     def quick(cls, **kw: Any) -> BenchConfig:
-        base = dict(requests=3, concurrency=(1, 4), sweep=(256, 2048), nixl_sizes_mib=(32, 128),
-                    rounds=1)
+        base = dict(requests=2, stage1_tokens=64, concurrency=(1, 4), sweep=(256, 2048),
+                    nixl_sizes_mib=(32, 128), rounds=1)
         return cls(**{**base, **kw})
 
 
@@ -68,6 +68,10 @@ class Sample:
     kv_bytes: int = 0
     transfer_ms: float | None = None
     beams: list[list[int]] = field(default_factory=list)
+    #: Tokens computed for the first beam step (output-reported; None for vLLM's search).
+    computed_first_step: int | None = None
+    suffix_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -82,7 +86,7 @@ def _prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
     from kvhandoff.model import _WORDS  # the built-in corpus's words
 
     rng = random.Random(seed)
-    words = _WORDS.split()
+    words = list(_WORDS)
     out = []
     for _ in range(n):
         ids: list[int] = []
@@ -126,57 +130,61 @@ class Bench:
                   stage1_tokens: int | None = None) -> Sample:
         from decode_engine.beam import vllm_beam_search
         from decode_engine.engine import run_beam_stage
-        from kvhandoff.pipeline import _stage2_prompt, run_colocated, run_handoff
+        from kvhandoff.pipeline import _stage2_prompt
 
         req = self._request(prompt, seed, stage1_tokens)
         t0 = time.perf_counter()
-        if mode == "handoff":
-            before = self.d.counters.transfer_s, self.d.counters.transfers
-            res = await run_handoff(self.p, self.d, req)
-            s2 = res.stage2
-            c = self.d.counters
-            transfer = (c.transfer_s - before[0]) * 1e3 if c.transfers > before[1] else None
-            return Sample(mode, len(res.stage1.token_ids), len(res.parent_token_ids),
-                          s2.first_step_s * 1e3, s2.elapsed_s * 1e3,
-                          (time.perf_counter() - t0) * 1e3, s2.num_computed_tokens_total,
-                          s2.num_imported_bytes, transfer,
-                          [b.token_ids for b in s2.beams])
-        if mode == "colocated":
-            res = await run_colocated(self.p, req)
-            s2 = res.stage2
-            return Sample(mode, len(res.stage1.token_ids), len(res.parent_token_ids),
-                          s2.first_step_s * 1e3, s2.elapsed_s * 1e3,
-                          (time.perf_counter() - t0) * 1e3, s2.num_computed_tokens_total,
-                          beams=[b.token_ids for b in s2.beams])
-        stage1 = await self.p.run_stage1(prompt, req.stage1, self._rid("s1"), export=False)
+        stage1 = await self.p.run_stage1(prompt, req.stage1, self._rid("s1"),
+                                         export=mode == "handoff")
         parent = prompt + stage1.token_ids
-        if mode == "text_roundtrip":
+        prompt2, _ = _stage2_prompt(req, stage1)
+        # Tokens the stage-2 engine computed, from its own iteration stats (exact when
+        # requests run one at a time).
+        engine2 = self.d if mode in ("handoff", "text_roundtrip") else self.p
+        computed0 = engine2.counters.prompt_tokens_computed
+        kv_bytes, transfer_ms = 0, None
+        if mode == "handoff":
+            c = self.d.counters
+            before = c.transfer_s, c.transfers
+            s2 = await self.d.run_stage2(prompt2, self.beam, self._rid("c2"),
+                                         handoff_params=stage1.handoff_params)
+            if c.transfers > before[1]:
+                transfer_ms = (c.transfer_s - before[0]) * 1e3
+            kv_bytes = s2.num_imported_bytes
+            first_ms, total_ms, beams = s2.first_step_s * 1e3, s2.elapsed_s * 1e3, s2.beams
+        elif mode == "colocated":
+            s2 = await run_beam_stage(self.p, prompt2, self.beam, self._rid("b2"))
+            first_ms, total_ms, beams = s2.first_step_s * 1e3, s2.elapsed_s * 1e3, s2.beams
+        elif mode == "text_roundtrip":
             text = self.tok.decode(parent, skip_special_tokens=False) + self.suffix_text
             ids = self.tok.encode(text, add_special_tokens=False)
             await self.d.llm.reset_prefix_cache()
             s2 = await run_beam_stage(self.d, ids, self.beam, self._rid("a2"))
-            return Sample(mode, len(stage1.token_ids), len(parent),
-                          s2.first_step_s * 1e3, s2.elapsed_s * 1e3,
-                          (time.perf_counter() - t0) * 1e3, s2.num_computed_tokens_total,
-                          beams=[b.token_ids for b in s2.beams])
-        assert mode == "vllm_beam_search"
-        prompt2, _ = _stage2_prompt(req, stage1)
-        before = self.p.counters.prompt_tokens_computed
-        # vLLM's beam search reports nothing until the end: its first step is timed as a
-        # 1-token search on the same prompt (same cache state as B's first step).
-        t1 = time.perf_counter()
-        await vllm_beam_search(self.p.llm, self.tok, prompt2,
-                               BeamParams(beam_width=self.beam.beam_width, max_tokens=1),
-                               self._rid("d1"))
-        first_ms = (time.perf_counter() - t1) * 1e3
-        t2 = time.perf_counter()
-        beams = await vllm_beam_search(self.p.llm, self.tok, prompt2, self.beam, self._rid("d2"))
-        total_ms = (time.perf_counter() - t2) * 1e3
-        computed = self.p.counters.prompt_tokens_computed - before
+            first_ms, total_ms, beams = s2.first_step_s * 1e3, s2.elapsed_s * 1e3, s2.beams
+        else:
+            assert mode == "vllm_beam_search"
+            # vLLM's beam search reports nothing until the end: its first step is timed
+            # as a 1-token search on the same prompt (same cache state as B's first step);
+            # the full search then runs with that step's blocks cached (in its favour).
+            t1 = time.perf_counter()
+            await vllm_beam_search(self.p.llm, self.tok, prompt2,
+                                   BeamParams(beam_width=self.beam.beam_width, max_tokens=1),
+                                   self._rid("d1"))
+            first_ms = (time.perf_counter() - t1) * 1e3
+            t2 = time.perf_counter()
+            full = await vllm_beam_search(self.p.llm, self.tok, prompt2, self.beam,
+                                          self._rid("d2"))
+            total_ms = (time.perf_counter() - t2) * 1e3
+            beams = [type(b)(token_ids=b.token_ids[len(prompt2):]
+                             if len(b.token_ids) > len(prompt2) else b.token_ids,
+                             cum_logprob=b.cum_logprob, finish_reason=b.finish_reason)
+                     for b in full]
+        computed = engine2.counters.prompt_tokens_computed - computed0
+        first_computed = None if mode == "vllm_beam_search" else s2.num_computed_tokens_first_step
         return Sample(mode, len(stage1.token_ids), len(parent), first_ms, total_ms,
-                      (time.perf_counter() - t0) * 1e3 - first_ms, computed,
-                      beams=[b.token_ids[len(prompt2):] if len(b.token_ids) > len(prompt2)
-                             else b.token_ids for b in beams])
+                      (time.perf_counter() - t0) * 1e3, computed, kv_bytes, transfer_ms,
+                      [list(b.token_ids) for b in beams], first_computed,
+                      len(prompt2) - len(parent), [b.cum_logprob for b in beams])
 
     async def sweep_point(self, parent_tokens: int, seed: int) -> dict[str, Any]:
         """Transfer time of a ``parent_tokens`` parent vs the prefill it replaces on D."""
@@ -190,6 +198,7 @@ class Bench:
                               self._rid("prefill"))
         prefill_ms = (time.perf_counter() - t0) * 1e3
         return {"parent_tokens": s.parent_tokens, "kv_bytes": s.kv_bytes,
+                "computed_tokens_d_import_step": s.computed_first_step,
                 "transfer_ms": None if s.transfer_ms is None else round(s.transfer_ms, 3),
                 "import_step_ms": round(s.stage2_first_beam_ms, 3),
                 "prefill_ms": round(prefill_ms, 3)}
@@ -210,6 +219,11 @@ def _summary(samples: list[Sample]) -> dict[str, Any]:
         if samples else None,
         "parent_tokens_mean": statistics.mean(s.parent_tokens for s in samples) if samples else None,
     }
+    firsts = [s.computed_first_step for s in samples if s.computed_first_step is not None]
+    if firsts:
+        out["computed_tokens_first_step_per_request"] = statistics.mean(firsts)
+        out["first_step_computes_only_suffix_plus_one"] = (
+            f"{sum(s.computed_first_step == s.suffix_tokens + 1 for s in samples)}/{len(samples)}")
     moved = [s for s in samples if s.kv_bytes and s.transfer_ms]
     if moved:
         out["kv_bytes_per_request"] = statistics.mean(s.kv_bytes for s in moved)
@@ -219,7 +233,10 @@ def _summary(samples: list[Sample]) -> dict[str, Any]:
     return out
 
 
-async def run_bench(cfg: BenchConfig, progress: Any = None) -> dict[str, Any]:
+async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None) -> dict[str, Any]:
+    """Run every measurement; on ``pair`` if given (tests), else on a new P+D pair."""
+    import contextlib
+
     from kvhandoff.local import local_pair
     from kvhandoff.nixl_probe import measure_transfer
 
@@ -239,7 +256,8 @@ async def run_bench(cfg: BenchConfig, progress: Any = None) -> dict[str, Any]:
     result: dict[str, Any] = {"config": {**asdict(cfg)}, "modes": {}, "concurrency": [],
                               "sweep": [], "transfer": {}}
     t_start = time.perf_counter()
-    async with local_pair(cfg.model, **common) as pair:
+    started = contextlib.nullcontext(pair) if pair is not None else local_pair(cfg.model, **common)
+    async with started as pair:
         bench = Bench(pair, cfg)
         prompts = _prompts(bench.tok, cfg.requests, cfg.prompt_tokens, cfg.seed)
         # Warm every path once (first NIXL handshake, compile of logprobs gathers).
@@ -253,11 +271,27 @@ async def run_bench(cfg: BenchConfig, progress: Any = None) -> dict[str, Any]:
                 tick(f"{mode} {i + 1}/{len(prompts)}")
         for mode in MODES:
             result["modes"][mode] = _summary(by_mode[mode])
-        ref = {i: s.beams for i, s in enumerate(by_mode["colocated"])}
+        ref = by_mode["colocated"]
         for mode in MODES:
-            same = sum(s.beams == ref[i] for i, s in enumerate(by_mode[mode]))
+            got = by_mode[mode]
+            same = sum(s.beams == r.beams for s, r in zip(got, ref))
             result["modes"][mode]["beams_match_colocated"] = f"{same}/{len(prompts)}"
-        for c in cfg.concurrency:
+            # Where beams differ: are the scores the same (ties among near-equal
+            # candidates, e.g. with dummy weights) or different searches?
+            result["modes"][mode]["max_score_diff_vs_colocated"] = max(
+                (abs(a - b) for s, r in zip(got, ref) for a, b in zip(s.logprobs, r.logprobs)),
+                default=None)
+        for mode in MODES:
+            if 1 in cfg.concurrency:
+                samples = by_mode[mode]
+                result["concurrency"].append({
+                    "mode": mode, "concurrency": 1, "requests": len(samples),
+                    "requests_per_s": round(len(samples)
+                                            / (sum(s.end_to_end_ms for s in samples) / 1e3), 3),
+                    "end_to_end_ms_p50": _pct([s.end_to_end_ms for s in samples], 0.5),
+                    "stage2_first_beam_ms_p50": _pct([s.stage2_first_beam_ms for s in samples], 0.5),
+                })
+        for c in (c for c in cfg.concurrency if c > 1):
             for mode in MODES:
                 n = c * cfg.rounds
                 cp = _prompts(bench.tok, n, cfg.prompt_tokens, cfg.seed + 1000 * c)
@@ -363,7 +397,8 @@ def main_bench(args: argparse.Namespace) -> int:
     if args.sweep:
         kw["sweep"] = tuple(int(x) for x in args.sweep.split(","))
     cfg = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
-    steps = 1 + cfg.requests * len(MODES) + len(cfg.concurrency) * len(MODES) + len(cfg.sweep) + 1
+    levels = sum(1 for c in cfg.concurrency if c > 1)
+    steps = 1 + cfg.requests * len(MODES) + levels * len(MODES) + len(cfg.sweep) + 1
     with tqdm(total=steps, desc="bench", unit="step") as bar:
         def progress(label: str) -> None:
             bar.set_postfix_str(label)
