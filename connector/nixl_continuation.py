@@ -198,8 +198,11 @@ def _nixl_agent_options(*, progress_thread: bool, progress_delay_us: int):
     base_worker.nixl_agent_config = functools.partial(
         original, enable_prog_thread=progress_thread
     )
-    if progress_thread and progress_delay_us > 0 and bind is not None:
-        bind.nixlAgentConfig = _agent_config_with_delay(bind, progress_delay_us)
+    if progress_thread and progress_delay_us > 0:
+        if bind is None:
+            logger.warning("NIXL bindings not found: its progress thread will busy-spin")
+        else:
+            bind.nixlAgentConfig = _agent_config_with_delay(bind, progress_delay_us)
     try:
         yield
     finally:

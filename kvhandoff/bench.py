@@ -233,8 +233,10 @@ def _summary(samples: list[Sample]) -> dict[str, Any]:
     return out
 
 
-async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None) -> dict[str, Any]:
-    """Run every measurement; on ``pair`` if given (tests), else on a new P+D pair."""
+async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
+                    checkpoint: Any = None) -> dict[str, Any]:
+    """Run every measurement; on ``pair`` if given (tests), else on a new P+D pair.
+    ``checkpoint(result)`` is called after each phase with what is measured so far."""
     import contextlib
 
     from kvhandoff.local import local_pair
@@ -243,6 +245,10 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None) ->
     def tick(label: str) -> None:
         if progress is not None:
             progress(label)
+
+    def save() -> None:
+        if checkpoint is not None:
+            checkpoint(result)
 
     max_parent = max([*cfg.sweep, cfg.prompt_tokens + cfg.stage1_tokens])
     max_len = max_parent + 64
@@ -281,6 +287,7 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None) ->
             result["modes"][mode]["max_score_diff_vs_colocated"] = max(
                 (abs(a - b) for s, r in zip(got, ref) for a, b in zip(s.logprobs, r.logprobs)),
                 default=None)
+        save()
         for mode in MODES:
             if 1 in cfg.concurrency:
                 samples = by_mode[mode]
@@ -311,9 +318,11 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None) ->
                     "stage2_first_beam_ms_p50": _pct([s.stage2_first_beam_ms for s in samples], 0.5),
                 })
                 tick(f"concurrency {c} {mode}")
+                save()
         for i, n in enumerate(cfg.sweep):
             result["sweep"].append(await bench.sweep_point(n, cfg.seed + 7 + i))
             tick(f"sweep {n}")
+            save()
     result["transfer"] = measure_transfer([m << 20 for m in cfg.nixl_sizes_mib])
     tick("raw transfer")
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -404,7 +413,12 @@ def main_bench(args: argparse.Namespace) -> int:
             bar.set_postfix_str(label)
             bar.update(1)
 
-        result = asyncio.run(run_bench(cfg, progress))
+        def checkpoint(partial: dict[str, Any]) -> None:
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({**partial, "partial": True}, indent=1))
+
+        result = asyncio.run(run_bench(cfg, progress, checkpoint=checkpoint))
     print(format_report(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
