@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -237,8 +238,6 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
                     checkpoint: Any = None) -> dict[str, Any]:
     """Run every measurement; on ``pair`` if given (tests), else on a new P+D pair.
     ``checkpoint(result)`` is called after each phase with what is measured so far."""
-    import contextlib
-
     from kvhandoff.local import local_pair
     from kvhandoff.nixl_probe import measure_transfer
 
