@@ -30,6 +30,9 @@ PROTOCOL_VERSION = 1
 #: The key under which our fields travel inside ``kv_transfer_params``.
 KEY = "kvhandoff"
 
+#: The key of the beam-fork parameters (``connector.nixl_continuation``).
+BEAM_KEY = "kvhandoff_beam"
+
 #: Reads are refused this long before the lease ends: the READ itself, the clock
 #: difference between hosts and a stalled step must all fit in it.
 DEFAULT_LEASE_SAFETY_MARGIN_S = 2.0

@@ -12,6 +12,16 @@ D side: the stock connector claims the whole prompt as remote; a continuation pr
 ``min(remote_num_tokens, len(prompt) - 1)`` tokens. Reads are refused once the lease is
 (nearly) over, and a READ that completes after the lease ended is discarded as a load
 failure: the freed blocks may already hold another request's KV.
+
+Beam fork (both sides of one engine): vLLM's prefix cache shares only full blocks,
+so each beam of a beam-search step would recompute the partial last block of the
+sequence it extends (up to ``block_size`` tokens per beam per step). A beam-step
+request sent with ``kv_transfer_params["kvhandoff_beam"]`` = ``{"id": name, "keep":
+True}`` keeps its blocks when it ends; a next-step request with ``{"fork_from": name,
+"fork_children": k}`` loads the tokens its local prefix-cache hit does not cover by a
+block copy from the kept request instead, so it computes one token. The kept request
+is released after its ``k`` children were scheduled, when a later request lists it
+under ``fork_release`` (it got no children), or after ``beam_fork_hold_s``.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 
 from connector.handoff import (
+    BEAM_KEY,
     DEFAULT_LEASE_SAFETY_MARGIN_S,
     KEY,
     PROTOCOL_VERSION,
@@ -58,6 +69,23 @@ def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
     )
 
 
+def _beam_params(request: Request) -> dict[str, Any] | None:
+    params = request.kv_transfer_params
+    return params.get(BEAM_KEY) if params else None
+
+
+@dataclass(slots=True)
+class _KeptRequest:
+    """A finished beam-step request whose blocks wait for its children to copy from."""
+
+    request_id: str  # vLLM's internal id: what the worker reports to free the blocks
+    token_ids: list[int]  # the tokens its KV covers
+    block_ids: tuple[list[int], ...]
+    expires_at: float  # time.monotonic()
+    num_children: int | None = None  # announced by its first child
+    num_forked: int = 0
+
+
 @dataclass(slots=True)
 class _ImportRecord:
     num_tokens: int
@@ -76,12 +104,103 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         self.model_fingerprint = model_fingerprint(vllm_config.model_config.model)
         self.kv_bytes_per_block = kv_bytes_per_block(kv_cache_config)
         self._imports: dict[str, _ImportRecord] = {}
+        extra = vllm_config.kv_transfer_config
+        assert extra is not None
+        self._fork_enabled = bool(extra.get_from_extra_config("beam_fork", True)) and (
+            len(kv_cache_config.kv_cache_groups) == 1
+        )
+        self._fork_hold_s = float(extra.get_from_extra_config("beam_fork_hold_s", 10.0))
+        self._kept: dict[str, _KeptRequest] = {}  # by beam name
+        self._fork_pending: dict[str, tuple[str, int]] = {}  # child -> (source, tokens)
+        self._fork_copies: list[tuple[int, int]] = []  # (source block, child block)
+        self._fork_release: set[str] = set()  # beam names
+
+    # ---- beam fork ---------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        beam = _beam_params(request)
+        if beam and self._fork_enabled:
+            self._fork_release.update(n for n in beam.get("fork_release") or () if n in self._kept)
+        super().on_new_request(request)
+
+    def _fork_match(self, request: Request, beam: dict[str, Any], num_computed: int) -> int:
+        """Tokens a beam child can copy from its kept source (0: compute them)."""
+        source = self._kept.get(beam["fork_from"])
+        if source is None:
+            return 0
+        # The last prompt token is computed here, to sample from it.
+        num_tokens = min(len(source.token_ids), request.num_prompt_tokens - 1)
+        if num_tokens <= num_computed or (
+            request.prompt_token_ids[:num_tokens] != source.token_ids[:num_tokens]
+        ):
+            return 0
+        self._fork_pending[request.request_id] = (beam["fork_from"], num_tokens)
+        return num_tokens - num_computed
+
+    def _fork_scheduled(self, request: Request, beam: dict[str, Any], blocks: Any,
+                        num_external_tokens: int) -> None:
+        pending = self._fork_pending.pop(request.request_id, None)
+        source = self._kept.get(beam["fork_from"])
+        if source is None:
+            return
+        if pending is not None and num_external_tokens > 0:
+            num_tokens = pending[1]
+            first = (num_tokens - num_external_tokens) // self.block_size
+            last = -(-num_tokens // self.block_size)
+            child_blocks = blocks.get_block_ids()[0]
+            self._fork_copies.extend(
+                zip(source.block_ids[0][first:last], child_blocks[first:last])
+            )
+        if source.num_children is None:
+            source.num_children = max(int(beam.get("fork_children") or 1), 1)
+        source.num_forked += 1
+        if source.num_forked >= source.num_children:
+            self._fork_release.add(beam["fork_from"])
+
+    def _keep(self, request: Request, beam: dict[str, Any], block_ids: Any) -> bool:
+        from vllm.v1.request import RequestStatus
+
+        if not (
+            self._fork_enabled
+            and beam.get("keep")
+            and beam.get("id")
+            and request.status
+            in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            and any(block_ids)
+        ):
+            return False
+        self._kept[beam["id"]] = _KeptRequest(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids[: request.num_computed_tokens]),
+            block_ids=tuple(list(group) for group in block_ids),
+            expires_at=time.monotonic() + self._fork_hold_s,
+        )
+        return True
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        now = time.monotonic()
+        for name, kept in self._kept.items():
+            if now >= kept.expires_at and name not in self._fork_release:
+                logger.warning(
+                    "Releasing beam request %s: %d of %s children forked from it within "
+                    "%.1fs", name, kept.num_forked, kept.num_children, self._fork_hold_s
+                )
+                self._fork_release.add(name)
+        meta.kvhandoff_fork_copies = self._fork_copies
+        meta.kvhandoff_fork_release = [
+            self._kept.pop(name).request_id for name in self._fork_release
+        ]
+        self._fork_copies, self._fork_release = [], set()
+        return meta
 
     # ---- D side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         params = request.kv_transfer_params
+        beam = _beam_params(request)
+        if beam and beam.get("fork_from") and self._fork_enabled:
+            return self._fork_match(request, beam, num_computed_tokens), False
         if not (params and params.get("do_remote_prefill")):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         # The last prompt token must be computed here to sample from it, and the
@@ -96,6 +215,9 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ):
         params = request.kv_transfer_params
+        beam = _beam_params(request)
+        if beam and beam.get("fork_from") and self._fork_enabled:
+            self._fork_scheduled(request, beam, blocks, num_external_tokens)
         if params and params.get("do_remote_prefill") and num_external_tokens > 0:
             local_block_ids = blocks.get_unhashed_block_ids_all_groups()
             self._imports[request.request_id] = _ImportRecord(
@@ -121,6 +243,10 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
             }
         elif delay_free and params is not None and params.get("do_remote_prefill"):
             self._attach_handoff(request, params)
+        self._fork_pending.pop(request.request_id, None)
+        beam = _beam_params(request)
+        if beam and not delay_free and self._keep(request, beam, block_ids):
+            return True, params
         return delay_free, params
 
     def _attach_handoff(self, request: Request, params: dict[str, Any]) -> None:
@@ -211,6 +337,33 @@ def _nixl_agent_options(*, progress_thread: bool, progress_delay_us: int):
             bind.nixlAgentConfig = saved_config
 
 
+def _block_views(kv_caches: dict[str, Any], num_blocks: int) -> list[tuple[Any, int]]:
+    """Each distinct KV tensor with its block dimension (the one of size ``num_blocks``).
+
+    Holds for vLLM's attention layouts (CPU: ``[blocks, heads, block_size, 2*head]``,
+    FlashAttention: ``[2, blocks, block_size, heads, head]``, ...). A layout where the
+    dimension is ambiguous fails the engine's start with what to do about it.
+    """
+    views: list[tuple[Any, int]] = []
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, tensor in kv_caches.items():
+        tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+        for t in tensors:
+            key = (t.data_ptr(), tuple(t.shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            dims = [i for i, size in enumerate(t.shape) if size == num_blocks]
+            if len(dims) != 1:
+                raise RuntimeError(
+                    f"beam fork: cannot tell the block dimension of KV cache {name} "
+                    f"(shape {tuple(t.shape)}, {num_blocks} blocks); start the engine "
+                    "with beam_fork disabled (kv_connector_extra_config beam_fork=false)"
+                )
+            views.append((t, dims[0]))
+    return views
+
+
 class ContinuationConnectorWorker(NixlPullConnectorWorker):
     """Worker side: stock READs, fenced by the lease."""
 
@@ -234,6 +387,49 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
         # req_id -> (local perf_counter time by which the READ must have completed,
         # when it was issued).
         self._read_deadlines: dict[str, tuple[float, float]] = {}
+        self._num_blocks = kv_cache_config.num_blocks
+        self._fork_enabled = bool(extra.get_from_extra_config("beam_fork", True))
+        # (tensor, block dimension) for each distinct KV cache tensor.
+        self._fork_views: list[tuple[Any, int]] = []
+        self._fork_ratio = 1
+        self._fork_released: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self._fork_enabled:
+            # The attention kernel may split a logical block into several.
+            self._fork_ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1))
+            self._fork_views = _block_views(kv_caches, self._num_blocks * self._fork_ratio)
+
+    def start_load_kv(self, metadata: Any) -> None:
+        copies = getattr(metadata, "kvhandoff_fork_copies", None)
+        if copies:
+            self._copy_blocks(copies)
+        self._fork_released.update(getattr(metadata, "kvhandoff_fork_release", None) or ())
+        super().start_load_kv(metadata)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Beam fork: copy kept requests' blocks into their children's, every layer."""
+        import torch
+
+        if not self._fork_views:
+            raise RuntimeError("beam fork copies requested but this worker has no KV views")
+        device = self._fork_views[0][0].device
+        ratio = self._fork_ratio
+        src = torch.tensor([s * ratio + j for s, _ in copies for j in range(ratio)],
+                           dtype=torch.long, device=device)
+        dst = torch.tensor([d * ratio + j for _, d in copies for j in range(ratio)],
+                           dtype=torch.long, device=device)
+        for tensor, dim in self._fork_views:
+            tensor.index_copy_(dim, dst, tensor.index_select(dim, src))
+
+    def get_transfer_results(self) -> Any:
+        results = super().get_transfer_results()
+        if self._fork_released:
+            # Reported as "finished sending": the scheduler frees the kept blocks.
+            results.finished_sending.update(self._fork_released)
+            self._fork_released = set()
+        return results
 
     def _local_deadline(self, meta: Any) -> float | None:
         remote = meta.remote

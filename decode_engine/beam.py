@@ -7,6 +7,11 @@ candidate, moves EOS-terminated candidates to ``completed``, and keeps the W bes
 EOS). This module does the same, token for token, but over our own ``generate`` so that
 step 0 can carry ``kv_transfer_params`` (the import) and later steps hit the stage-2
 engine's prefix cache. ``sorted`` is stable, as in vLLM, so ties resolve identically.
+
+With ``fork=True`` (engines running our connector) every step's requests are kept
+when they end, and each next-step beam copies the partial last block of the request
+it extends instead of recomputing it (see ``connector.nixl_continuation``): a step
+then computes one token per beam rather than up to ``block_size``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from connector.handoff import BEAM_KEY
 from kvhandoff.types import Beam, BeamParams, StageError
 
 if TYPE_CHECKING:
@@ -29,6 +35,27 @@ GenerateFn = Callable[[list[int], "SamplingParams", str], Awaitable["RequestOutp
 class _Sequence:
     tokens: list[int]  # prompt + generated, as in vLLM's BeamSearchSequence
     cum_logprob: float = 0.0
+    source: str | None = None  # the request whose output gave the last token
+
+
+def _fork_params(beams: list[_Sequence], names: list[str], previous: list[str],
+                 keep: bool) -> list[dict[str, Any]]:
+    """Per request of one step: its name, whether it is kept, which request it extends,
+    how many siblings extend that one, and (first request) the kept ones nobody extends."""
+    children: dict[str, int] = {}
+    for seq in beams:
+        if seq.source is not None:
+            children[seq.source] = children.get(seq.source, 0) + 1
+    out = []
+    for i, (seq, name) in enumerate(zip(beams, names)):
+        beam: dict[str, Any] = {"id": name, "keep": keep}
+        if seq.source is not None:
+            beam["fork_from"] = seq.source
+            beam["fork_children"] = children[seq.source]
+        if i == 0:
+            beam["fork_release"] = [n for n in previous if n not in children]
+        out.append(beam)
+    return out
 
 
 def beam_score(tokens: list[int], cum_logprob: float, eos_token_id: int | None,
@@ -63,8 +90,10 @@ async def beam_search(
     eos_token_id: int | None,
     request_id: str,
     first_step_extra_args: dict[str, Any] | None = None,
+    fork: bool = False,
 ) -> BeamSearchOutcome:
-    """Run beam search; ``first_step_extra_args`` go on the single step-0 request."""
+    """Run beam search; ``first_step_extra_args`` go on the single step-0 request;
+    ``fork`` shares each beam's partial last block with the next step (see above)."""
     from vllm import SamplingParams
 
     width = params.beam_width
@@ -88,14 +117,26 @@ async def beam_search(
     first_output = None
     first_step_s = 0.0
     step_computed: list[int] = []
+    previous: list[str] = []
     for step in range(params.max_tokens):
         if not beams:
             break
-        extra = first_step_extra_args if step == 0 else None
+        names = [f"{request_id}-s{step}b{i}" for i in range(len(beams))]
+        extras: list[dict[str, Any] | None] = [
+            first_step_extra_args if step == 0 else None for _ in beams
+        ]
+        if fork:
+            keep = step + 1 < params.max_tokens
+            for i, beam in enumerate(_fork_params(beams, names, previous, keep)):
+                extra = dict(extras[i] or {})
+                extra["kv_transfer_params"] = {
+                    **(extra.get("kv_transfer_params") or {}), BEAM_KEY: beam}
+                extras[i] = extra
+            previous = names if keep else []
         outputs = await asyncio.gather(
             *(
-                generate(seq.tokens, sampling(extra), f"{request_id}-s{step}b{i}")
-                for i, seq in enumerate(beams)
+                generate(seq.tokens, sampling(extra), name)
+                for seq, extra, name in zip(beams, extras, names)
             )
         )
         if step == 0:
@@ -111,11 +152,11 @@ async def beam_search(
             sum(len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in outputs)
         )
         candidates: list[_Sequence] = []
-        for seq, out in zip(beams, outputs):
+        for seq, out, name in zip(beams, outputs, names):
             logprobs = out.outputs[0].logprobs
             assert logprobs, f"{request_id}: step {step} returned no logprobs"
             for token_id, lp in logprobs[0].items():
-                new = _Sequence(seq.tokens + [token_id], seq.cum_logprob + lp.logprob)
+                new = _Sequence(seq.tokens + [token_id], seq.cum_logprob + lp.logprob, name)
                 if token_id == eos_token_id and not params.ignore_eos:
                     completed.append(new)
                 else:

@@ -45,6 +45,7 @@ async def run_beam_stage(
         eos_token_id=engine.eos_token_id,
         request_id=request_id,
         first_step_extra_args=first_step_extra_args,
+        fork=engine.config.beam_fork,
     )
     first = outcome.first_output
     imported = ((first.kv_transfer_params or {}).get(KEY) or {}) if first else {}

@@ -18,6 +18,9 @@ Block arithmetic for a prompt of n tokens, block size B, beam width W, T beam to
 
     | full blocks: n // B, shared by all beams | tail: n % B + T tokens, one per beam |
     needed = n // B + W * cdiv(n % B + T, B)
+
+With beam fork on (the default), a step's W requests are kept until the next step's
+W beams have copied their partial blocks, so the tails count twice when T > 1.
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ _ADMITTED = "_kvhandoff_admitted"
 
 
 def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
-                  beam_max_tokens: int) -> int:
+                  beam_max_tokens: int, beam_fork: bool = False) -> int:
     """Blocks D must have free to import a parent and grow ``beam_width`` beams."""
     num_full = num_prompt_tokens // block_size
     tail = num_prompt_tokens - num_full * block_size + beam_max_tokens
-    return num_full + beam_width * cdiv(tail, block_size)
+    tails = 2 * beam_width if beam_fork and beam_max_tokens > 1 else beam_width
+    return num_full + tails * cdiv(tail, block_size)
 
 
 class ContinuationScheduler(Scheduler):
@@ -68,6 +72,7 @@ class ContinuationScheduler(Scheduler):
             if config
             else DEFAULT_LEASE_SAFETY_MARGIN_S
         )
+        self._beam_fork = bool(config.get_from_extra_config("beam_fork", True)) if config else False
         self._rejected: list[tuple[Request, str, str]] = []
         # Admitted imports whose request has not finished yet.
         self._importing: set[str] = set()
@@ -106,7 +111,8 @@ class ContinuationScheduler(Scheduler):
         beam_width = int(fields.get("beam_width", 1))
         beam_max_tokens = int(fields.get("beam_max_tokens", 1))
         needed = blocks_needed(
-            request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens
+            request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,
+            self._beam_fork,
         )
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
         if needed > free:

@@ -85,6 +85,10 @@ class EngineConfig:
     #: engine-core processes on the same cores, spin-waits made every step ~25x
     #: slower here (265 ms vs 10 ms per token), so threads are left unbound.
     cpu_threads: int | None = 1
+    #: Beam steps copy each beam's partial last block instead of recomputing it
+    #: (``connector.nixl_continuation``); kept blocks wait ``beam_fork_hold_s`` at most.
+    beam_fork: bool = True
+    beam_fork_hold_s: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -119,6 +123,8 @@ class EngineConfig:
                 "lease_safety_margin_s": self.lease_safety_margin_s,
                 "nixl_progress_thread": self.nixl_progress_thread,
                 "nixl_progress_delay_us": self.nixl_progress_delay_us,
+                "beam_fork": self.beam_fork,
+                "beam_fork_hold_s": self.beam_fork_hold_s,
                 "backends": ["UCX"],
             },
             **({"kv_buffer_device": self.kv_buffer_device} if self.kv_buffer_device else {}),

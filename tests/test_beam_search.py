@@ -80,12 +80,22 @@ def test_score_matches_vllm():
 @pytest.mark.engines
 @pytest.mark.parametrize("width,length_penalty", [(1, 1.0), (4, 1.0), (8, 0.5)])
 def test_same_beams_as_vllms_own_beam_search(pair, run, width, length_penalty):
+    """With and without beam fork, token for token; with it, later steps compute one
+    token per beam (without it, each beam recomputes its partial last block)."""
     rng = random.Random(width)
     prompt = [rng.randrange(6, pair.d.vocab_size) for _ in range(90)]
     params = BeamParams(beam_width=width, max_tokens=3, length_penalty=length_penalty)
-    ours = run(beam_search(pair.d.generate, prompt, params, eos_token_id=pair.eos_id,
-                           request_id=f"ours-{width}")).beams
     theirs = run(vllm_beam_search(pair.d.llm, pair.tokenizer, prompt, params, f"vllm-{width}"))
-    assert [b.token_ids for b in ours] == [b.token_ids for b in theirs]
-    for a, b in zip(ours, theirs):
-        assert abs(a.cum_logprob - b.cum_logprob) <= 1e-5
+    for fork in (True, False):
+        out = run(beam_search(pair.d.generate, prompt, params, eos_token_id=pair.eos_id,
+                              request_id=f"ours-{width}-{fork}", fork=fork))
+        assert [b.token_ids for b in out.beams] == [b.token_ids for b in theirs], fork
+        for a, b in zip(out.beams, theirs):
+            assert abs(a.cum_logprob - b.cum_logprob) <= 1e-5
+        later = out.step_computed_tokens[1:]
+        if fork:
+            assert later == [width, width], out.step_computed_tokens
+        else:
+            # 90 + step tokens: 26 + step tokens past the last full 32-token block.
+            assert later == [width * 27, width * 28], out.step_computed_tokens
+    assert run(pair.d.wait_pool_clean(15.0)).is_clean
