@@ -19,8 +19,12 @@ Block arithmetic for a prompt of n tokens, block size B, beam width W, T beam to
     | full blocks: n // B, shared by all beams | tail: n % B + T tokens, one per beam |
     needed = n // B + W * cdiv(n % B + T, B)
 
-With beam fork on (the default), a step's W requests are kept until the next step's
-W beams have copied their partial blocks, so the tails count twice when T > 1.
+With beam fork on (the default), step k's requests (1 at step 0, then W) are kept
+until step k+1's W requests were scheduled, so at step k+1 both hold private blocks
+(those past the shared ``n // B``; ``priv(L) = cdiv(L, B) - n // B`` for L tokens)::
+
+    needed = n // B + max(W * cdiv(n % B + T, B),
+                          max over k of  W_k * priv(n + k) + W_(k+1) * priv(n + k + 1))
 """
 
 from __future__ import annotations
@@ -52,8 +56,15 @@ def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
     """Blocks D must have free to import a parent and grow ``beam_width`` beams."""
     num_full = num_prompt_tokens // block_size
     tail = num_prompt_tokens - num_full * block_size + beam_max_tokens
-    tails = 2 * beam_width if beam_fork and beam_max_tokens > 1 else beam_width
-    return num_full + tails * cdiv(tail, block_size)
+    peak = beam_width * cdiv(tail, block_size)
+    if beam_fork:
+        def private(num_tokens: int) -> int:
+            return cdiv(num_tokens, block_size) - num_full
+
+        for k in range(beam_max_tokens - 1):
+            kept = (1 if k == 0 else beam_width) * private(num_prompt_tokens + k)
+            peak = max(peak, kept + beam_width * private(num_prompt_tokens + k + 1))
+    return num_full + peak
 
 
 class ContinuationScheduler(Scheduler):

@@ -47,11 +47,13 @@ class BenchConfig:
     nixl_sizes_mib: tuple[int, ...] = (32, 128, 512)
     #: Requests per concurrency level = level x rounds.
     rounds: int = 2
+    #: Requests sent both through the router and as direct engine calls (0: skip).
+    router_requests: int = 8
 
     @classmethod
     def quick(cls, **kw: Any) -> BenchConfig:
         base = dict(requests=2, stage1_tokens=64, concurrency=(1, 4), sweep=(256, 2048),
-                    nixl_sizes_mib=(32, 128), rounds=1)
+                    nixl_sizes_mib=(32, 128), rounds=1, router_requests=3)
         return cls(**{**base, **kw})
 
 
@@ -322,6 +324,13 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
             result["sweep"].append(await bench.sweep_point(n, cfg.seed + 7 + i))
             tick(f"sweep {n}")
             save()
+        if cfg.router_requests:
+            from kvhandoff.router_overhead import measure_router_overhead
+
+            result["router"] = await measure_router_overhead(
+                pair, _prompts(bench.tok, cfg.router_requests, cfg.prompt_tokens, cfg.seed + 99),
+                stage1_tokens=cfg.stage1_tokens, beam=bench.beam, progress=tick)
+            save()
     result["transfer"] = measure_transfer([m << 20 for m in cfg.nixl_sizes_mib])
     tick("raw transfer")
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -353,6 +362,15 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"{row['parent_tokens']:<14}{row['kv_bytes'] / 1024:>8.0f}"
                      f"{(t if t is not None else float('nan')):>13.2f}"
                      f"{row['import_step_ms']:>16.1f}{row['prefill_ms']:>12.1f}")
+    if r.get("router"):
+        ro = r["router"]
+        lines.append("")
+        lines.append(f"router overhead p50 {ro['router_overhead_ms_p50']:.2f} ms (p95 "
+                     f"{ro['router_overhead_ms_p95']:.2f}); end to end p50 via router "
+                     f"{ro['end_to_end_ms_p50_router']:.0f} ms vs direct engine calls "
+                     f"{ro['end_to_end_ms_p50_direct']:.0f} ms (paired difference p50 "
+                     f"{ro['router_minus_direct_ms_p50']:+.1f} ms); beams equal "
+                     f"{ro['beams_match_direct']}")
     t = r["transfer"]
     lines.append("")
     lines.append(f"raw NIXL READ {t['nixl_gbps']:.2f} GB/s vs same-host memcpy {t['memcpy_gbps']:.2f}"
@@ -406,7 +424,8 @@ def main_bench(args: argparse.Namespace) -> int:
         kw["sweep"] = tuple(int(x) for x in args.sweep.split(","))
     cfg = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
     levels = sum(1 for c in cfg.concurrency if c > 1)
-    steps = 1 + cfg.requests * len(MODES) + levels * len(MODES) + len(cfg.sweep) + 1
+    steps = (1 + cfg.requests * len(MODES) + levels * len(MODES) + len(cfg.sweep)
+             + cfg.router_requests + 1)
     with tqdm(total=steps, desc="bench", unit="step") as bar:
         def progress(label: str) -> None:
             bar.set_postfix_str(label)

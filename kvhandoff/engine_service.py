@@ -168,6 +168,23 @@ async def wait_for_shutdown_signal() -> None:
     await stop.wait()
 
 
+async def start_engine_server(engine: Any, role: str, host: str = "127.0.0.1",
+                              port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """Serve an engine that is already running in this process (the benchmark's)."""
+    from kvhandoff.local import ModelTokens
+    from kvhandoff.model import model_fingerprint
+
+    tokens = ModelTokens.load(engine.config.model)
+    servicer = EngineServicer(role, model_fingerprint(engine.config.model), tokens.think_end_id)
+    servicer.engine = engine
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    add_health_and_reflection(server, [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server, bound
+
+
 async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port: int,
                        metrics_port: int | None = None) -> None:
     """Start the engine, serve until SIGTERM/SIGINT, then shut everything down."""

@@ -83,6 +83,8 @@ class Outcome:
     stage2: engine_pb2.Stage2Response | None = None
     stage1_ms: float = 0.0
     total_ms: float = 0.0
+    #: Time spent waiting on P's Stage1 stream and D's Stage2 call.
+    engine_ms: float = 0.0
 
 
 class Router:
@@ -208,7 +210,9 @@ class Router:
                 sampling=engine_pb.stage1_to_pb(plan.stage1), export=handoff),
                 timeout=self._timeout(plan))
             handoff_msg = None
+            waiting_since = time.perf_counter()
             async for event in call:
+                out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
                 if event.new_token_ids:
                     out.thinking_ids.extend(event.new_token_ids)
                     yield list(event.new_token_ids)
@@ -216,6 +220,8 @@ class Router:
                     out.stage1_finish_reason = event.finish_reason
                     if event.HasField("handoff"):
                         handoff_msg = event.handoff
+                waiting_since = time.perf_counter()
+            out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
         finally:
             p.outstanding -= 1
         out.stage1_ms = (time.perf_counter() - t0) * 1e3
@@ -236,7 +242,9 @@ class Router:
             d = p
         d.outstanding += 1
         try:
+            waiting_since = time.perf_counter()
             out.stage2 = await d.stub.Stage2(request, timeout=self._timeout(plan))
+            out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
         finally:
             d.outstanding -= 1
         out.total_ms = (time.perf_counter() - t0) * 1e3
@@ -255,7 +263,10 @@ def grpc_error(code: grpc.StatusCode, message: str) -> RouterError:
     return RouterError(code, message)
 
 
-def to_response(out: Outcome, tokenizer: Any) -> router_pb2.GenerateResponse:
+def to_response(out: Outcome, tokenizer: Any,
+                received_at: float | None = None) -> router_pb2.GenerateResponse:
+    """The response; ``received_at`` (perf_counter when the call arrived) sets the
+    router's own overhead."""
     s2 = out.stage2
     assert s2 is not None
     beams = list(s2.beams)
@@ -269,8 +280,11 @@ def to_response(out: Outcome, tokenizer: Any) -> router_pb2.GenerateResponse:
         stage1_finish_reason=out.stage1_finish_reason,
         suffix_token_ids=out.suffix_ids,
         beams=beams,
-        timings=router_pb2.Timings(stage1_ms=out.stage1_ms, stage2_first_step_ms=s2.first_step_ms,
-                                   stage2_ms=s2.total_ms, total_ms=out.total_ms),
+        timings=router_pb2.Timings(
+            stage1_ms=out.stage1_ms, stage2_first_step_ms=s2.first_step_ms,
+            stage2_ms=s2.total_ms, total_ms=out.total_ms,
+            router_overhead_ms=0.0 if received_at is None else max(
+                (time.perf_counter() - received_at) * 1e3 - out.engine_ms, 0.0)),
         stats=router_pb2.HandoffStats(
             path=out.plan.path, prefill_endpoint=out.prefill, decode_endpoint=out.decode or "",
             num_parent_tokens=len(out.plan.prompt_ids) + len(out.thinking_ids),

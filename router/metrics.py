@@ -35,6 +35,10 @@ class RouterMetrics:
         self.capacity_rejections = Counter(
             "kvhandoff_router_capacity_rejections",
             "Requests no decode engine could hold (RESOURCE_EXHAUSTED)", registry=r)
+        self.overhead_seconds = Histogram(
+            "kvhandoff_router_overhead_seconds",
+            "The router's own time per request (excluding waiting on the engines)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r)
         self.expired_leases = Counter(
             "kvhandoff_router_expired_leases",
             "Handoffs refused or discarded because P's lease on the blocks ended", registry=r)
@@ -52,6 +56,7 @@ class RouterMetrics:
         self.stage_seconds.labels("stage2_first_step").observe(t.stage2_first_step_ms / 1e3)
         self.stage_seconds.labels("stage2").observe(t.stage2_ms / 1e3)
         self.stage_seconds.labels("total").observe(t.total_ms / 1e3)
+        self.overhead_seconds.observe(t.router_overhead_ms / 1e3)
         self.tokens_computed_d.inc(s.num_computed_tokens_first_step)
         if s.path == common_pb2.PATH_HANDOFF:
             self.handoff_bytes.inc(s.num_bytes_moved)

@@ -40,8 +40,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.router = router
         self.metrics = metrics or RouterMetrics()
 
-    def _response(self, item: Outcome) -> router_pb2.GenerateResponse:
-        resp = to_response(item, self.router.tokens.tokenizer)
+    def _response(self, item: Outcome, received_at: float) -> router_pb2.GenerateResponse:
+        resp = to_response(item, self.router.tokens.tokenizer, received_at)
         self.metrics.observe(resp)
         return resp
 
@@ -58,20 +58,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         await context.abort(code, message)
 
     async def Generate(self, request, context):
+        received_at = time.perf_counter()
         try:
             plan = self.router.plan(request, _deadline(context))
             async for item in self.router.run(plan):
                 if isinstance(item, Outcome):
-                    return self._response(item)
+                    return self._response(item, received_at)
         except (Exception, asyncio.CancelledError) as e:  # mapped to a status in one place
             await self._abort(context, e)
 
     async def GenerateStream(self, request, context):
+        received_at = time.perf_counter()
         try:
             plan = self.router.plan(request, _deadline(context))
             async for item in self.router.run(plan):
                 if isinstance(item, Outcome):
-                    yield router_pb2.GenerateStreamEvent(result=self._response(item))
+                    yield router_pb2.GenerateStreamEvent(
+                        result=self._response(item, received_at))
                 else:
                     yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
         except (Exception, asyncio.CancelledError) as e:

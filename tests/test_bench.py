@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.engines]
 def test_bench_measures_every_mode(pair, run, assert_pools_clean, tmp_path):
     cfg = BenchConfig(model=None, prompt_tokens=40, stage1_tokens=8, beam_width=4, beam_tokens=2,
                       requests=2, concurrency=(1, 2), rounds=1, sweep=(64, 200),
-                      nixl_sizes_mib=(4,))
+                      nixl_sizes_mib=(4,), router_requests=2)
     r = run(run_bench(cfg, pair=pair), timeout=900)
     for mode in MODES:
         m = r["modes"][mode]
@@ -34,9 +34,13 @@ def test_bench_measures_every_mode(pair, run, assert_pools_clean, tmp_path):
     assert [row["parent_tokens"] for row in r["sweep"]] == [64, 200]
     assert all(row["transfer_ms"] and row["prefill_ms"] > 0 for row in r["sweep"])
     assert r["transfer"]["nixl_gbps"] > 0 and r["transfer"]["memcpy_gbps"] > 0
+    # Through a real router process and as direct engine calls: same beams.
+    ro = r["router"]
+    assert ro["requests"] == 2 and ro["beams_match_direct"] == "2/2"
+    assert 0 < ro["router_overhead_ms_p50"] < ro["end_to_end_ms_p50_router"]
 
     text = format_report(r)
-    assert "handoff" in text and "raw NIXL READ" in text
+    assert "handoff" in text and "raw NIXL READ" in text and "router overhead" in text
     plot(r, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     json.dumps(r)  # the --json output is plain JSON

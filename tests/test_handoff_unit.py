@@ -64,13 +64,17 @@ def test_import_params_are_a_fresh_copy_each_time():
     assert "beam_width" not in export[KEY]
 
 
-@pytest.mark.parametrize("n,w,t,expected", [
-    (64, 1, 1, 2 + 1),      # two full blocks shared, one tail block
-    (65, 4, 3, 2 + 4 * 1),  # 1 + 3 tail tokens fit one block per beam
-    (95, 32, 3, 2 + 32 * 2),  # 31 + 3 tail tokens need two blocks per beam
+@pytest.mark.parametrize("n,w,t,expected,with_fork", [
+    (64, 1, 1, 2 + 1, 2 + 1),      # two full blocks shared, one tail block (no next step)
+    (65, 4, 3, 2 + 4 * 1, 2 + 4 + 4),  # 1 + 3 tail tokens fit one block per beam
+    # 31 + 3 tail tokens need two blocks per beam; at step 2, 32 kept beams hold one
+    # block each while their 32 successors hold two.
+    (95, 32, 3, 2 + 32 * 2, 2 + 32 + 64),
 ])
-def test_blocks_needed(n, w, t, expected):
+def test_blocks_needed(n, w, t, expected, with_fork):
     assert blocks_needed(n, 32, w, t) == expected
+    # Beam fork keeps a step's requests until the next step's are scheduled.
+    assert blocks_needed(n, 32, w, t, beam_fork=True) == with_fork
 
 
 def test_suffix_does_not_repeat_think_end():

@@ -107,14 +107,15 @@ def test_other_version_or_model_is_refused(model_dir, fingerprint, field, value,
 
 
 def test_capacity_refusal_names_the_numbers_and_does_not_block_the_queue(model_dir, fingerprint):
-    # 20 blocks; a 300-token prompt with 32 beams needs 9 + 32 * 1 = 41.
+    # 20 blocks; a 301-token prompt with 32 beams needs 9 + 32 + 32 = 73 (beam fork
+    # keeps a step's 32 requests while the next step's 32 copy their tails).
     scheduler = make_scheduler(model_dir, num_blocks=21)
     parent = list(range(10, 310))
     big = make_import_request(parent + [7], make_export_params(parent, model_fingerprint=fingerprint),
                               request_id="big", beam_width=32)
     info = _reject(scheduler, big)
     assert info["reason"] == "capacity"
-    assert "needs 41 blocks" in info["error"] and "20 free of 20" in info["error"]
+    assert "needs 73 blocks" in info["error"] and "20 free of 20" in info["error"]
 
     # A request that fits is admitted right after.
     small_parent = list(range(10, 50))
@@ -163,3 +164,105 @@ def test_export_attaches_a_typed_handoff(model_dir):
     # The blocks stay held for D until it reads them (or the lease ends).
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 - 3
+
+
+# ---- beam fork -------------------------------------------------------------------------
+def _beam_request(prompt, beam, request_id):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from connector.handoff import BEAM_KEY
+
+    init_none_hash(sha256)
+    sampling = SamplingParams(max_tokens=1, logprobs=8)
+    sampling.update_from_generation_config({}, 1)
+    req = Request(request_id=request_id, prompt_token_ids=list(prompt),
+                  sampling_params=sampling, pooling_params=None,
+                  block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    req.kv_transfer_params = {BEAM_KEY: beam}
+    return req
+
+
+def _step(scheduler, sampled=None, finished_sending=()):
+    """One schedule() and a model output sampling token 5 for every scheduled request."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    scheduler.update_from_output(out, ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[sampled or 5] for _ in ids],
+        kv_connector_output=KVConnectorOutput(finished_sending=set(finished_sending)),
+    ))
+    return out
+
+
+def _used_blocks(scheduler):
+    pool = scheduler.kv_cache_manager.block_pool
+    return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+
+
+def test_beam_fork_copies_the_partial_block_and_releases_the_source(model_dir):
+    """70 tokens = 2 full blocks + 6: each child loads those 6 by a copy of block 2 and
+    computes 1 token; the kept source is released once its 2 children are scheduled."""
+    scheduler = make_scheduler(model_dir)
+    prompt = list(range(10, 80))
+    source = _beam_request(prompt, {"id": "s0", "keep": True}, "s0-internal")
+    scheduler.add_request(source)
+    out = _step(scheduler)
+    assert out.num_scheduled_tokens == {"s0-internal": 70}
+    source_blocks = out.scheduled_new_reqs[0].block_ids[0]
+    assert _used_blocks(scheduler) == 3, "the kept source holds its blocks"
+
+    children = [_beam_request(prompt + [t], {"id": f"c{t}", "keep": False, "fork_from": "s0",
+                                             "fork_children": 2, "fork_release": []},
+                              f"c{t}-internal") for t in (5, 6)]
+    for child in children:
+        scheduler.add_request(child)
+    out = _step(scheduler)
+    assert out.num_scheduled_tokens == {"c5-internal": 1, "c6-internal": 1}
+    meta = out.kv_connector_metadata
+    child_blocks = {r.req_id: r.block_ids[0] for r in out.scheduled_new_reqs}
+    assert sorted(meta.kvhandoff_fork_copies) == sorted(
+        (source_blocks[2], child_blocks[c.request_id][2]) for c in children)
+    assert meta.kvhandoff_fork_release == ["s0-internal"]
+    # The worker copies, then reports the source as sent: its blocks are freed.
+    _step(scheduler, finished_sending={"s0-internal"})
+    assert_scheduler_clean(scheduler)
+
+
+def test_beam_fork_refuses_a_child_that_does_not_extend_its_source(model_dir):
+    scheduler = make_scheduler(model_dir)
+    prompt = list(range(10, 80))
+    scheduler.add_request(_beam_request(prompt, {"id": "s0", "keep": True}, "s0-internal"))
+    _step(scheduler)
+    other = prompt[:-1] + [3, 5]  # differs inside the partial block
+    scheduler.add_request(_beam_request(other, {"id": "c", "fork_from": "s0",
+                                                "fork_children": 1}, "c-internal"))
+    out = _step(scheduler)
+    assert out.num_scheduled_tokens == {"c-internal": 71 - 64}, "computed, not copied"
+    assert out.kv_connector_metadata.kvhandoff_fork_copies == []
+    assert out.kv_connector_metadata.kvhandoff_fork_release == ["s0-internal"]
+    _step(scheduler, finished_sending={"s0-internal"})
+    assert_scheduler_clean(scheduler)
+
+
+def test_beam_fork_releases_unclaimed_sources(model_dir):
+    """A kept request nobody extends is released when listed in fork_release, and any
+    other after beam_fork_hold_s."""
+    scheduler = make_scheduler(model_dir, extra_config={"beam_fork_hold_s": 0.5})
+    for name in ("a", "b"):
+        scheduler.add_request(_beam_request(list(range(10, 50)) + [ord(name)],
+                                            {"id": name, "keep": True}, f"{name}-internal"))
+    _step(scheduler)
+    scheduler.add_request(_beam_request([1, 2, 3], {"id": "x", "fork_release": ["a"]},
+                                        "x-internal"))
+    out = _step(scheduler)
+    assert out.kv_connector_metadata.kvhandoff_fork_release == ["a-internal"]
+    time.sleep(0.6)
+    out = _step(scheduler, finished_sending={"a-internal"})
+    assert out.kv_connector_metadata.kvhandoff_fork_release == ["b-internal"]
+    _step(scheduler, finished_sending={"b-internal"})
+    assert_scheduler_clean(scheduler)

@@ -12,7 +12,8 @@ P_ENGINE_ID = "prefill-test"
 
 
 def make_vllm_config(model_dir: str, *, kv_role: str = "kv_consumer", lease_s: int = 30,
-                     max_num_batched_tokens: int = 4096):
+                     max_num_batched_tokens: int = 4096,
+                     extra_config: dict[str, Any] | None = None):
     import torch  # noqa: F401  (vLLM's config imports expect torch loaded)
     from vllm.config import (
         CacheConfig,
@@ -38,7 +39,7 @@ def make_vllm_config(model_dir: str, *, kv_role: str = "kv_consumer", lease_s: i
         kv_connector_module_path="connector.nixl_continuation",
         kv_role=kv_role,
         engine_id="decode-test",
-        kv_connector_extra_config={"kv_lease_duration": lease_s},
+        kv_connector_extra_config={"kv_lease_duration": lease_s, **(extra_config or {})},
     )
     return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                       cache_config=cache_config, kv_transfer_config=kv_transfer,

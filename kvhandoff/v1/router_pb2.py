@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvhandoff.v1 import common_pb2 as kvhandoff_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvhandoff/v1/router.proto\x12\x0ckvhandoff.v1\x1a\x19kvhandoff/v1/common.proto\"\xdb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12,\n\x06stage1\x18\x04 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage1Sampling\x12\x15\n\x0bsuffix_text\x18\x05 \x01(\tH\x01\x12\x32\n\x10suffix_token_ids\x18\x06 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x01\x12&\n\x04\x62\x65\x61m\x18\x07 \x01(\x0b\x32\x18.kvhandoff.v1.BeamSearch\x12 \n\x04path\x18\x08 \x01(\x0e\x32\x12.kvhandoff.v1.Path\x12\x12\n\ntimeout_ms\x18\t \x01(\rB\x08\n\x06promptB\x08\n\x06suffix\"_\n\x07Timings\x12\x11\n\tstage1_ms\x18\x01 \x01(\x01\x12\x1c\n\x14stage2_first_step_ms\x18\x02 \x01(\x01\x12\x11\n\tstage2_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\xff\x01\n\x0cHandoffStats\x12 \n\x04path\x18\x01 \x01(\x0e\x32\x12.kvhandoff.v1.Path\x12\x18\n\x10prefill_endpoint\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_endpoint\x18\x03 \x01(\t\x12\x19\n\x11num_parent_tokens\x18\x04 \x01(\r\x12\x1b\n\x13num_imported_tokens\x18\x05 \x01(\r\x12\x17\n\x0fnum_bytes_moved\x18\x06 \x01(\x04\x12&\n\x1enum_computed_tokens_first_step\x18\x07 \x01(\r\x12!\n\x19num_computed_tokens_total\x18\x08 \x01(\r\"\xa1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12thinking_token_ids\x18\x02 \x03(\x05\x12\x15\n\rthinking_text\x18\x03 \x01(\t\x12\x1c\n\x14stage1_finish_reason\x18\x04 \x01(\t\x12\x18\n\x10suffix_token_ids\x18\x05 \x03(\x05\x12!\n\x05\x62\x65\x61ms\x18\x06 \x03(\x0b\x32\x12.kvhandoff.v1.Beam\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.kvhandoff.v1.Timings\x12)\n\x05stats\x18\x08 \x01(\x0b\x32\x1a.kvhandoff.v1.HandoffStats\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\"\x81\x01\n\x13GenerateStreamEvent\x12/\n\rstage1_tokens\x18\x01 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12\x30\n\x06result\x18\x02 \x01(\x0b\x32\x1e.kvhandoff.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent2\xa9\x01\n\x06Router\x12I\n\x08Generate\x12\x1d.kvhandoff.v1.GenerateRequest\x1a\x1e.kvhandoff.v1.GenerateResponse\x12T\n\x0eGenerateStream\x12\x1d.kvhandoff.v1.GenerateRequest\x1a!.kvhandoff.v1.GenerateStreamEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvhandoff/v1/router.proto\x12\x0ckvhandoff.v1\x1a\x19kvhandoff/v1/common.proto\"\xdb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12,\n\x06stage1\x18\x04 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage1Sampling\x12\x15\n\x0bsuffix_text\x18\x05 \x01(\tH\x01\x12\x32\n\x10suffix_token_ids\x18\x06 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x01\x12&\n\x04\x62\x65\x61m\x18\x07 \x01(\x0b\x32\x18.kvhandoff.v1.BeamSearch\x12 \n\x04path\x18\x08 \x01(\x0e\x32\x12.kvhandoff.v1.Path\x12\x12\n\ntimeout_ms\x18\t \x01(\rB\x08\n\x06promptB\x08\n\x06suffix\"{\n\x07Timings\x12\x11\n\tstage1_ms\x18\x01 \x01(\x01\x12\x1c\n\x14stage2_first_step_ms\x18\x02 \x01(\x01\x12\x11\n\tstage2_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x1a\n\x12router_overhead_ms\x18\x05 \x01(\x01\"\xff\x01\n\x0cHandoffStats\x12 \n\x04path\x18\x01 \x01(\x0e\x32\x12.kvhandoff.v1.Path\x12\x18\n\x10prefill_endpoint\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_endpoint\x18\x03 \x01(\t\x12\x19\n\x11num_parent_tokens\x18\x04 \x01(\r\x12\x1b\n\x13num_imported_tokens\x18\x05 \x01(\r\x12\x17\n\x0fnum_bytes_moved\x18\x06 \x01(\x04\x12&\n\x1enum_computed_tokens_first_step\x18\x07 \x01(\r\x12!\n\x19num_computed_tokens_total\x18\x08 \x01(\r\"\xa1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12thinking_token_ids\x18\x02 \x03(\x05\x12\x15\n\rthinking_text\x18\x03 \x01(\t\x12\x1c\n\x14stage1_finish_reason\x18\x04 \x01(\t\x12\x18\n\x10suffix_token_ids\x18\x05 \x03(\x05\x12!\n\x05\x62\x65\x61ms\x18\x06 \x03(\x0b\x32\x12.kvhandoff.v1.Beam\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.kvhandoff.v1.Timings\x12)\n\x05stats\x18\x08 \x01(\x0b\x32\x1a.kvhandoff.v1.HandoffStats\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\"\x81\x01\n\x13GenerateStreamEvent\x12/\n\rstage1_tokens\x18\x01 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12\x30\n\x06result\x18\x02 \x01(\x0b\x32\x1e.kvhandoff.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent2\xa9\x01\n\x06Router\x12I\n\x08Generate\x12\x1d.kvhandoff.v1.GenerateRequest\x1a\x1e.kvhandoff.v1.GenerateResponse\x12T\n\x0eGenerateStream\x12\x1d.kvhandoff.v1.GenerateRequest\x1a!.kvhandoff.v1.GenerateStreamEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=71
   _globals['_GENERATEREQUEST']._serialized_end=418
   _globals['_TIMINGS']._serialized_start=420
-  _globals['_TIMINGS']._serialized_end=515
-  _globals['_HANDOFFSTATS']._serialized_start=518
-  _globals['_HANDOFFSTATS']._serialized_end=773
-  _globals['_GENERATERESPONSE']._serialized_start=776
-  _globals['_GENERATERESPONSE']._serialized_end=1065
-  _globals['_GENERATESTREAMEVENT']._serialized_start=1068
-  _globals['_GENERATESTREAMEVENT']._serialized_end=1197
-  _globals['_ROUTER']._serialized_start=1200
-  _globals['_ROUTER']._serialized_end=1369
+  _globals['_TIMINGS']._serialized_end=543
+  _globals['_HANDOFFSTATS']._serialized_start=546
+  _globals['_HANDOFFSTATS']._serialized_end=801
+  _globals['_GENERATERESPONSE']._serialized_start=804
+  _globals['_GENERATERESPONSE']._serialized_end=1093
+  _globals['_GENERATESTREAMEVENT']._serialized_start=1096
+  _globals['_GENERATESTREAMEVENT']._serialized_end=1225
+  _globals['_ROUTER']._serialized_start=1228
+  _globals['_ROUTER']._serialized_end=1397
 # @@protoc_insertion_point(module_scope)
