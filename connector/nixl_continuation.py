@@ -240,6 +240,8 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
                 "num_imported_tokens": record.num_tokens,
                 "num_imported_blocks": record.num_blocks,
                 "num_imported_bytes": record.num_blocks * self.kv_bytes_per_block,
+                # D admitted the import only without beam fork (its pool is short).
+                "beam_fork_disabled": bool((_beam_params(request) or {}).get("fork_disabled")),
             }
         elif delay_free and params is not None and params.get("do_remote_prefill"):
             self._attach_handoff(request, params)

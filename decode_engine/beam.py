@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connector.handoff import BEAM_KEY
+from connector.handoff import BEAM_KEY, KEY
 from kvhandoff.types import Beam, BeamParams, StageError
 
 if TYPE_CHECKING:
@@ -142,6 +142,9 @@ async def beam_search(
         if step == 0:
             first_output = outputs[0]
             first_step_s = time.perf_counter() - t0
+            info = ((first_output.kv_transfer_params or {}).get(KEY)) or {}
+            if info.get("beam_fork_disabled"):
+                fork, previous = False, []  # step 0 was not kept either
         for out in outputs:
             if out.outputs[0].finish_reason in ("error", "abort"):
                 reason = ((out.kv_transfer_params or {}).get("kvhandoff") or {}).get(

@@ -20,11 +20,16 @@ Block arithmetic for a prompt of n tokens, block size B, beam width W, T beam to
     needed = n // B + W * cdiv(n % B + T, B)
 
 With beam fork on (the default), step k's requests (1 at step 0, then W) are kept
-until step k+1's W requests were scheduled, so at step k+1 both hold private blocks
-(those past the shared ``n // B``; ``priv(L) = cdiv(L, B) - n // B`` for L tokens)::
+until step k+1's requests were scheduled. Worst case at step k+1: every kept request
+still holds its private blocks (past the shared ``n // B``: ``priv(L) = cdiv(L, B) -
+n // B`` for L tokens), and each new request adds the blocks past its source's full ones::
 
     needed = n // B + max(W * cdiv(n % B + T, B),
-                          max over k of  W_k * priv(n + k) + W_(k+1) * priv(n + k + 1))
+                          max over k of  W_k * priv(n + k)
+                                         + W * (cdiv(n + k + 1, B) - (n + k) // B))
+
+If the pool holds the beams without fork but not with it, the import is admitted with
+fork off for that request (its output says so and the beam search stops keeping).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from connector.handoff import (
+    BEAM_KEY,
     DEFAULT_LEASE_SAFETY_MARGIN_S,
     KEY,
     Handoff,
@@ -62,8 +68,9 @@ def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
             return cdiv(num_tokens, block_size) - num_full
 
         for k in range(beam_max_tokens - 1):
-            kept = (1 if k == 0 else beam_width) * private(num_prompt_tokens + k)
-            peak = max(peak, kept + beam_width * private(num_prompt_tokens + k + 1))
+            n = num_prompt_tokens + k
+            kept = (1 if k == 0 else beam_width) * private(n)
+            peak = max(peak, kept + beam_width * (cdiv(n + 1, block_size) - n // block_size))
     return num_full + peak
 
 
@@ -126,6 +133,19 @@ class ContinuationScheduler(Scheduler):
             self._beam_fork,
         )
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        beam = params.get(BEAM_KEY)
+        if needed > free and beam is not None:
+            plain = blocks_needed(
+                request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens
+            )
+            if plain <= free:
+                logger.info(
+                    "Admitting %s without beam fork: %d blocks free, %d needed with it, "
+                    "%d without", request.request_id, free, needed, plain
+                )
+                beam["keep"] = False
+                beam["fork_disabled"] = True
+                needed = plain
         if needed > free:
             raise HandoffError(
                 "capacity",

@@ -53,8 +53,9 @@ class RouterConfig:
 @dataclass
 class Endpoint:
     address: str
-    stub: engine_pb2_grpc.EngineStub
-    channel: grpc.aio.Channel
+    #: ``EngineStub`` or anything with its Stage1 / Stage2 / GetCapacity calls.
+    stub: Any
+    channel: grpc.aio.Channel | None
     outstanding: int = 0
     capacity: engine_pb2.Capacity | None = None
 
@@ -88,13 +89,19 @@ class Outcome:
 
 
 class Router:
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig,
+                 endpoints: tuple[list[Endpoint], list[Endpoint]] | None = None):
+        """``endpoints`` (P, D) replace gRPC channels to ``config``'s addresses (the Ray
+        Serve router passes deployment handles)."""
         from kvhandoff.local import ModelTokens
 
         self.config = config
         self.tokens = ModelTokens.load(config.model)
-        self.prefill = [self._endpoint(a) for a in config.prefill]
-        self.decode = [self._endpoint(a) for a in config.decode]
+        if endpoints is not None:
+            self.prefill, self.decode = endpoints
+        else:
+            self.prefill = [self._endpoint(a) for a in config.prefill]
+            self.decode = [self._endpoint(a) for a in config.decode]
         self._ids = itertools.count()
 
     @staticmethod
@@ -104,7 +111,8 @@ class Router:
 
     async def close(self) -> None:
         for ep in (*self.prefill, *self.decode):
-            await ep.channel.close()
+            if ep.channel is not None:
+                await ep.channel.close()
 
     # ---- request -> plan ---------------------------------------------------------------
     def _ids_of(self, text: str, field_name: str) -> list[int]:
@@ -117,9 +125,10 @@ class Router:
             try:
                 ep.capacity = await ep.stub.GetCapacity(
                     engine_pb2.CapacityRequest(), timeout=self.config.capacity_timeout_s)
-            except grpc.aio.AioRpcError as e:
+            except (grpc.aio.AioRpcError, RouterError) as e:
                 if ep.capacity is not None:
-                    logger.warning("engine %s unavailable: %s", ep.address, e.code().name)
+                    code = e.code() if isinstance(e, grpc.aio.AioRpcError) else e.code
+                    logger.warning("engine %s unavailable: %s", ep.address, code.name)
                 ep.capacity = None
 
         await asyncio.gather(*(one(ep) for ep in endpoints))

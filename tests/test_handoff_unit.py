@@ -67,9 +67,9 @@ def test_import_params_are_a_fresh_copy_each_time():
 @pytest.mark.parametrize("n,w,t,expected,with_fork", [
     (64, 1, 1, 2 + 1, 2 + 1),      # two full blocks shared, one tail block (no next step)
     (65, 4, 3, 2 + 4 * 1, 2 + 4 + 4),  # 1 + 3 tail tokens fit one block per beam
-    # 31 + 3 tail tokens need two blocks per beam; at step 2, 32 kept beams hold one
-    # block each while their 32 successors hold two.
-    (95, 32, 3, 2 + 32 * 2, 2 + 32 + 64),
+    # 31 + 3 tail tokens need two blocks per beam; at step 2, 32 kept requests hold one
+    # block each (now full, shared with their successors) and each successor adds one.
+    (95, 32, 3, 2 + 32 * 2, 2 + 32 + 32),
 ])
 def test_blocks_needed(n, w, t, expected, with_fork):
     assert blocks_needed(n, 32, w, t) == expected

@@ -266,3 +266,20 @@ def test_beam_fork_releases_unclaimed_sources(model_dir):
     assert out.kv_connector_metadata.kvhandoff_fork_release == ["b-internal"]
     _step(scheduler, finished_sending={"b-internal"})
     assert_scheduler_clean(scheduler)
+
+
+def test_import_admitted_without_beam_fork_when_only_that_fits(model_dir, fingerprint):
+    """1504 tokens, 32 beams, 60 beam tokens: 143 blocks with fork, 111 without; with
+    120 free the import is admitted and fork is turned off for it."""
+    from connector.handoff import BEAM_KEY
+
+    scheduler = make_scheduler(model_dir, num_blocks=121)
+    parent = list(range(10, 1514))
+    req = make_import_request(parent, make_export_params(parent[:-1], model_fingerprint=fingerprint),
+                              beam_width=32, beam_max_tokens=60)
+    req.kv_transfer_params[BEAM_KEY] = {"id": "b0", "keep": True}
+    scheduler.add_request(req)
+    out = scheduler.schedule()
+    assert req.request_id in out.kv_connector_metadata.reqs_to_recv, "admitted"
+    assert req.kv_transfer_params[BEAM_KEY] == {"id": "b0", "keep": False,
+                                                "fork_disabled": True}

@@ -1,0 +1,59 @@
+"""``build_app(args) -> Application``: kvhandoff as a Ray Serve application.
+
+``serve run deploy/config.yaml`` (GPU nodes) or ``deploy/config-cpu.yaml`` imports
+``deploy.app:build_app`` with the YAML's ``args``; :class:`deploy.args.AppArgs` validates
+them before anything starts. Deployments: ``Prefill`` and ``Decode`` (one vLLM engine per
+replica) and ``Router`` (the ``kvhandoff.v1.Router`` gRPC service via Serve's gRPC proxy,
+which must list ``kvhandoff.v1.router_pb2_grpc.add_RouterServicer_to_server``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from deploy.args import AppArgs, RoleArgs
+from deploy.deployments import EngineServer, RouterServer
+
+#: What Serve's gRPC proxy needs (``grpc_options.grpc_servicer_functions``).
+GRPC_SERVICER_FUNCTIONS = ["kvhandoff.v1.router_pb2_grpc.add_RouterServicer_to_server"]
+
+
+def _role_options(a: AppArgs, role: RoleArgs, name: str) -> dict[str, Any]:
+    actor: dict[str, Any] = {"num_cpus": role.num_cpus, "num_gpus": a.gpus(role)}
+    if role.runtime_env:
+        actor["runtime_env"] = role.runtime_env
+    opts: dict[str, Any] = {
+        "name": name,
+        "ray_actor_options": actor,
+        # A vLLM engine takes a while to start (weights, KV pool, NIXL registration).
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 30,
+        "max_ongoing_requests": max(8, role.engine.max_num_seqs),
+    }
+    if role.autoscaling is not None:
+        opts["autoscaling_config"] = role.autoscaling.model_dump()
+    else:
+        opts["num_replicas"] = role.num_replicas
+    return opts
+
+
+def build_app(args: dict[str, Any] | AppArgs) -> Application:
+    a = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    prefill = EngineServer.options(**_role_options(a, a.prefill, "Prefill")).bind(
+        "prefill", a.model, a.engine_kwargs(a.prefill),
+        a.prefill.engine.side_channel_host, a.prefill.engine.side_channel_port)
+    decode_opts = _role_options(a, a.decode, "Decode")
+    decode_opts["request_router_config"] = RequestRouterConfig(
+        request_router_class="deploy.request_router:CapacityRouter",
+        request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0)
+    decode = EngineServer.options(**decode_opts).bind(
+        "decode", a.model, a.engine_kwargs(a.decode),
+        a.decode.engine.side_channel_host, a.decode.engine.side_channel_port)
+    return RouterServer.options(
+        name="Router", num_replicas=a.router.num_replicas,
+        ray_actor_options={"num_cpus": a.router.num_cpus},
+    ).bind(prefill, decode, a.model, a.router.colocated_below_tokens, a.router.max_beam_width)

@@ -1,0 +1,193 @@
+"""The application's arguments (``args:`` in ``deploy/config.yaml``), validated up front.
+
+Everything a Serve deployment of kvhandoff can be told is here, checked field by field
+and across fields before any replica starts: P and D run the same model and the same
+vLLM, their block sizes match (D reads P's blocks as they are), the router's beam width
+fits D's ``max_logprobs``, and on GPU nodes each engine replica reserves whole GPUs
+(its tensor-parallel size), so a P and a D replica never share one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from kvhandoff.engine import MAX_BEAM_WIDTH
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Autoscaling(_Strict):
+    """Ray Serve autoscaling for one role (replaces ``num_replicas``)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: PositiveInt = 1
+    target_ongoing_requests: float = Field(4.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling: min_replicas > max_replicas")
+        return self
+
+
+class EngineArgs(_Strict):
+    """One vLLM engine (see ``kvhandoff.engine.EngineConfig``)."""
+
+    kv_cache_mib: PositiveInt = 256
+    block_size: PositiveInt = 32
+    max_model_len: PositiveInt = 4096
+    max_num_seqs: PositiveInt = 128
+    max_logprobs: int = Field(2 * MAX_BEAM_WIDTH, ge=2)
+    tensor_parallel_size: PositiveInt = 1
+    #: "cuda" on GPU nodes (NIXL reads device to device), "cpu" on CPU nodes; None: the
+    #: platform default.
+    kv_buffer_device: Literal["cuda", "cpu"] | None = None
+    dtype: str | None = None
+    load_format: str | None = None
+    enforce_eager: bool = True
+    #: CPU nodes: torch threads per engine.
+    cpu_threads: PositiveInt | None = 1
+    #: Address D's NIXL side channel connects to P on: the node's IP by default
+    #: (``127.0.0.1`` only when everything runs on one node).
+    side_channel_host: str | None = None
+    #: 0: each replica binds a free port (unique on its node). Otherwise the first of
+    #: a range: replica ``rank`` uses ``side_channel_port + rank``.
+    side_channel_port: int = Field(0, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _block_size(self) -> EngineArgs:
+        if self.block_size % 16:
+            raise ValueError(f"block_size must be a multiple of 16, not {self.block_size}")
+        return self
+
+
+class RoleArgs(_Strict):
+    """The prefill (P) or decode (D) deployment."""
+
+    num_replicas: PositiveInt = 1
+    autoscaling: Autoscaling | None = None
+    #: Ray resources per replica. ``num_gpus`` defaults to the tensor-parallel size on
+    #: GPU nodes and 0 on CPU nodes.
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float | None = Field(None, ge=0)
+    engine: EngineArgs = EngineArgs()
+    #: Must be the application's model when set (kept for configs that name it per role).
+    model: str | None = None
+    #: Ray runtime environment of this role's replicas (e.g. ``pip``); P's and D's must
+    #: pin the same vLLM.
+    runtime_env: dict[str, Any] | None = None
+
+
+class RouterArgs(_Strict):
+    num_replicas: PositiveInt = 1
+    num_cpus: float = Field(0.5, ge=0)
+    #: PATH_AUTO runs requests whose parent can be at most this long colocated on P.
+    colocated_below_tokens: int = Field(0, ge=0)
+    #: Largest beam width the router accepts; D's ``max_logprobs`` must cover 2x.
+    max_beam_width: int = Field(MAX_BEAM_WIDTH, ge=1, le=MAX_BEAM_WIDTH)
+
+
+_VLLM_PIN = re.compile(r"^\s*(vllm(?:-cpu)?)\s*(==.*)?$", re.IGNORECASE)
+
+
+def _vllm_pins(runtime_env: dict[str, Any] | None) -> set[str]:
+    pip = (runtime_env or {}).get("pip") or []
+    if isinstance(pip, dict):
+        pip = pip.get("packages", [])
+    out = set()
+    for req in pip:
+        m = _VLLM_PIN.match(str(req))
+        if m:
+            out.add((m.group(2) or "").replace(" ", ""))
+    return out
+
+
+class AppArgs(_Strict):
+    """The whole application."""
+
+    #: A Hugging Face model directory on every node, or "builtin" / "bench" (generated
+    #: locally, identical on every node).
+    model: str = "builtin"
+    device: Literal["cuda", "cpu"] = "cuda"
+    #: Seconds P holds an exported parent's blocks for D to read.
+    lease_s: PositiveInt = 30
+    prefill: RoleArgs = RoleArgs()
+    decode: RoleArgs = RoleArgs()
+    router: RouterArgs = RouterArgs()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> AppArgs:
+        p, d = self.prefill, self.decode
+        for name, role in (("prefill", p), ("decode", d)):
+            if role.model is not None and role.model != self.model:
+                raise ValueError(f"{name}.model {role.model!r} differs from model "
+                                 f"{self.model!r}: P and D must run the same model")
+            e = role.engine
+            if self.device == "cpu":
+                if role.num_gpus:
+                    raise ValueError(f"{name}.num_gpus must be 0 on device cpu")
+                if e.tensor_parallel_size != 1:
+                    raise ValueError(f"{name}.engine.tensor_parallel_size must be 1 on cpu")
+                if e.kv_buffer_device == "cuda":
+                    raise ValueError(f"{name}.engine.kv_buffer_device cuda needs device cuda")
+            else:
+                gpus = self.gpus(role)
+                if gpus != int(gpus) or gpus < e.tensor_parallel_size:
+                    raise ValueError(
+                        f"{name}.num_gpus must be a whole number >= tensor_parallel_size "
+                        f"({e.tensor_parallel_size}): fractional GPUs would let P and D "
+                        "replicas share a GPU")
+        if p.engine.block_size != d.engine.block_size:
+            raise ValueError(f"block sizes differ (prefill {p.engine.block_size}, decode "
+                             f"{d.engine.block_size}): D reads P's blocks as they are")
+        if d.engine.max_model_len < p.engine.max_model_len:
+            raise ValueError("decode.engine.max_model_len must be >= prefill's: D continues "
+                             "P's longest parent")
+        for name, role in (("decode", d), ("prefill", p)):
+            # The colocated path runs beam search on P.
+            if 2 * self.router.max_beam_width > role.engine.max_logprobs:
+                raise ValueError(
+                    f"router.max_beam_width {self.router.max_beam_width} needs "
+                    f"{name}.engine.max_logprobs >= {2 * self.router.max_beam_width} "
+                    f"(is {role.engine.max_logprobs})")
+        p_pins, d_pins = _vllm_pins(p.runtime_env), _vllm_pins(d.runtime_env)
+        if p_pins != d_pins:
+            raise ValueError(f"P and D must run the same vLLM: prefill pins {sorted(p_pins)}, "
+                             f"decode pins {sorted(d_pins)}")
+        return self
+
+    def gpus(self, role: RoleArgs) -> float:
+        if self.device == "cpu":
+            return 0.0
+        return role.engine.tensor_parallel_size if role.num_gpus is None else role.num_gpus
+
+    def engine_kwargs(self, role: RoleArgs) -> dict[str, Any]:
+        """``EngineConfig`` keyword arguments for one role (without role, model, ports)."""
+        e = role.engine
+        kw: dict[str, Any] = {
+            "lease_s": self.lease_s,
+            "block_size": e.block_size,
+            "kv_cache_memory_bytes": e.kv_cache_mib << 20,
+            "max_model_len": e.max_model_len,
+            "max_num_seqs": e.max_num_seqs,
+            "max_logprobs": e.max_logprobs,
+            "tensor_parallel_size": e.tensor_parallel_size,
+            "enforce_eager": e.enforce_eager,
+        }
+        for name in ("kv_buffer_device", "dtype", "load_format"):
+            if getattr(e, name) is not None:
+                kw[name] = getattr(e, name)
+        if self.model == "bench" and e.load_format is None:
+            kw["load_format"] = "dummy"
+        if self.device == "cpu":
+            kw["cpu_threads"] = e.cpu_threads
+        else:
+            kw["cpu_threads"] = None
+            # The CPU-only loopback restriction does not apply to GPU nodes (RDMA NICs).
+            kw["ucx_net_devices"] = None
+        return kw

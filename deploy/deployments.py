@@ -1,0 +1,271 @@
+"""The Serve deployments: one vLLM engine per P or D replica, and the router.
+
+Engine replicas serve the same calls as ``kvhandoff serve --role prefill|decode`` (the
+same :class:`~kvhandoff.engine_service.EngineServicer` runs them), with protobuf bytes
+in and out, over deployment handles instead of a gRPC port. The router deployment is the
+``kvhandoff.v1.Router`` gRPC service, served by Ray Serve's gRPC proxy; it runs the same
+:class:`~router.core.Router` as the standalone router, over handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from ray import serve
+
+from kvhandoff.v1 import engine_pb2, router_pb2
+
+logger = logging.getLogger("kvhandoff.deploy")
+
+
+class EngineCallError(Exception):
+    """An engine replica's refusal, with the gRPC status the standalone server sends."""
+
+    def __init__(self, code_name: str, message: str):
+        super().__init__(f"{code_name}: {message}")
+        self.code_name, self.message = code_name, message
+
+    def __reduce__(self):  # crosses process boundaries inside Ray's error wrapper
+        return (EngineCallError, (self.code_name, self.message))
+
+
+class _CallContext:
+    """The slice of a gRPC servicer context ``EngineServicer`` uses."""
+
+    async def abort(self, code: grpc.StatusCode, message: str) -> None:
+        raise EngineCallError(code.name, message)
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+@serve.deployment
+class EngineServer:
+    """One P or D engine. Started in ``__init__`` (Serve marks the replica ready after)."""
+
+    async def __init__(self, role: str, model: str, engine_kwargs: dict[str, Any],
+                       side_channel_host: str | None = None, side_channel_port: int = 0):
+        from decode_engine.engine import DecodeEngine
+        from kvhandoff.engine import EngineConfig
+        from kvhandoff.engine_service import EngineServicer
+        from kvhandoff.local import ModelTokens
+        from kvhandoff.model import model_fingerprint, resolve_model
+        from prefill_engine.engine import PrefillEngine
+
+        self.role = role
+        model_dir = str(resolve_model(model))
+        port = None
+        if side_channel_port:
+            # A fixed range: this replica's rank within its deployment picks its port.
+            port = side_channel_port + serve.get_replica_context().rank.rank
+        host = side_channel_host or _node_ip()
+        config = EngineConfig(model=model_dir, role=role, side_channel_host=host,
+                              side_channel_port=port, **engine_kwargs)
+        tokens = ModelTokens.load(model_dir)
+        self.servicer = EngineServicer(role, model_fingerprint(model_dir), tokens.think_end_id)
+        cls = PrefillEngine if role == "prefill" else DecodeEngine
+        self.engine = await asyncio.to_thread(cls.start, config)
+        await self.engine.warmup()
+        self.servicer.engine = self.engine
+        logger.info("%s replica ready: engine %s, NIXL side channel %s", role,
+                    self.engine.engine_id, host)
+
+    async def stage1(self, request: bytes) -> AsyncIterator[bytes]:
+        req = engine_pb2.Stage1Request.FromString(request)
+        async for event in self.servicer.Stage1(req, _CallContext()):
+            yield event.SerializeToString()
+
+    async def stage2(self, request: bytes, blocks_needed: int = 0) -> bytes:
+        # ``blocks_needed`` is read by CapacityRouter before the call lands here.
+        req = engine_pb2.Stage2Request.FromString(request)
+        return (await self.servicer.Stage2(req, _CallContext())).SerializeToString()
+
+    async def capacity(self) -> bytes:
+        cap = await self.servicer.GetCapacity(engine_pb2.CapacityRequest(), _CallContext())
+        return cap.SerializeToString()
+
+    def info(self) -> dict[str, Any]:
+        import vllm
+
+        return {"role": self.role, "engine_id": self.engine.engine_id,
+                "vllm_version": vllm.__version__,
+                "model_fingerprint": self.servicer.model_fingerprint,
+                "block_size": self.engine.block_size}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What CapacityRouter routes D's calls by (Serve polls it)."""
+        snap = self.engine.pool()
+        return {"free_blocks": snap.num_free_blocks, "block_size": snap.block_size}
+
+    def check_health(self) -> None:
+        if self.engine.llm.errored:
+            raise RuntimeError(f"engine {self.engine.engine_id} has failed")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+class HandleStub:
+    """``EngineStub``'s three calls over a deployment handle, for :class:`Router`."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        self.block_size = 0  # learnt from GetCapacity
+
+    @staticmethod
+    def _error(exc: BaseException) -> Exception:
+        from router.core import RouterError
+
+        cause = exc if isinstance(exc, EngineCallError) else getattr(exc, "cause", None)
+        if isinstance(cause, EngineCallError):
+            return RouterError(grpc.StatusCode[cause.code_name], cause.message)
+        logger.warning("engine replica call failed: %r", exc)
+        return RouterError(grpc.StatusCode.UNAVAILABLE,
+                           f"engine replica unavailable ({type(exc).__name__})")
+
+    async def Stage1(self, request: engine_pb2.Stage1Request,  # noqa: N802 (gRPC names)
+                     timeout: float | None = None) -> AsyncIterator[engine_pb2.Stage1Event]:
+        stream = self.handle.options(stream=True).stage1.remote(request.SerializeToString())
+        try:
+            async with asyncio.timeout(timeout):
+                async for data in stream:
+                    yield engine_pb2.Stage1Event.FromString(data)
+        except (asyncio.CancelledError, TimeoutError):
+            stream.cancel()
+            raise
+        except Exception as e:
+            raise self._error(e) from None
+
+    async def Stage2(self, request: engine_pb2.Stage2Request,  # noqa: N802
+                     timeout: float | None = None) -> engine_pb2.Stage2Response:
+        from decode_engine.scheduler import blocks_needed
+
+        need = 0
+        if request.HasField("handoff") and self.block_size:
+            need = blocks_needed(len(request.prompt_token_ids), self.block_size,
+                                 request.beam.beam_width, request.beam.max_tokens, True)
+        response = self.handle.stage2.remote(request.SerializeToString(), blocks_needed=need)
+        try:
+            async with asyncio.timeout(timeout):
+                return engine_pb2.Stage2Response.FromString(await response)
+        except (asyncio.CancelledError, TimeoutError):
+            response.cancel()
+            raise
+        except Exception as e:
+            raise self._error(e) from None
+
+    async def GetCapacity(self, request: Any,  # noqa: N802
+                          timeout: float | None = None) -> engine_pb2.Capacity:
+        try:
+            async with asyncio.timeout(timeout):
+                cap = engine_pb2.Capacity.FromString(await self.handle.capacity.remote())
+        except Exception as e:
+            raise self._error(e) from None
+        self.block_size = cap.block_size
+        return cap
+
+
+@serve.deployment
+class RouterServer:
+    """``kvhandoff.v1.Router`` behind Serve's gRPC proxy: same messages, semantics and
+    status codes as ``kvhandoff serve --role router``."""
+
+    def __init__(self, prefill: Any, decode: Any, model: str, colocated_below_tokens: int = 0,
+                 max_beam_width: int = 32):
+        from kvhandoff.model import resolve_model
+        from router.core import Endpoint, Router, RouterConfig
+        from router.metrics import RouterMetrics
+
+        config = RouterConfig(prefill=("serve:Prefill",), decode=("serve:Decode",),
+                              model=str(resolve_model(model)),
+                              colocated_below_tokens=colocated_below_tokens)
+        self.router = Router(config, endpoints=(
+            [Endpoint("serve:Prefill", HandleStub(prefill), None)],
+            [Endpoint("serve:Decode", HandleStub(decode), None)]))
+        self.max_beam_width = max_beam_width
+        self.metrics = RouterMetrics()
+        self._prefill, self._decode = prefill, decode
+        self._checked = False
+
+    async def _check_engines(self) -> None:
+        """Once: P and D run the same model, vLLM and block size."""
+        if self._checked:
+            return
+        p, d = await asyncio.gather(self._prefill.info.remote(), self._decode.info.remote())
+        for key in ("vllm_version", "model_fingerprint", "block_size"):
+            if p[key] != d[key]:
+                from router.core import RouterError
+
+                raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"P and D differ in {key}: {p[key]} vs {d[key]}")
+        self._checked = True
+
+    async def _run(self, request: router_pb2.GenerateRequest, received_at: float):
+        from router.core import Outcome, RouterError, to_response
+
+        await self._check_engines()
+        if request.beam.beam_width > self.max_beam_width:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"beam.beam_width {request.beam.beam_width} exceeds this "
+                              f"deployment's {self.max_beam_width}")
+        if not any(ep.capacity for ep in self.router.prefill):
+            await self.router.refresh_capacity(self.router.prefill)
+        plan = self.router.plan(request, None)
+        async for item in self.router.run(plan):
+            if isinstance(item, Outcome):
+                resp = to_response(item, self.router.tokens.tokenizer, received_at)
+                self.metrics.observe(resp)
+                yield resp
+            else:
+                yield item
+
+    def _fail(self, grpc_context: Any, exc: BaseException) -> None:
+        from router.service import _status
+
+        code, message = _status(exc)
+        self.metrics.observe_error(code, message)
+        if code == grpc.StatusCode.INTERNAL:
+            logger.error("internal error", exc_info=exc)
+        if grpc_context is not None:
+            grpc_context.set_code(code)
+            grpc_context.set_details(message)
+
+    async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802
+                       grpc_context: Any = None) -> router_pb2.GenerateResponse:
+        received_at = time.perf_counter()
+        try:
+            async for item in self._run(request, received_at):
+                if isinstance(item, router_pb2.GenerateResponse):
+                    return item
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+            raise
+        raise AssertionError("the router produced no response")
+
+    async def GenerateStream(self, request: router_pb2.GenerateRequest,  # noqa: N802
+                             grpc_context: Any = None):
+        received_at = time.perf_counter()
+        try:
+            async for item in self._run(request, received_at):
+                if isinstance(item, router_pb2.GenerateResponse):
+                    yield router_pb2.GenerateStreamEvent(result=item)
+                else:
+                    yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+            raise
+
+    async def check_health(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.router.refresh_capacity(self.router.prefill + self.router.decode)

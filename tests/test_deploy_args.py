@@ -1,0 +1,54 @@
+"""The Ray Serve application's arguments and YAML files, checked without starting Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from deploy.args import AppArgs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "config-cpu.yaml"])
+def test_shipped_configs_validate_and_build(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    from deploy.app import GRPC_SERVICER_FUNCTIONS, build_app
+
+    cfg = yaml.safe_load((ROOT / "deploy" / name).read_text())
+    ServeDeploySchema.model_validate(cfg)
+    assert cfg["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICER_FUNCTIONS
+    (app,) = cfg["applications"]
+    assert app["import_path"] == "deploy.app:build_app"
+    build_app(app["args"])
+
+
+@pytest.mark.parametrize("args,message", [
+    ({"prefill": {"model": "/other"}}, "P and D must run the same model"),
+    ({"decode": {"engine": {"block_size": 64}}}, "block sizes differ"),
+    ({"decode": {"engine": {"max_logprobs": 16}}}, "needs decode.engine.max_logprobs >= 128"),
+    ({"decode": {"num_gpus": 0.5}}, "fractional GPUs"),
+    ({"decode": {"engine": {"tensor_parallel_size": 2}, "num_gpus": 1}}, ">= tensor_parallel_size"),
+    ({"device": "cpu", "prefill": {"num_gpus": 1}}, "num_gpus must be 0"),
+    ({"decode": {"engine": {"max_model_len": 1024}}}, "max_model_len must be >="),
+    ({"prefill": {"runtime_env": {"pip": ["vllm==0.32.0"]}},
+      "decode": {"runtime_env": {"pip": ["vllm==0.31.0"]}}}, "same vLLM"),
+    ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas"),
+    ({"prefill": {"engine": {"kv_cache_gb": 3}}}, "Extra inputs are not permitted"),
+])
+def test_bad_args_are_refused_with_the_reason(args, message):
+    with pytest.raises(ValidationError, match=message):
+        AppArgs.model_validate(args)
+
+
+def test_gpu_defaults_reserve_whole_gpus_per_replica():
+    a = AppArgs.model_validate({"decode": {"engine": {"tensor_parallel_size": 2}}})
+    assert a.gpus(a.decode) == 2 and a.gpus(a.prefill) == 1
+    kw = a.engine_kwargs(a.decode)
+    assert kw["tensor_parallel_size"] == 2 and kw["cpu_threads"] is None
+    cpu = AppArgs.model_validate({"device": "cpu"})
+    assert cpu.gpus(cpu.prefill) == 0 and cpu.engine_kwargs(cpu.prefill)["cpu_threads"] == 1

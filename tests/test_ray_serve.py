@@ -1,0 +1,160 @@
+"""The Ray Serve application on a local Ray instance (CPU): P, D and the router deployed by
+``deploy.app:build_app``, requests through Serve's gRPC proxy, compared with the
+standalone router's answers; a killed D replica is replaced and serving goes on."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from kvhandoff.client import make_request
+from kvhandoff.engine import free_port
+from kvhandoff.v1 import common_pb2, router_pb2_grpc
+
+pytestmark = [pytest.mark.ray, pytest.mark.engines]
+
+APP = "kvhandoff"
+#: Small pools, short lease: the built-in model on a 2-core machine.
+ARGS = {
+    "model": "builtin",
+    "device": "cpu",
+    "lease_s": 30,
+    "prefill": {"num_cpus": 1, "engine": {"kv_cache_mib": 64, "max_model_len": 4096}},
+    # As small as vLLM allows for 4096-token requests (136 blocks), like the cluster's D.
+    "decode": {"num_cpus": 1, "engine": {"kv_cache_mib": 17, "max_model_len": 4096}},
+    "router": {"num_cpus": 0.5},
+}
+
+
+def _engine_core_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "VLLM::EngineCore|EngineCore_DP"], capture_output=True,
+                         text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def _wait_healthy(serve, deployments: tuple[str, ...], timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(APP)
+        if app is not None and all(
+                d in app.deployments and app.deployments[d].status == "HEALTHY"
+                and app.deployments[d].replica_states.get("RUNNING", 0) >= 1
+                for d in deployments):
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"{deployments} not healthy after {timeout_s:.0f}s: {serve.status()}")
+
+
+@pytest.fixture(scope="module")
+def ray_app():
+    import ray
+    from ray import serve
+
+    from deploy.app import GRPC_SERVICER_FUNCTIONS, build_app
+
+    before = _engine_core_pids()
+    grpc_port = free_port()
+    # Logical CPUs: Ray only accounts them; the engines share the machine's cores.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        serve.start(http_options={"location": "NoServer"},
+                    grpc_options={"port": grpc_port,
+                                  "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+        serve.run(build_app(ARGS), name=APP, route_prefix=None, blocking=False)
+        _wait_healthy(serve, ("Prefill", "Decode", "Router"))
+        yield {"address": f"127.0.0.1:{grpc_port}", "serve": serve, "ray": ray}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        # The engines' own processes go with their replicas.
+        deadline = time.monotonic() + 30
+        while _engine_core_pids() - before and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _engine_core_pids() - before, "engine processes outlived Ray Serve"
+
+
+@pytest.fixture(scope="module")
+def proxy(ray_app):
+    channel = grpc.insecure_channel(ray_app["address"])
+    stub = router_pb2_grpc.RouterStub(channel)
+    yield stub
+    channel.close()
+
+
+METADATA = (("application", APP),)
+
+
+def _requests():
+    return [
+        make_request(prompt="the user bought a warm coat and hiking boots last winter",
+                     max_tokens=24, seed=3, beam_width=4, path="handoff"),
+        make_request(prompt=list(range(40, 140)), max_tokens=32, seed=5, beam_width=8,
+                     path="handoff"),
+        make_request(prompt=list(range(200, 260)), max_tokens=16, seed=7, beam_width=4,
+                     path="colocated"),
+    ]
+
+
+def _key(resp):
+    return (list(resp.prompt_token_ids), list(resp.thinking_token_ids),
+            [list(b.token_ids) for b in resp.beams], resp.stats.path)
+
+
+def test_same_results_as_the_standalone_router(proxy, router_client):
+    for req in _requests():
+        got = proxy.Generate(req, metadata=METADATA, timeout=300)
+        want = router_client.generate(req)
+        assert _key(got) == _key(want)
+        for a, b in zip(got.beams, want.beams):
+            assert abs(a.cum_logprob - b.cum_logprob) <= 1e-5
+        if req.path == common_pb2.PATH_HANDOFF:
+            s = got.stats
+            assert s.num_imported_tokens == s.num_parent_tokens - 1
+            assert s.num_computed_tokens_first_step == len(got.suffix_token_ids) + 1
+
+
+def test_streaming_through_the_proxy(proxy):
+    events = list(proxy.GenerateStream(_requests()[0], metadata=METADATA, timeout=300))
+    assert events[-1].HasField("result")
+    streamed = [t for e in events[:-1] for t in e.stage1_tokens.ids]
+    assert streamed == list(events[-1].result.thinking_token_ids)
+
+
+def test_errors_keep_the_standalone_status_codes(proxy, router_client):
+    bad = make_request(prompt=[1, 2, 3], max_tokens=8, beam_width=4)
+    bad.prompt_token_ids.ids.append(10**9)
+    for call in (lambda r: proxy.Generate(r, metadata=METADATA, timeout=60),
+                 router_client.generate):
+        with pytest.raises(grpc.RpcError) as e:
+            call(bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "vocabulary" in e.value.details()
+    # A parent D cannot hold (~94 + 64 blocks; its pool has 135): RESOURCE_EXHAUSTED.
+    big = make_request(prompt=list(range(6, 3006)), max_tokens=4, beam_width=32, path="handoff")
+    with pytest.raises(grpc.RpcError) as e:
+        proxy.Generate(big, metadata=METADATA, timeout=300)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert "decode pool too small" in e.value.details()
+
+
+def test_a_killed_decode_replica_is_replaced(ray_app, proxy):
+    ray, serve = ray_app["ray"], ray_app["serve"]
+    (replica,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                  if f"{APP}#Decode#" in a["name"]]
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # Serve notices the dead replica...
+        app = serve.status().applications[APP]
+        if app.deployments["Decode"].status != "HEALTHY":
+            break
+        time.sleep(0.5)
+    _wait_healthy(serve, ("Decode",))  # ...and starts another
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if f"{APP}#Decode#" in a["name"]]
+    assert names and replica["name"] not in names
+    resp = proxy.Generate(_requests()[1], metadata=METADATA, timeout=300)
+    assert resp.stats.path == common_pb2.PATH_HANDOFF and len(resp.beams) == 8
