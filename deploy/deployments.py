@@ -35,6 +35,11 @@ class EngineCallError(Exception):
         return (EngineCallError, (self.code_name, self.message))
 
 
+class RequestFailed(Exception):
+    """Raised by the router deployment after it set the call's gRPC status: a plain,
+    picklable exception, so the proxy sends the status and message and nothing else."""
+
+
 class _CallContext:
     """The slice of a gRPC servicer context ``EngineServicer`` uses."""
 
@@ -231,15 +236,20 @@ class RouterServer:
                 yield item
 
     def _fail(self, grpc_context: Any, exc: BaseException) -> None:
+        """Set the status the standalone router would send, then raise RequestFailed
+        (a CancelledError stays one: the client went away)."""
         from router.service import _status
 
         code, message = _status(exc)
         self.metrics.observe_error(code, message)
+        if isinstance(exc, asyncio.CancelledError):
+            raise exc
         if code == grpc.StatusCode.INTERNAL:
             logger.error("internal error", exc_info=exc)
         if grpc_context is not None:
             grpc_context.set_code(code)
             grpc_context.set_details(message)
+        raise RequestFailed(message) from None
 
     async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:
@@ -250,7 +260,6 @@ class RouterServer:
                     return item
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
-            raise
         raise AssertionError("the router produced no response")
 
     async def GenerateStream(self, request: router_pb2.GenerateRequest,  # noqa: N802
@@ -264,7 +273,6 @@ class RouterServer:
                     yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
-            raise
 
     async def check_health(self) -> None:
         with contextlib.suppress(Exception):

@@ -1,8 +1,9 @@
 """Shared fixtures. Engines are expensive (~30 s each on CPU) and share 2 cores, so two
 engine groups are started once each and never run at the same time: the in-process P+D
 ``pair`` and the ``cluster`` of `kvhandoff serve` processes. Tests are ordered by the
-group they use (unit tests, pair, tests with their own processes, cluster) and each
-group is shut down after its last test."""
+group they use (unit tests, pair, tests with their own processes, cluster, then the Ray
+Serve tests, whose first test also asks the cluster) and each group is shut down after
+its last test."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ _GROUPS = {"pair": _Shared(), "cluster": _Shared()}
 
 def _group_order(item: pytest.Item) -> int:
     names = set(getattr(item, "fixturenames", ()))
+    if item.get_closest_marker("ray"):
+        return 4  # after the cluster group (its first test compares with the cluster)
     if "pair" in names:
         return 1
     if "cluster" in names:
