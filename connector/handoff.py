@@ -32,6 +32,9 @@ KEY = "kvhandoff"
 
 #: The key of the beam-fork parameters (``connector.nixl_continuation``).
 BEAM_KEY = "kvhandoff_beam"
+#: Connector stats key: prompt tokens beam steps copied from a kept beam (beam fork). vLLM
+#: counts them as external (KV-connector) tokens; they were copied on D, not transferred.
+FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"
 
 #: Reads are refused this long before the lease ends: the READ itself, the clock
 #: difference between hosts and a stalled step must all fit in it.

@@ -43,10 +43,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
 from connector.handoff import (
     BEAM_KEY,
     DEFAULT_LEASE_SAFETY_MARGIN_S,
+    FORK_TOKENS_KEY,
     KEY,
     PROTOCOL_VERSION,
     token_digest,
@@ -72,6 +74,23 @@ def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
 def _beam_params(request: Request) -> dict[str, Any] | None:
     params = request.kv_transfer_params
     return params.get(BEAM_KEY) if params else None
+
+
+class ContinuationStats(NixlKVConnectorStats):
+    """NIXL's transfer stats plus the tokens beam fork copied on this engine."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.data[FORK_TOKENS_KEY] = []
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not self.data.get(FORK_TOKENS_KEY)
+
+    def aggregate(self, other: Any) -> ContinuationStats:
+        if not other.is_empty():
+            for key, values in other.data.items():
+                self.data.setdefault(key, []).extend(values)
+        return self
 
 
 @dataclass(slots=True)
@@ -114,6 +133,7 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         self._fork_pending: dict[str, tuple[str, int]] = {}  # child -> (source, tokens)
         self._fork_copies: list[tuple[int, int]] = []  # (source block, child block)
         self._fork_release: set[str] = set()  # beam names
+        self.stats = ContinuationStats()
 
     # ---- beam fork ---------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -150,6 +170,7 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
             self._fork_copies.extend(
                 zip(source.block_ids[0][first:last], child_blocks[first:last])
             )
+            self.stats.data[FORK_TOKENS_KEY].append(num_external_tokens)
         if source.num_children is None:
             source.num_children = max(int(beam.get("fork_children") or 1), 1)
         source.num_forked += 1
@@ -389,6 +410,8 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
         # req_id -> (local perf_counter time by which the READ must have completed,
         # when it was issued).
         self._read_deadlines: dict[str, tuple[float, float]] = {}
+        # Same stats as NIXL's, with keys that aggregate with the scheduler side's.
+        self.xfer_stats = ContinuationStats()
         self._num_blocks = kv_cache_config.num_blocks
         self._fork_enabled = bool(extra.get_from_extra_config("beam_fork", True))
         # (tensor, block dimension) for each distinct KV cache tensor.
@@ -509,3 +532,16 @@ class ContinuationConnector(NixlPullConnector):
             )
 
 
+
+    def get_kv_connector_stats(self) -> ContinuationStats | None:
+        scheduler = self.connector_scheduler
+        if isinstance(scheduler, ContinuationConnectorScheduler):
+            stats = scheduler.stats
+            return None if stats.is_empty() else stats.clone_and_reset()
+        return super().get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> ContinuationStats:
+        return ContinuationStats(data=data) if data is not None else ContinuationStats()

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
+from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S, FORK_TOKENS_KEY
 from kvhandoff.types import MAX_BEAM_WIDTH
 
 if TYPE_CHECKING:
@@ -193,6 +193,10 @@ class EngineCounters:
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
     prompt_tokens_transferred: int = 0
+    #: Prompt tokens beam steps copied from a kept beam on this engine (vLLM counts them
+    #: with the transferred ones; they are subtracted from prompt_tokens_transferred).
+    beam_fork_tokens: int = 0
+    _fork_tokens_unmatched: int = 0
     generation_tokens: int = 0
     transfers: int = 0
     transfer_s: float = 0.0
@@ -215,6 +219,15 @@ class EngineCounters:
         self.failed_notifications += len(data.get("num_failed_notifications", []))
         self.failed_handshakes += len(data.get("num_failed_handshakes", []))
         self.expired_leases += len(data.get("num_kv_expired_reqs", []))
+        fork = int(sum(data.get(FORK_TOKENS_KEY, [])))
+        self.beam_fork_tokens += fork
+        self._fork_tokens_unmatched += fork
+
+    def add_external_tokens(self, num_tokens: int) -> None:
+        """vLLM's external (KV connector) prompt tokens, minus the beam fork copies."""
+        fork = min(num_tokens, self._fork_tokens_unmatched)
+        self._fork_tokens_unmatched -= fork
+        self.prompt_tokens_transferred += num_tokens - fork
 
 
 def _stats_logger_factory(sink: dict[str, Any]):
@@ -237,7 +250,7 @@ def _stats_logger_factory(sink: dict[str, Any]):
                 tokens = iteration_stats.prompt_token_stats
                 counters.prompt_tokens_computed += tokens.computed
                 counters.prompt_tokens_cached += tokens.local_cache_hit
-                counters.prompt_tokens_transferred += tokens.external_kv_transfer
+                counters.add_external_tokens(tokens.external_kv_transfer)
                 counters.generation_tokens += iteration_stats.num_generation_tokens
 
         def log_engine_initialized(self) -> None:

@@ -61,6 +61,8 @@ class EngineCollector:
                       c.prompt_tokens_cached)
         yield counter("prompt_tokens_transferred", "Prompt tokens imported from another engine",
                       c.prompt_tokens_transferred)
+        yield counter("beam_fork_tokens", "Prompt tokens beam steps copied from a kept beam "
+                      "on this engine instead of computing them", c.beam_fork_tokens)
         if engine is not None:
             snap = engine.pool()
             yield gauge("kv_blocks_total", "KV blocks in the pool", snap.num_total_blocks)

@@ -73,5 +73,7 @@ def test_engine_metrics_show_vllm_and_handoff_counters(cluster, router_client, a
     assert d(d0, d1, "kvhandoff_engine_nixl_transfer_bytes_total") == resp.stats.num_bytes_moved
     assert d(d0, d1, "kvhandoff_engine_prompt_tokens_transferred_total") == \
         resp.stats.num_imported_tokens
+    # Beam steps 2.. copy their partial last block from the beam they extend (beam fork).
+    assert d(d0, d1, "kvhandoff_engine_beam_fork_tokens_total") > 0
     # vLLM's own metrics are there too.
     assert any(k[0].startswith("vllm:") for k in d1)

@@ -1,0 +1,85 @@
+"""Signed handoffs: a handoff is a capability only the right decode engine can redeem.
+
+With a shared secret configured (``KVHANDOFF_HANDOFF_SECRET_FILE``, a file holding at
+least 16 bytes, or ``KVHANDOFF_HANDOFF_SECRET``; never put it on a command line, never
+logged), P signs every export with HMAC-SHA256 over the fields that say what may be read
+and by whom: P's engine, side-channel address and request, the block list, the token
+count and digest, the lease end, and the target D engine id. D refuses, before any READ,
+a handoff that is unsigned, whose signature does not match (tampered or signed with
+another secret), that is addressed to another engine, or whose lease is over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from connector.handoff import KEY, HandoffError
+
+SECRET_FILE_ENV = "KVHANDOFF_HANDOFF_SECRET_FILE"
+SECRET_ENV = "KVHANDOFF_HANDOFF_SECRET"
+#: ``kv_transfer_params`` key of the target D engine id on P's stage-1 request.
+TARGET_KEY = "kvhandoff_target"
+MIN_SECRET_BYTES = 16
+
+#: Signed fields: vLLM's NIXL transport fields, then ours (under ``KEY``).
+_TRANSPORT = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host",
+              "remote_port", "tp_size")
+_HANDOFF = ("protocol_version", "model_fingerprint", "engine_id", "request_id",
+            "num_parent_tokens", "num_computed_tokens", "token_digest", "block_size",
+            "num_blocks", "lease_expires_at", "target_engine_id")
+
+
+def load_secret(environ: dict[str, str] | None = None) -> bytes | None:
+    """The shared secret, or None when handoffs are not signed."""
+    env = os.environ if environ is None else environ
+    path = env.get(SECRET_FILE_ENV)
+    if path:
+        try:
+            secret = Path(path).read_bytes().strip()
+        except OSError as e:
+            raise ValueError(f"{SECRET_FILE_ENV}: cannot read the secret file: {e}") from None
+    else:
+        secret = env.get(SECRET_ENV, "").encode()
+        if not secret:
+            return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"handoff secret shorter than {MIN_SECRET_BYTES} bytes")
+    return secret
+
+
+def _message(params: dict[str, Any]) -> bytes:
+    fields = params.get(KEY) or {}
+    data = {"transport": [params.get(k) for k in _TRANSPORT],
+            "handoff": [fields.get(k) for k in _HANDOFF]}
+    # Tuples and lists serialise alike: P holds tuples, D gets lists from the wire.
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), default=list).encode()
+
+
+def sign(params: dict[str, Any], secret: bytes) -> str:
+    return hmac.new(secret, _message(params), hashlib.sha256).hexdigest()
+
+
+def verify(params: dict[str, Any], secret: bytes, engine_ids: set[str]) -> None:
+    """Raise :class:`HandoffError` unless ``params`` carry a valid signature for one of
+    ``engine_ids`` (this D's engine id and any group it answers for)."""
+    fields = params.get(KEY) or {}
+    signature = fields.get("signature")
+    if not isinstance(signature, str) or not signature:
+        raise HandoffError("unsigned", "handoff is not signed and this engine requires "
+                                       "signed handoffs")
+    try:
+        expected = sign(params, secret)
+    except (TypeError, ValueError):
+        raise HandoffError("signature", "handoff signature does not match") from None
+    if not hmac.compare_digest(expected, signature):
+        raise HandoffError("signature", "handoff signature does not match (tampered, or "
+                                        "signed with another secret)")
+    target = fields.get("target_engine_id")
+    if target not in engine_ids:
+        raise HandoffError("target", f"handoff is addressed to engine {target!r}, not "
+                                     "this one")
