@@ -53,6 +53,7 @@ from connector.handoff import (
     PROTOCOL_VERSION,
     token_digest,
 )
+from connector.signing import TARGET_KEY, load_secret, sign
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -134,6 +135,7 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         self._fork_copies: list[tuple[int, int]] = []  # (source block, child block)
         self._fork_release: set[str] = set()  # beam names
         self.stats = ContinuationStats()
+        self._secret = load_secret(extra.get_from_extra_config("handoff_secret_file", None))
 
     # ---- beam fork ---------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -296,7 +298,10 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
             "kv_bytes_per_block": self.kv_bytes_per_block,
             "exported_at": now,
             "lease_expires_at": now + self._kv_lease_duration,
+            "target_engine_id": str((request.kv_transfer_params or {}).get(TARGET_KEY) or ""),
         }
+        if self._secret is not None:
+            params[KEY]["signature"] = sign(params, self._secret)
         logger.debug(
             "Exported %s: %d parent tokens, %d blocks, lease %ds",
             request.request_id,

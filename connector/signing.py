@@ -1,8 +1,8 @@
 """Signed handoffs: a handoff is a capability only the right decode engine can redeem.
 
-With a shared secret configured (``KVHANDOFF_HANDOFF_SECRET_FILE``, a file holding at
-least 16 bytes, or ``KVHANDOFF_HANDOFF_SECRET``; never put it on a command line, never
-logged), P signs every export with HMAC-SHA256 over the fields that say what may be read
+With a shared secret configured (a file holding at least 16 bytes, named by the engine's
+``handoff_secret_file`` or ``KVHANDOFF_HANDOFF_SECRET_FILE``, or the secret itself in
+``KVHANDOFF_HANDOFF_SECRET``; never on a command line, never logged), P signs every export with HMAC-SHA256 over the fields that say what may be read
 and by whom: P's engine, side-channel address and request, the block list, the token
 count and digest, the lease end, and the target D engine id. D refuses, before any READ,
 a handoff that is unsigned, whose signature does not match (tampered or signed with
@@ -34,15 +34,17 @@ _HANDOFF = ("protocol_version", "model_fingerprint", "engine_id", "request_id",
             "num_blocks", "lease_expires_at", "target_engine_id")
 
 
-def load_secret(environ: dict[str, str] | None = None) -> bytes | None:
-    """The shared secret, or None when handoffs are not signed."""
+def load_secret(path: str | None = None,
+                environ: dict[str, str] | None = None) -> bytes | None:
+    """The shared secret from ``path``, else from the environment; None when handoffs
+    are not signed."""
     env = os.environ if environ is None else environ
-    path = env.get(SECRET_FILE_ENV)
+    path = path or env.get(SECRET_FILE_ENV)
     if path:
         try:
             secret = Path(path).read_bytes().strip()
         except OSError as e:
-            raise ValueError(f"{SECRET_FILE_ENV}: cannot read the secret file: {e}") from None
+            raise ValueError(f"cannot read the handoff secret file: {e}") from None
     else:
         secret = env.get(SECRET_ENV, "").encode()
         if not secret:

@@ -4,8 +4,10 @@ Selected with ``scheduler_cls="decode_engine.scheduler.ContinuationScheduler"``;
 the engine-core process. Before vLLM schedules anything, every newly arrived import
 request is checked once, before any transfer starts:
 
-- the handoff parses and speaks our protocol version, comes from the same model,
-  matches the prompt's first N tokens (digest) and its lease has time left;
+- the handoff parses and speaks our protocol version; with a shared secret, it is signed
+  by P and addressed to this engine (or its handoff group) (``connector.signing``);
+- it comes from the same model, matches the prompt's first N tokens (digest) and its
+  lease has time left;
 - the pool can hold the parent's blocks, the suffix and the beam fan-out.
 
 A request that fails a check is finished at admission with ``FINISHED_ERROR`` and the
@@ -51,6 +53,7 @@ from connector.handoff import (
     can_reach_p,
     validate_import,
 )
+from connector.signing import load_secret, verify
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,11 @@ class ContinuationScheduler(Scheduler):
             else DEFAULT_LEASE_SAFETY_MARGIN_S
         )
         self._beam_fork = bool(config.get_from_extra_config("beam_fork", True)) if config else False
+        self._secret = load_secret(
+            config.get_from_extra_config("handoff_secret_file", None) if config else None
+        )
+        group = config.get_from_extra_config("handoff_group", None) if config else None
+        self._handoff_ids = {config.engine_id if config else "", *([group] if group else [])}
         self._rejected: list[tuple[Request, str, str]] = []
         # Admitted imports whose request has not finished yet.
         self._importing: set[str] = set()
@@ -105,20 +113,25 @@ class ContinuationScheduler(Scheduler):
         return super().schedule(*args, **kwargs)
 
     def _admit_new_imports(self) -> None:
+        # Imports admitted in this pass have not allocated yet: count what they claimed.
+        claimed = 0
         for request in list(self.waiting):
             params = request.kv_transfer_params
             if not params or not params.get("do_remote_prefill") or params.get(_ADMITTED):
                 continue
             params[_ADMITTED] = True
             try:
-                self._check_import(request, params)
+                claimed += self._check_import(request, params, claimed)
             except HandoffError as e:
                 self._reject(request, e.reason, str(e))
             else:
                 self._importing.add(request.request_id)
 
-    def _check_import(self, request: Request, params: dict[str, Any]) -> None:
+    def _check_import(self, request: Request, params: dict[str, Any], claimed: int) -> int:
+        """Raise :class:`HandoffError` unless D takes the import; return its blocks."""
         handoff = Handoff.from_params(params)
+        if self._secret is not None:
+            verify(params, self._secret, self._handoff_ids)
         validate_import(
             handoff,
             request.prompt_token_ids or [],
@@ -132,7 +145,7 @@ class ContinuationScheduler(Scheduler):
             request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,
             self._beam_fork,
         )
-        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks() - claimed
         beam = params.get(BEAM_KEY)
         if needed > free and beam is not None:
             plain = blocks_needed(
@@ -154,6 +167,7 @@ class ContinuationScheduler(Scheduler):
                 f"{beam_width}, {beam_max_tokens} beam tokens), {free} free of "
                 f"{self.num_total_blocks}",
             )
+        return needed
 
     def _reject(self, request: Request, reason: str, message: str) -> None:
         logger.warning("Rejecting handoff %s at admission: %s", request.request_id, message)

@@ -50,8 +50,10 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     decode_opts["request_router_config"] = RequestRouterConfig(
         request_router_class="deploy.request_router:CapacityRouter",
         request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0)
+    # Replicas behind the handle share one handoff address: P signs for the group, and
+    # whichever replica the handle routes stage 2 to may redeem it.
     decode = EngineServer.options(**decode_opts).bind(
-        "decode", a.model, a.engine_kwargs(a.decode),
+        "decode", a.model, {**a.engine_kwargs(a.decode), "handoff_group": "Decode"},
         a.decode.engine.side_channel_host, a.decode.engine.side_channel_port)
     return RouterServer.options(
         name="Router", num_replicas=a.router.num_replicas,

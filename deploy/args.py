@@ -116,6 +116,9 @@ class AppArgs(_Strict):
     device: Literal["cuda", "cpu"] = "cuda"
     #: Seconds P holds an exported parent's blocks for D to read.
     lease_s: PositiveInt = 30
+    #: Signed handoffs: a file with the shared secret (>= 16 bytes), at this path on
+    #: every node. None: the replicas' ``KVHANDOFF_HANDOFF_SECRET(_FILE)`` if set.
+    handoff_secret_file: str | None = None
     prefill: RoleArgs = RoleArgs()
     decode: RoleArgs = RoleArgs()
     router: RouterArgs = RouterArgs()
@@ -171,6 +174,7 @@ class AppArgs(_Strict):
         e = role.engine
         kw: dict[str, Any] = {
             "lease_s": self.lease_s,
+            "handoff_secret_file": self.handoff_secret_file,
             "block_size": e.block_size,
             "kv_cache_memory_bytes": e.kv_cache_mib << 20,
             "max_model_len": e.max_model_len,

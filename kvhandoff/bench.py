@@ -138,7 +138,8 @@ class Bench:
         req = self._request(prompt, seed, stage1_tokens)
         t0 = time.perf_counter()
         stage1 = await self.p.run_stage1(prompt, req.stage1, self._rid("s1"),
-                                         export=mode == "handoff")
+                                         export=mode == "handoff",
+                                         target=self.pair.d.handoff_target)
         parent = prompt + stage1.token_ids
         prompt2, _ = _stage2_prompt(req, stage1)
         # Tokens the stage-2 engine computed, from its own iteration stats (exact when

@@ -22,7 +22,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
               "block_size": args.block_size, "max_model_len": args.max_model_len,
               "nixl_progress_thread": args.nixl_progress_delay_us >= 0,
               "nixl_progress_delay_us": max(0, args.nixl_progress_delay_us),
-              "side_channel_host": args.side_channel_host}
+              "side_channel_host": args.side_channel_host,
+              "handoff_secret_file": args.handoff_secret_file}
     if args.kv_cache_mib:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
     if args.side_channel_port:
@@ -35,6 +36,16 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from connector.signing import load_secret
+    from kvhandoff.tls import channel_tls, server_tls
+
+    try:
+        tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if args.role != "router":
+            load_secret(args.handoff_secret_file)  # fail here, not in the engine process
+    except (ValueError, OSError) as e:
+        print(f"kvhandoff serve: {e}", file=sys.stderr)
+        return 2
     if args.role == "router":
         from kvhandoff.model import resolve_model
         from router.core import RouterConfig
@@ -45,15 +56,18 @@ def _serve(args: argparse.Namespace) -> int:
             decode=tuple(a for a in (args.decode or "").split(",") if a),
             model=str(resolve_model(args.model)),
             colocated_below_tokens=args.colocated_below,
+            max_inflight=args.max_inflight,
+            on_handoff_failure=args.on_handoff_failure,
+            channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
         )
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
-        asyncio.run(serve_router(config, args.host, args.port, metrics_port))
+        asyncio.run(serve_router(config, args.host, args.port, metrics_port, tls))
     else:
         from kvhandoff.engine_service import serve_engine
 
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
         asyncio.run(serve_engine(args.role, _engine_kwargs(args), args.host, args.port,
-                                 metrics_port))
+                                 metrics_port, tls))
     return 0
 
 
@@ -73,6 +87,14 @@ def _demo(args: argparse.Namespace) -> int:
     from kvhandoff.demo import main_demo
 
     return main_demo(args)
+
+
+def tls_channel_args(p: argparse.ArgumentParser, who: str) -> None:
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help=f"{who}connect with TLS, verifying the server with this CA")
+    p.add_argument("--tls-client-cert", default=None, metavar="PEM",
+                   help=f"{who}client certificate for mutual TLS")
+    p.add_argument("--tls-client-key", default=None, metavar="PEM")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,10 +136,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve Prometheus /metrics on this port (0 = any; default: off)")
     serve.add_argument("--colocated-below", type=int, default=0,
                        help="router: run requests whose parent is shorter colocated on P")
+    serve.add_argument("--max-inflight", type=int, default=256,
+                       help="router: requests run at once; beyond, RESOURCE_EXHAUSTED")
+    serve.add_argument("--on-handoff-failure", choices=["recompute", "fail"],
+                       default="recompute",
+                       help="router: when D cannot complete a handoff (UNAVAILABLE), "
+                            "recompute stage 2 from token ids on a live D, or fail")
+    serve.add_argument("--handoff-secret-file", default=None, metavar="PATH",
+                       help="P and D: sign (P) and require (D) handoffs with the shared "
+                            "secret in this file (or set KVHANDOFF_HANDOFF_SECRET_FILE)")
+    serve.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS")
+    serve.add_argument("--tls-key", default=None, metavar="PEM")
+    serve.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                       help="require client certificates signed by this CA (mutual TLS)")
+    tls_channel_args(serve, "router: ")
     serve.set_defaults(func=_serve)
 
     client = sub.add_parser("client", help="send one two-stage request to a router")
     client.add_argument("--router", default="127.0.0.1:50051")
+    tls_channel_args(client, "")
     client.add_argument("--prompt", default=None, help="prompt text")
     client.add_argument("--prompt-ids", default=None, help="prompt token ids, comma-separated")
     client.add_argument("--max-tokens", type=int, default=64)

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from kvhandoff.tls import ChannelTLS, channel_tls
 from kvhandoff.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 PATHS = {"auto": common_pb2.PATH_AUTO, "handoff": common_pb2.PATH_HANDOFF,
@@ -37,8 +38,9 @@ def make_request(*, prompt: str | list[int], max_tokens: int = 64, temperature: 
 
 
 class RouterClient:
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, tls: ChannelTLS | None = None):
+        self.channel = (grpc.insecure_channel(address) if tls is None
+                        else grpc.secure_channel(address, tls.credentials()))
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     def generate(self, req: router_pb2.GenerateRequest, timeout: float | None = 120.0):
@@ -86,7 +88,8 @@ def main_client(args: argparse.Namespace) -> int:
     req = make_request(prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                        seed=args.seed, beam_width=args.beam_width, beam_tokens=args.beam_tokens,
                        path=args.path)
-    with RouterClient(args.router) as client:
+    tls = channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    with RouterClient(args.router, tls) as client:
         try:
             if args.stream:
                 resp = None

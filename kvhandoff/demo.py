@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -67,11 +68,14 @@ def _stop(servers: list[ServerProcess], grace_s: float = 30.0) -> None:
         s.proc.wait()
 
 
-def wait_serving(address: str, servers: list[ServerProcess], timeout_s: float = 300.0) -> None:
+def wait_serving(address: str, servers: list[ServerProcess], timeout_s: float = 300.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    channel = (grpc.insecure_channel(address) if credentials is None
+               else grpc.secure_channel(address, credentials))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             for s in servers:
@@ -90,11 +94,22 @@ def wait_serving(address: str, servers: list[ServerProcess], timeout_s: float = 
 def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                   prefill_mib: int = 128, lease_s: int = 30,
                   extra_decode: int = 0,
-                  engine_flags: tuple[str, ...] = ()) -> Iterator[dict[str, object]]:
-    """P, D (and ``extra_decode`` more Ds) and a router, each its own process."""
+                  engine_flags: tuple[str, ...] = (),
+                  router_flags: tuple[str, ...] = (),
+                  signed: bool = True) -> Iterator[dict[str, object]]:
+    """P, D (and ``extra_decode`` more Ds) and a router, each its own process. With
+    ``signed``, P and D share a fresh secret (a 0600 file in ``log_dir``): P signs each
+    handoff for its D and D refuses any other."""
     log_dir.mkdir(parents=True, exist_ok=True)
     model_args = ["--model", model] if model else []
     engine_args = [*model_args, "--lease-s", str(lease_s), *engine_flags]
+    secret_file = None
+    if signed:
+        secret_file = log_dir / "handoff.secret"
+        secret_file.touch()
+        secret_file.chmod(0o600)
+        secret_file.write_text(secrets.token_hex(32))
+        engine_args += ["--handoff-secret-file", str(secret_file)]
     servers: list[ServerProcess] = []
     try:
         p = _spawn("prefill", free_port(), [*engine_args, "--kv-cache-mib", str(prefill_mib)], log_dir)
@@ -106,11 +121,12 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
             decodes.append(d)
         servers.extend(decodes)
         router = _spawn("router", free_port(), [*model_args, "--prefill", p.address, "--decode",
-                                               ",".join(d.address for d in decodes)], log_dir)
+                                               ",".join(d.address for d in decodes),
+                                               *router_flags], log_dir)
         servers.append(router)
         wait_serving(router.address, servers)
         yield {"router": router.address, "prefill": p, "decode": decodes, "servers": servers,
-               "router_metrics": router.metrics_url}
+               "router_metrics": router.metrics_url, "secret_file": secret_file}
     finally:
         _stop(servers)
 
@@ -151,7 +167,9 @@ def main_demo(args: argparse.Namespace) -> int:
             rows.append({"request_id": f"demo-{i}", "verified": False, "error": result})
             continue
         got, ref = result
-        same = (list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+        # A handoff the router had to recompute is correct but demonstrates nothing.
+        same = (not got.stats.recomputed
+                and list(got.thinking_token_ids) == list(ref.thinking_token_ids)
                 and [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
                 and all(abs(a.cum_logprob - b.cum_logprob) <= LOGPROB_TOLERANCE
                         for a, b in zip(got.beams, ref.beams)))

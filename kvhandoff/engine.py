@@ -89,6 +89,12 @@ class EngineConfig:
     #: (``connector.nixl_continuation``); kept blocks wait ``beam_fork_hold_s`` at most.
     beam_fork: bool = True
     beam_fork_hold_s: float = 10.0
+    #: Signed handoffs (``connector.signing``): a file with the shared secret; None =
+    #: ``KVHANDOFF_HANDOFF_SECRET_FILE`` / ``KVHANDOFF_HANDOFF_SECRET`` if set, else off.
+    handoff_secret_file: str | None = None
+    #: D only: another id handoffs for this engine may be addressed to (replicas behind
+    #: one handle share it); None = the engine id only.
+    handoff_group: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,6 +131,8 @@ class EngineConfig:
                 "nixl_progress_delay_us": self.nixl_progress_delay_us,
                 "beam_fork": self.beam_fork,
                 "beam_fork_hold_s": self.beam_fork_hold_s,
+                "handoff_secret_file": self.handoff_secret_file,
+                "handoff_group": self.handoff_group,
                 "backends": ["UCX"],
             },
             **({"kv_buffer_device": self.kv_buffer_device} if self.kv_buffer_device else {}),
@@ -267,6 +275,8 @@ class VllmEngine:
         self.config = config
         self.llm = llm
         self.engine_id = engine_id
+        #: What P addresses (and signs) handoffs for this engine with.
+        self.handoff_target = config.handoff_group or engine_id
         self._stats = stats
         cache = llm.vllm_config.cache_config
         self.block_size: int = cache.block_size

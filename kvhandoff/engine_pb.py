@@ -10,7 +10,8 @@ from kvhandoff.v1 import common_pb2
 
 _HANDOFF_FIELDS = ("protocol_version", "model_fingerprint", "engine_id", "request_id",
                    "num_parent_tokens", "num_computed_tokens", "token_digest", "block_size",
-                   "num_blocks", "kv_bytes_per_block", "exported_at", "lease_expires_at")
+                   "num_blocks", "kv_bytes_per_block", "exported_at", "lease_expires_at",
+                   "target_engine_id", "signature")
 _TRANSPORT_FIELDS = ("remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
                      "remote_blocks_expiry_time")
 

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from kvhandoff import engine_pb
 from kvhandoff.engine_metrics import HandoffCounts, serve_metrics
 from kvhandoff.errors import status_for
+from kvhandoff.tls import ServerTLS, add_port
 from kvhandoff.types import InvalidRequest
 from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -81,7 +82,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             with self._track(request.request_id):
                 async for new, result in self.engine.stream_stage1(
                     list(request.prompt_token_ids), params, request.request_id,
-                    export=request.export,
+                    export=request.export, target=request.target_engine_id,
                 ):
                     if result is None:
                         yield engine_pb2.Stage1Event(new_token_ids=new)
@@ -142,6 +143,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             max_beam_width=self.engine.config.max_beam_width,
             vocab_size=self.engine.vocab_size,
             model_fingerprint=self.model_fingerprint,
+            handoff_target=self.engine.handoff_target,
         )
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
@@ -169,7 +171,8 @@ async def wait_for_shutdown_signal() -> None:
 
 
 async def start_engine_server(engine: Any, role: str, host: str = "127.0.0.1",
-                              port: int = 0) -> tuple[grpc.aio.Server, int]:
+                              port: int = 0, tls: ServerTLS | None = None
+                              ) -> tuple[grpc.aio.Server, int]:
     """Serve an engine that is already running in this process (the benchmark's)."""
     from kvhandoff.local import ModelTokens
     from kvhandoff.model import model_fingerprint
@@ -180,13 +183,13 @@ async def start_engine_server(engine: Any, role: str, host: str = "127.0.0.1",
     server = grpc.aio.server(options=SERVER_OPTIONS)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     add_health_and_reflection(server, [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     await server.start()
     return server, bound
 
 
 async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port: int,
-                       metrics_port: int | None = None) -> None:
+                       metrics_port: int | None = None, tls: ServerTLS | None = None) -> None:
     """Start the engine, serve until SIGTERM/SIGINT, then shut everything down."""
     from decode_engine.engine import DecodeEngine
     from kvhandoff.engine import EngineConfig
@@ -201,7 +204,7 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     names = [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name]
     health_servicer = add_health_and_reflection(server, names)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

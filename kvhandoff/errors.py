@@ -20,6 +20,9 @@ _REASON_CODES = {
     "missing": grpc.StatusCode.INVALID_ARGUMENT,
     "beam_width": grpc.StatusCode.INVALID_ARGUMENT,
     "import_failed": grpc.StatusCode.UNAVAILABLE,
+    "unsigned": grpc.StatusCode.PERMISSION_DENIED,
+    "signature": grpc.StatusCode.PERMISSION_DENIED,
+    "target": grpc.StatusCode.PERMISSION_DENIED,
     "abort": grpc.StatusCode.CANCELLED,
 }
 

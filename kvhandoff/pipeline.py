@@ -85,7 +85,8 @@ def _stage2_prompt(req: TwoStageRequest, stage1: Stage1Result) -> tuple[list[int
 async def run_handoff(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest) -> TwoStageResult:
     """Stage 1 on P, KV handed to D over NIXL, stage 2 on D."""
     check_request(req, p, d)
-    stage1 = await p.run_stage1(req.prompt_token_ids, req.stage1, f"{req.request_id}-p", export=True)
+    stage1 = await p.run_stage1(req.prompt_token_ids, req.stage1, f"{req.request_id}-p", export=True,
+                               target=d.handoff_target)
     assert stage1.handoff_params is not None
     prompt, suffix = _stage2_prompt(req, stage1)
     stage2 = await d.run_stage2(

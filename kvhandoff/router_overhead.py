@@ -38,12 +38,13 @@ def _p95(values: list[float]) -> float | None:
 
 
 async def _direct(p: Any, d: Any, rid: str, prompt: list[int], stage1: Stage1Params,
-                  beam: BeamParams, suffix: list[int], think_end_id: int | None) -> list[list[int]]:
+                  beam: BeamParams, suffix: list[int], think_end_id: int | None,
+                  target: str) -> list[list[int]]:
     thinking: list[int] = []
     handoff = None
     async for event in p.Stage1(engine_pb2.Stage1Request(
             request_id=f"{rid}-s1", prompt_token_ids=prompt,
-            sampling=engine_pb.stage1_to_pb(stage1), export=True)):
+            sampling=engine_pb.stage1_to_pb(stage1), export=True, target_engine_id=target)):
         thinking.extend(event.new_token_ids)
         if event.HasField("handoff"):
             handoff = event.handoff
@@ -99,7 +100,7 @@ async def measure_router_overhead(pair: Any, prompts: list[list[int]], *, stage1
                     else:
                         direct_beams = await _direct(ps, ds, f"ro-direct-{i}", prompt, stage1,
                                                      beam, pair.default_suffix_ids,
-                                                     pair.think_end_id)
+                                                     pair.think_end_id, pair.d.handoff_target)
                     times[path] = (time.perf_counter() - t0) * 1e3
                 if i == 0:
                     continue

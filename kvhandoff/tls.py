@@ -19,6 +19,12 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
+def _check_files(*paths: str | None) -> None:
+    for path in paths:
+        if path and not Path(path).is_file():
+            raise ValueError(f"TLS file not found: {path}")
+
+
 @dataclass(frozen=True)
 class ServerTLS:
     cert: str
@@ -50,6 +56,7 @@ def server_tls(cert: str | None, key: str | None, client_ca: str | None) -> Serv
         return None
     if not (cert and key):
         raise ValueError("TLS needs both --tls-cert and --tls-key")
+    _check_files(cert, key, client_ca)
     return ServerTLS(cert, key, client_ca)
 
 
@@ -59,6 +66,7 @@ def channel_tls(ca: str | None, cert: str | None, key: str | None) -> ChannelTLS
     if bool(cert) != bool(key):
         raise ValueError("a client certificate needs both --tls-client-cert and "
                          "--tls-client-key")
+    _check_files(ca, cert, key)
     return ChannelTLS(ca, cert, key)
 
 

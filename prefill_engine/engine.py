@@ -2,7 +2,8 @@
 
 With ``export=True`` the request carries ``{"do_remote_decode": True}``: when it ends by a
 stop token, EOS or length, P keeps its KV blocks under a lease and returns the handoff in
-``Stage1Result.handoff_params`` for a decode engine to import.
+``Stage1Result.handoff_params`` for a decode engine to import, addressed to ``target``
+(signed for it when a handoff secret is configured).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from connector.signing import TARGET_KEY
 from kvhandoff.engine import VllmEngine
 from kvhandoff.types import Stage1Params, Stage1Result, StageError, validate_prompt
 
@@ -20,7 +22,8 @@ logger = logging.getLogger(__name__)
 class PrefillEngine(VllmEngine):
     """The prefill/sampling engine (P). Also serves the colocated path."""
 
-    def _sampling(self, prompt_token_ids: list[int], params: Stage1Params, export: bool):
+    def _sampling(self, prompt_token_ids: list[int], params: Stage1Params, export: bool,
+                  target: str | None):
         from vllm import SamplingParams
 
         validate_prompt(
@@ -37,7 +40,9 @@ class PrefillEngine(VllmEngine):
             seed=params.seed,
             stop_token_ids=list(params.stop_token_ids),
             detokenize=False,
-            extra_args={"kv_transfer_params": {"do_remote_decode": True}} if export else None,
+            extra_args={"kv_transfer_params": {"do_remote_decode": True,
+                                               TARGET_KEY: target or ""}}
+            if export else None,
         )
 
     async def stream_stage1(
@@ -47,10 +52,12 @@ class PrefillEngine(VllmEngine):
         request_id: str,
         *,
         export: bool,
+        target: str | None = None,
     ) -> AsyncIterator[tuple[list[int], Stage1Result | None]]:
         """Yield ``(new_token_ids, None)`` as tokens are sampled, then
-        ``([], result)`` once stage 1 has finished."""
-        sampling = self._sampling(prompt_token_ids, params, export)
+        ``([], result)`` once stage 1 has finished. With ``export``, the handoff is
+        addressed to (and, with a secret, signed for) the decode engine ``target``."""
+        sampling = self._sampling(prompt_token_ids, params, export, target)
         t0 = time.perf_counter()
         token_ids: list[int] = []
         last = None
@@ -82,10 +89,11 @@ class PrefillEngine(VllmEngine):
         request_id: str,
         *,
         export: bool,
+        target: str | None = None,
     ) -> Stage1Result:
         result = None
         async for _, final in self.stream_stage1(prompt_token_ids, params, request_id,
-                                                 export=export):
+                                                 export=export, target=target):
             result = final or result
         assert result is not None
         return result

@@ -2,10 +2,11 @@
 
 Prompts arrive as text or token ids; text is tokenised once here and the parent is
 never re-tokenised (stage 2's prompt is built from token ids). P is chosen by least
-outstanding requests; D by capacity: a D whose pool cannot hold the parent, the suffix
-and the beam tails is skipped. If none can, the request still goes to the D with the
-most free blocks: its scheduler refuses at admission (RESOURCE_EXHAUSTED with the
-numbers) and tells P to release the parent's blocks at once.
+outstanding requests; D by capacity, before stage 1 (P addresses and, with a shared
+secret, signs the handoff for that D): a D whose pool cannot hold the longest parent the
+request can make, the suffix and the beam tails is skipped. If none can, the request
+still goes to the D with the most free blocks: its scheduler refuses at admission
+(RESOURCE_EXHAUSTED with the numbers) and tells P to release the parent's blocks at once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import grpc
 
 from decode_engine.scheduler import blocks_needed
 from kvhandoff import engine_pb
+from kvhandoff.tls import ChannelTLS, aio_channel
 from kvhandoff.types import InvalidRequest, Stage1Params, continuation_prompt, validate_prompt
 from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 
@@ -34,6 +36,9 @@ CHANNEL_OPTIONS = [
 ]
 
 
+HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     prefill: tuple[str, ...]
@@ -42,12 +47,25 @@ class RouterConfig:
     #: AUTO runs requests whose parent can be at most this long colocated on P.
     colocated_below_tokens: int = 0
     capacity_timeout_s: float = 2.0
+    #: Requests the router runs at once; beyond it, RESOURCE_EXHAUSTED at once (the
+    #: queue is the engines' schedulers, bounded by this).
+    max_inflight: int = 256
+    #: TLS towards the engines (None: plaintext, for 127.0.0.1).
+    channel_tls: ChannelTLS | None = None
+    #: When D cannot complete a handoff (UNAVAILABLE: D went away, or its READ from P
+    #: failed): "recompute" runs stage 2 from the parent's token ids on a live D
+    #: (flagged in the response); "fail" answers UNAVAILABLE.
+    on_handoff_failure: str = "recompute"
 
     def __post_init__(self) -> None:
         if not self.prefill:
             raise ValueError("at least one prefill endpoint is needed")
         if self.colocated_below_tokens < 0:
             raise ValueError("colocated_below_tokens must be >= 0")
+        if self.max_inflight <= 0:
+            raise ValueError("max_inflight must be positive")
+        if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:
+            raise ValueError(f"on_handoff_failure must be one of {HANDOFF_FAILURE_POLICIES}")
 
 
 @dataclass
@@ -86,6 +104,8 @@ class Outcome:
     total_ms: float = 0.0
     #: Time spent waiting on P's Stage1 stream and D's Stage2 call.
     engine_ms: float = 0.0
+    #: The handoff failed and stage 2 was recomputed on ``decode`` (was ``failed_decode``).
+    failed_decode: str | None = None
 
 
 class Router:
@@ -104,9 +124,8 @@ class Router:
             self.decode = [self._endpoint(a) for a in config.decode]
         self._ids = itertools.count()
 
-    @staticmethod
-    def _endpoint(address: str) -> Endpoint:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def _endpoint(self, address: str) -> Endpoint:
+        channel = aio_channel(address, self.config.channel_tls, CHANNEL_OPTIONS)
         return Endpoint(address, engine_pb2_grpc.EngineStub(channel), channel)
 
     async def close(self) -> None:
@@ -212,11 +231,19 @@ class Router:
         handoff = plan.path == common_pb2.PATH_HANDOFF
         p = self._pick_prefill()
         out = Outcome(plan, p.address, None)
+        d = None
+        if handoff:
+            # D is chosen first: P addresses (and signs) the handoff to it. The longest
+            # stage-2 prompt the request can make is what must fit.
+            longest = len(plan.prompt_ids) + plan.stage1.max_tokens + len(plan.suffix_ids) + 1
+            d = await self._pick_decode(longest, plan)
+            out.decode = d.address
         p.outstanding += 1
         try:
             call = p.stub.Stage1(engine_pb2.Stage1Request(
                 request_id=f"{plan.request_id}-s1", prompt_token_ids=plan.prompt_ids,
-                sampling=engine_pb.stage1_to_pb(plan.stage1), export=handoff),
+                sampling=engine_pb.stage1_to_pb(plan.stage1), export=handoff,
+                target_engine_id=_handoff_target(d)),
                 timeout=self._timeout(plan))
             handoff_msg = None
             waiting_since = time.perf_counter()
@@ -245,19 +272,44 @@ class Router:
             if handoff_msg is None:
                 raise grpc_error(grpc.StatusCode.INTERNAL, "prefill engine exported no handoff")
             request.handoff.CopyFrom(handoff_msg)
-            d = await self._pick_decode(len(stage2_prompt), plan)
-            out.decode = d.address
         else:
             d = p
-        d.outstanding += 1
         try:
-            waiting_since = time.perf_counter()
-            out.stage2 = await d.stub.Stage2(request, timeout=self._timeout(plan))
-            out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
-        finally:
-            d.outstanding -= 1
+            out.stage2 = await self._stage2(d, request, plan, out)
+        except (RouterError, grpc.aio.AioRpcError) as e:
+            code = e.code if isinstance(e, RouterError) else e.code()
+            if not (handoff and code == grpc.StatusCode.UNAVAILABLE
+                    and self.config.on_handoff_failure == "recompute"):
+                raise
+            # The parent's KV is out of reach; its token ids are not. P's blocks go back
+            # when the lease ends (or at once, if D told P before it failed).
+            logger.warning("%s: handoff to %s failed (%s); recomputing stage 2 from the "
+                           "parent's token ids", plan.request_id, d.address,
+                           e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
+            out.failed_decode = d.address
+            request.ClearField("handoff")
+            request.request_id = f"{plan.request_id}-s2r"
+            d = await self._pick_decode(len(stage2_prompt), plan)
+            out.decode = d.address
+            out.stage2 = await self._stage2(d, request, plan, out)
         out.total_ms = (time.perf_counter() - t0) * 1e3
         yield out
+
+    async def _stage2(self, d: Endpoint, request: engine_pb2.Stage2Request, plan: Plan,
+                      out: Outcome) -> engine_pb2.Stage2Response:
+        d.outstanding += 1
+        waiting_since = time.perf_counter()
+        try:
+            return await d.stub.Stage2(request, timeout=self._timeout(plan))
+        finally:
+            out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
+            d.outstanding -= 1
+
+
+def _handoff_target(d: Endpoint | None) -> str:
+    if d is None or d.capacity is None:
+        return ""
+    return d.capacity.handoff_target or d.capacity.engine_id
 
 
 class RouterError(Exception):
@@ -299,5 +351,7 @@ def to_response(out: Outcome, tokenizer: Any,
             num_parent_tokens=len(out.plan.prompt_ids) + len(out.thinking_ids),
             num_imported_tokens=s2.num_imported_tokens, num_bytes_moved=s2.num_imported_bytes,
             num_computed_tokens_first_step=s2.num_computed_tokens_first_step,
-            num_computed_tokens_total=s2.num_computed_tokens_total),
+            num_computed_tokens_total=s2.num_computed_tokens_total,
+            recomputed=out.failed_decode is not None,
+            failed_decode_endpoint=out.failed_decode or ""),
     )

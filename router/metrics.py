@@ -9,6 +9,9 @@ from kvhandoff.v1 import common_pb2, router_pb2
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
+#: How the router's own overload refusals begin (router.service).
+OVERLOAD_MESSAGE = "router busy"
+
 
 class RouterMetrics:
     def __init__(self) -> None:
@@ -35,6 +38,12 @@ class RouterMetrics:
         self.capacity_rejections = Counter(
             "kvhandoff_router_capacity_rejections",
             "Requests no decode engine could hold (RESOURCE_EXHAUSTED)", registry=r)
+        self.recomputed = Counter(
+            "kvhandoff_router_handoffs_recomputed",
+            "Handoffs that failed and whose stage 2 was recomputed from token ids", registry=r)
+        self.overload_rejections = Counter(
+            "kvhandoff_router_overload_rejections",
+            "Requests refused because the router had max_inflight running", registry=r)
         self.overhead_seconds = Histogram(
             "kvhandoff_router_overhead_seconds",
             "The router's own time per request (excluding waiting on the engines)",
@@ -57,6 +66,8 @@ class RouterMetrics:
         self.stage_seconds.labels("stage2").observe(t.stage2_ms / 1e3)
         self.stage_seconds.labels("total").observe(t.total_ms / 1e3)
         self.overhead_seconds.observe(t.router_overhead_ms / 1e3)
+        if s.recomputed:
+            self.recomputed.inc()
         self.tokens_computed_d.inc(s.num_computed_tokens_first_step)
         if s.path == common_pb2.PATH_HANDOFF:
             self.handoff_bytes.inc(s.num_bytes_moved)
@@ -67,6 +78,9 @@ class RouterMetrics:
         outcome = "cancelled" if code == grpc.StatusCode.CANCELLED else "error"
         self.requests.labels(outcome, code.name).inc()
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            self.capacity_rejections.inc()
+            if message.startswith(OVERLOAD_MESSAGE):
+                self.overload_rejections.inc()
+            else:
+                self.capacity_rejections.inc()
         if "lease" in message:
             self.expired_leases.inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -15,9 +16,10 @@ from kvhandoff.engine_service import (
     wait_for_shutdown_signal,
 )
 from kvhandoff.errors import status_for
+from kvhandoff.tls import ServerTLS, add_port
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
 from router.core import Outcome, Router, RouterConfig, RouterError, to_response
-from router.metrics import RouterMetrics
+from router.metrics import OVERLOAD_MESSAGE, RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, router: Router, metrics: RouterMetrics | None = None):
         self.router = router
         self.metrics = metrics or RouterMetrics()
+        self.inflight = 0
+
+    @contextlib.contextmanager
+    def _admit(self):
+        """Count a request in flight; beyond ``max_inflight``, RESOURCE_EXHAUSTED."""
+        limit = self.router.config.max_inflight
+        if self.inflight >= limit:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{OVERLOAD_MESSAGE}: {limit} requests in flight (its limit); "
+                              "retry later")
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
 
     def _response(self, item: Outcome, received_at: float) -> router_pb2.GenerateResponse:
         resp = to_response(item, self.router.tokens.tokenizer, received_at)
@@ -60,29 +77,31 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request, context):
         received_at = time.perf_counter()
         try:
-            plan = self.router.plan(request, _deadline(context))
-            async for item in self.router.run(plan):
-                if isinstance(item, Outcome):
-                    return self._response(item, received_at)
+            with self._admit():
+                plan = self.router.plan(request, _deadline(context))
+                async for item in self.router.run(plan):
+                    if isinstance(item, Outcome):
+                        return self._response(item, received_at)
         except (Exception, asyncio.CancelledError) as e:  # mapped to a status in one place
             await self._abort(context, e)
 
     async def GenerateStream(self, request, context):
         received_at = time.perf_counter()
         try:
-            plan = self.router.plan(request, _deadline(context))
-            async for item in self.router.run(plan):
-                if isinstance(item, Outcome):
-                    yield router_pb2.GenerateStreamEvent(
-                        result=self._response(item, received_at))
-                else:
-                    yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+            with self._admit():
+                plan = self.router.plan(request, _deadline(context))
+                async for item in self.router.run(plan):
+                    if isinstance(item, Outcome):
+                        yield router_pb2.GenerateStreamEvent(
+                            result=self._response(item, received_at))
+                    else:
+                        yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 
 
 async def serve_router(config: RouterConfig, host: str, port: int,
-                       metrics_port: int | None = None) -> None:
+                       metrics_port: int | None = None, tls: ServerTLS | None = None) -> None:
     router = Router(config)
     metrics = RouterMetrics()
     if metrics_port is not None:
@@ -92,7 +111,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, metrics), server)
     names = [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name]
     health = add_health_and_reflection(server, names)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     await server.start()
     for name in ["", *names]:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -92,21 +92,23 @@ def test_d_too_small_is_resource_exhausted_with_numbers(router_client, assert_cl
     assert_cluster_clean()
 
 
-def test_tampered_handoff_sent_to_d_directly_is_refused(cluster, assert_cluster_clean):
+def test_handoff_for_another_prompt_sent_to_d_directly_is_refused(cluster, assert_cluster_clean):
+    """The handoff is genuine (signed for this D) but the prompt does not continue its
+    parent: the digest check refuses it before any READ. (Tampered handoffs are refused
+    by their signature: tests/test_security.py.)"""
     p = engine_stub(cluster["prefill"].address)
     d = engine_stub(cluster["decode"][0].address)
+    target = d.GetCapacity(engine_pb2.CapacityRequest(), timeout=10).handoff_target
     prompt = list(range(20, 90))
     events = list(p.Stage1(engine_pb2.Stage1Request(
-        request_id="direct-1", prompt_token_ids=prompt, export=True,
+        request_id="direct-1", prompt_token_ids=prompt, export=True, target_engine_id=target,
         sampling=common_pb2.Stage1Sampling(max_tokens=8, seed=2)), timeout=60))
     handoff = events[-1].handoff
     thinking = [t for e in events for t in e.new_token_ids]
-    bad = common_pb2.Handoff()
-    bad.CopyFrom(handoff)
-    bad.token_digest = "0" * 64
+    other = [prompt[0] + 1] + prompt[1:]
     with pytest.raises(grpc.RpcError) as err:
-        d.Stage2(engine_pb2.Stage2Request(request_id="direct-2", handoff=bad,
-                                          prompt_token_ids=prompt + thinking + [3]), timeout=60)
+        d.Stage2(engine_pb2.Stage2Request(request_id="direct-2", handoff=handoff,
+                                          prompt_token_ids=other + thinking + [3]), timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "digest" in err.value.details()
     assert_cluster_clean()
 

@@ -1,0 +1,109 @@
+"""Load through the router on the real cluster: many two-stage requests at once, then
+a burst too big for D's pool. Size: KVHANDOFF_LOAD_REQUESTS (default 48, what CI runs)
+and KVHANDOFF_LOAD_CONCURRENCY (default 8); the issue's full size is 500 at 32."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from kvhandoff.client import RouterClient, make_request
+
+pytestmark = [pytest.mark.engines, pytest.mark.load]
+
+NUM_REQUESTS = int(os.environ.get("KVHANDOFF_LOAD_REQUESTS", "48"))
+CONCURRENCY = int(os.environ.get("KVHANDOFF_LOAD_CONCURRENCY", "8"))
+#: Memory a process may keep after the load (allocator caches, compiled kernels).
+RSS_MARGIN_MIB = 64
+
+
+def _rss_mib(server) -> float:
+    import psutil
+
+    proc = psutil.Process(server.proc.pid)
+    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
+
+
+def _run_all(address: str, requests: list, concurrency: int) -> list:
+    def one(req):
+        with RouterClient(address) as client:
+            t0 = time.perf_counter()
+            try:
+                return client.generate(req, timeout=600), time.perf_counter() - t0
+            except grpc.RpcError as e:
+                return e, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, requests))
+
+
+def _request(i: int, rng: random.Random, path: str = "handoff", **kw):
+    prompt = [rng.randrange(10, 2000) for _ in range(rng.randint(20, 160))]
+    return make_request(prompt=prompt, max_tokens=rng.randint(4, 24), seed=i, beam_width=4,
+                        path=path, request_id=f"load-{path}-{i}", **kw)
+
+
+def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
+    rng = random.Random(11)
+    warmup = [_request(10_000 + i, rng) for i in range(CONCURRENCY)]
+    assert all(not isinstance(r, Exception) for r, _ in _run_all(cluster["router"], warmup,
+                                                                 CONCURRENCY))
+    assert_cluster_clean()
+    servers = cluster["servers"]
+    baseline = {s.role: _rss_mib(s) for s in servers}
+
+    requests = [_request(i, rng) for i in range(NUM_REQUESTS)]
+    t0 = time.perf_counter()
+    results = _run_all(cluster["router"], requests, CONCURRENCY)
+    elapsed = time.perf_counter() - t0
+    failures = [(req.request_id, r.code().name, r.details()) for req, (r, _) in
+                zip(requests, results) if isinstance(r, grpc.RpcError)]
+    assert not failures, failures
+    print(f"\nload: {NUM_REQUESTS} requests at concurrency {CONCURRENCY} in {elapsed:.1f}s "
+          f"({NUM_REQUESTS / elapsed:.2f} req/s)")
+    assert_cluster_clean()
+    after = {s.role: _rss_mib(s) for s in servers}
+    for role in baseline:
+        assert after[role] <= baseline[role] + RSS_MARGIN_MIB, (role, baseline[role], after[role])
+
+    # A sample, against the colocated reference (same seeds: same stage 1).
+    sample = list(range(0, NUM_REQUESTS, max(1, NUM_REQUESTS // 6)))
+    refs = []
+    for i in sample:
+        ref = requests[i].__class__()
+        ref.CopyFrom(requests[i])
+        ref.path, ref.request_id = 2, f"load-ref-{i}"  # PATH_COLOCATED
+        refs.append(ref)
+    ref_results = _run_all(cluster["router"], refs, 2)
+    for i, (ref, _) in zip(sample, ref_results):
+        got = results[i][0]
+        assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+        assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    assert_cluster_clean()
+
+
+def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(cluster,
+                                                                       assert_cluster_clean):
+    # D holds 135 blocks of 32 tokens; each of these needs ~48 (a ~1000-token parent with
+    # 8 beams), so at most two fit at a time.
+    rng = random.Random(5)
+    requests = []
+    for i in range(8):
+        prompt = [rng.randrange(10, 2000) for _ in range(1000)]
+        requests.append(make_request(prompt=prompt, max_tokens=4, seed=i, beam_width=8,
+                                     path="handoff", request_id=f"burst-{i}"))
+    results = _run_all(cluster["router"], requests, 8)
+    ok = [t for r, t in results if not isinstance(r, Exception)]
+    refused = [(r, t) for r, t in results if isinstance(r, Exception)]
+    assert ok and refused, "the burst should partly fit"
+    for r, _ in refused:
+        assert r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (r.code(), r.details())
+        assert "decode pool too small" in r.details()
+    print(f"\nburst: {len(ok)} ok (max {max(ok):.1f}s), {len(refused)} refused "
+          f"(max {max(t for _, t in refused):.1f}s)")
+    assert_cluster_clean()
