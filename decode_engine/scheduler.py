@@ -58,6 +58,8 @@ from connector.signing import load_secret, verify
 logger = logging.getLogger(__name__)
 
 _ADMITTED = "_kvhandoff_admitted"
+#: Rejections before the signature was verified.
+_UNVERIFIED = frozenset({"missing", "malformed", "protocol", "unsigned", "signature", "target"})
 
 
 def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
@@ -173,8 +175,10 @@ class ContinuationScheduler(Scheduler):
         logger.warning("Rejecting handoff %s at admission: %s", request.request_id, message)
         self._rejected.append((request, reason, message))
         params = request.kv_transfer_params
-        if not can_reach_p(params):
-            # Nobody to notify (and vLLM's connector would index the missing fields).
+        if not can_reach_p(params) or (self._secret is not None and reason in _UNVERIFIED):
+            # Nobody to notify (and vLLM's connector would index the missing fields), or
+            # the address is unverified: D never connects where a forged handoff says.
+            # P's blocks, if any, come back when the lease ends.
             params["do_remote_prefill"] = False
         # With do_remote_prefill still set, the connector tells P to free its blocks.
         self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)

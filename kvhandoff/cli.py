@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
             colocated_below_tokens=args.colocated_below,
             max_inflight=args.max_inflight,
             on_handoff_failure=args.on_handoff_failure,
+            warm_up=not args.no_warm_up,
             channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
         )
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                        default="recompute",
                        help="router: when D cannot complete a handoff (UNAVAILABLE), "
                             "recompute stage 2 from token ids on a live D, or fail")
+    serve.add_argument("--no-warm-up", action="store_true",
+                       help="router: serve without a warm-up handoff per (P, D) pair")
     serve.add_argument("--handoff-secret-file", default=None, metavar="PATH",
                        help="P and D: sign (P) and require (D) handoffs with the shared "
                             "secret in this file (or set KVHANDOFF_HANDOFF_SECRET_FILE)")

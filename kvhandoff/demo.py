@@ -39,8 +39,9 @@ class ServerProcess:
     metrics_url: str = ""
 
 
-def _spawn(role: str, port: int, extra: list[str], log_dir: Path) -> ServerProcess:
-    log_path = log_dir / f"{role}.log"
+def _spawn(role: str, port: int, extra: list[str], log_dir: Path,
+           name: str | None = None) -> ServerProcess:
+    log_path = log_dir / f"{name or role}.log"
     metrics_port = free_port()
     cmd = [sys.executable, "-m", "kvhandoff.cli", "serve", "--role", role,
            "--port", str(port), "--metrics-port", str(metrics_port), *extra]
@@ -116,8 +117,8 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
         servers.append(p)
         decodes = []
         for i in range(1 + extra_decode):
-            d = _spawn("decode", free_port(), [*engine_args, "--kv-cache-mib", str(decode_mib)], log_dir)
-            d.log_path = d.log_path.with_name(f"decode{i}.log") if i else d.log_path
+            d = _spawn("decode", free_port(), [*engine_args, "--kv-cache-mib", str(decode_mib)],
+                       log_dir, name=f"decode{i}" if i else None)
             decodes.append(d)
         servers.extend(decodes)
         router = _spawn("router", free_port(), [*model_args, "--prefill", p.address, "--decode",

@@ -56,6 +56,8 @@ class RouterConfig:
     #: failed): "recompute" runs stage 2 from the parent's token ids on a live D
     #: (flagged in the response); "fail" answers UNAVAILABLE.
     on_handoff_failure: str = "recompute"
+    #: Before serving, one tiny handoff per (P, D) pair (see Router.warm_up).
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -89,6 +91,8 @@ class Plan:
     beam: Any  # BeamParams
     path: int
     deadline: float | None  # time.monotonic() by which the request must be done
+    #: (P, D) to use instead of choosing (the router's warm-up).
+    pinned: tuple[Endpoint, Endpoint] | None = None
 
 
 @dataclass
@@ -196,6 +200,32 @@ class Router:
             raise InvalidRequest("path", "no decode engine is configured")
         return Plan(request_id, prompt, suffix, stage1, beam, path, deadline)
 
+    async def warm_up(self, timeout_s: float = 120.0) -> None:
+        """One tiny handoff per reachable (P, D) pair. The first NIXL transfers between
+        two engine processes set up their UCX connection, which was seen to take 10-30 s
+        on a 2-core host (up to P's lease): the router pays that before it serves, not a
+        client. A warm-up that fails is logged; the router serves anyway."""
+        from kvhandoff.types import BeamParams
+
+        for i, (p, d) in enumerate(itertools.product(self.prefill, self.decode)):
+            if p.capacity is None or d.capacity is None:
+                continue
+            t0 = time.perf_counter()
+            plan = Plan(f"warmup-{i}-{uuid.uuid4().hex[:8]}", list(range(10, 50)),
+                        list(self.tokens.default_suffix_ids),
+                        Stage1Params(max_tokens=2, temperature=0.0),
+                        BeamParams(beam_width=1, max_tokens=1), common_pb2.PATH_HANDOFF,
+                        time.monotonic() + timeout_s, pinned=(p, d))
+            try:
+                async for item in self.run(plan):
+                    if isinstance(item, Outcome):
+                        how = "recomputed" if item.failed_decode else "imported"
+                        logger.info("warm-up %s -> %s: %s in %.1fs", p.address, d.address,
+                                    how, time.perf_counter() - t0)
+            except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 (logged; serve anyway)
+                logger.warning("warm-up %s -> %s failed after %.1fs: %s", p.address,
+                               d.address, time.perf_counter() - t0, e)
+
     # ---- engine choice -----------------------------------------------------------------
     def _pick_prefill(self) -> Endpoint:
         live = [ep for ep in self.prefill if ep.capacity is not None] or self.prefill
@@ -229,10 +259,13 @@ class Router:
         """Yield stage-1 token batches as P samples them, then the Outcome."""
         t0 = time.perf_counter()
         handoff = plan.path == common_pb2.PATH_HANDOFF
-        p = self._pick_prefill()
+        p = plan.pinned[0] if plan.pinned else self._pick_prefill()
         out = Outcome(plan, p.address, None)
         d = None
-        if handoff:
+        if handoff and plan.pinned:
+            d = plan.pinned[1]
+            out.decode = d.address
+        elif handoff:
             # D is chosen first: P addresses (and signs) the handoff to it. The longest
             # stage-2 prompt the request can make is what must fit.
             longest = len(plan.prompt_ids) + plan.stage1.max_tokens + len(plan.suffix_ids) + 1

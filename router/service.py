@@ -124,6 +124,8 @@ async def serve_router(config: RouterConfig, host: str, port: int,
         ):
             break
         await asyncio.sleep(0.5)
+    if config.warm_up:
+        await router.warm_up()
     for name in ["", *names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"kvhandoff router serving on {host}:{bound}", flush=True)

@@ -69,8 +69,8 @@ def test_d_refuses_unsigned_tampered_or_misaddressed_handoffs(cluster, assert_cl
     expected = {"unsigned": "not signed", "other_target": "addressed to engine"}.get(
         attack, "signature does not match")
     assert expected in err.value.details()
-    # D told P to release at once: no lease left to wait for.
-    assert_cluster_clean(timeout_s=10)
+    # D never contacts the P an unverified handoff names: P's lease returns the blocks.
+    assert_cluster_clean()
 
 
 def test_the_secret_is_in_no_log(cluster, router_client):
@@ -93,7 +93,8 @@ def test_servers_listen_on_loopback_only(cluster):
                 if c.status == psutil.CONN_LISTEN:
                     ports[(server.role, proc.pid, c.laddr.port)] = c.laddr.ip
     assert ports, "no listening socket found"
-    exposed = {k: ip for k, ip in ports.items() if ip not in ("127.0.0.1", "::1")}
+    loopback = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+    exposed = {k: ip for k, ip in ports.items() if ip not in loopback}
     assert not exposed, f"listening beyond loopback: {exposed}"
 
 

@@ -1,0 +1,179 @@
+"""Faults with real processes: a P, two Ds (signed handoffs) and two routers (policy
+"recompute", the default, over both Ds; policy "fail" over D1 only). Each test ends with
+the surviving pools clean. The tests run in file order and share the processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from kvhandoff.client import RouterClient, make_request
+from kvhandoff.v1 import engine_pb2
+from tests.conftest import engine_stub
+
+pytestmark = [pytest.mark.engines, pytest.mark.fault]
+
+LEASE_S = 15
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, tmp_path_factory):
+    from kvhandoff.demo import _spawn, _stop, wait_serving
+    from kvhandoff.engine import free_port
+
+    log_dir = tmp_path_factory.mktemp("fault-logs")
+    secret = log_dir / "handoff.secret"
+    secret.write_text(secrets.token_hex(32))
+    engine = ["--model", model_dir, "--lease-s", str(LEASE_S),
+              "--handoff-secret-file", str(secret)]
+    servers = []
+    try:
+        p = _spawn("prefill", free_port(), [*engine, "--kv-cache-mib", "64"], log_dir)
+        # D0 has the bigger pool, so both routers' first choice is D0 while it is up.
+        d0 = _spawn("decode", free_port(), [*engine, "--kv-cache-mib", "40"], log_dir, "decode0")
+        d1 = _spawn("decode", free_port(), [*engine, "--kv-cache-mib", "24"], log_dir, "decode1")
+        servers += [p, d0, d1]
+        router = _spawn("router", free_port(), ["--model", model_dir, "--prefill", p.address,
+                                                "--decode", f"{d0.address},{d1.address}"],
+                        log_dir)
+        strict = _spawn("router", free_port(), ["--model", model_dir, "--prefill", p.address,
+                                                "--decode", d1.address,
+                                                "--on-handoff-failure", "fail"],
+                        log_dir, "router-fail")
+        servers += [router, strict]
+        wait_serving(router.address, servers)
+        wait_serving(strict.address, servers)
+        fleet = {"p": p, "d0": d0, "d1": d1, "router": router, "strict": strict,
+                 "engine_args": engine, "log_dir": log_dir, "servers": servers}
+        yield fleet
+    finally:
+        _stop(fleet["servers"] if "fleet" in locals() else servers)
+
+
+def _clean(server, timeout_s: float = LEASE_S + 10.0) -> engine_pb2.Capacity:
+    stub = engine_stub(server.address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cap = stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
+        if (cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs
+                and not cap.num_waiting_reqs) or time.monotonic() > deadline:
+            return cap
+        time.sleep(0.2)
+
+
+def _assert_clean(*servers) -> None:
+    for s in servers:
+        cap = _clean(s)
+        assert cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs, \
+            f"{s.role} {s.address} not clean: {cap}"
+
+
+def _kill(server) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=30)
+
+
+def _long_request(seed: int, path: str = "handoff"):
+    # ~120 sampled tokens (no stop token): a few seconds of stage 1 to act in.
+    req = make_request(prompt=list(range(50, 130)), max_tokens=120, seed=seed, beam_width=4,
+                       path=path, request_id=f"fault-{path}-{seed}")
+    req.stage1.stop_token_ids.append(5)
+    return req
+
+
+def _stream_killing(address: str, req, victim):
+    """Send ``req``; once stage 1 streams its first tokens, SIGKILL ``victim``."""
+    with RouterClient(address) as client:
+        stream = client.generate_stream(req, timeout=300)
+        first = next(stream)
+        assert first.HasField("stage1_tokens")
+        _kill(victim)
+        return [e for e in stream][-1].result
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def test_d_killed_mid_request_is_recomputed_on_the_other_d(fleet):
+    with RouterClient(fleet["router"].address) as client:
+        ref = client.generate(_long_request(1, "colocated"), timeout=300)
+    before = _metric(fleet["router"].metrics_url, "kvhandoff_router_handoffs_recomputed_total")
+    got = _stream_killing(fleet["router"].address, _long_request(1), fleet["d0"])
+    s = got.stats
+    assert s.recomputed and s.failed_decode_endpoint == fleet["d0"].address
+    assert s.decode_endpoint == fleet["d1"].address and s.num_imported_tokens == 0
+    assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    after = _metric(fleet["router"].metrics_url, "kvhandoff_router_handoffs_recomputed_total")
+    assert after - before == 1
+    # Nobody read P's export: its lease ends and the blocks come back.
+    _assert_clean(fleet["p"], fleet["d1"])
+
+
+def test_a_restarted_d_is_noticed_and_used_again(fleet):
+    from kvhandoff.demo import _spawn, wait_serving
+
+    old = fleet["d0"]
+    port = int(old.address.rsplit(":", 1)[1])
+    d0 = _spawn("decode", port, [*fleet["engine_args"], "--kv-cache-mib", "40"],
+                fleet["log_dir"], "decode0-restarted")
+    fleet["servers"].append(d0)
+    fleet["d0"] = d0
+    wait_serving(d0.address, [d0])
+    with RouterClient(fleet["router"].address) as client:
+        resp = client.generate(make_request(prompt=list(range(60, 140)), max_tokens=8, seed=2,
+                                            beam_width=4, path="handoff"), timeout=300)
+    assert resp.stats.decode_endpoint == d0.address and not resp.stats.recomputed
+    assert resp.stats.num_imported_tokens > 0
+    _assert_clean(fleet["p"], fleet["d0"], fleet["d1"])
+
+
+def test_fail_policy_answers_unavailable_and_keeps_serving(fleet):
+    with pytest.raises(grpc.RpcError) as err:
+        _stream_killing(fleet["strict"].address, _long_request(3), fleet["d1"])
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    with RouterClient(fleet["strict"].address) as client:
+        resp = client.generate(make_request(prompt=list(range(10, 50)), max_tokens=4, seed=3,
+                                            path="colocated"), timeout=120)
+    assert resp.beams
+    _assert_clean(fleet["p"], fleet["d0"])
+
+
+def test_p_killed_before_d_reads_is_recomputed_on_d(fleet):
+    """D is frozen while stage 1 ends; P dies holding the export; D resumes and its
+    READ fails: the router recomputes stage 2 on D from the token ids."""
+    d0 = fleet["d0"]
+    with RouterClient(fleet["router"].address) as client:
+        ref = client.generate(_long_request(4, "colocated"), timeout=300)
+        stream = client.generate_stream(_long_request(4), timeout=300)
+        assert next(stream).HasField("stage1_tokens")
+        os.killpg(d0.proc.pid, signal.SIGSTOP)
+        try:
+            # Stage 1 ends and P holds the export for the frozen D.
+            p_stub = engine_stub(fleet["p"].address)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                cap = p_stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
+                if not cap.num_running_reqs and cap.num_free_blocks < cap.num_total_blocks:
+                    break
+                time.sleep(0.1)
+            else:
+                pytest.fail("stage 1 did not finish")
+            _kill(fleet["p"])
+        finally:
+            os.killpg(d0.proc.pid, signal.SIGCONT)
+        got = [e for e in stream][-1].result
+    assert got.stats.recomputed and got.stats.decode_endpoint == d0.address
+    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    _assert_clean(d0)
