@@ -98,9 +98,20 @@ def test_a_handoff_that_arrives_after_its_lease_is_refused(pair, run, still_serv
     # STEP 1: P holds the parent's blocks, then its lease runs out and it frees them.
     run(asyncio.sleep(LEASE_S + 1))
     assert run(pair.p.wait_pool_clean(5)).is_clean
-    # STEP 2: D refuses before any READ of the (possibly reused) blocks.
+    # STEP 2: P reuses its blocks: two requests that together cover its whole pool.
+    from kvhandoff.types import Stage1Params
+
+    free = pair.p.pool().num_free_blocks
+    per_request = min(free // 2, (pair.p.max_model_len - 1) // pair.p.block_size)
+    filler = [[10 + (i + k) % 1000 for k in range(per_request * pair.p.block_size - 1)]
+              for i in range(2)]
+    run(asyncio.gather(*(pair.p.run_stage1(f, Stage1Params(max_tokens=1), f"reuse-{i}",
+                                           export=False) for i, f in enumerate(filler))))
+    # STEP 3: D refuses before any READ of the reused blocks.
+    reads = pair.d.counters.transfers
     err = _stage2_error(pair, run, prompt, req.beam, s1.handoff_params, "late-d")
     assert err.reason == "expired" and "lease" in str(err)
+    assert pair.d.counters.transfers == reads, "D read blocks P had reused"
 
 
 def test_d_fences_the_read_on_ps_clock(pair, run, still_serving):

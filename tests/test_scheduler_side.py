@@ -62,15 +62,19 @@ def test_import_claims_exactly_the_tokens_p_computed(model_dir, fingerprint, num
     assert out.num_scheduled_tokens == {req.request_id: num_suffix + 1}
 
 
-def _reject(scheduler, req):
+def _reject(scheduler, req, *, notify_p=True):
     scheduler.add_request(req)
     out, outputs = _schedule_and_collect(scheduler)
     assert out.num_scheduled_tokens == {}, "a rejected request must not be scheduled"
     (result,) = outputs
     assert result.finish_reason is not None and str(result.finish_reason).lower().endswith("error")
-    # In the same step P is told to release its blocks: an empty read.
     notify = out.kv_connector_metadata.reqs_to_recv
-    assert req.request_id in notify and not any(notify[req.request_id].local_block_ids)
+    if notify_p:
+        # In the same step P is told to release its blocks: an empty read.
+        assert req.request_id in notify and not any(notify[req.request_id].local_block_ids)
+    else:
+        # An unverified handoff names a P nobody vouched for: D must not contact it.
+        assert req.request_id not in notify
     assert_scheduler_clean(scheduler)
     return result.kv_transfer_params[KEY]
 

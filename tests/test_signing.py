@@ -119,7 +119,7 @@ def test_d_refuses_bad_handoffs_before_any_read(model_dir, fingerprint, secret_f
     else:
         params = _signed(parent, fingerprint, target="decode-7")
     with caplog.at_level(logging.DEBUG):
-        info = _reject(scheduler, make_import_request(parent + [7], params))
+        info = _reject(scheduler, make_import_request(parent + [7], params), notify_p=False)
     assert info["reason"] == reason and message in info["error"]
     assert SECRET.decode() not in caplog.text
 
