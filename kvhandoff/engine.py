@@ -57,6 +57,11 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
+    #: None = off on CPU hosts, vLLM's default elsewhere. vLLM 0.32's CPU worker cannot
+    #: rewind a seeded request's sampler after a partial (chunked) prefill step
+    #: ("CPU Generator does not use offset") and the engine dies; without chunking a
+    #: prompt is prefilled in one step, so max_num_batched_tokens is raised to max_model_len.
+    chunked_prefill: bool | None = None
     max_logprobs: int = 2 * MAX_BEAM_WIDTH
     enforce_eager: bool = True
     load_format: str = "auto"
@@ -111,6 +116,14 @@ class EngineConfig:
             raise ValueError("lease_safety_margin_s must be in [0, lease_s)")
 
     @property
+    def enable_chunked_prefill(self) -> bool | None:
+        if self.chunked_prefill is not None:
+            return self.chunked_prefill
+        from vllm.platforms import current_platform
+
+        return False if current_platform.is_cpu() else None
+
+    @property
     def max_beam_width(self) -> int:
         return min(MAX_BEAM_WIDTH, self.max_logprobs // 2)
 
@@ -144,7 +157,10 @@ class EngineConfig:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=(self.max_num_batched_tokens
+                                    if self.enable_chunked_prefill is not False
+                                    else max(self.max_num_batched_tokens, self.max_model_len)),
+            enable_chunked_prefill=self.enable_chunked_prefill,
             max_logprobs=self.max_logprobs,
             enforce_eager=self.enforce_eager,
             load_format=self.load_format,

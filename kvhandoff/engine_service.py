@@ -11,6 +11,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -162,12 +163,19 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
     return health_servicer
 
 
-async def wait_for_shutdown_signal() -> None:
+async def wait_for_shutdown_signal(engine_failed: Callable[[], bool] | None = None,
+                                   poll_s: float = 1.0) -> bool:
+    """Wait for SIGTERM/SIGINT, or for ``engine_failed()`` to turn true. True = signal."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    while not stop.is_set():
+        if engine_failed is not None and engine_failed():
+            return False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), poll_s)
+    return True
 
 
 async def start_engine_server(engine: Any, role: str, host: str = "127.0.0.1",
@@ -223,12 +231,19 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
     logger.info("%s engine %s serving on %s:%d (ready in %.1fs)", role, engine.engine_id,
                 host, bound, time.perf_counter() - t0)
     print(f"kvhandoff {role} serving on {host}:{bound}", flush=True)
+    signalled = False
     try:
-        await wait_for_shutdown_signal()
+        signalled = await wait_for_shutdown_signal(lambda: engine.llm.errored)
+        if not signalled:
+            logger.error("%s engine %s failed (its engine core died; see above): no longer "
+                         "serving, exiting so a supervisor can restart it", role,
+                         engine.engine_id)
     finally:
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         engine.shutdown()
+    if not signalled:
+        raise SystemExit(1)
 
 
 __all__ = ["EngineServicer", "serve_engine", "common_pb2"]

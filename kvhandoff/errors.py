@@ -37,6 +37,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code(), exc.details() or exc.code().name
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    if type(exc).__name__ == "EngineDeadError":
+        # vLLM's engine core is gone; the server exits so a supervisor can restart it.
+        return grpc.StatusCode.UNAVAILABLE, "engine is down (its engine core failed)"
     if isinstance(exc, ValueError):
         # vLLM's own input checks raise ValueError with a readable message.
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)

@@ -89,13 +89,23 @@ def _long_request(seed: int, path: str = "handoff"):
     return req
 
 
-def _stream_killing(address: str, req, victim):
-    """Send ``req``; once stage 1 streams its first tokens, SIGKILL ``victim``."""
+def _kill_engine_core(server) -> None:
+    """SIGKILL vLLM's engine-core process under an engine server (the server lives on)."""
+    import psutil
+
+    cores = [c for c in psutil.Process(server.proc.pid).children(recursive=True)
+             if c.name().startswith("VLLM::EngineCor") or "EngineCore" in " ".join(c.cmdline())]
+    assert cores, f"no engine-core process under {server.role} {server.address}"
+    cores[0].kill()
+
+
+def _stream_killing(address: str, req, victim, kill=_kill):
+    """Send ``req``; once stage 1 streams its first tokens, ``kill(victim)``."""
     with RouterClient(address) as client:
         stream = client.generate_stream(req, timeout=300)
         first = next(stream)
         assert first.HasField("stage1_tokens")
-        _kill(victim)
+        kill(victim)
         return [e for e in stream][-1].result
 
 
@@ -140,14 +150,41 @@ def test_a_restarted_d_is_noticed_and_used_again(fleet):
 
 
 def test_fail_policy_answers_unavailable_and_keeps_serving(fleet):
+    # This time only D1's engine core dies; its server notices (next test).
     with pytest.raises(grpc.RpcError) as err:
-        _stream_killing(fleet["strict"].address, _long_request(3), fleet["d1"])
+        _stream_killing(fleet["strict"].address, _long_request(3), fleet["d1"],
+                        kill=_kill_engine_core)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     with RouterClient(fleet["strict"].address) as client:
         resp = client.generate(make_request(prompt=list(range(10, 50)), max_tokens=4, seed=3,
                                             path="colocated"), timeout=120)
     assert resp.beams
     _assert_clean(fleet["p"], fleet["d0"])
+
+
+def test_a_d_whose_engine_core_died_exits_and_the_router_moves_on(fleet):
+    """D1's engine core was killed (previous test): its server stopped serving and exited 1
+    with a log line that says why (so a supervisor restarts it), left no process behind,
+    and the router serves the next requests on D0."""
+    d1 = fleet["d1"]
+    assert d1.proc.wait(timeout=120) == 1
+    assert "exiting so a supervisor can restart it" in d1.log_path.read_text()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _process_group_alive(d1.proc.pid):
+        time.sleep(0.5)
+    assert not _process_group_alive(d1.proc.pid), "D's engine processes outlived the server"
+    with RouterClient(fleet["router"].address) as client:
+        got = client.generate(_long_request(5), timeout=300)
+    assert got.stats.decode_endpoint == fleet["d0"].address and not got.stats.recomputed
+    _assert_clean(fleet["p"], fleet["d0"])
+
+
+def _process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_p_killed_before_d_reads_is_recomputed_on_d(fleet):

@@ -1,0 +1,35 @@
+"""EngineConfig -> vLLM engine arguments, without starting an engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhandoff.engine import EngineConfig
+
+
+def test_cpu_engines_prefill_a_prompt_in_one_step(model_dir):
+    """vLLM 0.32's CPU worker kills the engine when a seeded request's prefill is chunked
+    ("CPU Generator does not use offset"), so on CPU chunking is off and one step's token
+    budget covers the longest prompt."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("CPU default")
+    args = EngineConfig(model=model_dir, role="prefill", max_model_len=8192,
+                        max_num_batched_tokens=2048).engine_args("p")
+    assert args.enable_chunked_prefill is False
+    assert args.max_num_batched_tokens == 8192
+
+
+def test_chunked_prefill_can_be_chosen(model_dir):
+    args = EngineConfig(model=model_dir, role="decode", max_num_batched_tokens=2048,
+                        chunked_prefill=True).engine_args("d")
+    assert args.enable_chunked_prefill is True and args.max_num_batched_tokens == 2048
+
+
+@pytest.mark.parametrize("field,value", [("role", "both"), ("block_size", 24),
+                                         ("kv_cache_memory_bytes", 0), ("max_logprobs", 1),
+                                         ("lease_safety_margin_s", 30.0)])
+def test_bad_settings_are_refused(model_dir, field, value):
+    with pytest.raises(ValueError, match=field.split("_")[0]):
+        EngineConfig(**{"model": model_dir, "role": "prefill", field: value})
