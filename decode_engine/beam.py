@@ -74,6 +74,10 @@ class BeamSearchOutcome:
     first_step_s: float
     #: Per step: tokens computed by the engine (prompt tokens minus cached tokens).
     step_computed_tokens: list[int] = field(default_factory=list)
+    #: Tokens beam steps after the first computed beyond the one new token per beam: the
+    #: context they found neither cached nor forked (a partial last block without the
+    #: fork; prefix blocks evicted between steps when D's pool is under pressure).
+    recomputed_tokens: int = 0
 
 
 def _error_message(out: Any) -> str:
@@ -117,6 +121,7 @@ async def beam_search(
     first_output = None
     first_step_s = 0.0
     step_computed: list[int] = []
+    recomputed = 0
     previous: list[str] = []
     for step in range(params.max_tokens):
         if not beams:
@@ -151,9 +156,10 @@ async def beam_search(
                     "reason", out.outputs[0].finish_reason
                 )
                 raise StageError("stage2", reason, _error_message(out))
-        step_computed.append(
-            sum(len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in outputs)
-        )
+        computed = [len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in outputs]
+        step_computed.append(sum(computed))
+        if step > 0:
+            recomputed += sum(max(n - 1, 0) for n in computed)
         candidates: list[_Sequence] = []
         for seq, out, name in zip(beams, outputs, names):
             logprobs = out.outputs[0].logprobs
@@ -182,6 +188,7 @@ async def beam_search(
         first_output=first_output,
         first_step_s=first_step_s,
         step_computed_tokens=step_computed,
+        recomputed_tokens=recomputed,
     )
 
 

@@ -59,6 +59,7 @@ async def run_beam_stage(
         first_step_s=outcome.first_step_s,
         elapsed_s=time.perf_counter() - t0,
         step_computed_tokens=outcome.step_computed_tokens,
+        num_recomputed_beam_tokens=outcome.recomputed_tokens,
     )
 
 

@@ -141,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="router: requests run at once; beyond, RESOURCE_EXHAUSTED")
     serve.add_argument("--on-handoff-failure", choices=["recompute", "fail"],
                        default="recompute",
-                       help="router: when D cannot complete a handoff (UNAVAILABLE), "
-                            "recompute stage 2 from token ids on a live D, or fail")
+                       help="router: when D cannot complete a handoff (UNAVAILABLE, or "
+                            "FAILED_PRECONDITION: P's lease ended first), recompute stage 2 "
+                            "from token ids on a live D, or fail")
     serve.add_argument("--no-warm-up", action="store_true",
                        help="router: serve without a warm-up handoff per (P, D) pair")
     serve.add_argument("--handoff-secret-file", default=None, metavar="PATH",

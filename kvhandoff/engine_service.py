@@ -122,6 +122,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 num_imported_bytes=result.num_imported_bytes,
                 num_computed_tokens_first_step=result.num_computed_tokens_first_step,
                 num_computed_tokens_total=result.num_computed_tokens_total,
+                num_recomputed_beam_tokens=result.num_recomputed_beam_tokens,
                 first_step_ms=result.first_step_s * 1e3,
                 total_ms=result.elapsed_s * 1e3,
             )

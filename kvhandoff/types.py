@@ -142,3 +142,5 @@ class Stage2Result:
     first_step_s: float
     elapsed_s: float
     step_computed_tokens: list[int] = field(default_factory=list)
+    #: See ``decode_engine.beam.BeamSearchOutcome.recomputed_tokens``.
+    num_recomputed_beam_tokens: int = 0

@@ -53,8 +53,9 @@ class RouterConfig:
     #: TLS towards the engines (None: plaintext, for 127.0.0.1).
     channel_tls: ChannelTLS | None = None
     #: When D cannot complete a handoff (UNAVAILABLE: D went away, or its READ from P
-    #: failed): "recompute" runs stage 2 from the parent's token ids on a live D
-    #: (flagged in the response); "fail" answers UNAVAILABLE.
+    #: failed; FAILED_PRECONDITION: P's lease ended first): "recompute" runs stage 2
+    #: from the parent's token ids on a live D (flagged in the response); "fail" answers
+    #: with D's status.
     on_handoff_failure: str = "recompute"
     #: Before serving, one tiny handoff per (P, D) pair (see Router.warm_up).
     warm_up: bool = True
@@ -110,6 +111,8 @@ class Outcome:
     engine_ms: float = 0.0
     #: The handoff failed and stage 2 was recomputed on ``decode`` (was ``failed_decode``).
     failed_decode: str | None = None
+    #: Why that handoff failed (the D's status message).
+    handoff_failure: str = ""
 
 
 class Router:
@@ -311,7 +314,10 @@ class Router:
             out.stage2 = await self._stage2(d, request, plan, out)
         except (RouterError, grpc.aio.AioRpcError) as e:
             code = e.code if isinstance(e, RouterError) else e.code()
-            if not (handoff and code == grpc.StatusCode.UNAVAILABLE
+            # UNAVAILABLE: D is gone or its READ failed; FAILED_PRECONDITION: P's lease
+            # ended before D could read (D was busy, or the transfer stalled).
+            if not (handoff and code in (grpc.StatusCode.UNAVAILABLE,
+                                         grpc.StatusCode.FAILED_PRECONDITION)
                     and self.config.on_handoff_failure == "recompute"):
                 raise
             # The parent's KV is out of reach; its token ids are not. P's blocks go back
@@ -320,6 +326,8 @@ class Router:
                            "parent's token ids", plan.request_id, d.address,
                            e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
             out.failed_decode = d.address
+            out.handoff_failure = (e.details() if isinstance(e, grpc.aio.AioRpcError)
+                                   else str(e)) or code.name
             request.ClearField("handoff")
             request.request_id = f"{plan.request_id}-s2r"
             d = await self._pick_decode(len(stage2_prompt), plan)
@@ -385,6 +393,8 @@ def to_response(out: Outcome, tokenizer: Any,
             num_imported_tokens=s2.num_imported_tokens, num_bytes_moved=s2.num_imported_bytes,
             num_computed_tokens_first_step=s2.num_computed_tokens_first_step,
             num_computed_tokens_total=s2.num_computed_tokens_total,
+            num_recomputed_beam_tokens=s2.num_recomputed_beam_tokens,
             recomputed=out.failed_decode is not None,
-            failed_decode_endpoint=out.failed_decode or ""),
+            failed_decode_endpoint=out.failed_decode or "",
+            handoff_failure=out.handoff_failure),
     )

@@ -35,6 +35,10 @@ class RouterMetrics:
         self.tokens_computed_d = Counter(
             "kvhandoff_router_tokens_computed_d",
             "Tokens the stage-2 engine computed for the first beam step", registry=r)
+        self.beam_tokens_recomputed = Counter(
+            "kvhandoff_router_beam_tokens_recomputed",
+            "Context tokens beam steps after the first recomputed on the stage-2 engine "
+            "(neither cached nor forked, e.g. evicted between steps)", registry=r)
         self.capacity_rejections = Counter(
             "kvhandoff_router_capacity_rejections",
             "Requests no decode engine could hold (RESOURCE_EXHAUSTED)", registry=r)
@@ -68,7 +72,10 @@ class RouterMetrics:
         self.overhead_seconds.observe(t.router_overhead_ms / 1e3)
         if s.recomputed:
             self.recomputed.inc()
+            if "lease" in s.handoff_failure:
+                self.expired_leases.inc()
         self.tokens_computed_d.inc(s.num_computed_tokens_first_step)
+        self.beam_tokens_recomputed.inc(s.num_recomputed_beam_tokens)
         if s.path == common_pb2.PATH_HANDOFF:
             self.handoff_bytes.inc(s.num_bytes_moved)
             self.tokens_imported.inc(s.num_imported_tokens)

@@ -105,8 +105,12 @@ def test_a_handoff_that_arrives_after_its_lease_is_refused(pair, run, still_serv
     per_request = min(free // 2, (pair.p.max_model_len - 1) // pair.p.block_size)
     filler = [[10 + (i + k) % 1000 for k in range(per_request * pair.p.block_size - 1)]
               for i in range(2)]
-    run(asyncio.gather(*(pair.p.run_stage1(f, Stage1Params(max_tokens=1), f"reuse-{i}",
-                                           export=False) for i, f in enumerate(filler))))
+
+    async def fill():
+        await asyncio.gather(*(pair.p.run_stage1(f, Stage1Params(max_tokens=1), f"reuse-{i}",
+                                                 export=False) for i, f in enumerate(filler)))
+
+    run(fill())
     # STEP 3: D refuses before any READ of the reused blocks.
     reads = pair.d.counters.transfers
     err = _stage2_error(pair, run, prompt, req.beam, s1.handoff_params, "late-d")

@@ -64,7 +64,7 @@ def test_import_args_ride_on_step_zero_only_and_one_request_per_live_beam():
     assert len(out.beams) == 4 and all(len(b.token_ids) == 3 for b in out.beams)
     scores = [beam_score([5, 6, 7] + b.token_ids, b.cum_logprob, EOS, 1.0) for b in out.beams]
     assert scores == sorted(scores, reverse=True)
-    assert out.step_computed_tokens == [1, 4, 4]
+    assert out.step_computed_tokens == [1, 4, 4] and out.recomputed_tokens == 0
 
 
 def test_score_matches_vllm():
@@ -95,7 +95,44 @@ def test_same_beams_as_vllms_own_beam_search(pair, run, width, length_penalty):
         later = out.step_computed_tokens[1:]
         if fork:
             assert later == [width, width], out.step_computed_tokens
+            assert out.recomputed_tokens == 0
         else:
             # 90 + step tokens: 26 + step tokens past the last full 32-token block.
             assert later == [width * 27, width * 28], out.step_computed_tokens
+            assert out.recomputed_tokens == width * 26 + width * 27
+    assert run(pair.d.wait_pool_clean(15.0)).is_clean
+
+
+@pytest.mark.engines
+def test_prefix_blocks_evicted_between_steps_are_recomputed_and_reported(pair, run):
+    """D's pool under pressure between beam steps, at its most extreme: the whole prefix
+    cache is dropped before every step after the first. The beams are the same; the
+    outcome reports the recomputed context."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(6, pair.d.vocab_size) for _ in range(90)]
+    params = BeamParams(beam_width=4, max_tokens=3)
+    resets: dict[str, asyncio.Future] = {}
+
+    async def evicting_generate(tokens, sampling, request_id):
+        step = request_id.rsplit("b", 1)[0]  # "evict-s1"
+        if not step.endswith("-s0"):
+            # Every request of the step waits for the drop, made while D is idle.
+            if step not in resets:
+                resets[step] = asyncio.ensure_future(pair.d.llm.reset_prefix_cache())
+            await resets[step]
+        return await pair.d.generate(tokens, sampling, request_id)
+
+    kept = run(beam_search(pair.d.generate, prompt, params, eos_token_id=pair.eos_id,
+                           request_id="evict-ref"))
+    evicted = run(beam_search(evicting_generate, prompt, params, eos_token_id=pair.eos_id,
+                              request_id="evict"))
+    assert [f.result() for f in resets.values()] == [True, True], \
+        "the prefix cache could not be dropped between steps"
+    assert [b.token_ids for b in evicted.beams] == [b.token_ids for b in kept.beams]
+    for a, b in zip(evicted.beams, kept.beams):
+        assert abs(a.cum_logprob - b.cum_logprob) <= 1e-5
+    # Step 1's first beam recomputes all 90 + 1 - 1 context tokens; its siblings share
+    # the blocks it recomputed (full blocks only), so they redo only their partial block.
+    assert evicted.recomputed_tokens > kept.recomputed_tokens
+    assert evicted.step_computed_tokens[1] >= 90 + 3 * 27
     assert run(pair.d.wait_pool_clean(15.0)).is_clean

@@ -187,6 +187,39 @@ def _process_group_alive(pgid: int) -> bool:
     return True
 
 
+def test_cancel_between_stage1_and_the_read_frees_both(fleet):
+    """The client cancels while P holds the export and D (frozen) has not read it: D never
+    runs the import, P's blocks come back when the lease ends, nothing hangs."""
+    d0 = fleet["d0"]
+    with RouterClient(fleet["router"].address) as client:
+        stream = client.generate_stream(_long_request(6), timeout=300)
+        assert next(stream).HasField("stage1_tokens")
+        os.killpg(d0.proc.pid, signal.SIGSTOP)
+        try:
+            _wait_for_export(fleet["p"])
+            stream.cancel()
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+            assert err.value.code() == grpc.StatusCode.CANCELLED
+        finally:
+            os.killpg(d0.proc.pid, signal.SIGCONT)
+    _assert_clean(fleet["p"], d0)
+    with RouterClient(fleet["router"].address) as client:
+        assert client.generate(_long_request(7), timeout=300).stats.decode_endpoint == d0.address
+
+
+def _wait_for_export(p, timeout_s: float = 120.0) -> None:
+    """Until stage 1 has ended on P and P holds its export for D."""
+    p_stub = engine_stub(p.address)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cap = p_stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
+        if not cap.num_running_reqs and cap.num_free_blocks < cap.num_total_blocks:
+            return
+        time.sleep(0.1)
+    pytest.fail("stage 1 did not finish")
+
+
 def test_p_killed_before_d_reads_is_recomputed_on_d(fleet):
     """D is frozen while stage 1 ends; P dies holding the export; D resumes and its
     READ fails: the router recomputes stage 2 on D from the token ids."""
@@ -198,15 +231,7 @@ def test_p_killed_before_d_reads_is_recomputed_on_d(fleet):
         os.killpg(d0.proc.pid, signal.SIGSTOP)
         try:
             # Stage 1 ends and P holds the export for the frozen D.
-            p_stub = engine_stub(fleet["p"].address)
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                cap = p_stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
-                if not cap.num_running_reqs and cap.num_free_blocks < cap.num_total_blocks:
-                    break
-                time.sleep(0.1)
-            else:
-                pytest.fail("stage 1 did not finish")
+            _wait_for_export(fleet["p"])
             _kill(fleet["p"])
         finally:
             os.killpg(d0.proc.pid, signal.SIGCONT)

@@ -47,6 +47,8 @@ def test_token_prompt_handoff_equals_colocated(router_client, assert_cluster_cle
     assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
     for a, b in zip(got.beams, ref.beams):
         assert abs(a.cum_logprob - b.cum_logprob) <= 1e-5
+    # Beam steps forked every beam's partial block on D: no context recomputed.
+    assert got.stats.num_recomputed_beam_tokens == 0
     assert_cluster_clean()
 
 
@@ -201,4 +203,18 @@ def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, 
         router_client.generate(req, timeout=timeout)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - t0 < 10
+    assert_cluster_clean()
+
+
+def test_deadline_during_stage2_is_deadline_exceeded_and_frees_both(router_client,
+                                                                    assert_cluster_clean):
+    req = make_request(prompt=[i % 1000 + 10 for i in range(1500)], max_tokens=1, seed=2,
+                       beam_width=32, beam_tokens=60, path="handoff")
+    stream = router_client.generate_stream(req, timeout=6.0)
+    t0 = time.monotonic()
+    assert next(stream).HasField("stage1_tokens")  # stage 2 (60 beam steps) starts now
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 15
     assert_cluster_clean()

@@ -66,8 +66,11 @@ def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
     failures = [(req.request_id, r.code().name, r.details()) for req, (r, _) in
                 zip(requests, results) if isinstance(r, grpc.RpcError)]
     assert not failures, failures
+    recomputed = [(req.request_id, r.stats.handoff_failure) for req, (r, _) in
+                  zip(requests, results) if r.stats.recomputed]
     print(f"\nload: {NUM_REQUESTS} requests at concurrency {CONCURRENCY} in {elapsed:.1f}s "
-          f"({NUM_REQUESTS / elapsed:.2f} req/s)")
+          f"({NUM_REQUESTS / elapsed:.2f} req/s), {len(recomputed)} handoffs recomputed "
+          f"{recomputed}")
     assert_cluster_clean()
     after = {s.role: _rss_mib(s) for s in servers}
     for role in baseline:

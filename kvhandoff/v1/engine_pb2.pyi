@@ -44,7 +44,7 @@ class Stage2Request(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ...) -> None: ...
 
 class Stage2Response(_message.Message):
-    __slots__ = ("beams", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens_first_step", "num_computed_tokens_total", "first_step_ms", "total_ms")
+    __slots__ = ("beams", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens_first_step", "num_computed_tokens_total", "first_step_ms", "total_ms", "num_recomputed_beam_tokens")
     BEAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMPORTED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class Stage2Response(_message.Message):
     NUM_COMPUTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTED_BEAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     beams: _containers.RepeatedCompositeFieldContainer[_common_pb2.Beam]
     num_imported_tokens: int
     num_imported_bytes: int
@@ -59,7 +60,8 @@ class Stage2Response(_message.Message):
     num_computed_tokens_total: int
     first_step_ms: float
     total_ms: float
-    def __init__(self, beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., first_step_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    num_recomputed_beam_tokens: int
+    def __init__(self, beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., first_step_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_recomputed_beam_tokens: _Optional[int] = ...) -> None: ...
 
 class CapacityRequest(_message.Message):
     __slots__ = ()

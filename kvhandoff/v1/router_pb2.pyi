@@ -44,7 +44,7 @@ class Timings(_message.Message):
     def __init__(self, stage1_ms: _Optional[float] = ..., stage2_first_step_ms: _Optional[float] = ..., stage2_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., router_overhead_ms: _Optional[float] = ...) -> None: ...
 
 class HandoffStats(_message.Message):
-    __slots__ = ("path", "prefill_endpoint", "decode_endpoint", "num_parent_tokens", "num_imported_tokens", "num_bytes_moved", "num_computed_tokens_first_step", "num_computed_tokens_total", "recomputed", "failed_decode_endpoint")
+    __slots__ = ("path", "prefill_endpoint", "decode_endpoint", "num_parent_tokens", "num_imported_tokens", "num_bytes_moved", "num_computed_tokens_first_step", "num_computed_tokens_total", "recomputed", "failed_decode_endpoint", "num_recomputed_beam_tokens", "handoff_failure")
     PATH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class HandoffStats(_message.Message):
     NUM_COMPUTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     FAILED_DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTED_BEAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FAILURE_FIELD_NUMBER: _ClassVar[int]
     path: _common_pb2.Path
     prefill_endpoint: str
     decode_endpoint: str
@@ -65,7 +67,9 @@ class HandoffStats(_message.Message):
     num_computed_tokens_total: int
     recomputed: bool
     failed_decode_endpoint: str
-    def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ...) -> None: ...
+    num_recomputed_beam_tokens: int
+    handoff_failure: str
+    def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., handoff_failure: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids")
