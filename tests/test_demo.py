@@ -36,8 +36,12 @@ def test_demo_verifies_every_request_and_leaves_nothing_running(model_dir, tmp_p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "demo.json").read_text())
     assert report["ok"] and len(report["requests"]) == 3
-    for row in report["requests"]:
-        assert row["verified"]
+    assert all(row["verified"] for row in report["requests"])
+    # A handoff whose READ stalled past P's lease is recomputed (flagged) and still
+    # identical; the others imported the parent and computed only the tail.
+    handed = [row for row in report["requests"] if not row["recomputed"]]
+    assert handed, report
+    for row in handed:
         assert row["num_imported_tokens"] == row["num_parent_tokens"] - 1
         assert row["num_computed_tokens_d"] in (3, 4)  # len(suffix) + 1; 2-token suffix after </think>
     assert "3/3 requests identical" in proc.stdout
