@@ -150,6 +150,7 @@ class EngineConfig:
             },
             **({"kv_buffer_device": self.kv_buffer_device} if self.kv_buffer_device else {}),
         )
+        chunked = self.enable_chunked_prefill
         return AsyncEngineArgs(
             model=self.model,
             tokenizer=self.model,
@@ -157,10 +158,9 @@ class EngineConfig:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=(self.max_num_batched_tokens
-                                    if self.enable_chunked_prefill is not False
+            max_num_batched_tokens=(self.max_num_batched_tokens if chunked is not False
                                     else max(self.max_num_batched_tokens, self.max_model_len)),
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=chunked,
             max_logprobs=self.max_logprobs,
             enforce_eager=self.enforce_eager,
             load_format=self.load_format,

@@ -322,12 +322,10 @@ class Router:
                 raise
             # The parent's KV is out of reach; its token ids are not. P's blocks go back
             # when the lease ends (or at once, if D told P before it failed).
+            reason = (e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)) or code.name
             logger.warning("%s: handoff to %s failed (%s); recomputing stage 2 from the "
-                           "parent's token ids", plan.request_id, d.address,
-                           e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
-            out.failed_decode = d.address
-            out.handoff_failure = (e.details() if isinstance(e, grpc.aio.AioRpcError)
-                                   else str(e)) or code.name
+                           "parent's token ids", plan.request_id, d.address, reason)
+            out.failed_decode, out.handoff_failure = d.address, reason
             request.ClearField("handoff")
             request.request_id = f"{plan.request_id}-s2r"
             d = await self._pick_decode(len(stage2_prompt), plan)
