@@ -40,6 +40,8 @@ class Stage1Params:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    #: Sample past EOS: stage 1 ends only at a stop token or max_tokens.
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -39,6 +39,7 @@ class PrefillEngine(VllmEngine):
             top_k=params.top_k,
             seed=params.seed,
             stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
             detokenize=False,
             extra_args={"kv_transfer_params": {"do_remote_decode": True,
                                                TARGET_KEY: target or ""}}

@@ -116,5 +116,6 @@ def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(cluster,
         assert r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (r.code(), r.details())
         assert "decode pool too small" in r.details()
     print(f"\nburst: {len(ok)} ok (max {max(ok):.1f}s), {len(refused)} refused "
-          f"(max {max(t for _, t in refused):.1f}s)")
+          f"(max {max((t for _, t in refused), default=0.0):.1f}s), "
+          f"{len(stalled)} recomputed")
     assert_cluster_clean()
