@@ -414,6 +414,17 @@ def plot(r: dict[str, Any], path: str) -> None:
 def main_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    if args.router_only:
+        from kvhandoff.router_overhead import measure_router_overhead_on_cluster
+
+        result = {"router_cluster": measure_router_overhead_on_cluster(
+            args.model, args.requests or 12)}
+        print(json.dumps(result, indent=1))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
+
     kw: dict[str, Any] = {"model": args.model or "bench"}
     for name in ("prompt_tokens", "stage1_tokens", "beam_width", "beam_tokens", "requests",
                  "seed"):

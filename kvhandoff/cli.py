@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=None)
     bench.add_argument("--json", default=None, metavar="PATH")
     bench.add_argument("--plot", default=None, metavar="PATH", help="PNG")
+    bench.add_argument("--router-only", action="store_true",
+                       help="only the router's own time per request, with P, D and the router "
+                            "as separate processes (built-in model unless --model)")
     bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="start P, D and the router; send requests; verify")

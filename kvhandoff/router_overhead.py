@@ -124,3 +124,33 @@ async def measure_router_overhead(pair: Any, prompts: list[list[int]], *, stage1
         "router_minus_direct_ms_p50": _median(diffs),
         "beams_match_direct": f"{same}/{len(overhead)}",
     }
+
+
+def measure_router_overhead_on_cluster(model: str | None, num_requests: int, *,
+                                       log_dir: Path | None = None) -> dict[str, Any]:
+    """The router's own time per request as deployed: P, D and the router each their own
+    ``kvhandoff serve`` process (``kvhandoff bench --router-only``), requests one at a
+    time, the first two as warm-up. Unlike ``measure_router_overhead``, no engine shares
+    an event loop with another or with the benchmark."""
+    from kvhandoff.client import RouterClient, make_request
+    from kvhandoff.demo import local_cluster
+
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvhandoff-router-cluster-"))
+    overhead, total, recomputed = [], [], 0
+    with local_cluster(model, log_dir, decode_mib=64, prefill_mib=64) as cluster, \
+            RouterClient(cluster["router"]) as client:
+        for i in range(num_requests + 2):
+            resp = client.generate(make_request(prompt=list(range(10, 210)), max_tokens=16,
+                                                seed=i, beam_width=4, path="handoff"))
+            if i >= 2:
+                overhead.append(resp.timings.router_overhead_ms)
+                total.append(resp.timings.total_ms)
+                recomputed += resp.stats.recomputed
+    return {
+        "requests": len(overhead),
+        "router_overhead_ms_p50": _median(overhead),
+        "router_overhead_ms_p95": _p95(overhead),
+        "router_overhead_ms_max": round(max(overhead), 3) if overhead else None,
+        "total_ms_p50": _median(total),
+        "handoffs_recomputed": recomputed,
+    }

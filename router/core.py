@@ -47,6 +47,12 @@ class RouterConfig:
     #: AUTO runs requests whose parent can be at most this long colocated on P.
     colocated_below_tokens: int = 0
     capacity_timeout_s: float = 2.0
+    #: A D's capacity snapshot younger than this is used as it is, less the blocks of
+    #: requests the router sent it since; an older one is asked again before a pick.
+    #: ``Router.poll_capacity`` refreshes every engine each ``capacity_poll_s`` so the
+    #: request path rarely waits on a GetCapacity call (D's admission has the last word).
+    capacity_max_age_s: float = 1.0
+    capacity_poll_s: float = 0.25
     #: Requests the router runs at once; beyond it, RESOURCE_EXHAUSTED at once (the
     #: queue is the engines' schedulers, bounded by this).
     max_inflight: int = 256
@@ -67,6 +73,8 @@ class RouterConfig:
             raise ValueError("colocated_below_tokens must be >= 0")
         if self.max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
+        if not 0 < self.capacity_poll_s < self.capacity_max_age_s:
+            raise ValueError("capacity_poll_s must be positive and below capacity_max_age_s")
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:
             raise ValueError(f"on_handoff_failure must be one of {HANDOFF_FAILURE_POLICIES}")
 
@@ -79,6 +87,14 @@ class Endpoint:
     channel: grpc.aio.Channel | None
     outstanding: int = 0
     capacity: engine_pb2.Capacity | None = None
+    #: time.monotonic() of the last GetCapacity attempt (answered or not).
+    capacity_at: float = float("-inf")
+    #: Blocks the requests sent here since ``capacity`` was taken will need.
+    num_claimed_blocks: int = 0
+
+    @property
+    def num_unclaimed_blocks(self) -> int:
+        return self.capacity.num_free_blocks - self.num_claimed_blocks if self.capacity else 0
 
 
 @dataclass
@@ -148,16 +164,26 @@ class Router:
 
     async def refresh_capacity(self, endpoints: list[Endpoint]) -> None:
         async def one(ep: Endpoint) -> None:
+            asked_at = time.monotonic()
             try:
-                ep.capacity = await ep.stub.GetCapacity(
+                capacity = await ep.stub.GetCapacity(
                     engine_pb2.CapacityRequest(), timeout=self.config.capacity_timeout_s)
             except (grpc.aio.AioRpcError, RouterError) as e:
                 if ep.capacity is not None:
                     code = e.code() if isinstance(e, grpc.aio.AioRpcError) else e.code
                     logger.warning("engine %s unavailable: %s", ep.address, code.name)
-                ep.capacity = None
+                capacity = None
+            ep.capacity, ep.capacity_at, ep.num_claimed_blocks = capacity, asked_at, 0
 
         await asyncio.gather(*(one(ep) for ep in endpoints))
+
+    async def poll_capacity(self) -> None:
+        """Refresh every engine's capacity each ``capacity_poll_s``, until cancelled:
+        keeps GetCapacity off the request path and notices engines that went away or
+        came back."""
+        while True:
+            await self.refresh_capacity([*self.prefill, *self.decode])
+            await asyncio.sleep(self.config.capacity_poll_s)
 
     def plan(self, req: router_pb2.GenerateRequest, deadline: float | None) -> Plan:
         which = req.WhichOneof("prompt")
@@ -234,20 +260,28 @@ class Router:
         live = [ep for ep in self.prefill if ep.capacity is not None] or self.prefill
         return min(live, key=lambda ep: ep.outstanding)
 
-    async def _pick_decode(self, num_prompt_tokens: int, plan: Plan) -> Endpoint:
-        await self.refresh_capacity(self.decode)
+    async def _pick_decode(self, num_prompt_tokens: int, plan: Plan, *,
+                           fresh: bool = False) -> Endpoint:
+        """The D with the most unclaimed blocks among those that can hold the request
+        (else among all live ones: its admission refuses with the numbers). ``fresh``
+        asks every D first (after a failed handoff)."""
+        oldest = time.monotonic() - self.config.capacity_max_age_s
+        stale = [ep for ep in self.decode if fresh or ep.capacity_at < oldest]
+        if stale:
+            await self.refresh_capacity(stale)
         live = [ep for ep in self.decode if ep.capacity is not None]
         if not live:
             raise grpc_error(grpc.StatusCode.UNAVAILABLE, "no decode engine is reachable")
 
-        def fits(ep: Endpoint) -> bool:
-            c = ep.capacity
-            need = blocks_needed(num_prompt_tokens, c.block_size, plan.beam.beam_width,
-                                 plan.beam.max_tokens)
-            return need <= c.num_free_blocks and plan.beam.beam_width <= c.max_beam_width
+        def need(ep: Endpoint) -> int:
+            return blocks_needed(num_prompt_tokens, ep.capacity.block_size,
+                                 plan.beam.beam_width, plan.beam.max_tokens)
 
-        fitting = [ep for ep in live if fits(ep)]
-        return max(fitting or live, key=lambda ep: (ep.capacity.num_free_blocks, -ep.outstanding))
+        fitting = [ep for ep in live if need(ep) <= ep.num_unclaimed_blocks
+                   and plan.beam.beam_width <= ep.capacity.max_beam_width]
+        d = max(fitting or live, key=lambda ep: (ep.num_unclaimed_blocks, -ep.outstanding))
+        d.num_claimed_blocks += need(d)
+        return d
 
     # ---- running -----------------------------------------------------------------------
     def _timeout(self, plan: Plan) -> float | None:
@@ -328,7 +362,7 @@ class Router:
             out.failed_decode, out.handoff_failure = d.address, reason
             request.ClearField("handoff")
             request.request_id = f"{plan.request_id}-s2r"
-            d = await self._pick_decode(len(stage2_prompt), plan)
+            d = await self._pick_decode(len(stage2_prompt), plan, fresh=True)
             out.decode = d.address
             out.stage2 = await self._stage2(d, request, plan, out)
         out.total_ms = (time.perf_counter() - t0) * 1e3

@@ -126,6 +126,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
         await asyncio.sleep(0.5)
     if config.warm_up:
         await router.warm_up()
+    poller = asyncio.create_task(router.poll_capacity())
     for name in ["", *names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"kvhandoff router serving on {host}:{bound}", flush=True)
@@ -134,4 +135,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     finally:
         await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
         await router.close()
