@@ -20,6 +20,14 @@ NUM_REQUESTS = int(os.environ.get("KVHANDOFF_LOAD_REQUESTS", "48"))
 CONCURRENCY = int(os.environ.get("KVHANDOFF_LOAD_CONCURRENCY", "8"))
 #: Memory a process may keep after the load (allocator caches, compiled kernels).
 RSS_MARGIN_MIB = 64
+#: A request D refuses for capacity is answered within this (stage 1 included).
+REJECTION_S = 30.0
+
+
+def _is_capacity_rejection(result) -> bool:
+    return (isinstance(result, grpc.RpcError)
+            and result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "decode pool too small" in (result.details() or ""))
 
 
 def _rss_mib(server) -> float:
@@ -50,10 +58,12 @@ def _request(i: int, rng: random.Random, path: str = "handoff", **kw):
 
 def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
     rng = random.Random(11)
-    warmup = [_request(10_000 + i, rng) for i in range(CONCURRENCY)]
+    # The warm-up has the load's shape (same concurrency), so the memory baseline holds
+    # the allocators' high-water mark for batches that wide: growth after it is a leak.
+    warmup = [_request(10_000 + i, rng) for i in range(2 * CONCURRENCY)]
     errors = [(r.code().name, r.details()) for r, _ in _run_all(cluster["router"], warmup,
                                                                 CONCURRENCY)
-              if isinstance(r, grpc.RpcError)]
+              if isinstance(r, grpc.RpcError) and not _is_capacity_rejection(r)]
     assert not errors, errors
     assert_cluster_clean()
     servers = cluster["servers"]
@@ -63,21 +73,31 @@ def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
     t0 = time.perf_counter()
     results = _run_all(cluster["router"], requests, CONCURRENCY)
     elapsed = time.perf_counter() - t0
+    # D's admission refuses what its pool cannot hold at that moment (the cluster's D is
+    # small on purpose: at concurrency 32 it holds about a third of the beams): those are
+    # deliberate rejections and must come back quickly. Anything else is a failure.
+    rejected = [t for r, t in results if _is_capacity_rejection(r)]
     failures = [(req.request_id, r.code().name, r.details()) for req, (r, _) in
-                zip(requests, results) if isinstance(r, grpc.RpcError)]
+                zip(requests, results)
+                if isinstance(r, grpc.RpcError) and not _is_capacity_rejection(r)]
     assert not failures, failures
-    recomputed = [(req.request_id, r.stats.handoff_failure) for req, (r, _) in
-                  zip(requests, results) if r.stats.recomputed]
+    served = [i for i, (r, _) in enumerate(results) if not isinstance(r, grpc.RpcError)]
+    assert served, "nothing was served"
+    recomputed = [(requests[i].request_id, results[i][0].stats.handoff_failure) for i in served
+                  if results[i][0].stats.recomputed]
     print(f"\nload: {NUM_REQUESTS} requests at concurrency {CONCURRENCY} in {elapsed:.1f}s "
-          f"({NUM_REQUESTS / elapsed:.2f} req/s), {len(recomputed)} handoffs recomputed "
+          f"({len(served) / elapsed:.2f} served req/s): {len(served)} served, "
+          f"{len(rejected)} refused for D's capacity (slowest refusal "
+          f"{max(rejected, default=0.0):.1f}s), {len(recomputed)} handoffs recomputed "
           f"{recomputed}")
+    assert max(rejected, default=0.0) < REJECTION_S
     assert_cluster_clean()
     after = {s.role: _rss_mib(s) for s in servers}
     for role in baseline:
         assert after[role] <= baseline[role] + RSS_MARGIN_MIB, (role, baseline[role], after[role])
 
     # A sample, against the colocated reference (same seeds: same stage 1).
-    sample = list(range(0, NUM_REQUESTS, max(1, NUM_REQUESTS // 6)))
+    sample = served[::max(1, len(served) // 6)]
     refs = []
     for i in sample:
         ref = requests[i].__class__()
