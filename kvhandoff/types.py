@@ -42,10 +42,16 @@ class Stage1Params:
     stop_token_ids: tuple[int, ...] = ()
     #: Sample past EOS: stage 1 ends only at a stop token or max_tokens.
     ignore_eos: bool = False
+    #: Neither EOS nor a stop token ends stage 1 before this many tokens.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidRequest("stage1.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest("stage1.min_tokens",
+                                 f"must be in [0, max_tokens={self.max_tokens}], "
+                                 f"got {self.min_tokens}")
         if not self.temperature >= 0:
             raise InvalidRequest("stage1.temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

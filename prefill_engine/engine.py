@@ -40,6 +40,7 @@ class PrefillEngine(VllmEngine):
             seed=params.seed,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
             detokenize=False,
             extra_args={"kv_transfer_params": {"do_remote_decode": True,
                                                TARGET_KEY: target or ""}}

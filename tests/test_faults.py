@@ -81,11 +81,16 @@ def _kill(server) -> None:
     server.proc.wait(timeout=30)
 
 
+#: Stage-1 length of the requests the tests act during: exactly this many sampled tokens
+#: (min_tokens = max_tokens). With 120 tokens (and a stop token) the whole handoff was once
+#: over before the test's kill landed (CI); 1500 tokens took ~8 s in this fleet here.
+LONG_STAGE1_TOKENS = 1500
+
+
 def _long_request(seed: int, path: str = "handoff"):
-    # ~120 sampled tokens (no stop token): a few seconds of stage 1 to act in.
-    req = make_request(prompt=list(range(50, 130)), max_tokens=120, seed=seed, beam_width=4,
-                       path=path, request_id=f"fault-{path}-{seed}")
-    req.stage1.stop_token_ids.append(5)
+    req = make_request(prompt=list(range(50, 130)), max_tokens=LONG_STAGE1_TOKENS, seed=seed,
+                       beam_width=4, path=path, request_id=f"fault-{path}-{seed}")
+    req.stage1.min_tokens = LONG_STAGE1_TOKENS
     return req
 
 
@@ -123,6 +128,7 @@ def test_d_killed_mid_request_is_recomputed_on_the_other_d(fleet):
     s = got.stats
     assert s.recomputed and s.failed_decode_endpoint == fleet["d0"].address
     assert s.decode_endpoint == fleet["d1"].address and s.num_imported_tokens == 0
+    assert len(ref.thinking_token_ids) == LONG_STAGE1_TOKENS
     assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
     assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
     after = _metric(fleet["router"].metrics_url, "kvhandoff_router_handoffs_recomputed_total")

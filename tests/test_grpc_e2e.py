@@ -116,11 +116,10 @@ def test_handoff_for_another_prompt_sent_to_d_directly_is_refused(cluster, asser
 
 
 def _long_stage1_request():
-    """Greedy, past EOS, and stopping only at <|sid_end|> (which replaces the default
-    </think> stop): stage 1 runs for thousands of tokens whatever the model samples."""
+    """Exactly 3000 stage-1 tokens (min_tokens = max_tokens: neither EOS nor </think> ends
+    it early), seconds of stage 1 on this cluster whatever the model samples."""
     req = make_request(prompt=PROMPT, max_tokens=3000, temperature=0.0, path="handoff")
-    req.stage1.stop_token_ids.append(5)
-    req.stage1.ignore_eos = True
+    req.stage1.min_tokens = 3000
     return req
 
 

@@ -23,7 +23,7 @@ def test_stage1_sampling_round_trips_and_unset_fields_take_the_defaults():
     from kvhandoff.v1 import common_pb2
 
     params = Stage1Params(max_tokens=7, temperature=0.5, top_p=0.75, top_k=3, seed=11,
-                          stop_token_ids=(2, 5), ignore_eos=True)
+                          stop_token_ids=(2, 5), ignore_eos=True, min_tokens=4)
     assert engine_pb.stage1_from_pb(engine_pb.stage1_to_pb(params)) == params
     defaults = engine_pb.stage1_from_pb(common_pb2.Stage1Sampling(), default_stop_ids=(2,))
     assert defaults == Stage1Params(max_tokens=256, stop_token_ids=(2,), ignore_eos=False)
