@@ -227,13 +227,14 @@ class RouterServer:
         if not any(ep.capacity for ep in self.router.prefill):
             await self.router.refresh_capacity(self.router.prefill)
         plan = self.router.plan(request, None)
-        async for item in self.router.run(plan):
-            if isinstance(item, Outcome):
-                resp = to_response(item, self.router.tokens.tokenizer, received_at)
-                self.metrics.observe(resp)
-                yield resp
-            else:
-                yield item
+        async with contextlib.aclosing(self.router.run(plan)) as items:
+            async for item in items:
+                if isinstance(item, Outcome):
+                    resp = to_response(item, self.router.tokens.tokenizer, received_at)
+                    self.metrics.observe(resp)
+                    yield resp
+                else:
+                    yield item
 
     def _fail(self, grpc_context: Any, exc: BaseException) -> None:
         """Set the status the standalone router would send, then raise RequestFailed

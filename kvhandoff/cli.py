@@ -57,6 +57,8 @@ def _serve(args: argparse.Namespace) -> int:
             model=str(resolve_model(args.model)),
             colocated_below_tokens=args.colocated_below,
             max_inflight=args.max_inflight,
+            decode_queue_limit=args.decode_queue_limit,
+            decode_wait_s=args.decode_wait_s,
             on_handoff_failure=args.on_handoff_failure,
             warm_up=not args.no_warm_up,
             channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
@@ -139,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="router: run requests whose parent is shorter colocated on P")
     serve.add_argument("--max-inflight", type=int, default=256,
                        help="router: requests run at once; beyond, RESOURCE_EXHAUSTED")
+    serve.add_argument("--decode-queue-limit", type=int, default=64,
+                       help="router: requests that may wait for room on a D (0 = refuse "
+                            "at once); beyond, RESOURCE_EXHAUSTED")
+    serve.add_argument("--decode-wait-s", type=float, default=30.0,
+                       help="router: longest wait for room on a D, then RESOURCE_EXHAUSTED")
     serve.add_argument("--on-handoff-failure", choices=["recompute", "fail"],
                        default="recompute",
                        help="router: when D cannot complete a handoff (UNAVAILABLE, or "

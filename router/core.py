@@ -3,15 +3,20 @@
 Prompts arrive as text or token ids; text is tokenised once here and the parent is
 never re-tokenised (stage 2's prompt is built from token ids). P is chosen by least
 outstanding requests; D by capacity, before stage 1 (P addresses and, with a shared
-secret, signs the handoff for that D): a D whose pool cannot hold the longest parent the
-request can make, the suffix and the beam tails is skipped. If none can, the request
-still goes to the D with the most free blocks: its scheduler refuses at admission
-(RESOURCE_EXHAUSTED with the numbers) and tells P to release the parent's blocks at once.
+secret, signs the handoff for that D): the D with the most unclaimed blocks among those
+whose pool can hold the longest parent the request can make, the suffix and the beam tails.
+When none has room now, the request waits in a bounded FIFO queue for one (at most
+``decode_wait_s``, its deadline, and ``decode_queue_limit`` waiters); a request no D could
+hold even empty, a full queue and a wait that ran out are RESOURCE_EXHAUSTED with the
+numbers, before stage 1 runs. D's admission still has the last word (it refuses with
+RESOURCE_EXHAUSTED and tells P to release the parent's blocks at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import itertools
 import logging
 import time
@@ -53,9 +58,13 @@ class RouterConfig:
     #: request path rarely waits on a GetCapacity call (D's admission has the last word).
     capacity_max_age_s: float = 1.0
     capacity_poll_s: float = 0.25
-    #: Requests the router runs at once; beyond it, RESOURCE_EXHAUSTED at once (the
-    #: queue is the engines' schedulers, bounded by this).
+    #: Requests the router runs at once; beyond it, RESOURCE_EXHAUSTED at once.
     max_inflight: int = 256
+    #: Requests that may wait for room on a D (0: none wait, a request no D has room
+    #: for now is refused at once); beyond it, RESOURCE_EXHAUSTED at once.
+    decode_queue_limit: int = 64
+    #: The longest a request waits for room on a D (its deadline may cut it shorter).
+    decode_wait_s: float = 30.0
     #: TLS towards the engines (None: plaintext, for 127.0.0.1).
     channel_tls: ChannelTLS | None = None
     #: When D cannot complete a handoff (UNAVAILABLE: D went away, or its READ from P
@@ -73,6 +82,8 @@ class RouterConfig:
             raise ValueError("colocated_below_tokens must be >= 0")
         if self.max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
+        if self.decode_queue_limit < 0 or self.decode_wait_s < 0:
+            raise ValueError("decode_queue_limit and decode_wait_s must be >= 0")
         if not 0 < self.capacity_poll_s < self.capacity_max_age_s:
             raise ValueError("capacity_poll_s must be positive and below capacity_max_age_s")
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:
@@ -89,12 +100,37 @@ class Endpoint:
     capacity: engine_pb2.Capacity | None = None
     #: time.monotonic() of the last GetCapacity attempt (answered or not).
     capacity_at: float = float("-inf")
-    #: Blocks the requests sent here since ``capacity`` was taken will need.
-    num_claimed_blocks: int = 0
+    #: Blocks promised to requests routed here that ``capacity`` may not show yet.
+    claims: dict[object, Claim] = field(default_factory=dict)
+
+    @property
+    def num_claimed_blocks(self) -> int:
+        return sum(c.num_blocks for c in self.claims.values())
 
     @property
     def num_unclaimed_blocks(self) -> int:
         return self.capacity.num_free_blocks - self.num_claimed_blocks if self.capacity else 0
+
+    def settle_claims(self) -> None:
+        """Forget the claims a snapshot taken at ``capacity_at`` shows: their stage 2
+        reached D at least ``ADMIT_S`` before it was asked (D allocates at admission,
+        within a scheduler step). Claims still in stage 1 stay."""
+        for key in [k for k, c in self.claims.items()
+                    if c.sent_at is not None and c.sent_at + ADMIT_S <= self.capacity_at]:
+            del self.claims[key]
+
+
+#: Time D is given to admit (allocate for) a stage 2 before a snapshot is assumed to show it.
+ADMIT_S = 0.25
+
+
+@dataclass
+class Claim:
+    """Blocks a request routed to a D will need there."""
+
+    num_blocks: int
+    #: time.monotonic() when its stage 2 was sent to D (None: still in stage 1).
+    sent_at: float | None = None
 
 
 @dataclass
@@ -146,6 +182,10 @@ class Router:
             self.prefill = [self._endpoint(a) for a in config.prefill]
             self.decode = [self._endpoint(a) for a in config.decode]
         self._ids = itertools.count()
+        #: Requests waiting for room on a D, first come first served.
+        self._decode_queue: collections.deque[object] = collections.deque()
+        #: Set (and replaced) whenever room on a D may have changed.
+        self._decode_changed = asyncio.Event()
 
     def _endpoint(self, address: str) -> Endpoint:
         channel = aio_channel(address, self.config.channel_tls, CHANNEL_OPTIONS)
@@ -173,9 +213,15 @@ class Router:
                     code = e.code() if isinstance(e, grpc.aio.AioRpcError) else e.code
                     logger.warning("engine %s unavailable: %s", ep.address, code.name)
                 capacity = None
-            ep.capacity, ep.capacity_at, ep.num_claimed_blocks = capacity, asked_at, 0
+            ep.capacity, ep.capacity_at = capacity, asked_at
+            ep.settle_claims()
 
         await asyncio.gather(*(one(ep) for ep in endpoints))
+        self._decode_room_changed()
+
+    def _decode_room_changed(self) -> None:
+        self._decode_changed.set()
+        self._decode_changed = asyncio.Event()
 
     async def poll_capacity(self) -> None:
         """Refresh every engine's capacity each ``capacity_poll_s``, until cancelled:
@@ -260,28 +306,83 @@ class Router:
         live = [ep for ep in self.prefill if ep.capacity is not None] or self.prefill
         return min(live, key=lambda ep: ep.outstanding)
 
-    async def _pick_decode(self, num_prompt_tokens: int, plan: Plan, *,
+    async def _pick_decode(self, num_prompt_tokens: int, plan: Plan, key: object, *,
                            fresh: bool = False) -> Endpoint:
-        """The D with the most unclaimed blocks among those that can hold the request
-        (else among all live ones: its admission refuses with the numbers). ``fresh``
-        asks every D first (after a failed handoff)."""
-        oldest = time.monotonic() - self.config.capacity_max_age_s
-        stale = [ep for ep in self.decode if fresh or ep.capacity_at < oldest]
-        if stale:
-            await self.refresh_capacity(stale)
-        live = [ep for ep in self.decode if ep.capacity is not None]
-        if not live:
-            raise grpc_error(grpc.StatusCode.UNAVAILABLE, "no decode engine is reachable")
+        """The D with the most unclaimed blocks among those with room for the request;
+        its blocks are claimed there under ``key`` (``_release`` gives them back). With no
+        room on any D the request waits its turn (FIFO) for up to ``decode_wait_s``.
+        ``fresh`` asks every D first (after a failed handoff)."""
+        cfg = self.config
 
         def need(ep: Endpoint) -> int:
             return blocks_needed(num_prompt_tokens, ep.capacity.block_size,
                                  plan.beam.beam_width, plan.beam.max_tokens)
 
-        fitting = [ep for ep in live if need(ep) <= ep.num_unclaimed_blocks
-                   and plan.beam.beam_width <= ep.capacity.max_beam_width]
-        d = max(fitting or live, key=lambda ep: (ep.num_unclaimed_blocks, -ep.outstanding))
-        d.num_claimed_blocks += need(d)
-        return d
+        def can_hold(ep: Endpoint) -> bool:
+            return (plan.beam.beam_width <= ep.capacity.max_beam_width
+                    and need(ep) <= ep.capacity.num_total_blocks)
+
+        ticket = object()
+        wait_until = time.monotonic() + cfg.decode_wait_s
+        if plan.deadline is not None:
+            wait_until = min(wait_until, plan.deadline)
+        max_age = cfg.capacity_max_age_s
+        try:
+            while True:
+                changed = self._decode_changed
+                oldest = time.monotonic() - max_age
+                stale = [ep for ep in self.decode if fresh or ep.capacity_at < oldest]
+                fresh = False
+                if stale:
+                    await self.refresh_capacity(stale)
+                live = [ep for ep in self.decode if ep.capacity is not None]
+                if not live:
+                    raise grpc_error(grpc.StatusCode.UNAVAILABLE, "no decode engine is reachable")
+                holding = [ep for ep in live if can_hold(ep)]
+                if not holding:
+                    biggest = max(live, key=lambda ep: ep.capacity.num_total_blocks)
+                    raise grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"decode pool too small: needs {need(biggest)} blocks "
+                                     f"({num_prompt_tokens}-token prompt, beam width "
+                                     f"{plan.beam.beam_width}, {plan.beam.max_tokens} beam "
+                                     f"tokens), the largest decode engine holds "
+                                     f"{biggest.capacity.num_total_blocks} (beam width up to "
+                                     f"{biggest.capacity.max_beam_width})")
+                my_turn = not self._decode_queue or self._decode_queue[0] is ticket
+                fitting = [ep for ep in holding if need(ep) <= ep.num_unclaimed_blocks]
+                if my_turn and fitting:
+                    d = max(fitting, key=lambda ep: (ep.num_unclaimed_blocks, -ep.outstanding))
+                    d.claims[key] = Claim(need(d))
+                    return d
+                if ticket not in self._decode_queue:
+                    if len(self._decode_queue) >= cfg.decode_queue_limit:
+                        raise grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         f"decode queue full: {len(self._decode_queue)} "
+                                         f"requests wait for room on a decode engine "
+                                         f"(limit {cfg.decode_queue_limit})")
+                    self._decode_queue.append(ticket)
+                    # The queue's head asks the Ds itself if nobody polls them.
+                    max_age = 2 * cfg.capacity_poll_s
+                left = wait_until - time.monotonic()
+                if left <= 0:
+                    if plan.deadline is not None and wait_until >= plan.deadline:
+                        raise asyncio.TimeoutError()
+                    most = max(holding, key=lambda ep: ep.num_unclaimed_blocks)
+                    raise grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"decode pool too small: no decode engine had room for "
+                                     f"{need(most)} blocks within {cfg.decode_wait_s:g} s "
+                                     f"(most unclaimed: {most.num_unclaimed_blocks} of "
+                                     f"{most.capacity.num_total_blocks})")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), min(left, cfg.capacity_poll_s))
+        finally:
+            if ticket in self._decode_queue:
+                self._decode_queue.remove(ticket)
+                self._decode_room_changed()
+
+    def _release(self, d: Endpoint | None, key: object) -> None:
+        if d is not None and d.claims.pop(key, None) is not None:
+            self._decode_room_changed()
 
     # ---- running -----------------------------------------------------------------------
     def _timeout(self, plan: Plan) -> float | None:
@@ -299,6 +400,7 @@ class Router:
         p = plan.pinned[0] if plan.pinned else self._pick_prefill()
         out = Outcome(plan, p.address, None)
         d = None
+        key = object()  # this request's claim on D's blocks
         if handoff and plan.pinned:
             d = plan.pinned[1]
             out.decode = d.address
@@ -306,70 +408,76 @@ class Router:
             # D is chosen first: P addresses (and signs) the handoff to it. The longest
             # stage-2 prompt the request can make is what must fit.
             longest = len(plan.prompt_ids) + plan.stage1.max_tokens + len(plan.suffix_ids) + 1
-            d = await self._pick_decode(longest, plan)
+            d = await self._pick_decode(longest, plan, key)
             out.decode = d.address
-        p.outstanding += 1
         try:
-            call = p.stub.Stage1(engine_pb2.Stage1Request(
-                request_id=f"{plan.request_id}-s1", prompt_token_ids=plan.prompt_ids,
-                sampling=engine_pb.stage1_to_pb(plan.stage1), export=handoff,
-                target_engine_id=_handoff_target(d)),
-                timeout=self._timeout(plan))
-            handoff_msg = None
-            waiting_since = time.perf_counter()
-            async for event in call:
-                out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
-                if event.new_token_ids:
-                    out.thinking_ids.extend(event.new_token_ids)
-                    yield list(event.new_token_ids)
-                if event.finish_reason:
-                    out.stage1_finish_reason = event.finish_reason
-                    if event.HasField("handoff"):
-                        handoff_msg = event.handoff
+            p.outstanding += 1
+            try:
+                call = p.stub.Stage1(engine_pb2.Stage1Request(
+                    request_id=f"{plan.request_id}-s1", prompt_token_ids=plan.prompt_ids,
+                    sampling=engine_pb.stage1_to_pb(plan.stage1), export=handoff,
+                    target_engine_id=_handoff_target(d)),
+                    timeout=self._timeout(plan))
+                handoff_msg = None
                 waiting_since = time.perf_counter()
-            out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
-        finally:
-            p.outstanding -= 1
-        out.stage1_ms = (time.perf_counter() - t0) * 1e3
+                async for event in call:
+                    out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
+                    if event.new_token_ids:
+                        out.thinking_ids.extend(event.new_token_ids)
+                        yield list(event.new_token_ids)
+                    if event.finish_reason:
+                        out.stage1_finish_reason = event.finish_reason
+                        if event.HasField("handoff"):
+                            handoff_msg = event.handoff
+                    waiting_since = time.perf_counter()
+                out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
+            finally:
+                p.outstanding -= 1
+            out.stage1_ms = (time.perf_counter() - t0) * 1e3
 
-        parent = plan.prompt_ids + out.thinking_ids
-        stage2_prompt = continuation_prompt(parent, plan.suffix_ids, self.tokens.think_end_id)
-        out.suffix_ids = stage2_prompt[len(parent):]
-        request = engine_pb2.Stage2Request(
-            request_id=f"{plan.request_id}-s2", prompt_token_ids=stage2_prompt,
-            beam=engine_pb.beam_to_pb(plan.beam))
-        if handoff:
-            if handoff_msg is None:
-                raise grpc_error(grpc.StatusCode.INTERNAL, "prefill engine exported no handoff")
-            request.handoff.CopyFrom(handoff_msg)
-        else:
-            d = p
-        try:
-            out.stage2 = await self._stage2(d, request, plan, out)
-        except (RouterError, grpc.aio.AioRpcError) as e:
-            code = e.code if isinstance(e, RouterError) else e.code()
-            # UNAVAILABLE: D is gone or its READ failed; FAILED_PRECONDITION: P's lease
-            # ended before D could read (D was busy, or the transfer stalled).
-            if not (handoff and code in (grpc.StatusCode.UNAVAILABLE,
-                                         grpc.StatusCode.FAILED_PRECONDITION)
-                    and self.config.on_handoff_failure == "recompute"):
-                raise
-            # The parent's KV is out of reach; its token ids are not. P's blocks go back
-            # when the lease ends (or at once, if D told P before it failed).
-            reason = (e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)) or code.name
-            logger.warning("%s: handoff to %s failed (%s); recomputing stage 2 from the "
-                           "parent's token ids", plan.request_id, d.address, reason)
-            out.failed_decode, out.handoff_failure = d.address, reason
-            request.ClearField("handoff")
-            request.request_id = f"{plan.request_id}-s2r"
-            d = await self._pick_decode(len(stage2_prompt), plan, fresh=True)
-            out.decode = d.address
-            out.stage2 = await self._stage2(d, request, plan, out)
+            parent = plan.prompt_ids + out.thinking_ids
+            stage2_prompt = continuation_prompt(parent, plan.suffix_ids, self.tokens.think_end_id)
+            out.suffix_ids = stage2_prompt[len(parent):]
+            request = engine_pb2.Stage2Request(
+                request_id=f"{plan.request_id}-s2", prompt_token_ids=stage2_prompt,
+                beam=engine_pb.beam_to_pb(plan.beam))
+            if handoff:
+                if handoff_msg is None:
+                    raise grpc_error(grpc.StatusCode.INTERNAL, "prefill engine exported no handoff")
+                request.handoff.CopyFrom(handoff_msg)
+            else:
+                d = p
+            try:
+                out.stage2 = await self._stage2(d, request, plan, out, key)
+            except (RouterError, grpc.aio.AioRpcError) as e:
+                code = e.code if isinstance(e, RouterError) else e.code()
+                # UNAVAILABLE: D is gone or its READ failed; FAILED_PRECONDITION: P's lease
+                # ended before D could read (D was busy, or the transfer stalled).
+                if not (handoff and code in (grpc.StatusCode.UNAVAILABLE,
+                                             grpc.StatusCode.FAILED_PRECONDITION)
+                        and self.config.on_handoff_failure == "recompute"):
+                    raise
+                # The parent's KV is out of reach; its token ids are not. P's blocks go back
+                # when the lease ends (or at once, if D told P before it failed).
+                reason = (e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)) or code.name
+                logger.warning("%s: handoff to %s failed (%s); recomputing stage 2 from the "
+                               "parent's token ids", plan.request_id, d.address, reason)
+                out.failed_decode, out.handoff_failure = d.address, reason
+                request.ClearField("handoff")
+                request.request_id = f"{plan.request_id}-s2r"
+                self._release(d, key)
+                d = await self._pick_decode(len(stage2_prompt), plan, key, fresh=True)
+                out.decode = d.address
+                out.stage2 = await self._stage2(d, request, plan, out, key)
+        finally:
+            self._release(d, key)
         out.total_ms = (time.perf_counter() - t0) * 1e3
         yield out
 
     async def _stage2(self, d: Endpoint, request: engine_pb2.Stage2Request, plan: Plan,
-                      out: Outcome) -> engine_pb2.Stage2Response:
+                      out: Outcome, key: object) -> engine_pb2.Stage2Response:
+        if key in d.claims:
+            d.claims[key].sent_at = time.monotonic()
         d.outstanding += 1
         waiting_since = time.perf_counter()
         try:

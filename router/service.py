@@ -79,9 +79,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             with self._admit():
                 plan = self.router.plan(request, _deadline(context))
-                async for item in self.router.run(plan):
-                    if isinstance(item, Outcome):
-                        return self._response(item, received_at)
+                async with contextlib.aclosing(self.router.run(plan)) as items:
+                    async for item in items:
+                        if isinstance(item, Outcome):
+                            return self._response(item, received_at)
         except (Exception, asyncio.CancelledError) as e:  # mapped to a status in one place
             await self._abort(context, e)
 
@@ -90,12 +91,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             with self._admit():
                 plan = self.router.plan(request, _deadline(context))
-                async for item in self.router.run(plan):
-                    if isinstance(item, Outcome):
-                        yield router_pb2.GenerateStreamEvent(
-                            result=self._response(item, received_at))
-                    else:
-                        yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+                async with contextlib.aclosing(self.router.run(plan)) as items:
+                    async for item in items:
+                        if isinstance(item, Outcome):
+                            yield router_pb2.GenerateStreamEvent(
+                                result=self._response(item, received_at))
+                        else:
+                            yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 

@@ -1,17 +1,19 @@
 """The router's choice of D, over fake engine stubs (no engines): capacity snapshots are
-reused while fresh, the router's own picks are counted against them, stale ones are asked
-again."""
+reused while fresh, the router's own picks are claimed against them until a snapshot shows
+them, stale ones are asked again, and a request with no room waits its turn, bounded."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from decode_engine.scheduler import blocks_needed
 from kvhandoff.types import BeamParams, Stage1Params
 from kvhandoff.v1 import common_pb2, engine_pb2
+from router.core import RouterError
 
 
 class FakeEngineStub:
@@ -25,26 +27,31 @@ class FakeEngineStub:
                                    block_size=32, max_beam_width=32)
 
 
-def _router(model_dir: str, free: list[int]):
+def _router(model_dir: str, free: list[int], **config):
     from router.core import Endpoint, Router, RouterConfig
 
     decode = [Endpoint(f"d{i}", FakeEngineStub(n), None) for i, n in enumerate(free)]
     config = RouterConfig(prefill=("p",), decode=tuple(ep.address for ep in decode),
-                          model=model_dir, warm_up=False)
+                          model=model_dir, warm_up=False, **config)
     return Router(config, endpoints=([Endpoint("p", FakeEngineStub(100), None)], decode))
 
 
-def _plan(beam_width: int = 4):
+def _plan(beam_width: int = 4, deadline: float | None = None):
     from router.core import Plan
 
     return Plan("r", [1] * 100, [2], Stage1Params(max_tokens=10),
-                BeamParams(beam_width=beam_width, max_tokens=3), common_pb2.PATH_HANDOFF, None)
+                BeamParams(beam_width=beam_width, max_tokens=3), common_pb2.PATH_HANDOFF,
+                deadline)
+
+
+def _pick(router, tokens: int = 200, plan=None, **kw):
+    return router._pick_decode(tokens, plan or _plan(), object(), **kw)
 
 
 def test_fresh_snapshots_are_reused_and_picks_are_claimed(model_dir):
     router = _router(model_dir, [40, 30])
     need = blocks_needed(200, 32, 4, 3)
-    picks = [asyncio.run(router._pick_decode(200, _plan())).address for _ in range(4)]
+    picks = [asyncio.run(_pick(router)).address for _ in range(4)]
     # One GetCapacity per D for the whole burst; claims move the next pick to the D with
     # the most unclaimed blocks.
     assert [ep.stub.num_capacity_calls for ep in router.decode] == [1, 1]
@@ -56,18 +63,83 @@ def test_fresh_snapshots_are_reused_and_picks_are_claimed(model_dir):
 def test_stale_snapshots_and_failed_handoffs_ask_again(model_dir):
     router = _router(model_dir, [40])
     d = router.decode[0]
-    asyncio.run(router._pick_decode(200, _plan()))
+    asyncio.run(_pick(router))
     d.capacity_at = time.monotonic() - router.config.capacity_max_age_s - 1
-    d.stub.num_free_blocks = 7
-    asyncio.run(router._pick_decode(200, _plan()))
-    assert d.stub.num_capacity_calls == 2 and d.capacity.num_free_blocks == 7
-    asyncio.run(router._pick_decode(200, _plan(), fresh=True))
+    d.stub.num_free_blocks = 37
+    asyncio.run(_pick(router))
+    assert d.stub.num_capacity_calls == 2 and d.capacity.num_free_blocks == 37
+    asyncio.run(_pick(router, fresh=True))
     assert d.stub.num_capacity_calls == 3
 
 
-def test_no_fitting_d_still_goes_to_the_roomiest_whose_admission_refuses(model_dir):
-    router = _router(model_dir, [3, 5])
-    assert asyncio.run(router._pick_decode(2000, _plan(beam_width=32))).address == "d1"
+def test_a_request_no_d_could_ever_hold_is_refused_at_once(model_dir):
+    router = _router(model_dir, [200, 150])
+    with pytest.raises(RouterError) as e:
+        asyncio.run(_pick(router, 8000, _plan(beam_width=32)))
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "decode pool too small" in str(e.value) and "holds 200" in str(e.value)
+
+
+def test_snapshots_settle_claims_whose_stage2_reached_d():
+    from router.core import ADMIT_S, Claim, Endpoint
+
+    ep = Endpoint("d", None, None)
+    in_stage1, sent_long_ago, just_sent = object(), object(), object()
+    ep.capacity_at = time.monotonic()
+    ep.claims = {in_stage1: Claim(3), sent_long_ago: Claim(5, ep.capacity_at - ADMIT_S - 1),
+                 just_sent: Claim(7, ep.capacity_at)}
+    ep.settle_claims()
+    assert set(ep.claims) == {in_stage1, just_sent} and ep.num_claimed_blocks == 10
+
+
+def test_without_room_a_request_waits_its_turn_until_a_claim_is_released(model_dir):
+    need = blocks_needed(200, 32, 4, 3)
+
+    async def scenario():
+        router = _router(model_dir, [need])
+        d = router.decode[0]
+        held = object()
+        assert await router._pick_decode(200, _plan(), held) is d
+        order = []
+
+        async def wait(name):
+            await router._pick_decode(200, _plan(), name)
+            order.append(name)
+            router._release(d, name)
+
+        waiters = [asyncio.create_task(wait(n)) for n in ("first", "second")]
+        await asyncio.sleep(0.6)
+        assert order == [] and len(router._decode_queue) == 2
+        router._release(d, held)
+        await asyncio.wait_for(asyncio.gather(*waiters), 5)
+        return order
+
+    assert asyncio.run(scenario()) == ["first", "second"]
+
+
+def test_the_wait_is_bounded_by_the_queue_the_time_and_the_deadline(model_dir):
+    async def scenario():
+        router = _router(model_dir, [1], decode_queue_limit=1, decode_wait_s=0.5)
+        waiter = asyncio.create_task(_pick(router))
+        await asyncio.sleep(0.1)
+        with pytest.raises(RouterError, match="decode queue full"):
+            await _pick(router)
+        t0 = time.monotonic()
+        with pytest.raises(RouterError, match="no decode engine had room") as e:
+            await waiter
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert 0.3 < time.monotonic() - t0 < 2
+        with pytest.raises(asyncio.TimeoutError):
+            await _pick(router, plan=_plan(deadline=time.monotonic() + 0.2))
+        assert not router._decode_queue
+
+    asyncio.run(scenario())
+
+
+def test_with_no_queue_a_request_without_room_is_refused_at_once(model_dir):
+    router = _router(model_dir, [1], decode_queue_limit=0)
+    with pytest.raises(RouterError, match="decode queue full"):
+        asyncio.run(_pick(router))
 
 
 def test_poll_interval_must_be_below_the_snapshot_age():
