@@ -13,6 +13,7 @@ from typing import Any
 
 from connector.handoff import KEY, import_params
 from decode_engine.beam import beam_search
+from decode_engine.scheduler import blocks_needed
 from kvhandoff.engine import VllmEngine
 from kvhandoff.types import BeamParams, Stage2Result, StageError, validate_prompt
 
@@ -37,16 +38,24 @@ async def run_beam_stage(
         raise StageError("stage2", "beam_width",
                          f"beam width {beam.beam_width} exceeds this engine's "
                          f"{engine.config.max_beam_width} (max_logprobs/2)")
+    # Reserved from now until it ends at the peak its beams can reach: what the router
+    # and D's admission count against the pool, so beam steps never run out of blocks.
+    reserved = blocks_needed(len(prompt_token_ids), engine.block_size, beam.beam_width,
+                             beam.max_tokens, engine.config.beam_fork)
+    engine.num_reserved_blocks += reserved
     t0 = time.perf_counter()
-    outcome = await beam_search(
-        engine.generate,
-        prompt_token_ids,
-        beam,
-        eos_token_id=engine.eos_token_id,
-        request_id=request_id,
-        first_step_extra_args=first_step_extra_args,
-        fork=engine.config.beam_fork,
-    )
+    try:
+        outcome = await beam_search(
+            engine.generate,
+            prompt_token_ids,
+            beam,
+            eos_token_id=engine.eos_token_id,
+            request_id=request_id,
+            first_step_extra_args=first_step_extra_args,
+            fork=engine.config.beam_fork,
+        )
+    finally:
+        engine.num_reserved_blocks -= reserved
     first = outcome.first_output
     imported = ((first.kv_transfer_params or {}).get(KEY) or {}) if first else {}
     return Stage2Result(
@@ -79,6 +88,8 @@ class DecodeEngine(VllmEngine):
         params = import_params(
             handoff_params, beam_width=beam.beam_width, beam_max_tokens=beam.max_tokens
         )
+        # The stage 2s already running here: admission leaves their peaks free.
+        params[KEY]["reserved_blocks"] = self.num_reserved_blocks
         result = await run_beam_stage(
             self, prompt_token_ids, beam, request_id,
             first_step_extra_args={"kv_transfer_params": params},

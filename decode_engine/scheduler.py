@@ -147,7 +147,10 @@ class ContinuationScheduler(Scheduler):
             request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,
             self._beam_fork,
         )
-        free = self.kv_cache_manager.block_pool.get_num_free_blocks() - claimed
+        # Free now, and free once the stage 2s running on D reach their peaks.
+        reserved = int(fields.get("reserved_blocks", 0))
+        free = min(self.kv_cache_manager.block_pool.get_num_free_blocks() - claimed,
+                   self.num_total_blocks - reserved)
         beam = params.get(BEAM_KEY)
         if needed > free and beam is not None:
             plain = blocks_needed(
@@ -167,7 +170,7 @@ class ContinuationScheduler(Scheduler):
                 f"decode pool too small: needs {needed} blocks of {self.block_size} "
                 f"tokens ({request.num_prompt_tokens}-token prompt, beam width "
                 f"{beam_width}, {beam_max_tokens} beam tokens), {free} free of "
-                f"{self.num_total_blocks}",
+                f"{self.num_total_blocks} ({reserved} reserved by running stage 2s)",
             )
         return needed
 

@@ -298,6 +298,8 @@ class VllmEngine:
         self.block_size: int = cache.block_size
         # vLLM reserves one block as the null block.
         self.num_total_blocks: int = (cache.num_gpu_blocks or 1) - 1
+        #: Peak blocks of the stage 2s running here (see run_beam_stage).
+        self.num_reserved_blocks: int = 0
         model_config = llm.vllm_config.model_config
         self.vocab_size: int = model_config.get_vocab_size()
         self.max_model_len: int = model_config.max_model_len

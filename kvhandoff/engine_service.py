@@ -146,6 +146,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             vocab_size=self.engine.vocab_size,
             model_fingerprint=self.model_fingerprint,
             handoff_target=self.engine.handoff_target,
+            num_reserved_blocks=self.engine.num_reserved_blocks,
+            beam_fork=self.engine.config.beam_fork,
         )
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:

@@ -109,7 +109,13 @@ class Endpoint:
 
     @property
     def num_unclaimed_blocks(self) -> int:
-        return self.capacity.num_free_blocks - self.num_claimed_blocks if self.capacity else 0
+        """Blocks a new request may count on: free now and after the running stage 2s
+        reach their peaks, less the claims the snapshot does not show yet."""
+        cap = self.capacity
+        if cap is None:
+            return 0
+        room = min(cap.num_free_blocks, cap.num_total_blocks - cap.num_reserved_blocks)
+        return room - self.num_claimed_blocks
 
     def settle_claims(self) -> None:
         """Forget the claims a snapshot taken at ``capacity_at`` shows: their stage 2
@@ -186,12 +192,16 @@ class Router:
         self._decode_queue: collections.deque[object] = collections.deque()
         #: Set (and replaced) whenever room on a D may have changed.
         self._decode_changed = asyncio.Event()
+        #: Capacity refreshes asked for after a stage 2 ended, by D address.
+        self._refreshing: dict[str, asyncio.Task] = {}
 
     def _endpoint(self, address: str) -> Endpoint:
         channel = aio_channel(address, self.config.channel_tls, CHANNEL_OPTIONS)
         return Endpoint(address, engine_pb2_grpc.EngineStub(channel), channel)
 
     async def close(self) -> None:
+        for task in list(self._refreshing.values()):
+            task.cancel()
         for ep in (*self.prefill, *self.decode):
             if ep.channel is not None:
                 await ep.channel.close()
@@ -314,9 +324,10 @@ class Router:
         ``fresh`` asks every D first (after a failed handoff)."""
         cfg = self.config
 
-        def need(ep: Endpoint) -> int:
+        def need(ep: Endpoint) -> int:  # what D reserves for it
             return blocks_needed(num_prompt_tokens, ep.capacity.block_size,
-                                 plan.beam.beam_width, plan.beam.max_tokens)
+                                 plan.beam.beam_width, plan.beam.max_tokens,
+                                 ep.capacity.beam_fork)
 
         def can_hold(ep: Endpoint) -> bool:
             return (plan.beam.beam_width <= ep.capacity.max_beam_width
@@ -381,8 +392,17 @@ class Router:
                 self._decode_room_changed()
 
     def _release(self, d: Endpoint | None, key: object) -> None:
-        if d is not None and d.claims.pop(key, None) is not None:
+        """Drop ``key``'s claim on ``d``. Once its stage 2 ran there, D's reservation
+        for it ends with it: ask D again now rather than at the next poll."""
+        if d is None or not any(ep is d for ep in self.decode):
+            return
+        claim = d.claims.pop(key, None)
+        if claim is not None and claim.sent_at is None:
             self._decode_room_changed()
+        elif d.address not in self._refreshing:
+            task = asyncio.create_task(self.refresh_capacity([d]))
+            self._refreshing[d.address] = task
+            task.add_done_callback(lambda _: self._refreshing.pop(d.address, None))
 
     # ---- running -----------------------------------------------------------------------
     def _timeout(self, plan: Plan) -> float | None:

@@ -170,7 +170,8 @@ def assert_cluster_clean(cluster):
             while True:
                 cap = stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
                 clean = (cap.num_free_blocks == cap.num_total_blocks
-                         and not cap.num_running_reqs and not cap.num_waiting_reqs)
+                         and not cap.num_running_reqs and not cap.num_waiting_reqs
+                         and not cap.num_reserved_blocks)
                 if clean or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)

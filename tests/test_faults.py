@@ -63,7 +63,8 @@ def _clean(server, timeout_s: float = LEASE_S + 10.0) -> engine_pb2.Capacity:
     while True:
         cap = stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
         if (cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs
-                and not cap.num_waiting_reqs) or time.monotonic() > deadline:
+                and not cap.num_waiting_reqs and not cap.num_reserved_blocks) \
+                or time.monotonic() > deadline:
             return cap
         time.sleep(0.2)
 
@@ -71,7 +72,8 @@ def _clean(server, timeout_s: float = LEASE_S + 10.0) -> engine_pb2.Capacity:
 def _assert_clean(*servers) -> None:
     for s in servers:
         cap = _clean(s)
-        assert cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs, \
+        assert (cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs
+                and not cap.num_reserved_blocks), \
             f"{s.role} {s.address} not clean: {cap}"
 
 

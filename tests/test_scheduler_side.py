@@ -131,6 +131,26 @@ def test_capacity_refusal_names_the_numbers_and_does_not_block_the_queue(model_d
     assert "small" in out.kv_connector_metadata.reqs_to_recv
 
 
+def test_admission_leaves_room_for_the_running_stage2s_peaks(model_dir, fingerprint):
+    """D's server passes the blocks its running stage 2s may still grow into: an import
+    that fits the free blocks now but not beside those peaks is refused."""
+    from connector.handoff import KEY
+
+    scheduler = make_scheduler(model_dir, num_blocks=21)
+    parent = list(range(10, 50))
+
+    def request(request_id: str, reserved: int):
+        req = make_import_request(parent + [7], make_export_params(
+            parent, model_fingerprint=fingerprint), request_id=request_id, beam_width=2)
+        req.kv_transfer_params[KEY]["reserved_blocks"] = reserved
+        return req
+
+    info = _reject(scheduler, request("beside-peaks", reserved=18))
+    assert info["reason"] == "capacity" and "(18 reserved by running stage 2s)" in info["error"]
+    scheduler.add_request(request("with-room", reserved=10))
+    assert "with-room" in scheduler.schedule().kv_connector_metadata.reqs_to_recv
+
+
 def test_export_attaches_a_typed_handoff(model_dir):
     """P side: a stage-1 request that ends by length exports N-1 computed tokens."""
     from vllm import SamplingParams
