@@ -13,7 +13,7 @@ from typing import Any
 
 from connector.handoff import KEY, import_params
 from decode_engine.beam import beam_search
-from decode_engine.scheduler import blocks_needed
+from decode_engine.scheduler import stage2_reservation
 from kvhandoff.engine import VllmEngine
 from kvhandoff.types import BeamParams, Stage2Result, StageError, validate_prompt
 
@@ -40,8 +40,9 @@ async def run_beam_stage(
                          f"{engine.config.max_beam_width} (max_logprobs/2)")
     # Reserved from now until it ends at the peak its beams can reach: what the router
     # and D's admission count against the pool, so beam steps never run out of blocks.
-    reserved = blocks_needed(len(prompt_token_ids), engine.block_size, beam.beam_width,
-                             beam.max_tokens, engine.config.beam_fork)
+    reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, beam.beam_width,
+                                  beam.max_tokens, engine.config.beam_fork,
+                                  engine.num_total_blocks)
     engine.num_reserved_blocks += reserved
     t0 = time.perf_counter()
     try:
@@ -88,8 +89,9 @@ class DecodeEngine(VllmEngine):
         params = import_params(
             handoff_params, beam_width=beam.beam_width, beam_max_tokens=beam.max_tokens
         )
-        # The stage 2s already running here: admission leaves their peaks free.
-        params[KEY]["reserved_blocks"] = self.num_reserved_blocks
+        if isinstance(params.get(KEY), dict):  # else admission refuses it anyway
+            # The stage 2s already running here: admission leaves their peaks free.
+            params[KEY]["reserved_blocks"] = self.num_reserved_blocks
         result = await run_beam_stage(
             self, prompt_token_ids, beam, request_id,
             first_step_extra_args={"kv_transfer_params": params},

@@ -79,6 +79,17 @@ def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
     return num_full + peak
 
 
+def stage2_reservation(num_prompt_tokens: int, block_size: int, beam_width: int,
+                       beam_max_tokens: int, beam_fork: bool, num_total_blocks: int) -> int:
+    """Blocks a stage 2 is counted at while it runs on D: its peak with beam fork, or
+    without it when that peak exceeds the whole pool (admission then turns fork off)."""
+    if beam_fork:
+        peak = blocks_needed(num_prompt_tokens, block_size, beam_width, beam_max_tokens, True)
+        if peak <= num_total_blocks:
+            return peak
+    return blocks_needed(num_prompt_tokens, block_size, beam_width, beam_max_tokens)
+
+
 class ContinuationScheduler(Scheduler):
     """vLLM's scheduler with an up-front admission check for handoff imports."""
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from decode_engine.scheduler import blocks_needed
+from decode_engine.scheduler import stage2_reservation
 from kvhandoff import engine_pb
 from kvhandoff.tls import ChannelTLS, aio_channel
 from kvhandoff.types import InvalidRequest, Stage1Params, continuation_prompt, validate_prompt
@@ -325,9 +325,10 @@ class Router:
         cfg = self.config
 
         def need(ep: Endpoint) -> int:  # what D reserves for it
-            return blocks_needed(num_prompt_tokens, ep.capacity.block_size,
-                                 plan.beam.beam_width, plan.beam.max_tokens,
-                                 ep.capacity.beam_fork)
+            cap = ep.capacity
+            return stage2_reservation(num_prompt_tokens, cap.block_size, plan.beam.beam_width,
+                                      plan.beam.max_tokens, cap.beam_fork,
+                                      cap.num_total_blocks)
 
         def can_hold(ep: Endpoint) -> bool:
             return (plan.beam.beam_width <= ep.capacity.max_beam_width
