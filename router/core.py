@@ -119,14 +119,15 @@ class Endpoint:
 
     def settle_claims(self) -> None:
         """Forget the claims a snapshot taken at ``capacity_at`` shows: their stage 2
-        reached D at least ``ADMIT_S`` before it was asked (D allocates at admission,
-        within a scheduler step). Claims still in stage 1 stay."""
+        was sent at least ``ADMIT_S`` before it was asked (D reserves its peak when the
+        call arrives). Claims still in stage 1 stay."""
         for key in [k for k, c in self.claims.items()
                     if c.sent_at is not None and c.sent_at + ADMIT_S <= self.capacity_at]:
             del self.claims[key]
 
 
-#: Time D is given to admit (allocate for) a stage 2 before a snapshot is assumed to show it.
+#: Time a stage 2 is given to reach D (and be reserved there) before a snapshot is
+#: assumed to show it.
 ADMIT_S = 0.25
 
 
