@@ -53,6 +53,7 @@ from connector.handoff import (
     PROTOCOL_VERSION,
     token_digest,
 )
+from connector.logs import use_vllm_handlers
 from connector.signing import TARGET_KEY, load_secret, sign
 
 if TYPE_CHECKING:
@@ -62,6 +63,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+use_vllm_handlers("connector", "decode_engine")
+
+#: A READ slower than this is logged as a warning (loopback READs take milliseconds).
+SLOW_READ_S = 1.0
 
 
 def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
@@ -489,6 +494,8 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
                 )
                 return
             self._read_deadlines[req_id] = (deadline, time.perf_counter())
+            logger.debug("READ for %s: %d blocks, P's lease ends in %.2fs", req_id,
+                         len(meta.local_block_ids[0]), remaining)
         super()._read_blocks_for_req(req_id, meta)
 
     def _pop_done_transfers(
@@ -501,6 +508,12 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
             if fence is None:
                 continue
             deadline, issued_at = fence
+            took = now - issued_at
+            if took >= SLOW_READ_S:
+                logger.warning("READ for %s took %.2fs (P's lease ended %.2fs after it was "
+                               "issued)", req_id, took, deadline - issued_at)
+            else:
+                logger.debug("READ for %s done in %.3fs", req_id, took)
             if now >= deadline and req_id not in failed:
                 # P may have freed and reused the blocks while we read them.
                 logger.error(
@@ -516,6 +529,26 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
         return done, failed
 
 
+def bound_shm_reader_waits(recheck_ms: int) -> None:
+    """Cap how long this process's readers of vLLM's shared-memory queues sleep.
+
+    vLLM's engine core and its worker hand every step over a shared-memory ring and
+    wake the reader with a ZMQ ping that is best effort: PUB ``SNDHWM=1`` drops it
+    silently when ZMQ's I/O thread lags, and a reader whose ping was dropped sleeps
+    until its recheck, 5 s in vLLM 0.32 (vllm-project/vllm#45224). On a busy 2-core
+    host this was measured under load: D's engine core idle for 5-6 s (chains of such
+    sleeps up to 31 s) with imports waiting, READs outliving P's lease, requests
+    recomputed. ``recheck_ms`` bounds each stall; an idle reader wakes that often.
+    0 keeps vLLM's own value.
+    """
+    if recheck_ms <= 0:
+        return
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    if shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS > recheck_ms:
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = recheck_ms
+
+
 class ContinuationConnector(NixlPullConnector):
     """The connector class vLLM instantiates (see module docstring)."""
 
@@ -527,6 +560,10 @@ class ContinuationConnector(NixlPullConnector):
     ):
         # Skip NixlPullConnector.__init__ (it builds the stock halves), keep the base.
         super(NixlPullConnector, self).__init__(vllm_config, role, kv_cache_config)
+        # Built in the engine core (scheduler role) and in each worker: both read.
+        extra = vllm_config.kv_transfer_config
+        assert extra is not None
+        bound_shm_reader_waits(int(extra.get_from_extra_config("shm_reader_recheck_ms", 20)))
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = ContinuationConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config
@@ -535,8 +572,6 @@ class ContinuationConnector(NixlPullConnector):
             self.connector_worker = ContinuationConnectorWorker(
                 vllm_config, self.engine_id, kv_cache_config
             )
-
-
 
     def get_kv_connector_stats(self) -> ContinuationStats | None:
         scheduler = self.connector_scheduler

@@ -37,6 +37,7 @@ fork off for that request (its output says so and the beam search stops keeping)
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from vllm.utils.math_utils import cdiv
@@ -175,6 +176,10 @@ class ContinuationScheduler(Scheduler):
                 beam["keep"] = False
                 beam["fork_disabled"] = True
                 needed = plain
+        if needed <= free:
+            logger.debug("Admitting %s: %d blocks of %d free, P's lease ends in %.2fs "
+                         "(arrived %.2fs ago)", request.request_id, needed, free,
+                         handoff.lease_remaining_s(), time.time() - request.arrival_time)
         if needed > free:
             raise HandoffError(
                 "capacity",

@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from connector.logs import LEVEL_ENV
+
 
 def _verify(args: argparse.Namespace) -> int:
     from kvhandoff.harness import main_verify
@@ -102,7 +104,7 @@ def tls_channel_args(p: argparse.ArgumentParser, who: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("KVHANDOFF_LOG_LEVEL", "WARNING"))
+    parser.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_arg(p: argparse.ArgumentParser) -> None:
@@ -212,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # vLLM's own INFO lines drown the output; keep them unless asked.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", args.log_level.upper())
+    # Our code inside the engine processes logs at the same level (connector/logs.py).
+    os.environ[LEVEL_ENV] = args.log_level.upper()
     return args.func(args)
 
 

@@ -106,6 +106,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 if request.HasField("handoff"):
                     if self.role != "decode":
                         raise InvalidRequest("handoff", "imports run on a decode engine")
+                    logger.debug("%s: stage 2 received, P's lease ends in %.2fs",
+                                 request.request_id,
+                                 request.handoff.lease_expires_at - time.time())
                     try:
                         result = await self.engine.run_stage2(
                             prompt, beam, request.request_id,

@@ -467,6 +467,10 @@ class Router:
                 if handoff_msg is None:
                     raise grpc_error(grpc.StatusCode.INTERNAL, "prefill engine exported no handoff")
                 request.handoff.CopyFrom(handoff_msg)
+                logger.debug("%s: stage 1 done in %.0f ms (%d tokens); stage 2 to %s, P's "
+                             "lease ends in %.2fs", plan.request_id, out.stage1_ms,
+                             len(out.thinking_ids), d.address,
+                             handoff_msg.lease_expires_at - time.time())
             else:
                 d = p
             try:
