@@ -496,7 +496,13 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
             self._read_deadlines[req_id] = (deadline, time.perf_counter())
             logger.debug("READ for %s: %d blocks, P's lease ends in %.2fs", req_id,
                          len(meta.local_block_ids[0]), remaining)
+        posted_at = time.perf_counter()
         super()._read_blocks_for_req(req_id, meta)
+        posting = time.perf_counter() - posted_at
+        if posting >= SLOW_READ_S:
+            # The worker (and so the engine's step) was blocked in NIXL for that long.
+            logger.warning("Posting the READ for %s took %.2fs (NIXL's transfer() blocked "
+                           "this worker)", req_id, posting)
 
     def _pop_done_transfers(
         self, transfers: dict[str, list[int]]
