@@ -542,9 +542,8 @@ def bound_shm_reader_waits(recheck_ms: int) -> None:
     wake the reader with a ZMQ ping that is best effort: PUB ``SNDHWM=1`` drops it
     silently when ZMQ's I/O thread lags, and a reader whose ping was dropped sleeps
     until its recheck, 5 s in vLLM 0.32 (vllm-project/vllm#45224). On a busy 2-core
-    host this was measured under load: D's engine core idle for 5-6 s (chains of such
-    sleeps up to 31 s) with imports waiting, READs outliving P's lease, requests
-    recomputed. ``recheck_ms`` bounds each stall; an idle reader wakes that often.
+    host this was measured under load: D's engine core idle for 5-6 s with imports
+    waiting. ``recheck_ms`` bounds each such stall; an idle reader wakes that often.
     0 keeps vLLM's own value.
     """
     if recheck_ms <= 0:
