@@ -90,6 +90,11 @@ class EngineConfig:
     #: engine-core processes on the same cores, spin-waits made every step ~25x
     #: slower here (265 ms vs 10 ms per token), so threads are left unbound.
     cpu_threads: int | None = 1
+    #: CPU hosts: oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY; oneDNN's
+    #: default 1024). vLLM's CPU matmuls cache a primitive per batch shape; under load
+    #: every new token count added one, and P's worker grew ~320 KB per request
+    #: (+211 MiB over 640 stage 1s, still growing). 64 kept it flat at the same speed.
+    onednn_cache_capacity: int | None = 64
     #: Beam steps copy each beam's partial last block instead of recomputing it
     #: (``connector.nixl_continuation``); kept blocks wait ``beam_fork_hold_s`` at most.
     beam_fork: bool = True
@@ -114,6 +119,8 @@ class EngineConfig:
             raise ValueError("max_logprobs must be >= 2 (beam width 1 needs 2)")
         if not 0 <= self.lease_safety_margin_s < self.lease_s:
             raise ValueError("lease_safety_margin_s must be in [0, lease_s)")
+        if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 0:
+            raise ValueError("onednn_cache_capacity must be >= 0 (or None: oneDNN's default)")
 
     @property
     def enable_chunked_prefill(self) -> bool | None:
@@ -283,6 +290,22 @@ def _stats_logger_factory(sink: dict[str, Any]):
     return _StatsSink
 
 
+def engine_env(config: EngineConfig, side_channel_port: int) -> dict[str, str]:
+    """Environment an engine's processes start with (they inherit it from ``start``)."""
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": config.side_channel_host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
+        **({"UCX_NET_DEVICES": config.ucx_net_devices} if config.ucx_net_devices else {}),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        **({"OMP_NUM_THREADS": str(config.cpu_threads)} if config.cpu_threads else {}),
+        **({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get(
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(config.onednn_cache_capacity))}
+           if config.onednn_cache_capacity is not None else {}),
+        **config.extra_env,
+    }
+
+
 class VllmEngine:
     """An AsyncLLM with the kvhandoff connector; base of PrefillEngine/DecodeEngine."""
 
@@ -312,15 +335,7 @@ class VllmEngine:
 
         engine_id = config.engine_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
         port = config.side_channel_port or free_port(config.side_channel_host)
-        env = {
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": config.side_channel_host,
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
-            "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
-            **({"UCX_NET_DEVICES": config.ucx_net_devices} if config.ucx_net_devices else {}),
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-            **({"OMP_NUM_THREADS": str(config.cpu_threads)} if config.cpu_threads else {}),
-            **config.extra_env,
-        }
+        env = engine_env(config, port)
         stats: dict[str, Any] = {}
         t0 = time.perf_counter()
         with _environment(env):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvhandoff.engine import EngineConfig
+from kvhandoff.engine import EngineConfig, engine_env
 
 
 def test_cpu_engines_prefill_a_prompt_in_one_step(model_dir):
@@ -29,7 +29,19 @@ def test_chunked_prefill_can_be_chosen(model_dir):
 
 @pytest.mark.parametrize("field,value", [("role", "both"), ("block_size", 24),
                                          ("kv_cache_memory_bytes", 0), ("max_logprobs", 1),
-                                         ("lease_safety_margin_s", 30.0)])
+                                         ("lease_safety_margin_s", 30.0),
+                                         ("onednn_cache_capacity", -1)])
 def test_bad_settings_are_refused(model_dir, field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         EngineConfig(**{"model": model_dir, "role": "prefill", field: value})
+
+
+def test_engines_start_with_onednns_primitive_cache_bounded(model_dir, monkeypatch):
+    # oneDNN's default (1024 batch shapes) grew P's worker ~320 KB per request under load.
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    config = EngineConfig(model=model_dir, role="prefill")
+    assert engine_env(config, 5600)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")  # the operator's wins
+    assert engine_env(config, 5600)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
+    unbounded = EngineConfig(model=model_dir, role="prefill", onednn_cache_capacity=None)
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in engine_env(unbounded, 5600)
