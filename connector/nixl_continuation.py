@@ -30,6 +30,7 @@ import contextlib
 import functools
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,10 @@ use_vllm_handlers("connector", "decode_engine")
 
 #: A READ slower than this is logged as a warning (loopback READs take milliseconds).
 SLOW_READ_S = 1.0
+
+#: Side-channel listeners that could not start, by port (see
+#: ContinuationConnectorScheduler._nixl_handshake_listener).
+_listener_failures: dict[int, Exception] = {}
 
 
 def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
@@ -141,6 +146,33 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         self._fork_release: set[str] = set()  # beam names
         self.stats = ContinuationStats()
         self._secret = load_secret(extra.get_from_extra_config("handoff_secret_file", None))
+
+    # ---- NIXL side channel -------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
+        super().set_xfer_handshake_metadata(metadata)
+        failure = _listener_failures.pop(self.side_channel_port, None)
+        if failure is not None:
+            self._nixl_handshake_listener_t = None
+            raise RuntimeError(
+                f"the NIXL side channel cannot listen on {self.side_channel_host}:"
+                f"{self.side_channel_port} ({failure}); start the engine with another "
+                "side-channel port") from failure
+
+    @staticmethod
+    def _nixl_handshake_listener(encoded_data: dict[tuple[int, int], Any],
+                                 ready_event: threading.Event, stop_event: threading.Event,
+                                 host: str, port: int) -> None:
+        """vLLM's listener thread, except that a failed bind ends the engine's start-up
+        (:meth:`set_xfer_handshake_metadata` raises): vLLM's own thread dies without
+        setting ``ready_event`` and the engine core waits for it forever."""
+        try:
+            NixlPullConnectorScheduler._nixl_handshake_listener(
+                encoded_data, ready_event, stop_event, host, port)
+        except Exception as exc:
+            if ready_event.is_set():
+                raise
+            _listener_failures[port] = exc
+            ready_event.set()
 
     # ---- beam fork ---------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:

@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None)
     serve.add_argument("--side-channel-host", default="127.0.0.1",
                        help="NIXL side channel address (a node IP across hosts)")
-    serve.add_argument("--side-channel-port", type=int, default=0)
+    serve.add_argument("--side-channel-port", type=int, default=0,
+                       help="NIXL side channel port (0 = a free one)")
     serve.add_argument("--nixl-progress-delay-us", type=int, default=500,
                        help="NIXL progress thread sleep between sweeps (µs); 0 = NIXL's "
                             "busy-spinning thread, -1 = no thread (the engine polls)")

@@ -45,6 +45,9 @@ def _spawn(role: str, port: int, extra: list[str], log_dir: Path,
     metrics_port = free_port()
     cmd = [sys.executable, "-m", "kvhandoff.cli", "serve", "--role", role,
            "--port", str(port), "--metrics-port", str(metrics_port), *extra]
+    if role != "router" and "--side-channel-port" not in extra:
+        # Chosen here with the other ports, so no two servers started together share it.
+        cmd += ["--side-channel-port", str(free_port())]
     with open(log_path, "w") as log:
         # Own process group: the engine's own processes die with it on shutdown.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

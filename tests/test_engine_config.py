@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from kvhandoff.engine import EngineConfig, engine_env
@@ -45,3 +47,14 @@ def test_engines_start_with_onednns_primitive_cache_bounded(model_dir, monkeypat
     assert engine_env(config, 5600)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
     unbounded = EngineConfig(model=model_dir, role="prefill", onednn_cache_capacity=None)
     assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in engine_env(unbounded, 5600)
+
+
+def test_free_ports_are_distinct_bindable_and_not_ephemeral():
+    from kvhandoff.engine import FREE_PORT_FLOOR, _ephemeral_floor, free_port
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(FREE_PORT_FLOOR <= p < _ephemeral_floor() for p in ports)
+    for port in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

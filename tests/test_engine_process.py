@@ -1,10 +1,12 @@
-"""What our code sets up inside vLLM's engine processes, without engines."""
+"""What our code sets up inside vLLM's engine processes (one test starts an engine server)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,45 @@ def test_our_records_in_an_engine_process_carry_time_and_level(level, shown, hid
         assert "connector.nixl_continuation" in line and ("WARNING" in line or "DEBUG" in line)
     for text in hidden:
         assert text not in err
+
+
+def _listening_port() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def test_a_side_channel_that_cannot_listen_fails_the_start_with_the_reason():
+    # vLLM's listener thread dies on a port in use and its caller waits forever.
+    from connector.nixl_continuation import ContinuationConnectorScheduler
+
+    with _listening_port() as busy:
+        sched = ContinuationConnectorScheduler.__new__(ContinuationConnectorScheduler)
+        sched.side_channel_host, sched.side_channel_port = busy.getsockname()
+        sched._nixl_handshake_listener_t = None
+        sched._stop_event = threading.Event()
+        with pytest.raises(RuntimeError,
+                           match=f"cannot listen on 127.0.0.1:{sched.side_channel_port}"):
+            sched.set_xfer_handshake_metadata({})
+    # The port is free now: the listener starts and stops as vLLM's does.
+    sched.set_xfer_handshake_metadata({})
+    listener = sched._nixl_handshake_listener_t
+    assert listener is not None and listener.is_alive()
+    sched._stop_event.set()
+    listener.join(timeout=10)
+    assert not listener.is_alive()
+
+
+def test_an_engine_server_whose_side_channel_port_is_taken_exits_saying_so(model_dir, tmp_path):
+    from kvhandoff.engine import free_port
+
+    with _listening_port() as busy:
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvhandoff.cli", "serve", "--role", "decode",
+             "--model", model_dir, "--port", str(free_port()), "--kv-cache-mib", "24",
+             "--side-channel-port", str(port)],
+            capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert proc.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stdout + proc.stderr
