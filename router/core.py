@@ -52,6 +52,11 @@ class RouterConfig:
     #: AUTO runs requests whose parent can be at most this long colocated on P.
     colocated_below_tokens: int = 0
     capacity_timeout_s: float = 2.0
+    #: GetCapacity calls in a row a D or P may leave unanswered past ``capacity_timeout_s``
+    #: and stay in rotation on its last snapshot: an overloaded host answers late (seen
+    #: on 2 cores, which then sent every request to the other D). A refused connection
+    #: or any other error takes it out at once.
+    capacity_late_limit: int = 2
     #: A D's capacity snapshot younger than this is used as it is, less the blocks of
     #: requests the router sent it since; an older one is asked again before a pick.
     #: ``Router.poll_capacity`` refreshes every engine each ``capacity_poll_s`` so the
@@ -82,6 +87,8 @@ class RouterConfig:
             raise ValueError("colocated_below_tokens must be >= 0")
         if self.max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
+        if self.capacity_late_limit < 0:
+            raise ValueError("capacity_late_limit must be >= 0")
         if self.decode_queue_limit < 0 or self.decode_wait_s < 0:
             raise ValueError("decode_queue_limit and decode_wait_s must be >= 0")
         if not 0 < self.capacity_poll_s < self.capacity_max_age_s:
@@ -102,6 +109,8 @@ class Endpoint:
     capacity_at: float = float("-inf")
     #: Blocks promised to requests routed here that ``capacity`` may not show yet.
     claims: dict[object, Claim] = field(default_factory=dict)
+    #: GetCapacity calls in a row that timed out (see RouterConfig.capacity_late_limit).
+    num_late_answers: int = 0
 
     @property
     def num_claimed_blocks(self) -> int:
@@ -220,10 +229,19 @@ class Router:
                 capacity = await ep.stub.GetCapacity(
                     engine_pb2.CapacityRequest(), timeout=self.config.capacity_timeout_s)
             except (grpc.aio.AioRpcError, RouterError) as e:
+                code = e.code() if isinstance(e, grpc.aio.AioRpcError) else e.code
+                if (code == grpc.StatusCode.DEADLINE_EXCEEDED and ep.capacity is not None
+                        and ep.num_late_answers < self.config.capacity_late_limit):
+                    ep.num_late_answers += 1
+                    logger.info("engine %s did not answer within %gs (%d in a row): its "
+                                "snapshot of %.1fs ago stays in use", ep.address,
+                                self.config.capacity_timeout_s, ep.num_late_answers,
+                                time.monotonic() - ep.capacity_at)
+                    return
                 if ep.capacity is not None:
-                    code = e.code() if isinstance(e, grpc.aio.AioRpcError) else e.code
                     logger.warning("engine %s unavailable: %s", ep.address, code.name)
                 capacity = None
+            ep.num_late_answers = 0
             ep.capacity, ep.capacity_at = capacity, asked_at
             ep.settle_claims()
 

@@ -20,9 +20,14 @@ class FakeEngineStub:
     def __init__(self, num_free_blocks: int):
         self.num_free_blocks = num_free_blocks
         self.num_capacity_calls = 0
+        #: Status the next GetCapacity calls fail with (None: they answer).
+        self.fail_with: grpc.StatusCode | None = None
 
     async def GetCapacity(self, request, timeout=None):  # noqa: N802 (the rpc's name)
         self.num_capacity_calls += 1
+        if self.fail_with is not None:
+            raise grpc.aio.AioRpcError(self.fail_with, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "from the fake")
         return engine_pb2.Capacity(num_free_blocks=self.num_free_blocks, num_total_blocks=200,
                                    block_size=32, max_beam_width=32)
 
@@ -70,6 +75,27 @@ def test_stale_snapshots_and_failed_handoffs_ask_again(model_dir):
     assert d.stub.num_capacity_calls == 2 and d.capacity.num_free_blocks == 37
     asyncio.run(_pick(router, fresh=True))
     assert d.stub.num_capacity_calls == 3
+
+
+def test_a_late_d_keeps_its_snapshot_up_to_the_limit_and_a_refusing_one_is_out_at_once(
+        model_dir):
+    router = _router(model_dir, [40, 30], capacity_late_limit=2)
+    d0, d1 = router.decode
+    asyncio.run(router.refresh_capacity(router.decode))
+    seen_at = d0.capacity_at
+    d0.stub.fail_with = grpc.StatusCode.DEADLINE_EXCEEDED
+    d1.stub.fail_with = grpc.StatusCode.UNAVAILABLE
+    for late in (1, 2):
+        asyncio.run(router.refresh_capacity(router.decode))
+        assert d0.capacity is not None and d0.num_late_answers == late
+        assert d0.capacity_at == seen_at  # claims settle against the snapshot's own time
+        assert d1.capacity is None
+    assert d0.num_unclaimed_blocks == 40  # still counted on
+    asyncio.run(router.refresh_capacity(router.decode))
+    assert d0.capacity is None
+    d0.stub.fail_with = None
+    asyncio.run(router.refresh_capacity(router.decode))
+    assert d0.capacity is not None and d0.num_late_answers == 0
 
 
 def test_a_request_no_d_could_ever_hold_is_refused_at_once(model_dir):
