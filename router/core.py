@@ -204,13 +204,18 @@ class Router:
         self._decode_changed = asyncio.Event()
         #: Capacity refreshes asked for after a stage 2 ended, by D address.
         self._refreshing: dict[str, asyncio.Task] = {}
+        #: After the start-up warm-up: an engine that answers again (restarted, or up
+        #: late) gets its pairs warmed up in the background (``_warming``).
+        self._rewarm = False
+        self._warming: set[asyncio.Task] = set()
 
     def _endpoint(self, address: str) -> Endpoint:
         channel = aio_channel(address, self.config.channel_tls, CHANNEL_OPTIONS)
         return Endpoint(address, engine_pb2_grpc.EngineStub(channel), channel)
 
     async def close(self) -> None:
-        for task in list(self._refreshing.values()):
+        self._rewarm = False
+        for task in [*self._refreshing.values(), *self._warming]:
             task.cancel()
         for ep in (*self.prefill, *self.decode):
             if ep.channel is not None:
@@ -242,8 +247,11 @@ class Router:
                     logger.warning("engine %s unavailable: %s", ep.address, code.name)
                 capacity = None
             ep.num_late_answers = 0
+            came_back = capacity is not None and ep.capacity is None
             ep.capacity, ep.capacity_at = capacity, asked_at
             ep.settle_claims()
+            if came_back and self._rewarm:
+                self._warm_up_later(ep)
 
         await asyncio.gather(*(one(ep) for ep in endpoints))
         self._decode_room_changed()
@@ -304,14 +312,19 @@ class Router:
             raise InvalidRequest("path", "no decode engine is configured")
         return Plan(request_id, prompt, suffix, stage1, beam, path, deadline)
 
-    async def warm_up(self, timeout_s: float = 120.0) -> None:
-        """One tiny handoff per reachable (P, D) pair. The first NIXL transfers between
-        two engine processes set up their UCX connection, which was seen to take 10-30 s
-        on a 2-core host (up to P's lease): the router pays that before it serves, not a
-        client. A warm-up that fails is logged; the router serves anyway."""
+    async def warm_up(self, timeout_s: float = 120.0,
+                      pairs: list[tuple[Endpoint, Endpoint]] | None = None) -> None:
+        """One tiny handoff per reachable (P, D) pair (``pairs``: those only). The first
+        NIXL transfers between two engine processes set up their UCX connection, which was
+        seen to take 10-30 s on a 2-core host (up to P's lease): the router pays that
+        before it serves, not a client, and again in the background for the pairs of an
+        engine that answers after being down (restarted). A warm-up that fails is
+        logged; the router serves anyway."""
         from kvhandoff.types import BeamParams
 
-        for i, (p, d) in enumerate(itertools.product(self.prefill, self.decode)):
+        everything = pairs is None
+        pairs = list(itertools.product(self.prefill, self.decode)) if everything else pairs
+        for i, (p, d) in enumerate(pairs):
             if p.capacity is None or d.capacity is None:
                 continue
             t0 = time.perf_counter()
@@ -329,6 +342,18 @@ class Router:
             except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 (logged; serve anyway)
                 logger.warning("warm-up %s -> %s failed after %.1fs: %s", p.address,
                                d.address, time.perf_counter() - t0, e)
+        if everything:
+            self._rewarm = True
+
+    def _warm_up_later(self, ep: Endpoint) -> None:
+        if not self.decode:
+            return
+        pairs = ([(ep, d) for d in self.decode] if any(ep is p for p in self.prefill)
+                 else [(p, ep) for p in self.prefill])
+        logger.info("engine %s answers again: warming up its pairs", ep.address)
+        task = asyncio.create_task(self.warm_up(pairs=pairs))
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
 
     # ---- engine choice -----------------------------------------------------------------
     def _pick_prefill(self) -> Endpoint:
