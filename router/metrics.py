@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from kvhandoff.v1 import common_pb2, router_pb2
 
@@ -56,6 +57,11 @@ class RouterMetrics:
             "kvhandoff_router_expired_leases",
             "Handoffs refused or discarded because P's lease on the blocks ended", registry=r)
 
+    def track_engines(self, router) -> None:
+        """Export ``kvhandoff_router_engine_up{role, endpoint}``: 1 while the router
+        routes to that engine (its last capacity snapshot stands), read at each scrape."""
+        self.registry.register(_EngineCollector(router))
+
     def serve(self, host: str, port: int) -> int:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
@@ -91,3 +97,21 @@ class RouterMetrics:
                 self.capacity_rejections.inc()
         if "lease" in message:
             self.expired_leases.inc()
+
+
+class _EngineCollector:
+    def __init__(self, router) -> None:
+        self.router = router
+
+    def describe(self):
+        return [GaugeMetricFamily("kvhandoff_router_engine_up", "", labels=["role", "endpoint"])]
+
+    def collect(self):
+        up = GaugeMetricFamily("kvhandoff_router_engine_up",
+                               "1 while the router routes to the engine (it answered its "
+                               "last capacity polls)", labels=["role", "endpoint"])
+        for role, endpoints in (("prefill", self.router.prefill),
+                                ("decode", self.router.decode)):
+            for ep in endpoints:
+                up.add_metric([role, ep.address], 0 if ep.capacity is None else 1)
+        yield up

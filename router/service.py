@@ -106,6 +106,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
                        metrics_port: int | None = None, tls: ServerTLS | None = None) -> None:
     router = Router(config)
     metrics = RouterMetrics()
+    metrics.track_engines(router)
     if metrics_port is not None:
         bound_metrics = metrics.serve(host, metrics_port)
         print(f"kvhandoff router metrics on http://{host}:{bound_metrics}/metrics", flush=True)

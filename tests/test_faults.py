@@ -116,6 +116,20 @@ def _stream_killing(address: str, req, victim, kill=_kill):
         return [e for e in stream][-1].result
 
 
+def _router_sees(fleet, server, up: bool, timeout_s: float = 30.0) -> None:
+    """Until the router's kvhandoff_router_engine_up for ``server`` is ``up``."""
+    line = f'endpoint="{server.address}"'
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = urllib.request.urlopen(fleet["router"].metrics_url, timeout=10).read().decode()
+        value = next(float(s.split()[-1]) for s in text.splitlines()
+                     if s.startswith("kvhandoff_router_engine_up{") and line in s)
+        if value == float(up):
+            return
+        assert time.monotonic() < deadline, f"the router never saw {server.address} up={up}"
+        time.sleep(0.2)
+
+
 def _metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines()
@@ -143,12 +157,14 @@ def test_a_restarted_d_is_noticed_and_used_again(fleet):
     from kvhandoff.demo import _spawn, wait_serving
 
     old = fleet["d0"]
+    _router_sees(fleet, old, up=False)
     port = int(old.address.rsplit(":", 1)[1])
     d0 = _spawn("decode", port, [*fleet["engine_args"], "--kv-cache-mib", "40"],
                 fleet["log_dir"], "decode0-restarted")
     fleet["servers"].append(d0)
     fleet["d0"] = d0
     wait_serving(d0.address, [d0])
+    _router_sees(fleet, d0, up=True)  # its next capacity poll
     with RouterClient(fleet["router"].address) as client:
         got = [client.generate(make_request(prompt=list(range(60, 140)), max_tokens=8, seed=s,
                                             beam_width=4, path="handoff"), timeout=300)

@@ -51,6 +51,9 @@ def test_router_metrics_count_what_the_responses_say(cluster, router_client, ass
         handoff.stats.num_computed_tokens_first_step + colocated.stats.num_computed_tokens_first_step
     assert _delta(before, after, "kvhandoff_router_stage_seconds_count", stage="total") == 2
     assert _delta(before, after, "kvhandoff_router_import_step_seconds_count") == 1
+    for role, server in (("prefill", cluster["prefill"]), ("decode", cluster["decode"][0])):
+        key = ("kvhandoff_router_engine_up", (("endpoint", server.address), ("role", role)))
+        assert after[key] == 1
     assert_cluster_clean()
 
 
