@@ -82,6 +82,15 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=_group_order)  # stable: file order within a group
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the item (``item.report_call``) for fixtures that add
+    context to a failure (tests/test_faults.py prints its servers' warnings)."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 def pytest_runtest_teardown(item, nextitem):
     for name, group in _GROUPS.items():
         if nextitem is None or name not in getattr(nextitem, "fixturenames", ()):

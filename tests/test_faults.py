@@ -40,6 +40,10 @@ def fleet(model_dir, tmp_path_factory):
         d0 = _spawn("decode", free_port(), [*engine, "--kv-cache-mib", "40"], log_dir, "decode0")
         d1 = _spawn("decode", free_port(), [*engine, "--kv-cache-mib", "24"], log_dir, "decode1")
         servers += [p, d0, d1]
+        # Every engine serves before the routers start (their warm-up covers every pair,
+        # and no test starts while an engine is still starting).
+        for engine_server in (p, d0, d1):
+            wait_serving(engine_server.address, servers)
         router = _spawn("router", free_port(), ["--model", model_dir, "--prefill", p.address,
                                                 "--decode", f"{d0.address},{d1.address}"],
                         log_dir)
@@ -55,6 +59,25 @@ def fleet(model_dir, tmp_path_factory):
         yield fleet
     finally:
         _stop(fleet["servers"] if "fleet" in locals() else servers)
+
+
+_OUR_LOGGERS = ("router.", "kvhandoff.", "nixl_continuation", "scheduler.py:")
+
+
+@pytest.fixture(autouse=True)
+def _warnings_on_failure(request, fleet):
+    """A failed test prints its servers' warnings and errors (CI keeps only pytest's
+    output; the logs are in the fleet's log_dir)."""
+    yield
+    report = getattr(request.node, "report_call", None)
+    if report is None or not report.failed:
+        return
+    for server in fleet["servers"]:
+        lines = [line[:300] for line in server.log_path.read_text(errors="replace").splitlines()
+                 if " ERROR " in line or (" WARNING " in line and any(
+                     name in line for name in _OUR_LOGGERS))]
+        print(f"--- {server.log_path.name} ({server.address}): last warnings/errors")
+        print("\n".join(lines[-12:]))
 
 
 def _clean(server, timeout_s: float = LEASE_S + 10.0) -> engine_pb2.Capacity:
