@@ -176,10 +176,6 @@ class ContinuationScheduler(Scheduler):
                 beam["keep"] = False
                 beam["fork_disabled"] = True
                 needed = plain
-        if needed <= free:
-            logger.debug("Admitting %s: %d blocks of %d free, P's lease ends in %.2fs "
-                         "(arrived %.2fs ago)", request.request_id, needed, free,
-                         handoff.lease_remaining_s(), time.time() - request.arrival_time)
         if needed > free:
             raise HandoffError(
                 "capacity",
@@ -188,6 +184,9 @@ class ContinuationScheduler(Scheduler):
                 f"{beam_width}, {beam_max_tokens} beam tokens), {free} free of "
                 f"{self.num_total_blocks} ({reserved} reserved by running stage 2s)",
             )
+        logger.debug("Admitting %s: %d blocks of %d free, P's lease ends in %.2fs "
+                     "(arrived %.2fs ago)", request.request_id, needed, free,
+                     handoff.lease_remaining_s(), time.time() - request.arrival_time)
         return needed
 
     def _reject(self, request: Request, reason: str, message: str) -> None:
