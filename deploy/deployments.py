@@ -202,6 +202,8 @@ class RouterServer:
         self.metrics = RouterMetrics()
         self._prefill, self._decode = prefill, decode
         self._checked = False
+        #: The background warm-up, started by the first health check that finds P and D.
+        self._warm_up: asyncio.Task | None = None
 
     async def _check_engines(self) -> None:
         """Once: P and D run the same model, vLLM and block size."""
@@ -278,3 +280,14 @@ class RouterServer:
     async def check_health(self) -> None:
         with contextlib.suppress(Exception):
             await self.router.refresh_capacity(self.router.prefill + self.router.decode)
+        endpoints = self.router.prefill + self.router.decode
+        if self._warm_up is None and all(ep.capacity is not None for ep in endpoints):
+            # One handoff through the handles, off the request path (Router.warm_up): it
+            # sets up the NIXL connection between the P and D replicas Serve picks for it.
+            self._warm_up = asyncio.create_task(self.router.warm_up())
+
+    async def warm_up_outcome(self) -> dict[str, str] | None:
+        """What the background warm-up did (None while it has not finished)."""
+        if self._warm_up is None or not self._warm_up.done():
+            return None
+        return self._warm_up.result()

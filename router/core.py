@@ -313,20 +313,23 @@ class Router:
         return Plan(request_id, prompt, suffix, stage1, beam, path, deadline)
 
     async def warm_up(self, timeout_s: float = 120.0,
-                      pairs: list[tuple[Endpoint, Endpoint]] | None = None) -> None:
+                      pairs: list[tuple[Endpoint, Endpoint]] | None = None) -> dict[str, str]:
         """One tiny handoff per reachable (P, D) pair (``pairs``: those only). The first
         NIXL transfers between two engine processes set up their UCX connection, which was
         seen to take 10-30 s on a 2-core host (up to P's lease): the router pays that
         before it serves, not a client, and again in the background for the pairs of an
         engine that answers after being down (restarted). A warm-up that fails is
-        logged; the router serves anyway."""
+        logged; the router serves anyway. Returns what happened per pair ("P -> D":
+        "imported", "recomputed" or "failed: ..."); unreachable pairs are left out."""
         from kvhandoff.types import BeamParams
 
         everything = pairs is None
         pairs = list(itertools.product(self.prefill, self.decode)) if everything else pairs
+        outcomes: dict[str, str] = {}
         for i, (p, d) in enumerate(pairs):
             if p.capacity is None or d.capacity is None:
                 continue
+            pair = f"{p.address} -> {d.address}"
             t0 = time.perf_counter()
             plan = Plan(f"warmup-{i}-{uuid.uuid4().hex[:8]}", list(range(10, 50)),
                         list(self.tokens.default_suffix_ids),
@@ -337,13 +340,16 @@ class Router:
                 async for item in self.run(plan):
                     if isinstance(item, Outcome):
                         how = "recomputed" if item.failed_decode else "imported"
-                        logger.info("warm-up %s -> %s: %s in %.1fs", p.address, d.address,
-                                    how, time.perf_counter() - t0)
+                        outcomes[pair] = how
+                        logger.info("warm-up %s: %s in %.1fs", pair, how,
+                                    time.perf_counter() - t0)
             except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 (logged; serve anyway)
-                logger.warning("warm-up %s -> %s failed after %.1fs: %s", p.address,
-                               d.address, time.perf_counter() - t0, e)
+                outcomes[pair] = f"failed: {e}"
+                logger.warning("warm-up %s failed after %.1fs: %s", pair,
+                               time.perf_counter() - t0, e)
         if everything:
             self._rewarm = True
+        return outcomes
 
     def _warm_up_later(self, ep: Endpoint) -> None:
         if not self.decode:

@@ -165,6 +165,18 @@ def test_errors_keep_the_standalone_status_codes(proxy, router_client):
     assert "decode pool too small" in e.value.details()
 
 
+def test_the_router_warms_up_its_pair_in_the_background(ray_app):
+    router = ray_app["serve"].get_deployment_handle("Router", app_name=APP)
+    deadline = time.monotonic() + 120
+    while (outcome := router.warm_up_outcome.remote().result(timeout_s=30)) is None:
+        assert time.monotonic() < deadline, "the router did not warm up within 120 s"
+        time.sleep(1)
+    # A first READ that stalled past P's lease is recomputed (flagged): either way one
+    # handoff went through the P and D replicas; "failed: ..." would say why not.
+    assert outcome == {"serve:Prefill -> serve:Decode": "imported"} or \
+        outcome == {"serve:Prefill -> serve:Decode": "recomputed"}, outcome
+
+
 def test_a_killed_decode_replica_is_replaced(ray_app, proxy):
     ray, serve = ray_app["ray"], ray_app["serve"]
     (replica,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
