@@ -93,6 +93,7 @@ def test_tampered_handoffs_are_refused_and_p_releases_its_blocks(pair, run, stil
     assert snap.is_clean, f"P still holds blocks {snap}"
 
 
+@pytest.mark.fault
 def test_a_handoff_that_arrives_after_its_lease_is_refused(pair, run, still_serving):
     req, s1, prompt = _stage1(pair, run, "late")
     # STEP 1: P holds the parent's blocks, then its lease runs out and it frees them.
@@ -118,6 +119,7 @@ def test_a_handoff_that_arrives_after_its_lease_is_refused(pair, run, still_serv
     assert pair.d.counters.transfers == reads, "D read blocks P had reused"
 
 
+@pytest.mark.fault
 def test_d_fences_the_read_on_ps_clock(pair, run, still_serving):
     """The worker-side fence: P's own deadline (perf_counter, rebased with the clock
     offset measured at the handshake) is checked just before the READ."""

@@ -103,6 +103,7 @@ def test_same_beams_as_vllms_own_beam_search(pair, run, width, length_penalty):
     assert run(pair.d.wait_pool_clean(15.0)).is_clean
 
 
+@pytest.mark.fault
 @pytest.mark.engines
 def test_prefix_blocks_evicted_between_steps_are_recomputed_and_reported(pair, run):
     """D's pool under pressure between beam steps, at its most extreme: the whole prefix

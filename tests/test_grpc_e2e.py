@@ -127,6 +127,7 @@ def _long_stage1_request():
     return req
 
 
+@pytest.mark.fault
 def test_cancel_during_stage1_aborts_it_and_frees_p(router_client, assert_cluster_clean):
     req = _long_stage1_request()
     stream = router_client.generate_stream(req, timeout=120)
@@ -140,6 +141,7 @@ def test_cancel_during_stage1_aborts_it_and_frees_p(router_client, assert_cluste
     assert_cluster_clean()
 
 
+@pytest.mark.fault
 def test_cancel_during_stage2_aborts_the_beams_and_frees_both(router_client, assert_cluster_clean):
     req = make_request(prompt=[i % 1000 + 10 for i in range(1500)], max_tokens=1, seed=1, beam_width=32,
                        beam_tokens=60, path="handoff")
@@ -193,6 +195,7 @@ def test_two_decode_endpoints_with_one_down(cluster, model_dir, tmp_path, assert
     assert_cluster_clean()
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("how", ["grpc_deadline", "timeout_ms"])
 def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, assert_cluster_clean,
                                                                  how):
@@ -210,6 +213,7 @@ def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, 
     assert_cluster_clean()
 
 
+@pytest.mark.fault
 def test_deadline_during_stage2_is_deadline_exceeded_and_frees_both(router_client,
                                                                     assert_cluster_clean):
     req = make_request(prompt=[i % 1000 + 10 for i in range(1500)], max_tokens=1, seed=2,

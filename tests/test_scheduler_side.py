@@ -89,6 +89,7 @@ def test_digest_mismatch_is_refused_before_any_read(model_dir, fingerprint):
     assert info["reason"] == "digest" and "digest" in info["error"]
 
 
+@pytest.mark.fault
 def test_expired_lease_is_refused(model_dir, fingerprint):
     scheduler = make_scheduler(model_dir)
     parent = list(range(10, 60))
