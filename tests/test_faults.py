@@ -240,23 +240,41 @@ def _process_group_alive(pgid: int) -> bool:
     return True
 
 
-def test_cancel_between_stage1_and_the_read_frees_both(fleet):
-    """The client cancels while P holds the export and D (frozen) has not read it: D never
-    runs the import, P's blocks come back when the lease ends, nothing hangs."""
+#: The deadline variant's gRPC deadline: stage 1 (~8 s here) ends well before it, and D
+#: stays frozen past it and past P's lease.
+TRANSFER_DEADLINE_S = 40.0
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_cancel_or_deadline_between_stage1_and_the_read_frees_both(fleet, how):
+    """The client cancels, or its deadline passes, while P holds the export and D (frozen)
+    has not read it: the client gets its status on time, D never runs the import, P's
+    blocks come back when the lease ends, nothing hangs."""
     d0 = fleet["d0"]
     with RouterClient(fleet["router"].address) as client:
-        stream = client.generate_stream(_long_request(6), timeout=300)
+        t0 = time.monotonic()
+        stream = client.generate_stream(
+            _long_request(6), timeout=TRANSFER_DEADLINE_S if how == "deadline" else 300)
         assert next(stream).HasField("stage1_tokens")
         os.killpg(d0.proc.pid, signal.SIGSTOP)
         try:
             _wait_for_export(fleet["p"])
-            stream.cancel()
+            exported_after = time.monotonic() - t0
+            if how == "cancel":
+                stream.cancel()
             with pytest.raises(grpc.RpcError) as err:
                 list(stream)
-            assert err.value.code() == grpc.StatusCode.CANCELLED
+            ended_after = time.monotonic() - t0
         finally:
             os.killpg(d0.proc.pid, signal.SIGCONT)
+    if how == "cancel":
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+    else:
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+        assert exported_after < TRANSFER_DEADLINE_S, "stage 1 outlasted the deadline"
+        assert ended_after < TRANSFER_DEADLINE_S + 5, f"answered after {ended_after:.1f}s"
     _assert_clean(fleet["p"], d0)
+    _router_sees(fleet, d0, up=True)
     with RouterClient(fleet["router"].address) as client:
         assert client.generate(_long_request(7), timeout=300).stats.decode_endpoint == d0.address
 
