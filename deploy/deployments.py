@@ -278,9 +278,9 @@ class RouterServer:
             self._fail(grpc_context, e)
 
     async def check_health(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.router.refresh_capacity(self.router.prefill + self.router.decode)
         endpoints = self.router.prefill + self.router.decode
+        with contextlib.suppress(Exception):
+            await self.router.refresh_capacity(endpoints)
         if self._warm_up is None and all(ep.capacity is not None for ep in endpoints):
             # One handoff through the handles, off the request path (Router.warm_up): it
             # sets up the NIXL connection between the P and D replicas Serve picks for it.
