@@ -320,8 +320,8 @@ class Router:
         first handoff between a P and a D"). The router pays that before it serves, not
         a client, and again in the background for the pairs of an engine that answers
         after being down (restarted). A warm-up that fails is logged; the router serves
-        anyway. Returns what happened per pair ("P -> D":
-        "imported", "recomputed" or "failed: ..."); unreachable pairs are left out."""
+        anyway. Returns what happened per pair ("P -> D": "imported", "recomputed" or
+        "failed: ..."); unreachable pairs are left out."""
         from kvhandoff.types import BeamParams
 
         everything = pairs is None
