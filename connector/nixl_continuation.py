@@ -54,6 +54,13 @@ from connector.handoff import (
     PROTOCOL_VERSION,
     token_digest,
 )
+from connector.faults import (
+    FAULTS,
+    corrupt_imported,
+    fault_of,
+    num_imported_with_fault,
+    scribble,
+)
 from connector.logs import use_vllm_handlers
 from connector.signing import TARGET_KEY, load_secret, sign
 
@@ -146,6 +153,24 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         self._fork_release: set[str] = set()  # beam names
         self.stats = ContinuationStats()
         self._secret = load_secret(extra.get_from_extra_config("handoff_secret_file", None))
+        # Negative controls (connector.faults): off unless the engine was started so.
+        self._fault_injection = bool(extra.get_from_extra_config("fault_injection", False))
+        self._import_faults: dict[str, str] = {}  # D: request id -> decode-worker fault
+        self._scribble_block_ids: list[int] = []  # P: exported blocks to overwrite
+
+    def _fault(self, request: Request) -> str | None:
+        """The fault ``request`` names, if this engine injects faults."""
+        name = fault_of(request.kv_transfer_params)
+        if name is None:
+            return None
+        if not self._fault_injection:
+            logger.warning("Ignoring fault %r named by %s: this engine was not started with "
+                           "fault injection", name, request.request_id)
+            return None
+        if name not in FAULTS:
+            logger.warning("Ignoring unknown fault %r named by %s", name, request.request_id)
+            return None
+        return name
 
     # ---- NIXL side channel -------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
@@ -246,6 +271,12 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
                     "%.1fs", name, kept.num_forked, kept.num_children, self._fork_hold_s
                 )
                 self._fork_release.add(name)
+        meta.kvhandoff_faults = {r: f for r, f in self._import_faults.items()
+                                 if r in meta.reqs_to_recv}
+        for req_id in meta.kvhandoff_faults:
+            del self._import_faults[req_id]
+        meta.kvhandoff_scribble = self._scribble_block_ids
+        self._scribble_block_ids = []
         meta.kvhandoff_fork_copies = self._fork_copies
         meta.kvhandoff_fork_release = [
             self._kept.pop(name).request_id for name in self._fork_release
@@ -268,6 +299,10 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         num_importable = min(
             params.get("remote_num_tokens") or 0, request.num_prompt_tokens - 1
         )
+        fault = self._fault(request)
+        if fault is not None:
+            num_importable = num_imported_with_fault(
+                fault, num_importable, request.num_prompt_tokens, self.block_size)
         count = num_importable - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -284,6 +319,9 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
                 num_tokens=num_external_tokens,
                 num_blocks=len(local_block_ids[0]) if local_block_ids else 0,
             )
+            fault = self._fault(request)
+            if fault is not None and FAULTS[fault].side == "decode_worker":
+                self._import_faults[request.request_id] = fault
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     # ---- both sides --------------------------------------------------------------------
@@ -339,6 +377,8 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         }
         if self._secret is not None:
             params[KEY]["signature"] = sign(params, self._secret)
+        if self._fault(request) == "stale":
+            self._scribble_block_ids.extend(params["remote_block_ids"][0])
         logger.debug(
             "Exported %s: %d parent tokens, %d blocks, lease %ds",
             request.request_id,
@@ -460,10 +500,12 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
         self._fork_views: list[tuple[Any, int]] = []
         self._fork_ratio = 1
         self._fork_released: set[str] = set()
+        self._fault_injection = bool(extra.get_from_extra_config("fault_injection", False))
+        self._import_faults: dict[str, str] = {}  # request id -> fault, until its READ is done
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
-        if self._fork_enabled:
+        if self._fork_enabled or self._fault_injection:
             # The attention kernel may split a logical block into several.
             self._fork_ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1))
             self._fork_views = _block_views(kv_caches, self._num_blocks * self._fork_ratio)
@@ -472,6 +514,13 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
         copies = getattr(metadata, "kvhandoff_fork_copies", None)
         if copies:
             self._copy_blocks(copies)
+        if self._fault_injection:
+            self._import_faults.update(getattr(metadata, "kvhandoff_faults", None) or {})
+            stale = getattr(metadata, "kvhandoff_scribble", None)
+            if stale:
+                logger.warning("Injected fault 'stale': overwriting %d exported blocks",
+                               len(stale))
+                scribble(self._fork_views, stale, self._fork_ratio)
         self._fork_released.update(getattr(metadata, "kvhandoff_fork_release", None) or ())
         super().start_load_kv(metadata)
 
@@ -497,6 +546,16 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
             results.finished_sending.update(self._fork_released)
             self._fork_released = set()
         return results
+
+    def _inject_import_faults(self, done: set[str]) -> None:
+        for req_id in done:
+            fault = self._import_faults.pop(req_id, None)
+            meta = self._recving_metadata.get(req_id)
+            if fault is None or meta is None:
+                continue
+            logger.warning("Injected fault %r into %s's imported blocks", fault, req_id)
+            corrupt_imported(fault, self._fork_views, list(meta.local_block_ids[0]),
+                             self._fork_ratio)
 
     def _local_deadline(self, meta: Any) -> float | None:
         remote = meta.remote
@@ -540,6 +599,8 @@ class ContinuationConnectorWorker(NixlPullConnectorWorker):
         self, transfers: dict[str, list[int]]
     ) -> tuple[set[str], set[str]]:
         done, failed = super()._pop_done_transfers(transfers)
+        if self._import_faults:
+            self._inject_import_faults(done - failed)
         now = time.perf_counter()
         for req_id in done:
             fence = self._read_deadlines.pop(req_id, None)

@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Any
 
+from connector.faults import FAULT_KEY
 from connector.handoff import KEY, import_params
 from decode_engine.beam import beam_search
 from decode_engine.scheduler import stage2_reservation
@@ -83,7 +84,9 @@ class DecodeEngine(VllmEngine):
         request_id: str,
         *,
         handoff_params: dict[str, Any],
+        fault: str | None = None,
     ) -> Stage2Result:
+        """``fault``: a D-side fault of ``connector.faults`` (negative controls only)."""
         # Even a handoff that looks wrong goes to D: D's scheduler is the one authority,
         # and refusing there also tells P to release the parent's blocks.
         params = import_params(
@@ -92,6 +95,9 @@ class DecodeEngine(VllmEngine):
         if isinstance(params.get(KEY), dict):  # else admission refuses it anyway
             # The stage 2s already running here: admission leaves their peaks free.
             params[KEY]["reserved_blocks"] = self.num_reserved_blocks
+        if fault is not None:
+            self.check_fault(fault)
+            params[FAULT_KEY] = fault
         result = await run_beam_stage(
             self, prompt_token_ids, beam, request_id,
             first_step_extra_args={"kv_transfer_params": params},

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvhandoff.harness import LOGPROB_TOLERANCE
 from kvhandoff.types import BeamParams, Stage1Params
 
 MODES = ("text_roundtrip", "colocated", "handoff", "vllm_beam_search")
@@ -133,7 +134,7 @@ class Bench:
                   stage1_tokens: int | None = None) -> Sample:
         from decode_engine.beam import vllm_beam_search
         from decode_engine.engine import run_beam_stage
-        from kvhandoff.pipeline import _stage2_prompt
+        from kvhandoff.pipeline import stage2_prompt
 
         req = self._request(prompt, seed, stage1_tokens)
         t0 = time.perf_counter()
@@ -141,7 +142,7 @@ class Bench:
                                          export=mode == "handoff",
                                          target=self.pair.d.handoff_target)
         parent = prompt + stage1.token_ids
-        prompt2, _ = _stage2_prompt(req, stage1)
+        prompt2, _ = stage2_prompt(req, stage1)
         # Tokens the stage-2 engine computed, from its own iteration stats (exact when
         # requests run one at a time).
         engine2 = self.d if mode in ("handoff", "text_roundtrip") else self.p
@@ -259,8 +260,6 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
     common = dict(max_model_len=max_len, kv_cache_memory_bytes=pool, lease_s=60,
                   max_num_seqs=max(64, cfg.beam_width * max(cfg.concurrency)),
                   max_logprobs=max(64, 2 * cfg.beam_width))
-    if cfg.model == "bench":
-        common["load_format"] = "dummy"
     result: dict[str, Any] = {"config": {**asdict(cfg)}, "modes": {}, "concurrency": [],
                               "sweep": [], "transfer": {}}
     t_start = time.perf_counter()
@@ -280,12 +279,19 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
         for mode in MODES:
             result["modes"][mode] = _summary(by_mode[mode])
         ref = by_mode["colocated"]
+        peer = by_mode["vllm_beam_search"]
         for mode in MODES:
             got = by_mode[mode]
             same = sum(s.beams == r.beams for s, r in zip(got, ref))
             result["modes"][mode]["beams_match_colocated"] = f"{same}/{len(prompts)}"
+            # vLLM's own beam search (a reference we did not write): ids and order equal,
+            # cumulative logprobs within the harness's tolerance.
+            agree = sum(s.beams == r.beams and all(
+                abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(s.logprobs, r.logprobs))
+                for s, r in zip(got, peer))
+            result["modes"][mode]["beams_match_vllm_beam_search"] = f"{agree}/{len(prompts)}"
             # Where beams differ: are the scores the same (ties among near-equal
-            # candidates, e.g. with dummy weights) or different searches?
+            # candidates) or different searches?
             result["modes"][mode]["max_score_diff_vs_colocated"] = max(
                 (abs(a - b) for s, r in zip(got, ref) for a, b in zip(s.logprobs, r.logprobs)),
                 default=None)
@@ -340,7 +346,7 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
 
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"{'mode':<18}{'first beam p50':>15}{'p95':>9}{'stage2 p50':>12}{'p95':>9}"
-             f"{'e2e p50':>10}{'D computed':>11}{'KiB moved':>10}{'GB/s':>7}  beams=B"]
+             f"{'e2e p50':>10}{'D computed':>11}{'KiB moved':>10}{'GB/s':>7}  beams=B  =vLLM"]
     for mode in MODES:
         m = r["modes"][mode]
         kib = m.get("kv_bytes_per_request")
@@ -349,7 +355,7 @@ def format_report(r: dict[str, Any]) -> str:
             f"{m['stage2_total_ms_p50']:>12.1f}{m['stage2_total_ms_p95']:>9.1f}"
             f"{m['end_to_end_ms_p50']:>10.0f}{m['computed_tokens_d_per_request']:>11.1f}"
             f"{(kib / 1024 if kib else 0):>10.0f}{m.get('transfer_gbps', 0):>7.2f}  "
-            f"{m['beams_match_colocated']}")
+            f"{m['beams_match_colocated']:>7}{m['beams_match_vllm_beam_search']:>7}")
     lines.append("")
     lines.append(f"{'concurrency':<12}{'mode':<18}{'req/s':>8}{'e2e p50 ms':>12}{'first beam p50':>16}")
     for row in r["concurrency"]:

@@ -8,13 +8,14 @@ import logging
 import os
 import sys
 
+from connector.faults import FAULTS
 from connector.logs import LEVEL_ENV
 
 
 def _verify(args: argparse.Namespace) -> int:
     from kvhandoff.harness import main_verify
 
-    return main_verify(args.model, args.quick, args.json)
+    return main_verify(args.model, args.quick, args.json, args.inject)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -116,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg(verify)
     verify.add_argument("--json", default=None, metavar="PATH", help="write the full report here")
     verify.add_argument("--quick", action="store_true", help="a smaller case set")
+    verify.add_argument(
+        "--inject", default=None, metavar="FAULT", choices=sorted(FAULTS),
+        help="negative control: inject FAULT into the real connector on every handoff "
+             "(engines started with fault injection; off otherwise, at no cost). The "
+             "harness must then FAIL and name what differs, except for the fault listed "
+             "as invisible by design. FAULT: " + "; ".join(
+                 f"{f.name} ({f.what})" for f in FAULTS.values()))
     verify.set_defaults(func=_verify)
 
     serve = sub.add_parser("serve", help="run an engine server or the router (gRPC)")
@@ -183,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure the handoff against the alternatives")
     bench.add_argument("--model", default=None,
-                       help="model directory (default: the ~100M bench model, dummy weights)")
+                       help="model directory (default: the ~100M bench model, seeded weights)")
     bench.add_argument("--quick", action="store_true", help="a few requests, two sweep points")
     bench.add_argument("--prompt-tokens", type=int, default=None)
     bench.add_argument("--stage1-tokens", type=int, default=None)

@@ -22,11 +22,12 @@ from pathlib import Path
 import grpc
 
 from kvhandoff.client import RouterClient, make_request
+from kvhandoff.corpus import Example, make_example, semantic_id
 from kvhandoff.engine import free_port
 from kvhandoff.harness import LOGPROB_TOLERANCE
 
-_WORDS = ("the user bought a warm coat and hiking boots last winter then browsed tents "
-          "camping stoves and maps so we think they plan a trip in spring with friends").split()
+#: Seed of the demo's histories: not the training corpus's, so the model has not seen them.
+DEMO_SEED = 7
 
 
 @dataclass
@@ -135,16 +136,28 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
         _stop(servers)
 
 
-def _prompts(n: int) -> list[str]:
-    rng = random.Random(7)
-    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(40, 160))) for _ in range(n)]
+def demo_examples(n: int) -> list[Example]:
+    """``n`` users' histories (40-160 items) in the corpus's form, unseen in training."""
+    rng = random.Random(DEMO_SEED)
+    return [make_example(rng, min_items=40, max_items=160) for _ in range(n)]
+
+
+def _sid_tokens(tokenizer, token_ids) -> list[str]:
+    return tokenizer.convert_ids_to_tokens(list(token_ids)) if tokenizer else []
 
 
 def main_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from transformers import AutoTokenizer
+
+    from kvhandoff.model import resolve_model
+
     out_dir = Path("out")
-    prompts = _prompts(args.requests)
+    examples = demo_examples(args.requests)
+    prompts = [ex.prompt for ex in examples]
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
     rows, ok_all = [], True
     with local_cluster(args.model, out_dir / "demo-logs") as cluster:
         print(f"P, D and router up; router at {cluster['router']}", flush=True)
@@ -163,7 +176,7 @@ def main_demo(args: argparse.Namespace) -> int:
                 results = list(tqdm(pool.map(both, range(len(prompts))), total=len(prompts),
                                     desc="two-stage requests", unit="req"))
     print(f"\n{'req':<8}{'stage1':>7}{'parent':>7}{'imported':>9}{'D comp':>7}{'KiB':>6}"
-          f"{'first beam ms':>14}  {'top beam ids':<18}{'logp':>8}  verified")
+          f"{'first beam ms':>14}  {'top beam':<16}{'rule':<16}{'logp':>8}  verified")
     for i, result in enumerate(results):
         if isinstance(result, str):
             ok_all = False
@@ -179,14 +192,18 @@ def main_demo(args: argparse.Namespace) -> int:
                         for a, b in zip(got.beams, ref.beams)))
         ok_all &= same
         s = got.stats
-        top = str(list(got.beams[0].token_ids)) if got.beams else "-"
+        top = _sid_tokens(tokenizer, got.beams[0].token_ids) if got.beams else []
+        rule = semantic_id(examples[i].history)
         logp = got.beams[0].cum_logprob if got.beams else float("nan")
         print(f"demo-{i:<3}{len(got.thinking_token_ids):>7}{s.num_parent_tokens:>7}"
               f"{s.num_imported_tokens:>9}{s.num_computed_tokens_first_step:>7}"
               f"{s.num_bytes_moved / 1024:>6.0f}{got.timings.stage2_first_step_ms:>14.1f}  "
-              f"{top:<18}{logp:>8.3f}  {'yes' if same else 'NO'}"
+              f"{''.join(top):<16}{''.join(rule):<16}{logp:>8.3f}  {'yes' if same else 'NO'}"
               f"{' (recomputed: ' + s.handoff_failure + ')' if s.recomputed else ''}")
         rows.append({"request_id": got.request_id, "verified": same,
+                     "top_beam": top, "rule": rule, "matches_rule": top == rule,
+                     "stage1_ended_by_think": bool(got.thinking_token_ids)
+                     and got.thinking_token_ids[-1] == think_end,
                      "recomputed": s.recomputed, "handoff_failure": s.handoff_failure,
                      "num_parent_tokens": s.num_parent_tokens,
                      "num_imported_tokens": s.num_imported_tokens,
@@ -197,8 +214,9 @@ def main_demo(args: argparse.Namespace) -> int:
     n_ok = sum(r["verified"] for r in rows)
     done = [r for r in rows if "error" not in r]
     handed = [r for r in done if not r["recomputed"]]
-    # At least one request must show the handoff itself.
-    ok_all &= bool(handed)
+    # The handoff itself, not its fallback: every request but one (a first READ can stall
+    # past P's lease on a loaded 2-core host; it is recomputed, flagged) went by handoff.
+    ok_all &= len(handed) >= max(1, len(rows) - 1)
     imp = sum(r["num_imported_tokens"] for r in handed)
     comp = sum(r["num_computed_tokens_d"] for r in handed)
     first = sorted(r["stage2_first_step_ms"] for r in done)
@@ -207,9 +225,15 @@ def main_demo(args: argparse.Namespace) -> int:
           f"{len(handed)} by handoff, {len(done) - len(handed)} recomputed after a failed "
           f"handoff; D imported {imp} tokens and computed {comp} for the import steps.")
     if done:
+        distinct = len({tuple(r["top_beam"]) for r in done})
+        print(f"the model reads its context: {distinct} distinct top beams for {len(done)} "
+              f"histories; {sum(r['matches_rule'] for r in done)}/{len(done)} top beams "
+              f"equal the corpus rule's semantic id; stage 1 ended by </think> in "
+              f"{sum(r['stage1_ended_by_think'] for r in done)}/{len(done)}.")
         print(f"stage-2 first beam step p50: handoff {first[len(first) // 2]:.1f} ms, "
               f"colocated {ref_first[len(ref_first) // 2]:.1f} ms (P, D, the router and this "
               f"client share this machine's cores)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"ok": ok_all, "requests": rows}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"ok": ok_all, "requests": rows,
+                                               "num_handoff": len(handed)}, indent=1) + "\n")
     return 0 if ok_all else 1

@@ -140,6 +140,9 @@ class EngineConfig:
     #: D only: another id handoffs for this engine may be addressed to (replicas behind
     #: one handle share it); None = the engine id only.
     handoff_group: str | None = None
+    #: Negative controls only (``connector.faults``): honour a fault a request names.
+    #: Off in every server; the harness turns it on for ``kvhandoff verify --inject``.
+    fault_injection: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -188,6 +191,7 @@ class EngineConfig:
                 "beam_fork_hold_s": self.beam_fork_hold_s,
                 "handoff_secret_file": self.handoff_secret_file,
                 "handoff_group": self.handoff_group,
+                "fault_injection": self.fault_injection,
                 "backends": ["UCX"],
             },
             **({"kv_buffer_device": self.kv_buffer_device} if self.kv_buffer_device else {}),
@@ -432,6 +436,16 @@ class VllmEngine:
             await self.generate([1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0,
                                                           logprobs=k, detokenize=False),
                                 f"warmup-{self.engine_id}-{k}")
+
+    def check_fault(self, fault: str) -> None:
+        """Raise ``ValueError`` unless this engine may inject ``fault``."""
+        from connector.faults import FAULTS
+
+        if not self.config.fault_injection:
+            raise ValueError(f"fault {fault!r}: engine {self.engine_id} was not started "
+                             "with fault_injection")
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)

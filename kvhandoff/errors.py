@@ -40,6 +40,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if type(exc).__name__ == "EngineDeadError":
         # vLLM's engine core is gone; the server exits so a supervisor can restart it.
         return grpc.StatusCode.UNAVAILABLE, "engine is down (its engine core failed)"
+    if any(t.__name__ == "VLLMClientError" for t in type(exc).__mro__):
+        # vLLM refused the request itself (e.g. a sampling parameter it validates).
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ValueError):
         # vLLM's own input checks raise ValueError with a readable message.
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)

@@ -1,21 +1,20 @@
-"""The built-in model: a small Llama with a locally trained tokenizer and seeded weights.
+"""The built-in models: small Llamas with a locally trained tokenizer, generated on first use.
 
-Nothing is downloaded. On first use the model directory is generated into a cache
+Nothing is downloaded. On first use a model directory is generated into a cache
 directory (``$KVHANDOFF_CACHE`` or ``~/.cache/kvhandoff``) and reused afterwards:
 
 - ``tokenizer.json``: a byte-level BPE trained on a fixed, seeded synthetic corpus, with
-  ``<think>``, ``</think>``, ``<|sid_begin|>``, ``<|sid_end|>`` as single special tokens;
+  ``<think>``, ``</think>``, ``<|sid_begin|>``, ``<|sid_end|>`` as single special tokens
+  and the 24 semantic-id tokens of :mod:`kvhandoff.corpus` as single ordinary tokens;
 - ``config.json``: ``LlamaForCausalLM``, float32, small enough for two CPU cores;
-- ``model.safetensors``: weights drawn from a fixed seed at initialisation scale.
+- ``model.safetensors``: the built-in model is *trained* (:mod:`kvhandoff.train`, a fixed
+  seed, about a minute here) on the two-stage corpus, so its thinking and its semantic
+  ids depend on the prompt and stage 1 ends by ``</think>`` because it learned to. The
+  bench model has seeded random weights at a realistic scale (see
+  :func:`_seeded_weights`).
 
 vLLM's dummy loader draws weights from U(-1e-3, 1e-3): logits come out nearly flat,
-beams tie, and a token-exact comparison stops meaning anything. Seeded weights at a
-realistic scale give peaked, well-separated logits instead.
-
-A "bias channel" gives ``</think>`` and EOS a realistic chance to end stage 1: residual
-dimension 0 is a constant (every embedding holds ``_BIAS_CHANNEL_VALUE`` there and no
-layer writes to it), so after the final norm it acts as a constant input that only the
-``</think>`` and EOS rows of ``lm_head`` read.
+beams tie, and a token-exact comparison stops meaning anything.
 """
 
 from __future__ import annotations
@@ -30,10 +29,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from kvhandoff.corpus import SID_TOKENS, tokenizer_lines
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_MODEL_NAME = "kvhandoff-tiny-think-v1"
+BUILTIN_MODEL_NAME = "kvhandoff-tiny-reco-v2"
 THINK_START = "<think>"
 THINK_END = "</think>"
 SID_BEGIN = "<|sid_begin|>"
@@ -46,6 +48,9 @@ SPECIAL_TOKENS = [BOS, EOS, THINK_START, THINK_END, SID_BEGIN, SID_END]
 DEFAULT_SUFFIX_TEXT = f"{THINK_END}\n{SID_BEGIN}"
 
 _SEED = 20261122
+
+#: How a generated model gets its weights: trained on the corpus, or drawn from a seed.
+Weights = Literal["trained", "seeded"]
 _BIAS_CHANNEL_VALUE = 4.0
 
 
@@ -68,7 +73,18 @@ class ModelShape:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
 
-#: A ~100M-parameter shape for benchmarks (dummy weights are fine there).
+#: The built-in model: 4 layers of 2 KV heads of 64 (128 KiB per 32-token fp32 block, as
+#: the tests' pool sizes assume), narrow enough to train in about a minute on 2 cores.
+BUILTIN_SHAPE = ModelShape(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+)
+
+#: A ~100M-parameter shape for benchmarks, with seeded weights: realistic compute, and
+#: logits peaked enough that beams do not tie (vLLM's dummy weights give flat logits).
 BENCH_SHAPE = ModelShape(
     hidden_size=768,
     intermediate_size=2048,
@@ -119,12 +135,13 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> int:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(SID_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus() + tokenizer_lines(_SEED), trainer=trainer)
+    tok.add_tokens(list(SID_TOKENS))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -198,7 +215,7 @@ def _seeded_weights(shape: ModelShape, vocab_size: int, bias_rows: dict[int, flo
     return {k: v.contiguous() for k, v in w.items()}
 
 
-def _build(out_dir: Path, shape: ModelShape, with_weights: bool) -> None:
+def _build(out_dir: Path, shape: ModelShape, weights: Weights) -> None:
     from transformers import AutoTokenizer
 
     vocab_size = build_tokenizer(out_dir, shape.vocab_size)
@@ -206,16 +223,22 @@ def _build(out_dir: Path, shape: ModelShape, with_weights: bool) -> None:
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = _llama_config(shape, vocab_size, ids[BOS], ids[EOS])
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if with_weights:
+    if weights == "trained":
+        from kvhandoff.train import TrainConfig, train
+
+        result = train(str(out_dir), TrainConfig(seed=_SEED))
+        logger.info("Trained %s: final loss %.3f in %.0fs", out_dir.name, result["loss"],
+                    result["seconds"])
+    else:
         from safetensors.torch import save_file
 
         # Logit offsets (in units of the normalised bias channel) that give </think> and
         # EOS about 1% and 0.3% per step: stage 1 usually ends within ~100 tokens.
-        weights = _seeded_weights(shape, vocab_size, {ids[THINK_END]: 0.6, ids[EOS]: 0.66})
-        save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        tensors = _seeded_weights(shape, vocab_size, {ids[THINK_END]: 0.6, ids[EOS]: 0.66})
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _ensure(name: str, shape: ModelShape, with_weights: bool) -> Path:
+def _ensure(name: str, shape: ModelShape, weights: Weights) -> Path:
     target = cache_dir() / "models" / name
     if (target / "config.json").exists():
         return target
@@ -228,7 +251,7 @@ def _ensure(name: str, shape: ModelShape, with_weights: bool) -> Path:
         logger.info("Generating model %s into %s", name, target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         try:
-            _build(tmp, shape, with_weights)
+            _build(tmp, shape, weights)
             tmp.rename(target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -237,14 +260,14 @@ def _ensure(name: str, shape: ModelShape, with_weights: bool) -> Path:
 
 
 def builtin_model_dir() -> Path:
-    """The built-in test model (seeded weights), generated on first use."""
-    return _ensure(BUILTIN_MODEL_NAME, ModelShape(), with_weights=True)
+    """The built-in model (trained on the two-stage corpus), generated on first use."""
+    return _ensure(BUILTIN_MODEL_NAME, BUILTIN_SHAPE, "trained")
 
 
 def bench_model_dir() -> Path:
-    """The ~100M-parameter benchmark model: config and tokenizer only; load it with
-    ``load_format="dummy"``."""
-    return _ensure("kvhandoff-bench-100m-v1", BENCH_SHAPE, with_weights=False)
+    """The ~100M-parameter benchmark model (seeded weights, ~450 MB), generated on first
+    use."""
+    return _ensure("kvhandoff-bench-100m-v2", BENCH_SHAPE, "seeded")
 
 
 def resolve_model(model: str | None) -> Path:
@@ -258,6 +281,17 @@ def resolve_model(model: str | None) -> Path:
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {model!r}: not a model directory (no config.json)")
     return path
+
+
+def kv_bytes_per_block(model_dir: str | Path, block_size: int, dtype_bytes: int = 4) -> int:
+    """KV bytes one block of ``block_size`` tokens takes for a Llama-like model directory
+    (K and V, every layer), read from its config."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * block_size * dtype_bytes
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

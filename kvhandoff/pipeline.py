@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from connector.faults import FAULTS
 from decode_engine.engine import run_beam_stage
 from kvhandoff.types import (
     BeamParams,
@@ -18,6 +19,7 @@ from kvhandoff.types import (
     Stage2Result,
     continuation_prompt,
     validate_prompt,
+    validate_token_ids,
 )
 
 if TYPE_CHECKING:
@@ -67,30 +69,36 @@ def check_request(req: TwoStageRequest, stage1_engine: PrefillEngine,
         max_model_len=min(engine.max_model_len, stage2_engine.max_model_len),
         num_new_tokens=req.stage1.max_tokens + len(req.suffix_token_ids) + req.beam.max_tokens,
     )
-    bad = next((t for t in req.suffix_token_ids if not 0 <= t < engine.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("suffix", f"token id {bad} is outside the vocabulary")
+    validate_token_ids(req.suffix_token_ids, vocab_size=engine.vocab_size, field_name="suffix")
+    validate_token_ids(req.stage1.stop_token_ids, vocab_size=engine.vocab_size,
+                       field_name="stage1.stop_token_ids")
     limit = stage2_engine.config.max_beam_width
     if req.beam.beam_width > limit:
         raise InvalidRequest("beam.beam_width",
                              f"{req.beam.beam_width} exceeds this deployment's limit {limit}")
 
 
-def _stage2_prompt(req: TwoStageRequest, stage1: Stage1Result) -> tuple[list[int], list[int]]:
+def stage2_prompt(req: TwoStageRequest, stage1: Stage1Result) -> tuple[list[int], list[int]]:
+    """Stage 2's prompt (parent + suffix) and the part of it after the parent."""
     parent = req.prompt_token_ids + stage1.token_ids
     prompt = continuation_prompt(parent, req.suffix_token_ids, req.think_end_id)
     return prompt, prompt[len(parent):]
 
 
-async def run_handoff(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest) -> TwoStageResult:
-    """Stage 1 on P, KV handed to D over NIXL, stage 2 on D."""
+async def run_handoff(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest, *,
+                      fault: str | None = None) -> TwoStageResult:
+    """Stage 1 on P, KV handed to D over NIXL, stage 2 on D. ``fault`` names an injected
+    fault of ``connector.faults`` (negative controls; the engines must allow it)."""
     check_request(req, p, d)
+    side = FAULTS[fault].side if fault is not None else None
     stage1 = await p.run_stage1(req.prompt_token_ids, req.stage1, f"{req.request_id}-p", export=True,
-                               target=d.handoff_target)
+                               target=d.handoff_target,
+                               fault=fault if side == "prefill" else None)
     assert stage1.handoff_params is not None
-    prompt, suffix = _stage2_prompt(req, stage1)
+    prompt, suffix = stage2_prompt(req, stage1)
     stage2 = await d.run_stage2(
-        prompt, req.beam, f"{req.request_id}-d", handoff_params=stage1.handoff_params
+        prompt, req.beam, f"{req.request_id}-d", handoff_params=stage1.handoff_params,
+        fault=fault if side not in (None, "prefill") else None,
     )
     return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2)
 
@@ -101,6 +109,6 @@ async def run_colocated(engine: PrefillEngine, req: TwoStageRequest) -> TwoStage
     stage1 = await engine.run_stage1(
         req.prompt_token_ids, req.stage1, f"{req.request_id}-c1", export=False
     )
-    prompt, suffix = _stage2_prompt(req, stage1)
+    prompt, suffix = stage2_prompt(req, stage1)
     stage2 = await run_beam_stage(engine, prompt, req.beam, f"{req.request_id}-c2")
     return TwoStageResult("colocated", list(req.prompt_token_ids), stage1, suffix, stage2)

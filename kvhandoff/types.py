@@ -78,6 +78,14 @@ class BeamParams:
             raise InvalidRequest("beam.max_tokens", f"must be >= 1, got {self.max_tokens}")
 
 
+def validate_token_ids(token_ids: list[int] | tuple[int, ...], *, vocab_size: int,
+                       field_name: str) -> None:
+    """Every id in ``token_ids`` must be in the vocabulary."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(field_name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 def validate_prompt(
     prompt_token_ids: list[int],
     *,
@@ -89,9 +97,7 @@ def validate_prompt(
     """Check a token-id prompt against the model before it reaches an engine."""
     if not prompt_token_ids:
         raise InvalidRequest(field_name, "is empty")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(field_name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    validate_token_ids(prompt_token_ids, vocab_size=vocab_size, field_name=field_name)
     total = len(prompt_token_ids) + num_new_tokens
     if total > max_model_len:
         raise InvalidRequest(

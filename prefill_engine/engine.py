@@ -11,41 +11,64 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
+from connector.faults import FAULT_KEY
 from connector.signing import TARGET_KEY
 from kvhandoff.engine import VllmEngine
-from kvhandoff.types import Stage1Params, Stage1Result, StageError, validate_prompt
+from kvhandoff.types import (
+    Stage1Params,
+    Stage1Result,
+    StageError,
+    validate_prompt,
+    validate_token_ids,
+)
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def stage1_sampling(params: Stage1Params,
+                    transfer_params: dict[str, Any] | None = None) -> SamplingParams:
+    """vLLM sampling parameters of a stage 1 (any engine: P, or a colocated reference)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        detokenize=False,
+        extra_args={"kv_transfer_params": transfer_params} if transfer_params else None,
+    )
 
 
 class PrefillEngine(VllmEngine):
     """The prefill/sampling engine (P). Also serves the colocated path."""
 
     def _sampling(self, prompt_token_ids: list[int], params: Stage1Params, export: bool,
-                  target: str | None):
-        from vllm import SamplingParams
-
+                  target: str | None, fault: str | None = None) -> SamplingParams:
         validate_prompt(
             prompt_token_ids,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             num_new_tokens=params.max_tokens,
         )
-        return SamplingParams(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            min_tokens=params.min_tokens,
-            detokenize=False,
-            extra_args={"kv_transfer_params": {"do_remote_decode": True,
-                                               TARGET_KEY: target or ""}}
-            if export else None,
-        )
+        validate_token_ids(params.stop_token_ids, vocab_size=self.vocab_size,
+                           field_name="stage1.stop_token_ids")
+        if not export:
+            return stage1_sampling(params)
+        transfer = {"do_remote_decode": True, TARGET_KEY: target or ""}
+        if fault is not None:
+            self.check_fault(fault)
+            transfer[FAULT_KEY] = fault
+        return stage1_sampling(params, transfer)
 
     async def stream_stage1(
         self,
@@ -55,11 +78,13 @@ class PrefillEngine(VllmEngine):
         *,
         export: bool,
         target: str | None = None,
+        fault: str | None = None,
     ) -> AsyncIterator[tuple[list[int], Stage1Result | None]]:
         """Yield ``(new_token_ids, None)`` as tokens are sampled, then
         ``([], result)`` once stage 1 has finished. With ``export``, the handoff is
-        addressed to (and, with a secret, signed for) the decode engine ``target``."""
-        sampling = self._sampling(prompt_token_ids, params, export, target)
+        addressed to (and, with a secret, signed for) the decode engine ``target``.
+        ``fault``: a P-side fault of ``connector.faults`` (negative controls only)."""
+        sampling = self._sampling(prompt_token_ids, params, export, target, fault)
         t0 = time.perf_counter()
         token_ids: list[int] = []
         last = None
@@ -92,10 +117,11 @@ class PrefillEngine(VllmEngine):
         *,
         export: bool,
         target: str | None = None,
+        fault: str | None = None,
     ) -> Stage1Result:
         result = None
         async for _, final in self.stream_stage1(prompt_token_ids, params, request_id,
-                                                 export=export, target=target):
+                                                 export=export, target=target, fault=fault):
             result = final or result
         assert result is not None
         return result

@@ -30,7 +30,13 @@ import grpc
 from decode_engine.scheduler import stage2_reservation
 from kvhandoff import engine_pb
 from kvhandoff.tls import ChannelTLS, aio_channel
-from kvhandoff.types import InvalidRequest, Stage1Params, continuation_prompt, validate_prompt
+from kvhandoff.types import (
+    InvalidRequest,
+    Stage1Params,
+    continuation_prompt,
+    validate_prompt,
+    validate_token_ids,
+)
 from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 
 logger = logging.getLogger(__name__)
@@ -291,9 +297,9 @@ class Router:
         if cap is not None:
             validate_prompt(prompt, vocab_size=cap.vocab_size, max_model_len=cap.max_model_len,
                             num_new_tokens=stage1.max_tokens + len(suffix) + beam.max_tokens)
-            bad = next((t for t in suffix if not 0 <= t < cap.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest("suffix", f"token id {bad} is outside the vocabulary")
+            validate_token_ids(suffix, vocab_size=cap.vocab_size, field_name="suffix")
+            validate_token_ids(stage1.stop_token_ids, vocab_size=cap.vocab_size,
+                               field_name="stage1.stop_token_ids")
         elif not prompt:
             raise InvalidRequest("prompt", "is empty")
         if req.timeout_ms:

@@ -25,6 +25,9 @@ def test_bench_measures_every_mode(pair, run, assert_pools_clean, tmp_path):
     handoff = r["modes"]["handoff"]
     assert handoff["first_step_computes_only_suffix_plus_one"] == "2/2"
     assert handoff["beams_match_colocated"] == "2/2"
+    # ... and vLLM's own beam search on the same continuation prompt agrees.
+    assert handoff["beams_match_vllm_beam_search"] == "2/2"
+    assert r["modes"]["colocated"]["beams_match_vllm_beam_search"] == "2/2"
     assert handoff["kv_bytes_per_request"] > 0 and handoff["transfer_gbps"] > 0
     # The round trip recomputes the whole re-tokenised prompt; the handoff does not.
     assert (r["modes"]["text_roundtrip"]["computed_tokens_d_per_request"]

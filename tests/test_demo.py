@@ -38,11 +38,14 @@ def test_demo_verifies_every_request_and_leaves_nothing_running(model_dir, tmp_p
     assert report["ok"] and len(report["requests"]) == 3
     assert all(row["verified"] for row in report["requests"])
     # A handoff whose READ stalled past P's lease is recomputed (flagged) and still
-    # identical; the others imported the parent and computed only the tail.
+    # identical; at least n-1 of n imported the parent and computed only the tail.
     handed = [row for row in report["requests"] if not row["recomputed"]]
-    assert handed, report
+    assert len(handed) >= 2 and report["num_handoff"] == len(handed), report
     for row in handed:
         assert row["num_imported_tokens"] == row["num_parent_tokens"] - 1
         assert row["num_computed_tokens_d"] in (3, 4)  # len(suffix) + 1; 2-token suffix after </think>
     assert "3/3 requests identical" in proc.stdout
+    # The built-in model reads its context: the histories get different semantic ids.
+    assert len({tuple(row["top_beam"]) for row in report["requests"]}) >= 2, report
+    assert "top beams equal the corpus rule's semantic id" in proc.stdout
     assert _processes_in(tmp_path) == []

@@ -81,6 +81,7 @@ def test_a_side_channel_that_cannot_listen_fails_the_start_with_the_reason():
     assert not listener.is_alive()
 
 
+@pytest.mark.engines  # starts a real engine server (it fails at its side channel)
 def test_an_engine_server_whose_side_channel_port_is_taken_exits_saying_so(model_dir, tmp_path):
     from kvhandoff.engine import free_port
 

@@ -12,6 +12,7 @@ import pytest
 from kvhandoff.client import make_request
 from kvhandoff.v1 import common_pb2, engine_pb2
 from tests.conftest import engine_stub
+from tests.utils import assert_handed_off
 
 
 PROMPT = "the user bought a warm coat and hiking boots so we think they like the outdoors"
@@ -29,7 +30,7 @@ def test_unary_text_prompt_runs_both_stages_with_a_handoff(router_client, cluste
     assert len(resp.beams) == 4 and all(len(b.token_ids) == 3 for b in resp.beams)
     assert resp.thinking_text and all(isinstance(b.text, str) for b in resp.beams)
     assert s.num_parent_tokens == len(resp.prompt_token_ids) + len(resp.thinking_token_ids)
-    assert s.num_imported_tokens == s.num_parent_tokens - 1
+    assert_handed_off(resp)
     assert s.num_computed_tokens_first_step == len(resp.suffix_token_ids) + 1
     assert s.num_bytes_moved > 0
     assert resp.timings.total_ms >= resp.timings.stage1_ms > 0
@@ -44,6 +45,7 @@ def test_token_prompt_handoff_equals_colocated(router_client, assert_cluster_cle
                                               path="colocated"))
     assert ref.stats.path == common_pb2.PATH_COLOCATED and not ref.stats.decode_endpoint
     assert list(got.prompt_token_ids) == ids
+    assert_handed_off(got)
     assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
     assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
     for a, b in zip(got.beams, ref.beams):
@@ -60,6 +62,7 @@ def test_streaming_sends_stage1_tokens_then_the_result(router_client, assert_clu
     assert events[-1].HasField("result") and len(token_events) == len(events) - 1
     streamed = [t for e in token_events for t in e.stage1_tokens.ids]
     assert streamed == list(events[-1].result.thinking_token_ids)
+    assert_handed_off(events[-1].result, found_on_d=True)
     assert len(token_events) >= 2, "tokens should arrive as they are sampled"
     assert_cluster_clean()
 
@@ -141,14 +144,27 @@ def test_cancel_during_stage1_aborts_it_and_frees_p(router_client, assert_cluste
     assert_cluster_clean()
 
 
+def _wait_until_d_runs(cluster, timeout_s: float = 30.0) -> None:
+    """Until D reports a stage 2 running (an event, not a sleep that hopes for it)."""
+    d = engine_stub(cluster["decode"][0].address)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cap = d.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
+        if cap.num_running_reqs or cap.num_reserved_blocks:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"D ran no stage 2 within {timeout_s:.0f}s")
+
+
 @pytest.mark.fault
-def test_cancel_during_stage2_aborts_the_beams_and_frees_both(router_client, assert_cluster_clean):
+def test_cancel_during_stage2_aborts_the_beams_and_frees_both(router_client, cluster,
+                                                              assert_cluster_clean):
     req = make_request(prompt=[i % 1000 + 10 for i in range(1500)], max_tokens=1, seed=1, beam_width=32,
                        beam_tokens=60, path="handoff")
     stream = router_client.generate_stream(req, timeout=120)
     first = next(stream)  # stage 1's only token: stage 2 starts now
     assert first.HasField("stage1_tokens")
-    time.sleep(2.0)
+    _wait_until_d_runs(cluster)
     stream.cancel()
     with pytest.raises(grpc.RpcError) as err:
         list(stream)

@@ -47,11 +47,12 @@ def test_validate_rejects_a_prompt_that_does_not_continue_the_parent(prompt, rea
 
 
 def test_validate_rejects_expiry_within_the_safety_margin():
-    h = _handoff(lease_expires_at=time.time() + 1.0)
+    now = time.time()  # one clock reading for both checks: no slack to run out
+    h = _handoff(lease_expires_at=now + 1.0)
     with pytest.raises(HandoffError) as err:
-        validate_import(h, PARENT + [1], model_fingerprint="m", safety_margin_s=2.0)
+        validate_import(h, PARENT + [1], model_fingerprint="m", safety_margin_s=2.0, now=now)
     assert err.value.reason == "expired"
-    validate_import(h, PARENT + [1], model_fingerprint="m", safety_margin_s=0.5)
+    validate_import(h, PARENT + [1], model_fingerprint="m", safety_margin_s=0.5, now=now)
 
 
 def test_import_params_are_a_fresh_copy_each_time():

@@ -1,4 +1,6 @@
-"""The handoff-correctness harness over every case, on real engines and NIXL."""
+"""The handoff-correctness harness on real engines and NIXL: every case identical, and
+every injected fault caught (negative controls: a harness that stays green under a
+fault is a failing test)."""
 
 from __future__ import annotations
 
@@ -6,28 +8,57 @@ import json
 
 import pytest
 
-from kvhandoff.harness import Harness, default_cases, format_table, write_json
+from connector.faults import FAULTS, applies
+from kvhandoff.harness import (
+    Harness,
+    default_cases,
+    fault_cases,
+    format_table,
+    write_json,
+)
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
 
-def test_every_case_is_token_identical_to_one_engine(pair, run, tmp_path):
-    harness = Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
-                      think_end_id=pair.think_end_id, eos_id=pair.eos_id,
-                      suffix_ids=pair.default_suffix_ids)
+@pytest.fixture
+def harness(pair):
+    return Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
+                   think_end_id=pair.think_end_id, eos_id=pair.eos_id,
+                   suffix_ids=pair.default_suffix_ids)
+
+
+def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_path):
     cases = default_cases()
     report = run(harness.run(cases, model_dir=str(pair.model_dir)), timeout=900)
     print(format_table(report))
 
-    # Every case: stage-1 tokens and beams identical, D computed exactly len(suffix)+1.
+    # Every case: stage-1 tokens identical on P and D, beams identical to the colocated
+    # reference and to vLLM's beam_search, D computed exactly len(suffix)+1.
     assert [c.name for c in report.cases if not c.ok] == []
-    endings = {c.stage1_finish_reason for c in report.cases}
-    assert endings == {"stop", "length"}
+    assert all(c.stage1_identical_on_d and c.beams_match_vllm for c in report.cases)
+    assert {c.stage1_finish_reason for c in report.cases} == {"stop", "length"}
     assert {c.beam["beam_width"] for c in report.cases} == {1, 4, 32}
+    # Beams that end by EOS are compared too (the t5 case runs past <|sid_end|>).
+    eos = pair.eos_id
+    assert any(b["token_ids"][-1] == eos for c in report.cases for b in c.handoff_beams)
+    by_name = {c.name: c for c in report.cases}
     for c in report.cases:
         assert c.num_computed_tokens_d_first_step == len(c.suffix_token_ids) + 1
-        assert c.num_imported_tokens == c.num_parent_tokens - 1
+        assert c.num_imported_tokens + c.num_found_on_d_tokens == c.num_parent_tokens - 1
         assert c.num_bytes_moved > 0
+    # Parent edges: N - 1 = kB - 1, kB, kB + 1 for k = 2 and 8.
+    b = report.block_size
+    edges = {(c.num_parent_tokens - 1) - (c.num_parent_tokens - 1) // b * b
+             for c in report.cases if c.name.endswith(("-edge-w1", "-edge-w4", "-edge-w32"))}
+    assert edges == {b - 1, 0, 1}
+    # D already held the parent's full blocks: the import read only the partial one.
+    warm = by_name["warm-d-p200-w4"]
+    assert warm.num_found_on_d_tokens == (warm.num_parent_tokens - 1) // b * b > 0
+    # A parent whose stage 2 needs every block of D's pool.
+    fill = by_name["fill-d-pool-w1"]
+    assert fill.ok and fill.num_parent_tokens > 4000
+    # The model reads its context: the top beams differ across prompts.
+    assert len({tuple(c.handoff_beams[0]["token_ids"]) for c in report.cases}) >= 5
     assert report.pools_clean, report.pool_details
 
     # The JSON report carries what a machine needs to re-check a case.
@@ -37,6 +68,51 @@ def test_every_case_is_token_identical_to_one_engine(pair, run, tmp_path):
     assert data["ok"] is True and data["block_size"] == 32
     case = data["cases"][0]
     for key in ("prompt_token_ids", "stage1_token_ids", "suffix_token_ids", "beam",
-                "colocated_beams", "handoff_beams", "num_imported_tokens",
-                "num_computed_tokens_d_first_step", "num_bytes_moved", "beams_identical"):
+                "colocated_beams", "handoff_beams", "vllm_beams", "num_imported_tokens",
+                "num_found_on_d_tokens", "num_computed_tokens_d_first_step",
+                "num_bytes_moved", "beams_identical"):
         assert key in case
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_the_harness_fails_on_every_injected_fault(harness, pair, run, fault):
+    """Each fault runs inside the real connector; the harness must name what differs in
+    every case the fault can corrupt, and stay green on the one that cannot matter."""
+    spec = FAULTS[fault]
+    report = run(harness.run(fault_cases(), model_dir=str(pair.model_dir), fault=fault),
+                 timeout=600)
+    print(format_table(report))
+    applicable = [c for c in report.cases if c.fault_applies]
+    assert applicable, f"{fault} applies to none of the fault cases"
+    assert all(applies(spec, c.num_parent_tokens, report.block_size) == c.fault_applies
+               for c in report.cases)
+    if spec.expected_caught:
+        assert not report.ok
+        for c in applicable:
+            assert c.failures, f"{fault} not caught in {c.name}"
+        # What differs is named: beams/logprobs, or D's computed count.
+        named = " ".join(f for c in applicable for f in c.failures)
+        assert "beams differ" in named or "D computed" in named
+    else:
+        assert report.ok, format_table(report)
+    # The cases it cannot corrupt stay identical; nothing leaks either way.
+    assert all(c.ok for c in report.cases if not c.fault_applies)
+    assert report.pools_clean, report.pool_details
+
+
+def test_engines_without_the_switch_refuse_to_inject(pair):
+    from dataclasses import replace
+
+    from kvhandoff.engine import EngineConfig
+
+    off = replace(pair.d.config, fault_injection=False)
+    assert isinstance(off, EngineConfig) and not off.fault_injection
+    saved = pair.d.config
+    try:
+        pair.d.config = off
+        with pytest.raises(ValueError, match="not started with fault_injection"):
+            pair.d.check_fault("zero-block")
+    finally:
+        pair.d.config = saved
+    with pytest.raises(ValueError, match="unknown fault"):
+        pair.d.check_fault("no-such-fault")

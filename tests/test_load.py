@@ -25,10 +25,21 @@ RSS_MARGIN_MIB = 64
 REJECTION_S = 45.0
 
 
+#: At or below this concurrency D holds every request's beams at once: nothing may be
+#: refused or recomputed (what CI runs).
+D_HOLDS_ALL_CONCURRENCY = 8
+
+
 def _is_capacity_rejection(result) -> bool:
     return (isinstance(result, grpc.RpcError)
             and result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             and "decode pool too small" in (result.details() or ""))
+
+
+def _refused_by_d(result) -> bool:
+    """D's admission refused after stage 1 (its message counts D's free blocks): the
+    router admitted a request D could not hold, i.e. over-admitted."""
+    return _is_capacity_rejection(result) and " free of " in result.details()
 
 
 def _rss_mib(server) -> float:
@@ -93,6 +104,13 @@ def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
           f"{max(rejected, default=0.0):.1f}s), {len(recomputed)} handoffs recomputed "
           f"{recomputed}")
     assert max(rejected, default=0.0) < REJECTION_S
+    if CONCURRENCY <= D_HOLDS_ALL_CONCURRENCY:
+        # D holds everything: a refusal or a recompute is a bug, not load.
+        by_d = [requests[i].request_id for i, (r, _) in enumerate(results) if _refused_by_d(r)]
+        assert not by_d, f"D refused after stage 1 (the router over-admitted): {by_d}"
+        assert not rejected, f"{len(rejected)} refused although D holds all of them"
+        assert not recomputed, recomputed
+        assert len(served) == NUM_REQUESTS
     assert_cluster_clean()
     after = {s.role: _rss_mib(s) for s in servers}
     for role in baseline:

@@ -32,6 +32,15 @@ class FakeEngineStub:
                                    block_size=32, max_beam_width=32)
 
 
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    """Wait for an event the router's tasks cause (not a sleep that hopes for it)."""
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
 def _router(model_dir: str, free: list[int], **config):
     from router.core import Endpoint, Router, RouterConfig
 
@@ -134,8 +143,8 @@ def test_without_room_a_request_waits_its_turn_until_a_claim_is_released(model_d
             router._release(d, name)
 
         waiters = [asyncio.create_task(wait(n)) for n in ("first", "second")]
-        await asyncio.sleep(0.6)
-        assert order == [] and len(router._decode_queue) == 2
+        await _until(lambda: len(router._decode_queue) == 2)
+        assert order == []
         router._release(d, held)
         await asyncio.wait_for(asyncio.gather(*waiters), 5)
         return order
@@ -147,7 +156,7 @@ def test_the_wait_is_bounded_by_the_queue_the_time_and_the_deadline(model_dir):
     async def scenario():
         router = _router(model_dir, [1], decode_queue_limit=1, decode_wait_s=0.5)
         waiter = asyncio.create_task(_pick(router))
-        await asyncio.sleep(0.1)
+        await _until(lambda: len(router._decode_queue) == 1)
         with pytest.raises(RouterError, match="decode queue full"):
             await _pick(router)
         t0 = time.monotonic()

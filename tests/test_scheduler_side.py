@@ -286,8 +286,12 @@ def test_beam_fork_releases_unclaimed_sources(model_dir):
                                         "x-internal"))
     out = _step(scheduler)
     assert out.kv_connector_metadata.kvhandoff_fork_release == ["a-internal"]
-    time.sleep(0.6)
+    held_since = time.monotonic()
     out = _step(scheduler, finished_sending={"a-internal"})
+    while not out.kv_connector_metadata.kvhandoff_fork_release:  # until the hold ends
+        assert time.monotonic() - held_since < 5.0, "the kept request was never released"
+        time.sleep(0.01)
+        out = _step(scheduler)
     assert out.kv_connector_metadata.kvhandoff_fork_release == ["b-internal"]
     _step(scheduler, finished_sending={"b-internal"})
     assert_scheduler_clean(scheduler)
