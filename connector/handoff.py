@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from kvhandoff.types import HandoffError
+
 #: Bumped whenever the meaning of a handoff field changes. P and D must agree.
 PROTOCOL_VERSION = 1
 
@@ -39,14 +41,6 @@ FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"
 #: Reads are refused this long before the lease ends: the READ itself, the clock
 #: difference between hosts and a stalled step must all fit in it.
 DEFAULT_LEASE_SAFETY_MARGIN_S = 2.0
-
-
-class HandoffError(ValueError):
-    """A handoff D must refuse. ``reason`` is a short machine-readable code."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 def token_digest(token_ids: list[int] | tuple[int, ...]) -> str:

@@ -37,7 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlPullConnector,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
@@ -46,6 +48,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
+from connector.faults import (
+    FAULTS,
+    corrupt_imported,
+    fault_of,
+    num_imported_with_fault,
+    scribble,
+)
 from connector.handoff import (
     BEAM_KEY,
     DEFAULT_LEASE_SAFETY_MARGIN_S,
@@ -53,13 +62,6 @@ from connector.handoff import (
     KEY,
     PROTOCOL_VERSION,
     token_digest,
-)
-from connector.faults import (
-    FAULTS,
-    corrupt_imported,
-    fault_of,
-    num_imported_with_fault,
-    scribble,
 )
 from connector.logs import use_vllm_handlers
 from connector.signing import TARGET_KEY, load_secret, sign

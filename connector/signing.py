@@ -2,9 +2,10 @@
 
 With a shared secret configured (a file holding at least 16 bytes, named by the engine's
 ``handoff_secret_file`` or ``KVHANDOFF_HANDOFF_SECRET_FILE``, or the secret itself in
-``KVHANDOFF_HANDOFF_SECRET``; never on a command line, never logged), P signs every export with HMAC-SHA256 over the fields that say what may be read
-and by whom: P's engine, side-channel address and request, the block list, the token
-count and digest, the lease end, and the target D engine id. D refuses, before any READ,
+``KVHANDOFF_HANDOFF_SECRET``; never on a command line, never logged), P signs every
+export with HMAC-SHA256 over the fields that say what may be read and by whom: P's
+engine, side-channel address and request, the block list, the token count and digest,
+the lease end, and the target D engine id. D refuses, before any READ,
 a handoff that is unsigned, whose signature does not match (tampered or signed with
 another secret), that is addressed to another engine, or whose lease is over.
 """
@@ -18,7 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from connector.handoff import KEY, HandoffError
+from connector.handoff import KEY
+from kvhandoff.types import HandoffError
 
 SECRET_FILE_ENV = "KVHANDOFF_HANDOFF_SECRET_FILE"
 SECRET_ENV = "KVHANDOFF_HANDOFF_SECRET"

@@ -14,8 +14,8 @@ from typing import Any
 from connector.faults import FAULT_KEY
 from connector.handoff import KEY, import_params
 from decode_engine.beam import beam_search
-from decode_engine.scheduler import stage2_reservation
-from kvhandoff.engine import VllmEngine
+from engine.vllm_engine import VllmEngine
+from kvhandoff.budget import stage2_reservation
 from kvhandoff.types import BeamParams, Stage2Result, StageError, validate_prompt
 
 logger = logging.getLogger(__name__)

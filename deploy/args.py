@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from kvhandoff.engine import MAX_BEAM_WIDTH
+from kvhandoff.types import MAX_BEAM_WIDTH
 
 
 class _Strict(BaseModel):
@@ -36,7 +36,7 @@ class Autoscaling(_Strict):
 
 
 class EngineArgs(_Strict):
-    """One vLLM engine (see ``kvhandoff.engine.EngineConfig``)."""
+    """One vLLM engine (see ``engine.vllm_engine.EngineConfig``)."""
 
     kv_cache_mib: PositiveInt = 256
     block_size: PositiveInt = 32

@@ -1,7 +1,7 @@
 """The Serve deployments: one vLLM engine per P or D replica, and the router.
 
 Engine replicas serve the same calls as ``kvhandoff serve --role prefill|decode`` (the
-same :class:`~kvhandoff.engine_service.EngineServicer` runs them), with protobuf bytes
+same :class:`~server.engine_service.EngineServicer` runs them), with protobuf bytes
 in and out, over deployment handles instead of a gRPC port. The router deployment is the
 ``kvhandoff.v1.Router`` gRPC service, served by Ray Serve's gRPC proxy; it runs the same
 :class:`~router.core.Router` as the standalone router, over handles.
@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 from ray import serve
 
+from kvhandoff.budget import blocks_needed
 from kvhandoff.v1 import engine_pb2, router_pb2
 
 logger = logging.getLogger("kvhandoff.deploy")
@@ -60,11 +61,10 @@ class EngineServer:
     async def __init__(self, role: str, model: str, engine_kwargs: dict[str, Any],
                        side_channel_host: str | None = None, side_channel_port: int = 0):
         from decode_engine.engine import DecodeEngine
-        from kvhandoff.engine import EngineConfig
-        from kvhandoff.engine_service import EngineServicer
-        from kvhandoff.local import ModelTokens
-        from kvhandoff.model import model_fingerprint, resolve_model
+        from engine.vllm_engine import EngineConfig
+        from kvhandoff.model import ModelTokens, model_fingerprint, resolve_model
         from prefill_engine.engine import PrefillEngine
+        from server.engine_service import EngineServicer
 
         self.role = role
         model_dir = str(resolve_model(model))
@@ -154,8 +154,6 @@ class HandleStub:
 
     async def Stage2(self, request: engine_pb2.Stage2Request,  # noqa: N802
                      timeout: float | None = None) -> engine_pb2.Stage2Response:
-        from decode_engine.scheduler import blocks_needed
-
         need = 0
         if request.HasField("handoff") and self.block_size:
             need = blocks_needed(len(request.prompt_token_ids), self.block_size,

@@ -8,8 +8,8 @@ Each line looks like a generative-recommendation request and its answer::
 
 - the *history* is a user's items, each item a word of one of eight categories;
 - the *thinking span* names the category and the item of the last history item, the
-  category of the one before it and of the first one, with a few filler words; it ends with ``</think>`` (or, in
-  :data:`EOS_SHARE` of the lines, with EOS: a user who left);
+  category of the one before it and of the first one, with a few filler words; it ends
+  with ``</think>`` (or, in :data:`EOS_SHARE` of the lines, with EOS: a user who left);
 - the *semantic id* is three tokens, a deterministic function of the history
   (:func:`semantic_id`): ``<a{category of the last item}>``, ``<b{category of the first
   item}>``, ``<c{category of the second-to-last item}>``.

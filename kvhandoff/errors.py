@@ -6,8 +6,7 @@ import asyncio
 
 import grpc
 
-from connector.handoff import HandoffError
-from kvhandoff.types import InvalidRequest, StageError
+from kvhandoff.types import HandoffError, InvalidRequest, StageError
 
 #: StageError / HandoffError reasons -> status code. Unknown reasons are INTERNAL.
 _REASON_CODES = {

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from kvhandoff.corpus import SID_TOKENS, tokenizer_lines
 
@@ -292,6 +292,31 @@ def kv_bytes_per_block(model_dir: str | Path, block_size: int, dtype_bytes: int 
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads") or heads
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * block_size * dtype_bytes
+
+
+@dataclass
+class ModelTokens:
+    """Token ids of the model's special tokens and the default continuation suffix."""
+
+    tokenizer: Any
+    think_end_id: int | None
+    eos_id: int | None
+    default_suffix_ids: list[int]
+
+    @classmethod
+    def load(cls, model_dir: Path) -> ModelTokens:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        think_end = tok.convert_tokens_to_ids(THINK_END)
+        if think_end is None or think_end == tok.unk_token_id:
+            think_end = None
+        return cls(
+            tokenizer=tok,
+            think_end_id=think_end,
+            eos_id=tok.eos_token_id,
+            default_suffix_ids=tok.encode(DEFAULT_SUFFIX_TEXT, add_special_tokens=False),
+        )
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

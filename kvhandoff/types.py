@@ -30,6 +30,14 @@ class StageError(RuntimeError):
         self.reason = reason
 
 
+class HandoffError(ValueError):
+    """A handoff D must refuse. ``reason`` is a short machine-readable code."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class Stage1Params:
     """Sampling for stage 1 (thinking)."""

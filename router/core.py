@@ -27,8 +27,7 @@ from typing import Any
 
 import grpc
 
-from decode_engine.scheduler import stage2_reservation
-from kvhandoff import engine_pb
+from kvhandoff.budget import stage2_reservation
 from kvhandoff.tls import ChannelTLS, aio_channel
 from kvhandoff.types import (
     InvalidRequest,
@@ -38,6 +37,7 @@ from kvhandoff.types import (
     validate_token_ids,
 )
 from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
+from server import convert as engine_pb
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class Router:
                  endpoints: tuple[list[Endpoint], list[Endpoint]] | None = None):
         """``endpoints`` (P, D) replace gRPC channels to ``config``'s addresses (the Ray
         Serve router passes deployment handles)."""
-        from kvhandoff.local import ModelTokens
+        from kvhandoff.model import ModelTokens
 
         self.config = config
         self.tokens = ModelTokens.load(config.model)
@@ -350,7 +350,7 @@ class Router:
                         outcomes[pair] = how
                         logger.info("warm-up %s: %s in %.1fs", pair, how,
                                     time.perf_counter() - t0)
-            except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 (logged; serve anyway)
+            except (TimeoutError, Exception) as e:  # noqa: BLE001 (logged; serve anyway)
                 outcomes[pair] = f"failed: {e}"
                 logger.warning("warm-up %s failed after %.1fs: %s", pair,
                                time.perf_counter() - t0, e)
@@ -435,7 +435,7 @@ class Router:
                 left = wait_until - time.monotonic()
                 if left <= 0:
                     if plan.deadline is not None and wait_until >= plan.deadline:
-                        raise asyncio.TimeoutError()
+                        raise TimeoutError()
                     most = max(holding, key=lambda ep: ep.num_unclaimed_blocks)
                     raise grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      f"decode pool too small: no decode engine had room for "
@@ -468,7 +468,7 @@ class Router:
             return None
         left = plan.deadline - time.monotonic()
         if left <= 0:
-            raise asyncio.TimeoutError()
+            raise TimeoutError()
         return left
 
     async def run(self, plan: Plan) -> AsyncIterator[list[int] | Outcome]:

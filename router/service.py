@@ -10,16 +10,16 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2
 
-from kvhandoff.engine_service import (
-    SERVER_OPTIONS,
-    add_health_and_reflection,
-    wait_for_shutdown_signal,
-)
 from kvhandoff.errors import status_for
 from kvhandoff.tls import ServerTLS, add_port
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
 from router.core import Outcome, Router, RouterConfig, RouterError, to_response
 from router.metrics import OVERLOAD_MESSAGE, RouterMetrics
+from server.grpc_common import (
+    SERVER_OPTIONS,
+    add_health_and_reflection,
+    wait_for_shutdown_signal,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -30,6 +30,14 @@ def model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def fingerprint(model_dir) -> str:
+    """The built-in model's fingerprint, as P stamps it on every handoff."""
+    from kvhandoff.model import model_fingerprint
+
+    return model_fingerprint(model_dir)
+
+
+@pytest.fixture(scope="session")
 def loop():
     loop = asyncio.new_event_loop()
     yield loop
@@ -106,7 +114,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pair(run, model_dir):
     """A real P and D on the built-in model, NIXL over loopback. Fault injection is
     allowed (tests/test_harness.py's negative controls); no other test names a fault."""
-    from kvhandoff.local import local_pair
+    from tools.local import local_pair
 
     def start():
         cm = local_pair(model_dir, lease_s=LEASE_S, fault_injection=True,
@@ -138,7 +146,7 @@ CLUSTER_LEASE_S = 30
 @pytest.fixture
 def cluster(model_dir, tmp_path_factory):
     """P, D and the router as separate `kvhandoff serve` processes on loopback."""
-    from kvhandoff.demo import local_cluster
+    from tools.launch import local_cluster
 
     def start():
         cm = local_cluster(model_dir, tmp_path_factory.mktemp("cluster-logs"),
@@ -150,7 +158,7 @@ def cluster(model_dir, tmp_path_factory):
 
 @pytest.fixture
 def router_client(cluster):
-    from kvhandoff.client import RouterClient
+    from tools.client import RouterClient
 
     with RouterClient(cluster["router"]) as client:
         yield client

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from connector.handoff import KEY
-from kvhandoff.pipeline import run_handoff
 from kvhandoff.types import BeamParams, InvalidRequest, Stage1Params, StageError
 from tests.conftest import LEASE_S
 from tests.utils import make_request
+from tools.pipeline import run_handoff
 
 pytestmark = pytest.mark.engines
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvhandoff.bench import MODES, BenchConfig, format_report, plot, run_bench
+from tools.bench import MODES, BenchConfig, format_report, plot, run_bench
 
 pytestmark = [pytest.mark.engines]
 

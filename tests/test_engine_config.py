@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from kvhandoff.engine import EngineConfig, engine_env
+from engine.vllm_engine import EngineConfig, engine_env
 
 
 def test_cpu_engines_prefill_a_prompt_in_one_step(model_dir):
@@ -50,7 +50,7 @@ def test_engines_start_with_onednns_primitive_cache_bounded(model_dir, monkeypat
 
 
 def test_free_ports_are_distinct_bindable_and_not_ephemeral():
-    from kvhandoff.engine import FREE_PORT_FLOOR, _ephemeral_floor, free_port
+    from kvhandoff.ports import FREE_PORT_FLOOR, _ephemeral_floor, free_port
 
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)

@@ -83,12 +83,12 @@ def test_a_side_channel_that_cannot_listen_fails_the_start_with_the_reason():
 
 @pytest.mark.engines  # starts a real engine server (it fails at its side channel)
 def test_an_engine_server_whose_side_channel_port_is_taken_exits_saying_so(model_dir, tmp_path):
-    from kvhandoff.engine import free_port
+    from kvhandoff.ports import free_port
 
     with _listening_port() as busy:
         port = busy.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "kvhandoff.cli", "serve", "--role", "decode",
+            [sys.executable, "-m", "tools.cli", "serve", "--role", "decode",
              "--model", model_dir, "--port", str(free_port()), "--kv-cache-mib", "24",
              "--side-channel-port", str(port)],
             capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])

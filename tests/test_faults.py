@@ -9,14 +9,14 @@ import os
 import secrets
 import signal
 import time
-import urllib.request
 
 import grpc
 import pytest
 
-from kvhandoff.client import RouterClient, make_request
 from kvhandoff.v1 import engine_pb2
 from tests.conftest import engine_stub
+from tests.utils import long_stage1_request, metric_sum
+from tools.client import RouterClient, make_request
 
 pytestmark = [pytest.mark.engines, pytest.mark.fault]
 
@@ -25,8 +25,8 @@ LEASE_S = 15
 
 @pytest.fixture(scope="module")
 def fleet(model_dir, tmp_path_factory):
-    from kvhandoff.demo import _spawn, _stop, wait_serving
-    from kvhandoff.engine import free_port
+    from kvhandoff.ports import free_port
+    from tools.launch import spawn, stop, wait_serving
 
     log_dir = tmp_path_factory.mktemp("fault-logs")
     secret = log_dir / "handoff.secret"
@@ -35,19 +35,19 @@ def fleet(model_dir, tmp_path_factory):
               "--handoff-secret-file", str(secret)]
     servers = []
     try:
-        p = _spawn("prefill", free_port(), [*engine, "--kv-cache-mib", "64"], log_dir)
+        p = spawn("prefill", free_port(), [*engine, "--kv-cache-mib", "64"], log_dir)
         # D0 has the bigger pool, so both routers' first choice is D0 while it is up.
-        d0 = _spawn("decode", free_port(), [*engine, "--kv-cache-mib", "40"], log_dir, "decode0")
-        d1 = _spawn("decode", free_port(), [*engine, "--kv-cache-mib", "24"], log_dir, "decode1")
+        d0 = spawn("decode", free_port(), [*engine, "--kv-cache-mib", "40"], log_dir, "decode0")
+        d1 = spawn("decode", free_port(), [*engine, "--kv-cache-mib", "24"], log_dir, "decode1")
         servers += [p, d0, d1]
         # Every engine serves before the routers start (their warm-up covers every pair,
         # and no test starts while an engine is still starting).
         for engine_server in (p, d0, d1):
             wait_serving(engine_server.address, servers)
-        router = _spawn("router", free_port(), ["--model", model_dir, "--prefill", p.address,
+        router = spawn("router", free_port(), ["--model", model_dir, "--prefill", p.address,
                                                 "--decode", f"{d0.address},{d1.address}"],
                         log_dir)
-        strict = _spawn("router", free_port(), ["--model", model_dir, "--prefill", p.address,
+        strict = spawn("router", free_port(), ["--model", model_dir, "--prefill", p.address,
                                                 "--decode", d1.address,
                                                 "--on-handoff-failure", "fail"],
                         log_dir, "router-fail")
@@ -58,7 +58,7 @@ def fleet(model_dir, tmp_path_factory):
                  "engine_args": engine, "log_dir": log_dir, "servers": servers}
         yield fleet
     finally:
-        _stop(fleet["servers"] if "fleet" in locals() else servers)
+        stop(fleet["servers"] if "fleet" in locals() else servers)
 
 
 _OUR_LOGGERS = ("router.", "kvhandoff.", "nixl_continuation", "scheduler.py:")
@@ -113,10 +113,8 @@ LONG_STAGE1_TOKENS = 1500
 
 
 def _long_request(seed: int, path: str = "handoff"):
-    req = make_request(prompt=list(range(50, 130)), max_tokens=LONG_STAGE1_TOKENS, seed=seed,
-                       beam_width=4, path=path, request_id=f"fault-{path}-{seed}")
-    req.stage1.min_tokens = LONG_STAGE1_TOKENS
-    return req
+    return long_stage1_request(list(range(50, 130)), LONG_STAGE1_TOKENS, seed=seed,
+                               beam_width=4, path=path, request_id=f"fault-{path}-{seed}")
 
 
 def _kill_engine_core(server) -> None:
@@ -141,28 +139,20 @@ def _stream_killing(address: str, req, victim, kill=_kill):
 
 def _router_sees(fleet, server, up: bool, timeout_s: float = 30.0) -> None:
     """Until the router's kvhandoff_router_engine_up for ``server`` is ``up``."""
-    line = f'endpoint="{server.address}"'
     deadline = time.monotonic() + timeout_s
     while True:
-        text = urllib.request.urlopen(fleet["router"].metrics_url, timeout=10).read().decode()
-        value = next(float(s.split()[-1]) for s in text.splitlines()
-                     if s.startswith("kvhandoff_router_engine_up{") and line in s)
+        value = metric_sum(fleet["router"].metrics_url, "kvhandoff_router_engine_up",
+                           endpoint=server.address)
         if value == float(up):
             return
         assert time.monotonic() < deadline, f"the router never saw {server.address} up={up}"
         time.sleep(0.2)
 
 
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
-
-
 def test_d_killed_mid_request_is_recomputed_on_the_other_d(fleet):
     with RouterClient(fleet["router"].address) as client:
         ref = client.generate(_long_request(1, "colocated"), timeout=300)
-    before = _metric(fleet["router"].metrics_url, "kvhandoff_router_handoffs_recomputed_total")
+    before = metric_sum(fleet["router"].metrics_url, "kvhandoff_router_handoffs_recomputed_total")
     got = _stream_killing(fleet["router"].address, _long_request(1), fleet["d0"])
     s = got.stats
     assert s.recomputed and s.failed_decode_endpoint == fleet["d0"].address
@@ -170,19 +160,19 @@ def test_d_killed_mid_request_is_recomputed_on_the_other_d(fleet):
     assert len(ref.thinking_token_ids) == LONG_STAGE1_TOKENS
     assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
     assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
-    after = _metric(fleet["router"].metrics_url, "kvhandoff_router_handoffs_recomputed_total")
+    after = metric_sum(fleet["router"].metrics_url, "kvhandoff_router_handoffs_recomputed_total")
     assert after - before == 1
     # Nobody read P's export: its lease ends and the blocks come back.
     _assert_clean(fleet["p"], fleet["d1"])
 
 
 def test_a_restarted_d_is_noticed_and_used_again(fleet):
-    from kvhandoff.demo import _spawn, wait_serving
+    from tools.launch import spawn, wait_serving
 
     old = fleet["d0"]
     _router_sees(fleet, old, up=False)
     port = int(old.address.rsplit(":", 1)[1])
-    d0 = _spawn("decode", port, [*fleet["engine_args"], "--kv-cache-mib", "40"],
+    d0 = spawn("decode", port, [*fleet["engine_args"], "--kv-cache-mib", "40"],
                 fleet["log_dir"], "decode0-restarted")
     fleet["servers"].append(d0)
     fleet["d0"] = d0

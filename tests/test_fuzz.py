@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from connector.handoff import token_digest
 from connector.signing import load_secret, sign
-from kvhandoff.engine import free_port
-from kvhandoff.engine_pb import handoff_from_pb
+from kvhandoff.ports import free_port
 from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2
+from server.convert import handoff_from_pb
 from tests.conftest import engine_stub
 
 pytestmark = [pytest.mark.engines, pytest.mark.fuzz]

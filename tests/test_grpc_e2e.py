@@ -9,11 +9,10 @@ import time
 import grpc
 import pytest
 
-from kvhandoff.client import make_request
 from kvhandoff.v1 import common_pb2, engine_pb2
 from tests.conftest import engine_stub
-from tests.utils import assert_handed_off
-
+from tests.utils import assert_handed_off, long_stage1_request
+from tools.client import make_request
 
 PROMPT = "the user bought a warm coat and hiking boots so we think they like the outdoors"
 
@@ -123,11 +122,8 @@ def test_handoff_for_another_prompt_sent_to_d_directly_is_refused(cluster, asser
 
 
 def _long_stage1_request():
-    """Exactly 3000 stage-1 tokens (min_tokens = max_tokens: neither EOS nor </think> ends
-    it early), seconds of stage 1 on this cluster whatever the model samples."""
-    req = make_request(prompt=PROMPT, max_tokens=3000, temperature=0.0, path="handoff")
-    req.stage1.min_tokens = 3000
-    return req
+    """Exactly 3000 stage-1 tokens: seconds of stage 1 on this cluster."""
+    return long_stage1_request(PROMPT, 3000, temperature=0.0, path="handoff")
 
 
 @pytest.mark.fault
@@ -190,13 +186,13 @@ def test_health_and_reflection_on_every_server(cluster):
 
 
 def test_two_decode_endpoints_with_one_down(cluster, model_dir, tmp_path, assert_cluster_clean):
-    from kvhandoff.client import RouterClient
-    from kvhandoff.demo import _spawn, _stop, wait_serving
-    from kvhandoff.engine import free_port
+    from kvhandoff.ports import free_port
+    from tools.client import RouterClient
+    from tools.launch import spawn, stop, wait_serving
 
     dead = f"127.0.0.1:{free_port()}"
     live = cluster["decode"][0].address
-    router = _spawn("router", free_port(), ["--model", model_dir, "--prefill",
+    router = spawn("router", free_port(), ["--model", model_dir, "--prefill",
                                             cluster["prefill"].address, "--decode", f"{dead},{live}"],
                     tmp_path)
     try:
@@ -207,7 +203,7 @@ def test_two_decode_endpoints_with_one_down(cluster, model_dir, tmp_path, assert
                                                     path="handoff"))
                 assert resp.stats.decode_endpoint == live
     finally:
-        _stop([router])
+        stop([router])
     assert_cluster_clean()
 
 

@@ -14,7 +14,7 @@ from connector.handoff import (
     token_digest,
     validate_import,
 )
-from decode_engine.scheduler import blocks_needed
+from kvhandoff.budget import blocks_needed
 from kvhandoff.types import continuation_prompt
 from tests.utils import make_export_params
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from connector.faults import FAULTS, applies
-from kvhandoff.harness import (
+from tools.harness import (
     Harness,
     default_cases,
     fault_cases,
@@ -103,7 +103,7 @@ def test_the_harness_fails_on_every_injected_fault(harness, pair, run, fault):
 def test_engines_without_the_switch_refuse_to_inject(pair):
     from dataclasses import replace
 
-    from kvhandoff.engine import EngineConfig
+    from engine.vllm_engine import EngineConfig
 
     off = replace(pair.d.config, fault_injection=False)
     assert isinstance(off, EngineConfig) and not off.fault_injection

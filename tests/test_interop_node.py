@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.client import make_request
-from kvhandoff.harness import LOGPROB_TOLERANCE
 from tests.utils import assert_handed_off
+from tools.client import make_request
+from tools.harness import LOGPROB_TOLERANCE
 
 NODE_DIR = Path(__file__).resolve().parent.parent / "interop" / "node"
 

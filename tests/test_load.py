@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from kvhandoff.client import RouterClient, make_request
+from tools.client import RouterClient, make_request
 
 pytestmark = [pytest.mark.engines, pytest.mark.load]
 
@@ -136,10 +136,10 @@ def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(
         cluster, model_dir, tmp_path, assert_cluster_clean):
     """A router whose queue for D holds two: of eight requests that fit D two at a time,
     two run, two wait for them, and the rest are refused at once."""
-    from kvhandoff.demo import _spawn, _stop, wait_serving
-    from kvhandoff.engine import free_port
+    from kvhandoff.ports import free_port
+    from tools.launch import spawn, stop, wait_serving
 
-    router = _spawn("router", free_port(),
+    router = spawn("router", free_port(),
                     ["--model", model_dir, "--prefill", cluster["prefill"].address,
                      "--decode", cluster["decode"][0].address, "--no-warm-up",
                      "--decode-queue-limit", "2"], tmp_path, "router-burst")
@@ -155,7 +155,7 @@ def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(
                                          path="handoff", request_id=f"burst-{i}"))
         results = _run_all(router.address, requests, 8)
     finally:
-        _stop([router])
+        stop([router])
     ok = [t for r, t in results if not isinstance(r, Exception)]
     refused = [(r, t) for r, t in results if isinstance(r, Exception)]
     print(f"\nburst: {len(ok)} ok (max {max(ok, default=0.0):.1f}s), {len(refused)} refused "

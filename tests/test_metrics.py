@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvhandoff.client import make_request
+from tests.utils import scrape_metrics
+from tools.client import make_request
 
 pytestmark = [pytest.mark.engines]
-
-
-def _scrape(url: str) -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def _delta(before, after, name, **labels) -> float:
@@ -29,14 +18,14 @@ def _delta(before, after, name, **labels) -> float:
 
 def test_router_metrics_count_what_the_responses_say(cluster, router_client, assert_cluster_clean):
     url = cluster["router_metrics"]
-    before = _scrape(url)
+    before = scrape_metrics(url)
     handoff = router_client.generate(make_request(prompt="metrics please", max_tokens=12, seed=4,
                                                   beam_width=4, path="handoff"))
     colocated = router_client.generate(make_request(prompt="metrics please", max_tokens=12,
                                                     seed=4, beam_width=4, path="colocated"))
     with pytest.raises(grpc.RpcError):
         router_client.generate(make_request(prompt="x", beam_width=0))
-    after = _scrape(url)
+    after = scrape_metrics(url)
 
     assert _delta(before, after, "kvhandoff_router_requests_total", outcome="ok", code="OK") == 2
     assert _delta(before, after, "kvhandoff_router_requests_total", outcome="error",
@@ -59,11 +48,11 @@ def test_router_metrics_count_what_the_responses_say(cluster, router_client, ass
 
 def test_engine_metrics_show_vllm_and_handoff_counters(cluster, router_client, assert_cluster_clean):
     p_url, d_url = cluster["prefill"].metrics_url, cluster["decode"][0].metrics_url
-    p0, d0 = _scrape(p_url), _scrape(d_url)
+    p0, d0 = scrape_metrics(p_url), scrape_metrics(d_url)
     resp = router_client.generate(make_request(prompt=list(range(100, 180)), max_tokens=10,
                                                seed=9, beam_width=2, path="handoff"))
     assert_cluster_clean()
-    p1, d1 = _scrape(p_url), _scrape(d_url)
+    p1, d1 = scrape_metrics(p_url), scrape_metrics(d_url)
 
     def d(before, after, name):
         keys = [k for k in after if k[0] == name]

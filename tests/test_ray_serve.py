@@ -10,10 +10,10 @@ import time
 import grpc
 import pytest
 
-from kvhandoff.client import make_request
-from kvhandoff.engine import free_port
+from kvhandoff.ports import free_port
 from kvhandoff.v1 import common_pb2, router_pb2_grpc
 from tests.utils import assert_handed_off
+from tools.client import make_request
 
 pytestmark = [pytest.mark.ray, pytest.mark.engines]
 

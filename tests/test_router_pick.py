@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from decode_engine.scheduler import blocks_needed
+from kvhandoff.budget import blocks_needed
 from kvhandoff.types import BeamParams, Stage1Params
 from kvhandoff.v1 import common_pb2, engine_pb2
 from router.core import RouterError

@@ -8,7 +8,6 @@ import time
 import pytest
 
 from connector.handoff import KEY
-from kvhandoff.model import model_fingerprint
 from tests.utils import (
     BLOCK_SIZE,
     assert_scheduler_clean,
@@ -16,11 +15,6 @@ from tests.utils import (
     make_import_request,
     make_scheduler,
 )
-
-
-@pytest.fixture(scope="module")
-def fingerprint(model_dir):
-    return model_fingerprint(model_dir)
 
 
 def _model_output(finished_recving=None):

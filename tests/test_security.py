@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvhandoff.client import RouterClient, make_request
 from kvhandoff.v1 import common_pb2, engine_pb2
 from tests.conftest import engine_stub
+from tools.client import RouterClient, make_request
 
 pytestmark = [pytest.mark.engines, pytest.mark.security]
 
@@ -108,10 +108,10 @@ def test_oversized_request_is_refused_and_the_router_keeps_serving(router_client
 
 
 def test_router_refuses_beyond_its_in_flight_limit(cluster, tmp_path, assert_cluster_clean):
-    from kvhandoff.demo import _spawn, _stop, wait_serving
-    from kvhandoff.engine import free_port
+    from kvhandoff.ports import free_port
+    from tools.launch import spawn, stop, wait_serving
 
-    router = _spawn("router", free_port(), [
+    router = spawn("router", free_port(), [
         "--prefill", cluster["prefill"].address,
         "--decode", ",".join(d.address for d in cluster["decode"]),
         "--max-inflight", "2"], tmp_path)
@@ -138,5 +138,5 @@ def test_router_refuses_beyond_its_in_flight_limit(cluster, tmp_path, assert_clu
             assert "router busy: 2 requests in flight" in e.details()
         assert all(r.beams for r in results if not isinstance(r, grpc.RpcError))
     finally:
-        _stop([router])
+        stop([router])
     assert_cluster_clean()

@@ -9,9 +9,10 @@ import logging
 
 import pytest
 
-from connector.handoff import KEY, HandoffError
+from connector.handoff import KEY
 from connector.signing import SECRET_ENV, SECRET_FILE_ENV, load_secret, sign, verify
-from tests.test_scheduler_side import _reject, fingerprint  # noqa: F401 (fixture)
+from kvhandoff.types import HandoffError
+from tests.test_scheduler_side import _reject
 from tests.utils import make_export_params, make_import_request, make_scheduler
 
 pytestmark = [pytest.mark.security]
@@ -71,7 +72,7 @@ def test_any_signed_field_changed_breaks_the_signature(fingerprint, path, value)
 
 def test_wire_types_verify_like_ps_own(fingerprint):
     """D gets lists and proto scalars where P held tuples: the signature still holds."""
-    from kvhandoff import engine_pb
+    from server import convert as engine_pb
 
     params = _signed(list(range(10, 60)), fingerprint)
     params["remote_block_ids"] = tuple(tuple(g) for g in params["remote_block_ids"])

@@ -9,9 +9,9 @@ import asyncio
 import grpc
 import pytest
 
-from kvhandoff.client import make_request
 from kvhandoff.tls import ChannelTLS, ServerTLS, channel_tls, server_tls
 from kvhandoff.v1 import engine_pb2, engine_pb2_grpc, router_pb2_grpc
+from tools.client import make_request
 
 pytestmark = [pytest.mark.engines, pytest.mark.security]
 
@@ -51,9 +51,9 @@ async def _expect_refused(call) -> grpc.StatusCode:
 
 def test_mutual_tls_from_client_to_router_to_engines(pair, run, certs, tmp_path,
                                                       assert_pools_clean):
-    from kvhandoff.demo import _spawn, _stop, wait_serving
-    from kvhandoff.engine import free_port
-    from kvhandoff.engine_service import start_engine_server
+    from kvhandoff.ports import free_port
+    from server.engine_service import start_engine_server
+    from tools.launch import spawn, stop, wait_serving
 
     server = ServerTLS(certs["server"], certs["server_key"], client_ca=certs["ca"])
     client = ChannelTLS(certs["ca"], certs["client"], certs["client_key"])
@@ -63,7 +63,7 @@ def test_mutual_tls_from_client_to_router_to_engines(pair, run, certs, tmp_path,
         p_server, p_port = await start_engine_server(pair.p, "prefill", tls=server)
         d_server, d_port = await start_engine_server(pair.d, "decode", tls=server)
         port = free_port()
-        router = _spawn("router", port, [
+        router = spawn("router", port, [
             "--model", pair.p.config.model,
             "--prefill", f"127.0.0.1:{p_port}", "--decode", f"127.0.0.1:{d_port}",
             "--tls-cert", certs["server"], "--tls-key", certs["server_key"],
@@ -98,7 +98,7 @@ def test_mutual_tls_from_client_to_router_to_engines(pair, run, certs, tmp_path,
                     engine_pb2.CapacityRequest(), timeout=10))
                 assert code == grpc.StatusCode.UNAVAILABLE
         finally:
-            await asyncio.to_thread(_stop, [router])
+            await asyncio.to_thread(stop, [router])
             await p_server.stop(None)
             await d_server.stop(None)
 

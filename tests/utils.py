@@ -49,7 +49,11 @@ def make_vllm_config(model_dir: str, *, kv_role: str = "kv_consumer", lease_s: i
 def make_scheduler(model_dir: str, *, num_blocks: int = 200, **config_kwargs: Any):
     """A real ContinuationScheduler (with our connector) over a fake KV layout."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
     from vllm.v1.structured_output import StructuredOutputManager
 
     from decode_engine.scheduler import ContinuationScheduler
@@ -150,8 +154,8 @@ def make_request(pair, *, request_id: str = "req", prompt_len: int = 40, prompt_
     """A two-stage request on the built-in model with keyword overrides."""
     import random
 
-    from kvhandoff.pipeline import TwoStageRequest
     from kvhandoff.types import BeamParams, Stage1Params
+    from tools.pipeline import TwoStageRequest
 
     rng = random.Random(f"{request_id}/{prompt_seed}")
     prompt = prompt_token_ids if prompt_token_ids is not None else [
@@ -179,3 +183,30 @@ def assert_handed_off(resp: Any, *, found_on_d: bool = False) -> None:
     else:
         assert s.num_imported_tokens == s.num_parent_tokens - 1, s
     assert s.num_computed_tokens_first_step == len(resp.suffix_token_ids) + 1, s
+
+
+def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """A Prometheus endpoint's samples: (name, sorted labels) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(value for (n, sample_labels), value in scrape_metrics(url).items()
+               if n == name and set(labels.items()) <= set(sample_labels))
+
+
+def long_stage1_request(prompt: str | list[int], num_tokens: int, **kwargs: Any):
+    """A router request whose stage 1 samples exactly ``num_tokens`` tokens
+    (min_tokens = max_tokens: neither EOS nor ``</think>`` ends it early)."""
+    from tools.client import make_request
+
+    req = make_request(prompt=prompt, max_tokens=num_tokens, **kwargs)
+    req.stage1.min_tokens = num_tokens
+    return req

@@ -12,18 +12,16 @@ import contextlib
 import gc
 import logging
 import os
-import random
-import socket
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S, FORK_TOKENS_KEY
+from kvhandoff.ports import free_port
 from kvhandoff.types import MAX_BEAM_WIDTH
 
 if TYPE_CHECKING:
@@ -38,45 +36,6 @@ Role = Literal["prefill", "decode"]
 CONNECTOR_CLASS = "ContinuationConnector"
 CONNECTOR_MODULE = "connector.nixl_continuation"
 DECODE_SCHEDULER = "decode_engine.scheduler.ContinuationScheduler"
-
-
-#: Lowest port :func:`free_port` picks: Ray's worker ports are 10002-19999 by default.
-FREE_PORT_FLOOR = 20000
-_ports_handed_out: set[int] = set()
-
-
-def _ephemeral_floor() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing is bound to, for a server another process will bind later.
-
-    Chosen at random below the kernel's ephemeral range, so no socket the kernel numbers
-    itself (a bind to port 0, an outgoing connection) can take it before its owner binds:
-    an engine binds its NIXL side channel tens of seconds after the port is chosen, and a
-    side-channel port taken in between once left a D waiting for its listener forever.
-    Never the same port twice in one process.
-    """
-    rng = random.SystemRandom()  # not the random module: tests seed it identically
-    floor = _ephemeral_floor()
-    for _ in range(200 if floor - FREE_PORT_FLOOR >= 1000 else 0):
-        port = rng.randrange(FREE_PORT_FLOOR, floor)
-        if port in _ports_handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _ports_handed_out.add(port)
-        return port
-    with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

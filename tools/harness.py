@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from connector.faults import FAULTS, applies
 from decode_engine.beam import vllm_beam_search
-from decode_engine.scheduler import stage2_reservation
+from kvhandoff.budget import stage2_reservation
 from kvhandoff.corpus import HISTORY_PREFIX, ITEMS
-from kvhandoff.pipeline import (
+from kvhandoff.types import Beam, BeamParams, Stage1Params
+from prefill_engine.engine import stage1_sampling
+from tools.pipeline import (
     TwoStageRequest,
     TwoStageResult,
     run_colocated,
     run_handoff,
     stage2_prompt,
 )
-from kvhandoff.types import Beam, BeamParams, Stage1Params
-from prefill_engine.engine import stage1_sampling
 
 if TYPE_CHECKING:
     from decode_engine.engine import DecodeEngine
@@ -460,8 +460,8 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
                  lease_s: int = 30, inject: str | None = None) -> HarnessReport:
     """Start P and D on ``model``, run the harness (with ``inject``: every handoff
     carries that fault), shut both down."""
-    from kvhandoff.local import local_pair
     from kvhandoff.model import kv_bytes_per_block, resolve_model
+    from tools.local import local_pair
 
     d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(resolve_model(model), block_size=32)
     async with local_pair(model, lease_s=lease_s, fault_injection=inject is not None,

@@ -13,7 +13,7 @@ from connector.logs import LEVEL_ENV
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from kvhandoff.harness import main_verify
+    from tools.harness import main_verify
 
     return main_verify(args.model, args.quick, args.json, args.inject)
 
@@ -69,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
         asyncio.run(serve_router(config, args.host, args.port, metrics_port, tls))
     else:
-        from kvhandoff.engine_service import serve_engine
+        from server.engine_service import serve_engine
 
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
         asyncio.run(serve_engine(args.role, _engine_kwargs(args), args.host, args.port,
@@ -78,19 +78,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from kvhandoff.client import main_client
+    from tools.client import main_client
 
     return main_client(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvhandoff.bench import main_bench
+    from tools.bench import main_bench
 
     return main_bench(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvhandoff.demo import main_demo
+    from tools.demo import main_demo
 
     return main_demo(args)
 

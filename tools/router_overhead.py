@@ -21,9 +21,15 @@ from typing import Any
 
 import grpc
 
-from kvhandoff import engine_pb
 from kvhandoff.types import BeamParams, Stage1Params, continuation_prompt
-from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from kvhandoff.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+from server import convert as engine_pb
 
 
 def _median(values: list[float]) -> float | None:
@@ -59,15 +65,15 @@ async def _direct(p: Any, d: Any, rid: str, prompt: list[int], stage1: Stage1Par
 async def measure_router_overhead(pair: Any, prompts: list[list[int]], *, stage1_tokens: int,
                                   beam: BeamParams, log_dir: Path | None = None,
                                   progress: Any = None) -> dict[str, Any]:
-    from kvhandoff.demo import _spawn, _stop, wait_serving
-    from kvhandoff.engine import free_port
-    from kvhandoff.engine_service import start_engine_server
+    from kvhandoff.ports import free_port
+    from server.engine_service import start_engine_server
+    from tools.launch import spawn, stop, wait_serving
 
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvhandoff-router-bench-"))
     p_server, p_port = await start_engine_server(pair.p, "prefill")
     d_server, d_port = await start_engine_server(pair.d, "decode")
     p_addr, d_addr = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
-    router = _spawn("router", free_port(), ["--model", pair.p.config.model,
+    router = spawn("router", free_port(), ["--model", pair.p.config.model,
                                             "--prefill", p_addr, "--decode", d_addr], log_dir)
     stage1 = Stage1Params(max_tokens=stage1_tokens, temperature=0.0, stop_token_ids=tuple(
         t for t in (pair.think_end_id,) if t is not None))
@@ -112,7 +118,7 @@ async def measure_router_overhead(pair: Any, prompts: list[list[int]], *, stage1
                 if progress is not None:
                     progress(f"router {i}/{len(prompts)}")
     finally:
-        _stop([router])
+        stop([router])
         await p_server.stop(0)
         await d_server.stop(0)
     return {
@@ -132,8 +138,8 @@ def measure_router_overhead_on_cluster(model: str | None, num_requests: int, *,
     ``kvhandoff serve`` process (``kvhandoff bench --router-only``), requests one at a
     time, the first two as warm-up. Unlike ``measure_router_overhead``, no engine shares
     an event loop with another or with the benchmark."""
-    from kvhandoff.client import RouterClient, make_request
-    from kvhandoff.demo import local_cluster
+    from tools.client import RouterClient, make_request
+    from tools.launch import local_cluster
 
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvhandoff-router-cluster-"))
     overhead, total, recomputed = [], [], 0

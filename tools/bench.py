@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvhandoff.harness import LOGPROB_TOLERANCE
 from kvhandoff.types import BeamParams, Stage1Params
+from tools.harness import LOGPROB_TOLERANCE
 
 MODES = ("text_roundtrip", "colocated", "handoff", "vllm_beam_search")
 
@@ -123,7 +123,7 @@ class Bench:
                                 t for t in (self.pair.think_end_id,) if t is not None))
 
     def _request(self, prompt: list[int], seed: int, max_tokens: int | None = None):
-        from kvhandoff.pipeline import TwoStageRequest
+        from tools.pipeline import TwoStageRequest
 
         return TwoStageRequest(request_id=self._rid("req"), prompt_token_ids=prompt,
                                suffix_token_ids=self.suffix_ids,
@@ -134,7 +134,7 @@ class Bench:
                   stage1_tokens: int | None = None) -> Sample:
         from decode_engine.beam import vllm_beam_search
         from decode_engine.engine import run_beam_stage
-        from kvhandoff.pipeline import stage2_prompt
+        from tools.pipeline import stage2_prompt
 
         req = self._request(prompt, seed, stage1_tokens)
         t0 = time.perf_counter()
@@ -242,8 +242,8 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
                     checkpoint: Any = None) -> dict[str, Any]:
     """Run every measurement; on ``pair`` if given (tests), else on a new P+D pair.
     ``checkpoint(result)`` is called after each phase with what is measured so far."""
-    from kvhandoff.local import local_pair
-    from kvhandoff.nixl_probe import measure_transfer
+    from tools.local import local_pair
+    from tools.nixl_probe import measure_transfer
 
     def tick(label: str) -> None:
         if progress is not None:
@@ -312,7 +312,8 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
                 cp = _prompts(bench.tok, n, cfg.prompt_tokens, cfg.seed + 1000 * c)
                 sem = asyncio.Semaphore(c)
 
-                async def go(i: int, prompt: list[int]) -> Sample:
+                async def go(i: int, prompt: list[int], sem: asyncio.Semaphore = sem,
+                             mode: str = mode) -> Sample:
                     async with sem:
                         return await bench.one(mode, prompt, cfg.seed + i)
 
@@ -332,7 +333,7 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
             tick(f"sweep {n}")
             save()
         if cfg.router_requests:
-            from kvhandoff.router_overhead import measure_router_overhead
+            from tools.router_overhead import measure_router_overhead
 
             result["router"] = await measure_router_overhead(
                 pair, _prompts(bench.tok, cfg.router_requests, cfg.prompt_tokens, cfg.seed + 99),
@@ -421,7 +422,7 @@ def main_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     if args.router_only:
-        from kvhandoff.router_overhead import measure_router_overhead_on_cluster
+        from tools.router_overhead import measure_router_overhead_on_cluster
 
         result = {"router_cluster": measure_router_overhead_on_cluster(
             args.model, args.requests or 12)}

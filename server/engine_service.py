@@ -9,31 +9,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
-from kvhandoff import engine_pb
-from kvhandoff.engine_metrics import HandoffCounts, serve_metrics
 from kvhandoff.errors import status_for
 from kvhandoff.tls import ServerTLS, add_port
 from kvhandoff.types import InvalidRequest
 from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from server import convert as engine_pb
+from server.grpc_common import (
+    SERVER_OPTIONS,
+    add_health_and_reflection,
+    wait_for_shutdown_signal,
+)
+from server.metrics import HandoffCounts, serve_metrics
 
 logger = logging.getLogger(__name__)
-
-#: Engine messages carry token lists; 64 MiB is far above any valid request.
-MAX_MESSAGE_BYTES = 64 << 20
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
-
 
 class EngineStarting(RuntimeError):
     """The server is up but its engine is still loading."""
@@ -160,36 +154,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.AbortResponse()
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]):
-    """Register gRPC health (NOT_SERVING until ``set_serving``) and reflection."""
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME,
-                                         reflection.SERVICE_NAME], server)
-    return health_servicer
-
-
-async def wait_for_shutdown_signal(engine_failed: Callable[[], bool] | None = None,
-                                   poll_s: float = 1.0) -> bool:
-    """Wait for SIGTERM/SIGINT, or for ``engine_failed()`` to turn true. True = signal."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    while not stop.is_set():
-        if engine_failed is not None and engine_failed():
-            return False
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), poll_s)
-    return True
-
-
 async def start_engine_server(engine: Any, role: str, host: str = "127.0.0.1",
                               port: int = 0, tls: ServerTLS | None = None
                               ) -> tuple[grpc.aio.Server, int]:
     """Serve an engine that is already running in this process (the benchmark's)."""
-    from kvhandoff.local import ModelTokens
-    from kvhandoff.model import model_fingerprint
+    from kvhandoff.model import ModelTokens, model_fingerprint
 
     tokens = ModelTokens.load(engine.config.model)
     servicer = EngineServicer(role, model_fingerprint(engine.config.model), tokens.think_end_id)
@@ -206,9 +175,8 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
                        metrics_port: int | None = None, tls: ServerTLS | None = None) -> None:
     """Start the engine, serve until SIGTERM/SIGINT, then shut everything down."""
     from decode_engine.engine import DecodeEngine
-    from kvhandoff.engine import EngineConfig
-    from kvhandoff.local import ModelTokens
-    from kvhandoff.model import model_fingerprint
+    from engine.vllm_engine import EngineConfig
+    from kvhandoff.model import ModelTokens, model_fingerprint
     from prefill_engine.engine import PrefillEngine
 
     config = EngineConfig(role=role, **config_kwargs)

@@ -11,34 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvhandoff.model import DEFAULT_SUFFIX_TEXT, THINK_END, resolve_model
+from kvhandoff.model import ModelTokens, resolve_model
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelTokens:
-    """Token ids of the model's special tokens and the default continuation suffix."""
-
-    tokenizer: Any
-    think_end_id: int | None
-    eos_id: int | None
-    default_suffix_ids: list[int]
-
-    @classmethod
-    def load(cls, model_dir: Path) -> ModelTokens:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        think_end = tok.convert_tokens_to_ids(THINK_END)
-        if think_end is None or think_end == tok.unk_token_id:
-            think_end = None
-        return cls(
-            tokenizer=tok,
-            think_end_id=think_end,
-            eos_id=tok.eos_token_id,
-            default_suffix_ids=tok.encode(DEFAULT_SUFFIX_TEXT, add_special_tokens=False),
-        )
 
 
 @dataclass
@@ -71,7 +46,7 @@ async def local_pair(model: str | None = None, *, prefill_overrides: dict[str, A
                      **common: Any) -> AsyncIterator[LocalPair]:
     """Start P then D (about 30 s each on CPU); shut both down on exit."""
     from decode_engine.engine import DecodeEngine
-    from kvhandoff.engine import EngineConfig, shutdown_all
+    from engine.vllm_engine import EngineConfig, shutdown_all
     from prefill_engine.engine import PrefillEngine
 
     model_dir = resolve_model(model)

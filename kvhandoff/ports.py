@@ -1,0 +1,46 @@
+"""Ports for servers that another process binds later (engines, routers, side channels).
+Light: standard library only."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+#: Lowest port :func:`free_port` picks: Ray's worker ports are 10002-19999 by default.
+FREE_PORT_FLOOR = 20000
+_ports_handed_out: set[int] = set()
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to, for a server another process will bind later.
+
+    Chosen at random below the kernel's ephemeral range, so no socket the kernel numbers
+    itself (a bind to port 0, an outgoing connection) can take it before its owner binds:
+    an engine binds its NIXL side channel tens of seconds after the port is chosen, and a
+    side-channel port taken in between once left a D waiting for its listener forever.
+    Never the same port twice in one process.
+    """
+    rng = random.SystemRandom()  # not the random module: tests seed it identically
+    floor = _ephemeral_floor()
+    for _ in range(200 if floor - FREE_PORT_FLOOR >= 1000 else 0):
+        port = rng.randrange(FREE_PORT_FLOOR, floor)
+        if port in _ports_handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _ports_handed_out.add(port)
+        return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
+        s.bind((host, 0))
+        return s.getsockname()[1]

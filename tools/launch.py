@@ -1,0 +1,129 @@
+"""Start and stop kvhandoff servers as separate processes: the public launcher the demo,
+the bench and the tests use (``spawn``, ``stop``, ``wait_serving``, ``local_cluster``).
+
+Each server runs ``python -m tools.cli serve`` in its own process group, so stopping
+it also ends its engine core and workers: nothing is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from kvhandoff.ports import free_port
+
+
+@dataclass
+class ServerProcess:
+    role: str
+    address: str
+    proc: subprocess.Popen
+    log_path: Path
+    #: Prometheus endpoint (http://host:port/metrics).
+    metrics_url: str = ""
+
+
+def spawn(role: str, port: int, extra: list[str], log_dir: Path,
+           name: str | None = None) -> ServerProcess:
+    log_path = log_dir / f"{name or role}.log"
+    metrics_port = free_port()
+    cmd = [sys.executable, "-m", "tools.cli", "serve", "--role", role,
+           "--port", str(port), "--metrics-port", str(metrics_port), *extra]
+    if role != "router" and "--side-channel-port" not in extra:
+        # Chosen here with the other ports, so no two servers started together share it.
+        cmd += ["--side-channel-port", str(free_port())]
+    with open(log_path, "w") as log:
+        # Own process group: the engine's own processes die with it on shutdown.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return ServerProcess(role, f"127.0.0.1:{port}", proc, log_path,
+                         f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+def stop(servers: list[ServerProcess], grace_s: float = 30.0) -> None:
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for s in servers:
+        try:
+            s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        # Whatever is left of the group (engine core, workers) goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(s.proc.pid, signal.SIGKILL)
+        s.proc.wait()
+
+
+def wait_serving(address: str, servers: list[ServerProcess], timeout_s: float = 300.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    channel = (grpc.insecure_channel(address) if credentials is None
+               else grpc.secure_channel(address, credentials))
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            for s in servers:
+                if s.proc.poll() is not None:
+                    raise RuntimeError(f"{s.role} server exited ({s.proc.returncode}); "
+                                       f"see {s.log_path}")
+            with contextlib.suppress(grpc.RpcError):
+                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.5)
+    raise TimeoutError(f"{address} not serving after {timeout_s:.0f}s")
+
+
+@contextlib.contextmanager
+def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
+                  prefill_mib: int = 128, lease_s: int = 30,
+                  extra_decode: int = 0,
+                  engine_flags: tuple[str, ...] = (),
+                  router_flags: tuple[str, ...] = (),
+                  signed: bool = True) -> Iterator[dict[str, object]]:
+    """P, D (and ``extra_decode`` more Ds) and a router, each its own process. With
+    ``signed``, P and D share a fresh secret (a 0600 file in ``log_dir``): P signs each
+    handoff for its D and D refuses any other."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model_args = ["--model", model] if model else []
+    engine_args = [*model_args, "--lease-s", str(lease_s), *engine_flags]
+    secret_file = None
+    if signed:
+        secret_file = log_dir / "handoff.secret"
+        secret_file.touch()
+        secret_file.chmod(0o600)
+        secret_file.write_text(secrets.token_hex(32))
+        engine_args += ["--handoff-secret-file", str(secret_file)]
+    servers: list[ServerProcess] = []
+    try:
+        p = spawn("prefill", free_port(), [*engine_args, "--kv-cache-mib", str(prefill_mib)], log_dir)
+        servers.append(p)
+        decodes = []
+        for i in range(1 + extra_decode):
+            d = spawn("decode", free_port(), [*engine_args, "--kv-cache-mib", str(decode_mib)],
+                       log_dir, name=f"decode{i}" if i else None)
+            decodes.append(d)
+        servers.extend(decodes)
+        router = spawn("router", free_port(), [*model_args, "--prefill", p.address, "--decode",
+                                               ",".join(d.address for d in decodes),
+                                               *router_flags], log_dir)
+        servers.append(router)
+        wait_serving(router.address, servers)
+        yield {"router": router.address, "prefill": p, "decode": decodes, "servers": servers,
+               "router_metrics": router.metrics_url, "secret_file": secret_file}
+    finally:
+        stop(servers)
