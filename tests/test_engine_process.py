@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.nixl_continuation import bound_shm_reader_waits
+from connector.runtime import bound_shm_reader_waits
 
 
 def test_shm_reader_waits_are_bounded_and_never_lengthened(monkeypatch):

@@ -1,0 +1,224 @@
+"""Beam fork: each beam step copies its parent beam's partial last block instead of
+recomputing it. Mixed into the connector's scheduler and worker sides.
+
+vLLM's prefix cache shares only full blocks, so every request of a beam-search step would
+recompute the partial last block of the sequence it extends (up to ``block_size`` tokens
+per beam per step). A beam-step request sent with ``kv_transfer_params[BEAM_KEY]`` =
+``{"id": name, "keep": True}`` keeps its blocks when it ends; a next-step request with
+``{"fork_from": name, "fork_children": k}`` loads the tokens its local prefix-cache hit
+does not cover by a block copy from the kept request, so it computes one token::
+
+    kept request:  | full blocks (prefix-cached, shared) | partial block P |
+    child:         | same full blocks (cache hit)        | copy of P | + 1 new token
+
+Who owns the blocks: a kept request's blocks stay allocated (vLLM's delay-free) until it
+is released, which happens once its ``k`` children were scheduled, when a later request
+lists it under ``fork_release`` (it got no children), or after ``beam_fork_hold_s``. The
+worker reports a released request as "finished sending" and the scheduler frees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from connector.handoff import BEAM_KEY, FORK_TOKENS_KEY
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def beam_params(request: Request) -> dict[str, Any] | None:
+    """The request's beam-fork parameters (None: not a beam step)."""
+    params = request.kv_transfer_params
+    return params.get(BEAM_KEY) if params else None
+
+
+@dataclass(slots=True)
+class KeptRequest:
+    """A finished beam-step request whose blocks wait for its children to copy from."""
+
+    request_id: str  # vLLM's internal id: what the worker reports to free the blocks
+    token_ids: list[int]  # the tokens its KV covers
+    block_ids: tuple[list[int], ...]
+    expires_at: float  # time.monotonic()
+    num_children: int | None = None  # announced by its first child
+    num_forked: int = 0
+
+
+class BeamForkScheduler:
+    """Scheduler side (a mixin of ``ContinuationConnectorScheduler``: ``block_size`` and
+    ``stats`` come from it)."""
+
+    block_size: int
+    stats: Any
+
+    def _init_beam_fork(self, extra: Any, num_kv_groups: int) -> None:
+        self._fork_enabled = bool(extra.get_from_extra_config("beam_fork", True)) and (
+            num_kv_groups == 1
+        )
+        self._fork_hold_s = float(extra.get_from_extra_config("beam_fork_hold_s", 10.0))
+        self._kept: dict[str, KeptRequest] = {}  # by beam name
+        self._fork_pending: dict[str, tuple[str, int]] = {}  # child -> (source, tokens)
+        self._fork_copies: list[tuple[int, int]] = []  # (source block, child block)
+        self._fork_release: set[str] = set()  # beam names
+
+    def _is_fork_child(self, beam: dict[str, Any] | None) -> bool:
+        return bool(beam and beam.get("fork_from") and self._fork_enabled)
+
+    def _fork_on_new_request(self, beam: dict[str, Any] | None) -> None:
+        """A new request may release kept requests that got no children."""
+        if beam and self._fork_enabled:
+            self._fork_release.update(n for n in beam.get("fork_release") or () if n in self._kept)
+
+    def _fork_match(self, request: Request, beam: dict[str, Any], num_computed: int) -> int:
+        """Tokens a beam child can copy from its kept source (0: compute them)."""
+        source = self._kept.get(beam["fork_from"])
+        if source is None:
+            return 0
+        # The last prompt token is computed here, to sample from it.
+        num_tokens = min(len(source.token_ids), request.num_prompt_tokens - 1)
+        if num_tokens <= num_computed or (
+            request.prompt_token_ids[:num_tokens] != source.token_ids[:num_tokens]
+        ):
+            return 0
+        self._fork_pending[request.request_id] = (beam["fork_from"], num_tokens)
+        return num_tokens - num_computed
+
+    def _fork_scheduled(self, request: Request, beam: dict[str, Any], blocks: Any,
+                        num_external_tokens: int) -> None:
+        """A child got its blocks: queue the copies, count it against its source."""
+        pending = self._fork_pending.pop(request.request_id, None)
+        source = self._kept.get(beam["fork_from"])
+        if source is None:
+            return
+        if pending is not None and num_external_tokens > 0:
+            num_tokens = pending[1]
+            first = (num_tokens - num_external_tokens) // self.block_size
+            last = -(-num_tokens // self.block_size)
+            child_blocks = blocks.get_block_ids()[0]
+            self._fork_copies.extend(
+                zip(source.block_ids[0][first:last], child_blocks[first:last])
+            )
+            self.stats.data[FORK_TOKENS_KEY].append(num_external_tokens)
+        if source.num_children is None:
+            source.num_children = max(int(beam.get("fork_children") or 1), 1)
+        source.num_forked += 1
+        if source.num_forked >= source.num_children:
+            self._fork_release.add(beam["fork_from"])
+
+    def _keep(self, request: Request, beam: dict[str, Any], block_ids: Any) -> bool:
+        """Keep a finished beam step's blocks for its children; True if kept."""
+        from vllm.v1.request import RequestStatus
+
+        if not (
+            self._fork_enabled
+            and beam.get("keep")
+            and beam.get("id")
+            and request.status
+            in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            and any(block_ids)
+        ):
+            return False
+        self._kept[beam["id"]] = KeptRequest(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids[: request.num_computed_tokens]),
+            block_ids=tuple(list(group) for group in block_ids),
+            expires_at=time.monotonic() + self._fork_hold_s,
+        )
+        return True
+
+    def _attach_fork_meta(self, meta: Any) -> None:
+        """Each step: hand the worker the block copies and the releases due."""
+        now = time.monotonic()
+        for name, kept in self._kept.items():
+            if now >= kept.expires_at and name not in self._fork_release:
+                logger.warning(
+                    "Releasing beam request %s: %d of %s children forked from it within "
+                    "%.1fs", name, kept.num_forked, kept.num_children, self._fork_hold_s
+                )
+                self._fork_release.add(name)
+        meta.kvhandoff_fork_copies = self._fork_copies
+        meta.kvhandoff_fork_release = [
+            self._kept.pop(name).request_id for name in self._fork_release
+        ]
+        self._fork_copies, self._fork_release = [], set()
+
+
+def block_views(kv_caches: dict[str, Any], num_blocks: int) -> list[tuple[Any, int]]:
+    """Each distinct KV tensor with its block dimension (the one of size ``num_blocks``),
+    in layer order.
+
+    Holds for vLLM's attention layouts (CPU: ``[blocks, heads, block_size, 2*head]``,
+    FlashAttention: ``[2, blocks, block_size, heads, head]``, ...). A layout where the
+    dimension is ambiguous fails the engine's start with what to do about it.
+    """
+    views: list[tuple[Any, int]] = []
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, tensor in kv_caches.items():
+        tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+        for t in tensors:
+            key = (t.data_ptr(), tuple(t.shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            dims = [i for i, size in enumerate(t.shape) if size == num_blocks]
+            if len(dims) != 1:
+                raise RuntimeError(
+                    f"beam fork: cannot tell the block dimension of KV cache {name} "
+                    f"(shape {tuple(t.shape)}, {num_blocks} blocks); start the engine "
+                    "with beam_fork disabled (kv_connector_extra_config beam_fork=false)"
+                )
+            views.append((t, dims[0]))
+    return views
+
+
+class BeamForkWorker:
+    """Worker side (a mixin of ``ContinuationConnectorWorker``)."""
+
+    def _init_beam_fork(self, extra: Any, num_blocks: int) -> None:
+        self._num_blocks = num_blocks
+        self._fork_enabled = bool(extra.get_from_extra_config("beam_fork", True))
+        # (tensor, block dimension) for each distinct KV cache tensor; also what the
+        # harness's injected faults write through (connector.faults).
+        self._kv_views: list[tuple[Any, int]] = []
+        self._kernel_blocks_per_block = 1
+        self._fork_released: set[str] = set()
+
+    def _register_kv_views(self, kv_caches: dict[str, Any], physical_per_logical: int) -> None:
+        # The attention kernel may split a logical block into several.
+        self._kernel_blocks_per_block = physical_per_logical
+        self._kv_views = block_views(kv_caches, self._num_blocks * physical_per_logical)
+
+    def _fork_on_step(self, metadata: Any) -> None:
+        copies = getattr(metadata, "kvhandoff_fork_copies", None)
+        if copies:
+            self._copy_blocks(copies)
+        self._fork_released.update(getattr(metadata, "kvhandoff_fork_release", None) or ())
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy kept requests' blocks into their children's, every layer."""
+        import torch
+
+        if not self._kv_views:
+            raise RuntimeError("beam fork copies requested but this worker has no KV views")
+        device = self._kv_views[0][0].device
+        ratio = self._kernel_blocks_per_block
+        src = torch.tensor([s * ratio + j for s, _ in copies for j in range(ratio)],
+                           dtype=torch.long, device=device)
+        dst = torch.tensor([d * ratio + j for _, d in copies for j in range(ratio)],
+                           dtype=torch.long, device=device)
+        for tensor, dim in self._kv_views:
+            tensor.index_copy_(dim, dst, tensor.index_select(dim, src))
+
+    def _report_fork_releases(self, results: Any) -> Any:
+        """Released kept requests are reported as "finished sending": the scheduler frees
+        their blocks."""
+        if self._fork_released:
+            results.finished_sending.update(self._fork_released)
+            self._fork_released = set()
+        return results

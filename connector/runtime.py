@@ -1,0 +1,118 @@
+"""Runtime adjustments to vLLM 0.32 and NIXL, each working around an upstream behaviour
+stated where it is made. Applied in the engine processes the connector is loaded in.
+
+- the NIXL side channel: vLLM's listener thread dies silently on a failed bind and the
+  engine core waits for it forever (:func:`guarded_handshake_listener`);
+- NIXL's progress thread busy-spins a core (:func:`nixl_agent_options`);
+- vLLM's shared-memory step queue can sleep 5 s on a lost wake-up ping
+  (:func:`bound_shm_reader_waits`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import threading
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Side-channel listeners that could not start, by port (see guarded_handshake_listener).
+listener_failures: dict[int, Exception] = {}
+
+
+def guarded_handshake_listener(encoded_data: dict[tuple[int, int], Any],
+                               ready_event: threading.Event, stop_event: threading.Event,
+                               host: str, port: int) -> None:
+    """vLLM's listener thread, except that a failed bind is recorded and ``ready_event``
+    set, so the engine's start-up can fail with the reason
+    (``ContinuationConnectorScheduler.set_xfer_handshake_metadata`` raises): vLLM's own
+    thread dies without setting ``ready_event`` and the engine core waits forever."""
+    try:
+        NixlPullConnectorScheduler._nixl_handshake_listener(
+            encoded_data, ready_event, stop_event, host, port)
+    except Exception as exc:
+        if ready_event.is_set():
+            raise
+        listener_failures[port] = exc
+        ready_event.set()
+
+
+def _agent_config_with_delay(bind: Any, delay_us: int) -> type:
+    """A ``nixlAgentConfig`` whose progress-thread delay is ``delay_us``.
+
+    The Python API pins ``pthrDelay`` to 0 (a thread that busy-spins a core); the C++
+    agent sleeps ``pthrDelay`` microseconds between progress sweeps when it is set.
+    """
+    base = bind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 (the binding's name)
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, delay_us)
+
+    return _Config
+
+
+@contextlib.contextmanager
+def nixl_agent_options(*, progress_thread: bool, progress_delay_us: int):
+    """Create the stock worker's NIXL agent with our progress settings.
+
+    vLLM 0.32 builds its agent with the library defaults: a progress thread that
+    busy-spins a whole core. Without any progress thread, P answers a READ only
+    while its worker happens to call into NIXL, and with P and D as separate
+    servers on 2 cores those calls were seen to stall for seconds. A progress
+    thread that sleeps ``progress_delay_us`` between sweeps keeps both: transfers
+    progress on their own and an idle engine costs a few percent of a core.
+    """
+    original = base_worker.nixl_agent_config
+    api = sys.modules.get(getattr(base_worker.NixlWrapper, "__module__", ""), None)
+    bind = getattr(api, "nixlBind", None)
+    if original is None:
+        yield
+        return
+    saved_config = bind.nixlAgentConfig if bind is not None else None
+    base_worker.nixl_agent_config = functools.partial(
+        original, enable_prog_thread=progress_thread
+    )
+    if progress_thread and progress_delay_us > 0:
+        if bind is None:
+            logger.warning("NIXL bindings not found: its progress thread will busy-spin")
+        else:
+            bind.nixlAgentConfig = _agent_config_with_delay(bind, progress_delay_us)
+    try:
+        yield
+    finally:
+        base_worker.nixl_agent_config = original
+        if bind is not None:
+            bind.nixlAgentConfig = saved_config
+
+
+def bound_shm_reader_waits(recheck_ms: int) -> None:
+    """Cap how long this process's readers of vLLM's shared-memory queues sleep.
+
+    vLLM's engine core and its worker hand every step over a shared-memory ring and
+    wake the reader with a ZMQ ping that is best effort: PUB ``SNDHWM=1`` drops it
+    silently when ZMQ's I/O thread lags, and a reader whose ping was dropped sleeps
+    until its recheck, 5 s in vLLM 0.32 (vllm-project/vllm#45224). On a busy 2-core
+    host this was measured under load: D's engine core idle for 5-6 s with imports
+    waiting. ``recheck_ms`` bounds each such stall; an idle reader wakes that often.
+    0 keeps vLLM's own value.
+    """
+    if recheck_ms <= 0:
+        return
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    if shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS > recheck_ms:
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = recheck_ms
