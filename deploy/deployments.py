@@ -130,7 +130,7 @@ class HandleStub:
 
     @staticmethod
     def _error(exc: BaseException) -> Exception:
-        from router.core import RouterError
+        from router import RouterError
 
         cause = exc if isinstance(exc, EngineCallError) else getattr(exc, "cause", None)
         if isinstance(cause, EngineCallError):
@@ -187,7 +187,7 @@ class RouterServer:
     def __init__(self, prefill: Any, decode: Any, model: str, colocated_below_tokens: int = 0,
                  max_beam_width: int = 32):
         from kvhandoff.model import resolve_model
-        from router.core import Endpoint, Router, RouterConfig
+        from router import Endpoint, Router, RouterConfig
         from router.metrics import RouterMetrics
 
         config = RouterConfig(prefill=("serve:Prefill",), decode=("serve:Decode",),
@@ -210,14 +210,14 @@ class RouterServer:
         p, d = await asyncio.gather(self._prefill.info.remote(), self._decode.info.remote())
         for key in ("vllm_version", "model_fingerprint", "block_size"):
             if p[key] != d[key]:
-                from router.core import RouterError
+                from router import RouterError
 
                 raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"P and D differ in {key}: {p[key]} vs {d[key]}")
         self._checked = True
 
     async def _run(self, request: router_pb2.GenerateRequest, received_at: float):
-        from router.core import Outcome, RouterError, to_response
+        from router import Outcome, RouterError, to_response
 
         await self._check_engines()
         if request.beam.beam_width > self.max_beam_width:
@@ -239,9 +239,9 @@ class RouterServer:
     def _fail(self, grpc_context: Any, exc: BaseException) -> None:
         """Set the status the standalone router would send, then raise RequestFailed
         (a CancelledError stays one: the client went away)."""
-        from router.service import _status
+        from router.service import status_of
 
-        code, message = _status(exc)
+        code, message = status_of(exc)
         self.metrics.observe_error(code, message)
         if isinstance(exc, asyncio.CancelledError):
             raise exc

@@ -13,8 +13,9 @@ from grpc_health.v1 import health_pb2
 from kvhandoff.errors import status_for
 from kvhandoff.tls import ServerTLS, add_port
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
-from router.core import Outcome, Router, RouterConfig, RouterError, to_response
+from router.core import Router, RouterConfig
 from router.metrics import OVERLOAD_MESSAGE, RouterMetrics
+from router.plan import Outcome, RouterError, to_response
 from server.grpc_common import (
     SERVER_OPTIONS,
     add_health_and_reflection,
@@ -24,7 +25,8 @@ from server.grpc_common import (
 logger = logging.getLogger(__name__)
 
 
-def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status a router caller sees for ``exc`` (standalone and Ray Serve routers)."""
     if isinstance(exc, RouterError):
         return exc.code, str(exc)
     if isinstance(exc, asyncio.CancelledError):
@@ -63,7 +65,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return resp
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-        code, message = _status(exc)
+        code, message = status_of(exc)
         remaining = context.time_remaining()
         if code == grpc.StatusCode.CANCELLED and remaining is not None and remaining <= 0:
             code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"

@@ -13,7 +13,7 @@ import pytest
 from kvhandoff.budget import blocks_needed
 from kvhandoff.types import BeamParams, Stage1Params
 from kvhandoff.v1 import common_pb2, engine_pb2
-from router.core import RouterError
+from router import RouterError
 
 
 class FakeEngineStub:
@@ -42,7 +42,7 @@ async def _until(condition, timeout_s: float = 5.0) -> None:
     await asyncio.wait_for(poll(), timeout_s)
 
 def _router(model_dir: str, free: list[int], **config):
-    from router.core import Endpoint, Router, RouterConfig
+    from router import Endpoint, Router, RouterConfig
 
     decode = [Endpoint(f"d{i}", FakeEngineStub(n), None) for i, n in enumerate(free)]
     config = RouterConfig(prefill=("p",), decode=tuple(ep.address for ep in decode),
@@ -51,7 +51,7 @@ def _router(model_dir: str, free: list[int], **config):
 
 
 def _plan(beam_width: int = 4, deadline: float | None = None):
-    from router.core import Plan
+    from router import Plan
 
     return Plan("r", [1] * 100, [2], Stage1Params(max_tokens=10),
                 BeamParams(beam_width=beam_width, max_tokens=3), common_pb2.PATH_HANDOFF,
@@ -116,7 +116,7 @@ def test_a_request_no_d_could_ever_hold_is_refused_at_once(model_dir):
 
 
 def test_snapshots_settle_claims_whose_stage2_reached_d():
-    from router.core import ADMIT_S, Claim, Endpoint
+    from router import ADMIT_S, Claim, Endpoint
 
     ep = Endpoint("d", None, None)
     in_stage1, sent_long_ago, just_sent = object(), object(), object()
@@ -178,7 +178,7 @@ def test_with_no_queue_a_request_without_room_is_refused_at_once(model_dir):
 
 
 def test_poll_interval_must_be_below_the_snapshot_age():
-    from router.core import RouterConfig
+    from router import RouterConfig
 
     with pytest.raises(ValueError, match="capacity_poll_s"):
         RouterConfig(prefill=("p",), decode=(), model="m", capacity_poll_s=2.0)

@@ -51,7 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if args.role == "router":
         from kvhandoff.model import resolve_model
-        from router.core import RouterConfig
+        from router import RouterConfig
         from router.service import serve_router
 
         config = RouterConfig(

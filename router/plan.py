@@ -1,0 +1,163 @@
+"""Requests in, responses out: the only part of the router that reads or writes the
+Router service's protobuf messages. A request becomes a :class:`Plan` (all token ids,
+validated against the engines' vocabulary and context); an :class:`Outcome` becomes a
+``GenerateResponse``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvhandoff.model import ModelTokens
+from kvhandoff.types import (
+    BeamParams,
+    InvalidRequest,
+    Stage1Params,
+    validate_prompt,
+    validate_token_ids,
+)
+from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2
+from server import convert
+
+if TYPE_CHECKING:
+    from router.capacity import Endpoint
+
+
+class RouterError(Exception):
+    """An error with a gRPC status decided by the router itself."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Plan:
+    """A validated two-stage request, all token ids."""
+
+    request_id: str
+    prompt_ids: list[int]
+    suffix_ids: list[int]
+    stage1: Stage1Params
+    beam: BeamParams
+    path: int
+    deadline: float | None  # time.monotonic() by which the request must be done
+    #: (P, D) to use instead of choosing (the router's warm-up).
+    pinned: tuple[Endpoint, Endpoint] | None = None
+
+
+@dataclass
+class Outcome:
+    plan: Plan
+    prefill: str
+    decode: str | None
+    thinking_ids: list[int] = field(default_factory=list)
+    stage1_finish_reason: str = ""
+    suffix_ids: list[int] = field(default_factory=list)
+    stage2: engine_pb2.Stage2Response | None = None
+    stage1_ms: float = 0.0
+    total_ms: float = 0.0
+    #: Time spent waiting on P's Stage1 stream and D's Stage2 call.
+    engine_ms: float = 0.0
+    #: The handoff failed and stage 2 was recomputed on ``decode`` (was ``failed_decode``).
+    failed_decode: str | None = None
+    #: Why that handoff failed (the D's status message).
+    handoff_failure: str = ""
+
+
+def _ids_of(tokens: ModelTokens, text: str, field_name: str) -> list[int]:
+    if len(text) > 1 << 20:
+        raise InvalidRequest(field_name, "longer than 1 MiB")
+    return tokens.tokenizer.encode(text, add_special_tokens=False)
+
+
+def plan_request(req: router_pb2.GenerateRequest, deadline: float | None, *,
+                 tokens: ModelTokens, prefill_capacity: engine_pb2.Capacity | None,
+                 has_decode: bool, colocated_below_tokens: int,
+                 new_id: Callable[[], str]) -> Plan:
+    """Validate ``req`` (with P's capacity when one answered) and make it a Plan."""
+    which = req.WhichOneof("prompt")
+    if which == "prompt_text":
+        prompt = _ids_of(tokens, req.prompt_text, "prompt_text")
+    elif which == "prompt_token_ids":
+        prompt = list(req.prompt_token_ids.ids)
+    else:
+        raise InvalidRequest("prompt", "set prompt_text or prompt_token_ids")
+    which = req.WhichOneof("suffix")
+    if which == "suffix_text":
+        suffix = _ids_of(tokens, req.suffix_text, "suffix_text")
+    elif which == "suffix_token_ids":
+        suffix = list(req.suffix_token_ids.ids)
+    else:
+        suffix = list(tokens.default_suffix_ids)
+    think_end = tokens.think_end_id
+    stage1 = convert.stage1_from_pb(
+        req.stage1, default_stop_ids=(think_end,) if think_end is not None else ())
+    beam = convert.beam_from_pb(req.beam)
+    cap = prefill_capacity
+    if cap is not None:
+        validate_prompt(prompt, vocab_size=cap.vocab_size, max_model_len=cap.max_model_len,
+                        num_new_tokens=stage1.max_tokens + len(suffix) + beam.max_tokens)
+        validate_token_ids(suffix, vocab_size=cap.vocab_size, field_name="suffix")
+        validate_token_ids(stage1.stop_token_ids, vocab_size=cap.vocab_size,
+                           field_name="stage1.stop_token_ids")
+    elif not prompt:
+        raise InvalidRequest("prompt", "is empty")
+    if req.timeout_ms:
+        t = time.monotonic() + req.timeout_ms / 1e3
+        deadline = t if deadline is None else min(deadline, t)
+    request_id = req.request_id or new_id()
+    if len(request_id) > 128:
+        raise InvalidRequest("request_id", "longer than 128 characters")
+    path = req.path
+    if path == common_pb2.PATH_AUTO:
+        longest_parent = len(prompt) + stage1.max_tokens
+        path = (common_pb2.PATH_COLOCATED
+                if not has_decode or longest_parent < colocated_below_tokens
+                else common_pb2.PATH_HANDOFF)
+    if path == common_pb2.PATH_HANDOFF and not has_decode:
+        raise InvalidRequest("path", "no decode engine is configured")
+    return Plan(request_id, prompt, suffix, stage1, beam, path, deadline)
+
+
+def grpc_error(code: grpc.StatusCode, message: str) -> RouterError:
+    return RouterError(code, message)
+
+
+def to_response(out: Outcome, tokenizer: Any,
+                received_at: float | None = None) -> router_pb2.GenerateResponse:
+    """The response; ``received_at`` (perf_counter when the call arrived) sets the
+    router's own overhead."""
+    s2 = out.stage2
+    assert s2 is not None
+    beams = list(s2.beams)
+    for b in beams:
+        b.text = tokenizer.decode(list(b.token_ids), skip_special_tokens=False)
+    return router_pb2.GenerateResponse(
+        request_id=out.plan.request_id,
+        prompt_token_ids=out.plan.prompt_ids,
+        thinking_token_ids=out.thinking_ids,
+        thinking_text=tokenizer.decode(out.thinking_ids, skip_special_tokens=False),
+        stage1_finish_reason=out.stage1_finish_reason,
+        suffix_token_ids=out.suffix_ids,
+        beams=beams,
+        timings=router_pb2.Timings(
+            stage1_ms=out.stage1_ms, stage2_first_step_ms=s2.first_step_ms,
+            stage2_ms=s2.total_ms, total_ms=out.total_ms,
+            router_overhead_ms=0.0 if received_at is None else max(
+                (time.perf_counter() - received_at) * 1e3 - out.engine_ms, 0.0)),
+        stats=router_pb2.HandoffStats(
+            path=out.plan.path, prefill_endpoint=out.prefill, decode_endpoint=out.decode or "",
+            num_parent_tokens=len(out.plan.prompt_ids) + len(out.thinking_ids),
+            num_imported_tokens=s2.num_imported_tokens, num_bytes_moved=s2.num_imported_bytes,
+            num_computed_tokens_first_step=s2.num_computed_tokens_first_step,
+            num_computed_tokens_total=s2.num_computed_tokens_total,
+            num_recomputed_beam_tokens=s2.num_recomputed_beam_tokens,
+            recomputed=out.failed_decode is not None,
+            failed_decode_endpoint=out.failed_decode or "",
+            handoff_failure=out.handoff_failure),
+    )

@@ -1,0 +1,79 @@
+"""The router's warm-up: one tiny handoff per (P, D) pair before serving, and again in
+the background for the pairs of an engine that answers after being down. Mixed into
+``router.core.Router``."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from kvhandoff.types import BeamParams, Stage1Params
+from kvhandoff.v1 import common_pb2
+from router.plan import Outcome, Plan
+
+if TYPE_CHECKING:
+    from kvhandoff.model import ModelTokens
+    from router.capacity import Endpoint
+
+logger = logging.getLogger(__name__)
+
+
+class WarmUpMixin:
+    prefill: list[Endpoint]
+    decode: list[Endpoint]
+    tokens: ModelTokens
+    _rewarm: bool
+    _warming: set[asyncio.Task]
+    # Also uses ``run`` (router.core.Router).
+
+    async def warm_up(self, timeout_s: float = 120.0,
+                      pairs: list[tuple[Endpoint, Endpoint]] | None = None) -> dict[str, str]:
+        """One tiny handoff per reachable (P, D) pair (``pairs``: those only). On their
+        first handoff D adds P as a NIXL remote agent, with P's lease already running;
+        on a 2-core host that was seen to take seconds, twice a whole lease (README: "The
+        first handoff between a P and a D"). The router pays that before it serves, not
+        a client, and again in the background for the pairs of an engine that answers
+        after being down (restarted). A warm-up that fails is logged; the router serves
+        anyway. Returns what happened per pair ("P -> D": "imported", "recomputed" or
+        "failed: ..."); unreachable pairs are left out."""
+        everything = pairs is None
+        pairs = list(itertools.product(self.prefill, self.decode)) if everything else pairs
+        outcomes: dict[str, str] = {}
+        for i, (p, d) in enumerate(pairs):
+            if p.capacity is None or d.capacity is None:
+                continue
+            pair = f"{p.address} -> {d.address}"
+            t0 = time.perf_counter()
+            plan = Plan(f"warmup-{i}-{uuid.uuid4().hex[:8]}", list(range(10, 50)),
+                        list(self.tokens.default_suffix_ids),
+                        Stage1Params(max_tokens=2, temperature=0.0),
+                        BeamParams(beam_width=1, max_tokens=1), common_pb2.PATH_HANDOFF,
+                        time.monotonic() + timeout_s, pinned=(p, d))
+            try:
+                async for item in self.run(plan):
+                    if isinstance(item, Outcome):
+                        how = "recomputed" if item.failed_decode else "imported"
+                        outcomes[pair] = how
+                        logger.info("warm-up %s: %s in %.1fs", pair, how,
+                                    time.perf_counter() - t0)
+            except (TimeoutError, Exception) as e:  # noqa: BLE001 (logged; serve anyway)
+                outcomes[pair] = f"failed: {e}"
+                logger.warning("warm-up %s failed after %.1fs: %s", pair,
+                               time.perf_counter() - t0, e)
+        if everything:
+            self._rewarm = True
+        return outcomes
+
+    def _warm_up_later(self, ep: Endpoint) -> None:
+        if not self.decode:
+            return
+        pairs = ([(ep, d) for d in self.decode] if any(ep is p for p in self.prefill)
+                 else [(p, ep) for p in self.prefill])
+        logger.info("engine %s answers again: warming up its pairs", ep.address)
+        task = asyncio.create_task(self.warm_up(pairs=pairs))
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
