@@ -14,7 +14,7 @@ from typing import Any
 from connector.faults import FAULT_KEY
 from connector.handoff import KEY, import_params
 from decode_engine.beam import beam_search
-from engine.vllm_engine import VllmEngine
+from engine import VllmEngine
 from kvhandoff.budget import stage2_reservation
 from kvhandoff.types import BeamParams, Stage2Result, StageError, validate_prompt
 

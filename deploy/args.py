@@ -36,7 +36,7 @@ class Autoscaling(_Strict):
 
 
 class EngineArgs(_Strict):
-    """One vLLM engine (see ``engine.vllm_engine.EngineConfig``)."""
+    """One vLLM engine (see ``engine.EngineConfig``)."""
 
     kv_cache_mib: PositiveInt = 256
     block_size: PositiveInt = 32

@@ -61,7 +61,7 @@ class EngineServer:
     async def __init__(self, role: str, model: str, engine_kwargs: dict[str, Any],
                        side_channel_host: str | None = None, side_channel_port: int = 0):
         from decode_engine.engine import DecodeEngine
-        from engine.vllm_engine import EngineConfig
+        from engine import EngineConfig
         from kvhandoff.model import ModelTokens, model_fingerprint, resolve_model
         from prefill_engine.engine import PrefillEngine
         from server.engine_service import EngineServicer

@@ -1,15 +1,13 @@
-"""The engine layer's base: one vLLM ``AsyncLLM`` configured for kvhandoff (config ->
-engine args, lifecycle, pool snapshot and counters), under ``prefill_engine`` and
-``decode_engine``. vLLM is imported lazily, when an engine starts."""
+"""The engine layer's base: one vLLM ``AsyncLLM`` configured for kvhandoff, under
+``prefill_engine`` and ``decode_engine``: its configuration and engine arguments
+(``config``), its pool snapshot and counters (``stats``), and its lifecycle
+(``vllm_engine``). vLLM is imported lazily, when an engine starts."""
 
 from __future__ import annotations
 
-from engine.vllm_engine import (
-    EngineConfig,
-    EngineCounters,
-    PoolSnapshot,
-    VllmEngine,
-    shutdown_all,
-)
+from engine.config import EngineConfig, engine_env
+from engine.stats import EngineCounters, PoolSnapshot
+from engine.vllm_engine import VllmEngine, shutdown_all
 
-__all__ = ["EngineConfig", "EngineCounters", "PoolSnapshot", "VllmEngine", "shutdown_all"]
+__all__ = ["EngineConfig", "EngineCounters", "PoolSnapshot", "VllmEngine", "engine_env",
+           "shutdown_all"]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULT_KEY
 from connector.signing import TARGET_KEY
-from engine.vllm_engine import VllmEngine
+from engine import VllmEngine
 from kvhandoff.types import (
     Stage1Params,
     Stage1Result,

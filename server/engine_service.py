@@ -175,7 +175,7 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
                        metrics_port: int | None = None, tls: ServerTLS | None = None) -> None:
     """Start the engine, serve until SIGTERM/SIGINT, then shut everything down."""
     from decode_engine.engine import DecodeEngine
-    from engine.vllm_engine import EngineConfig
+    from engine import EngineConfig
     from kvhandoff.model import ModelTokens, model_fingerprint
     from prefill_engine.engine import PrefillEngine
 

@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.vllm_engine import EngineCounters
+from engine import EngineCounters
 
 
 class HandoffCounts:

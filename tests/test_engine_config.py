@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from engine.vllm_engine import EngineConfig, engine_env
+from engine import EngineConfig, engine_env
 
 
 def test_cpu_engines_prefill_a_prompt_in_one_step(model_dir):

@@ -103,7 +103,7 @@ def test_the_harness_fails_on_every_injected_fault(harness, pair, run, fault):
 def test_engines_without_the_switch_refuse_to_inject(pair):
     from dataclasses import replace
 
-    from engine.vllm_engine import EngineConfig
+    from engine import EngineConfig
 
     off = replace(pair.d.config, fault_injection=False)
     assert isinstance(off, EngineConfig) and not off.fault_injection

@@ -46,7 +46,7 @@ async def local_pair(model: str | None = None, *, prefill_overrides: dict[str, A
                      **common: Any) -> AsyncIterator[LocalPair]:
     """Start P then D (about 30 s each on CPU); shut both down on exit."""
     from decode_engine.engine import DecodeEngine
-    from engine.vllm_engine import EngineConfig, shutdown_all
+    from engine import EngineConfig, shutdown_all
     from prefill_engine.engine import PrefillEngine
 
     model_dir = resolve_model(model)

@@ -1,0 +1,104 @@
+"""What an engine reports: its KV pool as of the last step (:class:`PoolSnapshot`) and
+cumulative counters from vLLM's stat loggers and the connector (:class:`EngineCounters`)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.handoff import FORK_TOKENS_KEY
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """KV pool state as of the engine's last step (current while it is idle)."""
+
+    num_total_blocks: int
+    num_used_blocks: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    block_size: int
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_total_blocks - self.num_used_blocks
+
+    @property
+    def is_clean(self) -> bool:
+        """No block held by a request or an export; cached blocks count as free."""
+        return self.num_used_blocks == 0 and not self.num_running_reqs and not self.num_waiting_reqs
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative counters from vLLM's stat loggers (prompt tokens by source, and the NIXL
+    connector's transfer stats), for metrics and benchmarks."""
+
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    prompt_tokens_transferred: int = 0
+    #: Prompt tokens beam steps copied from a kept beam on this engine (vLLM counts them
+    #: with the transferred ones; they are subtracted from prompt_tokens_transferred).
+    beam_fork_tokens: int = 0
+    _fork_tokens_unmatched: int = 0
+    generation_tokens: int = 0
+    transfers: int = 0
+    transfer_s: float = 0.0
+    transfer_bytes: int = 0
+    failed_transfers: int = 0
+    failed_notifications: int = 0
+    failed_handshakes: int = 0
+    expired_leases: int = 0
+    #: The latest transfers' (seconds, bytes), newest last.
+    recent_transfers: deque = field(default_factory=lambda: deque(maxlen=256))
+
+    def add_connector_stats(self, data: dict[str, list]) -> None:
+        durations = data.get("transfer_duration", [])
+        sizes = data.get("bytes_transferred", [])
+        self.transfers += len(durations)
+        self.transfer_s += float(sum(durations))
+        self.transfer_bytes += int(sum(sizes))
+        self.recent_transfers.extend(zip(durations, sizes))
+        self.failed_transfers += len(data.get("num_failed_transfers", []))
+        self.failed_notifications += len(data.get("num_failed_notifications", []))
+        self.failed_handshakes += len(data.get("num_failed_handshakes", []))
+        self.expired_leases += len(data.get("num_kv_expired_reqs", []))
+        fork = int(sum(data.get(FORK_TOKENS_KEY, [])))
+        self.beam_fork_tokens += fork
+        self._fork_tokens_unmatched += fork
+
+    def add_external_tokens(self, num_tokens: int) -> None:
+        """vLLM's external (KV connector) prompt tokens, minus the beam fork copies."""
+        fork = min(num_tokens, self._fork_tokens_unmatched)
+        self._fork_tokens_unmatched -= fork
+        self.prompt_tokens_transferred += num_tokens - fork
+
+
+def stats_logger_factory(sink: dict[str, Any]):
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    counters = sink.setdefault("counters", EngineCounters())
+
+    class _StatsSink(StatLoggerBase):
+        """Keeps the last SchedulerStats and accumulates counters."""
+
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                sink["scheduler"] = scheduler_stats
+                if scheduler_stats.kv_connector_stats:
+                    counters.add_connector_stats(scheduler_stats.kv_connector_stats)
+            if iteration_stats is not None:
+                tokens = iteration_stats.prompt_token_stats
+                counters.prompt_tokens_computed += tokens.computed
+                counters.prompt_tokens_cached += tokens.local_cache_hit
+                counters.add_external_tokens(tokens.external_kv_transfer)
+                counters.generation_tokens += iteration_stats.num_generation_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _StatsSink
