@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tools.bench import MODES, BenchConfig, format_report, plot, run_bench
+from tools.bench import BenchConfig, run_bench
+from tools.bench_report import MODES, format_report, plot
 
 pytestmark = [pytest.mark.engines]
 

@@ -9,13 +9,9 @@ import json
 import pytest
 
 from connector.faults import FAULTS, applies
-from tools.harness import (
-    Harness,
-    default_cases,
-    fault_cases,
-    format_table,
-    write_json,
-)
+from tools.harness import Harness
+from tools.harness_cases import default_cases, fault_cases
+from tools.harness_report import format_table, write_json
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 

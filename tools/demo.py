@@ -14,7 +14,7 @@ import grpc
 
 from kvhandoff.corpus import Example, make_example, semantic_id
 from tools.client import RouterClient, make_request
-from tools.harness import LOGPROB_TOLERANCE
+from tools.harness_report import LOGPROB_TOLERANCE
 from tools.launch import local_cluster
 
 #: Seed of the demo's histories: not the training corpus's, so the model has not seen them.

@@ -19,20 +19,26 @@ name what differs (``tests/test_harness.py`` asserts it for every fault).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULTS, applies
 from decode_engine.beam import vllm_beam_search
 from kvhandoff.budget import stage2_reservation
-from kvhandoff.corpus import HISTORY_PREFIX, ITEMS
 from kvhandoff.types import Beam, BeamParams, Stage1Params
 from prefill_engine.engine import stage1_sampling
+from tools.harness_cases import Case, default_cases, history_prompt
+from tools.harness_report import (
+    LOGPROB_TOLERANCE,
+    CaseReport,
+    HarnessReport,
+    format_table,
+    result_text,
+    write_json,
+)
 from tools.pipeline import (
     TwoStageRequest,
     TwoStageResult,
@@ -47,149 +53,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Cumulative logprobs of the two paths may differ by float rounding (the reference
-#: recomputes the parent's partial last block; D imports it). Stated and small.
-LOGPROB_TOLERANCE = 1e-5
-
 #: D's pool for ``kvhandoff verify``, in blocks: 128 usable plus vLLM's null block, so the
 #: ``fill-d-pool`` case can fill it within a 4096-token context.
 VERIFY_D_POOL_BLOCKS = 129
-
-Ending = Literal["think_end", "eos", "length"]
-#: ``cold``: D's prefix cache is reset before the handoff (the import reads the whole
-#: parent); ``warm``: D ran the same stage 1 first, so it holds the parent's full blocks
-#: and the import reads only the rest; ``fill``: the prompt is sized so the stage 2
-#: needs D's whole pool, to the last block.
-DState = Literal["cold", "warm", "fill"]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One harness case. The stage-1 seed is searched so stage 1 ends by ``ending``;
-    with ``length`` and a ``stage1_max_tokens`` below the shortest thinking span the
-    parent length is exact: N = prompt_len + stage1_max_tokens."""
-
-    name: str
-    prompt_len: int
-    ending: Ending
-    beam_width: int
-    stage1_max_tokens: int = 48
-    beam_max_tokens: int = 3
-    extra_suffix_len: int = 0
-    seed: int = 0
-    d_state: DState = "cold"
-
-
-def default_cases(quick: bool = False) -> list[Case]:
-    # B = 32. Parent edges: N - 1 = kB - 1, kB, kB + 1 for k = 2 and k = 8.
-    cases = [
-        Case("n64-edge-w4", 60, "length", 4, stage1_max_tokens=4),
-        Case("n65-edge-w1", 61, "length", 1, stage1_max_tokens=4),
-        Case("n66-edge-w32", 62, "length", 32, stage1_max_tokens=4),
-        Case("n256-edge-w32", 252, "length", 32, stage1_max_tokens=4),
-        Case("n257-edge-w4", 253, "length", 4, stage1_max_tokens=4),
-        Case("n258-edge-w1", 254, "length", 1, stage1_max_tokens=4),
-        Case("p40-think-w4", 40, "think_end", 4),
-        Case("p33-eos-w4", 33, "eos", 4),
-        Case("p50-think-w4-t5", 50, "think_end", 4, beam_max_tokens=5),
-        Case("p64-think-longsuffix-w4", 64, "think_end", 4, extra_suffix_len=37),
-        Case("p100-think-w32-s1", 100, "think_end", 32, seed=1),
-        Case("p690-think-w32", 690, "think_end", 32, seed=2),
-        Case("warm-d-p200-w4", 200, "think_end", 4, d_state="warm"),
-        Case("fill-d-pool-w1", 0, "length", 1, stage1_max_tokens=4, d_state="fill"),
-    ]
-    if quick:
-        keep = {"n65-edge-w1", "n66-edge-w32", "p33-eos-w4", "p50-think-w4-t5",
-                "p64-think-longsuffix-w4", "p690-think-w32", "warm-d-p200-w4"}
-        cases = [c for c in cases if c.name in keep]
-    return cases
-
-
-def fault_cases() -> list[Case]:
-    """Cases every fault is run on: a parent with two full blocks and a partial one,
-    one that ends exactly at a block boundary, and a long one."""
-    keep = {"n66-edge-w32", "n257-edge-w4", "p100-think-w32-s1"}
-    return [c for c in default_cases() if c.name in keep]
-
-
-@dataclass
-class CaseReport:
-    name: str
-    prompt_token_ids: list[int]
-    stage1_seed: int
-    stage1_token_ids: list[int]
-    stage1_finish_reason: str
-    suffix_token_ids: list[int]
-    beam: dict[str, Any]
-    d_state: str
-    colocated_beams: list[dict[str, Any]]
-    handoff_beams: list[dict[str, Any]]
-    vllm_beams: list[dict[str, Any]]
-    num_parent_tokens: int
-    num_imported_tokens: int
-    #: Parent tokens D already held in its prefix cache (not read from P).
-    num_found_on_d_tokens: int
-    num_computed_tokens_d_first_step: int
-    num_computed_tokens_d_total: int
-    num_bytes_moved: int
-    #: What a text round-trip would compute: the re-tokenised parent + suffix.
-    num_text_roundtrip_tokens: int | None
-    stage1_identical: bool
-    stage1_identical_on_d: bool
-    beams_identical: bool
-    beams_match_vllm: bool
-    max_logprob_diff: float
-    computed_as_expected: bool
-    fault: str | None = None
-    #: False: the injected fault cannot corrupt this parent (e.g. no partial block).
-    fault_applies: bool = True
-    failures: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-
-@dataclass
-class HarnessReport:
-    model_dir: str
-    block_size: int
-    logprob_tolerance: float
-    cases: list[CaseReport]
-    pools_clean: bool
-    pool_details: dict[str, Any]
-    elapsed_s: float
-    fault: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.pools_clean and all(c.ok for c in self.cases)
-
-    @property
-    def caught(self) -> list[str]:
-        """Cases whose failures the injected fault caused (the fault applied)."""
-        return [c.name for c in self.cases if c.fault_applies and not c.ok]
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ok"] = self.ok
-        return d
-
-
-def history_prompt(length: int, key: str, tokenizer: Any) -> list[int]:
-    """A corpus-like prompt of exactly ``length`` tokens (``history: items\n<think>``),
-    its items drawn from ``key``: distinct per case, so no case finds another's parent
-    in D's prefix cache."""
-    head = tokenizer.encode(HISTORY_PREFIX, add_special_tokens=False)
-    tail = tokenizer.encode("\n<think>", add_special_tokens=False)
-    items = [tokenizer.encode(" " + item, add_special_tokens=False) for item in ITEMS]
-    assert all(len(i) == 1 for i in items), "corpus items must be single tokens"
-    rng = random.Random(key)
-    num_items = length - len(head) - len(tail)
-    if num_items < 2:
-        raise ValueError(f"a history prompt needs at least {len(head) + len(tail) + 2} tokens")
-    return head + [rng.choice(items)[0] for _ in range(num_items)] + tail
-
 
 def _beam_dicts(beams: list[Beam]) -> list[dict[str, Any]]:
     return [asdict(b) for b in beams]
@@ -414,48 +280,6 @@ class Harness:
         )
 
 
-def _result(c: CaseReport) -> str:
-    if c.ok:
-        return "identical" if c.fault_applies else "identical (fault n/a for this parent)"
-    return "FAIL: " + "; ".join(c.failures)
-
-
-def format_table(report: HarnessReport) -> str:
-    head = (f"{'case':<26}{'parent':>7}{'stage1':>8}{'suffix':>7}{'W':>4}{'D':>5}"
-            f"{'imported':>9}{'on D':>6}{'D comp':>7}{'text rt':>8}{'KiB moved':>10}"
-            f"{'dlogp':>9}  result")
-    lines = [f"injected fault: {report.fault} ({FAULTS[report.fault].what})"] if report.fault else []
-    lines += [head, "-" * len(head)]
-    for c in report.cases:
-        lines.append(
-            f"{c.name:<26}{c.num_parent_tokens:>7}{len(c.stage1_token_ids):>4} "
-            f"{c.stage1_finish_reason[:3]:>3}{len(c.suffix_token_ids):>7}{c.beam['beam_width']:>4}"
-            f"{c.d_state:>5}{c.num_imported_tokens:>9}{c.num_found_on_d_tokens:>6}"
-            f"{c.num_computed_tokens_d_first_step:>7}"
-            f"{(c.num_text_roundtrip_tokens or 0):>8}{c.num_bytes_moved / 1024:>10.0f}"
-            f"{c.max_logprob_diff:>9.1e}  {_result(c)}"
-        )
-    n_ok = sum(c.ok for c in report.cases)
-    lines.append("-" * len(head))
-    lines.append(
-        f"{n_ok}/{len(report.cases)} cases identical (beams exact and equal to vLLM's "
-        f"beam_search, logprobs within {report.logprob_tolerance:.0e}, stage 1 equal on P "
-        f"and D); pools clean: {'yes' if report.pools_clean else 'NO'} "
-        f"{report.pool_details if not report.pools_clean else ''}; {report.elapsed_s:.1f}s"
-    )
-    if report.fault:
-        fault = FAULTS[report.fault]
-        verdict = (f"caught in {len(report.caught)} case(s)" if report.caught
-                   else "not caught")
-        lines.append(f"fault {fault.name}: {verdict}; expected "
-                     f"{'caught' if fault.expected_caught else 'invisible'}: {fault.caught_by}")
-    return "\n".join(lines)
-
-
-def write_json(report: HarnessReport, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
-
-
 async def verify(model: str | None, *, quick: bool, json_path: str | None,
                  lease_s: int = 30, inject: str | None = None) -> HarnessReport:
     """Start P and D on ``model``, run the harness (with ``inject``: every handoff
@@ -472,7 +296,7 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
         cases = default_cases(quick)
 
         def progress(c: CaseReport) -> None:
-            print(f"  [{len(done) + 1}/{len(cases)}] {c.name}: {_result(c)}", flush=True)
+            print(f"  [{len(done) + 1}/{len(cases)}] {c.name}: {result_text(c)}", flush=True)
             done.append(c)
 
         done: list[CaseReport] = []

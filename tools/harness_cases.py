@@ -1,0 +1,81 @@
+"""The harness's cases: which parents, endings, beam widths and D cache states it runs,
+and the corpus-style prompts it builds for them."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvhandoff.corpus import HISTORY_PREFIX, ITEMS
+
+Ending = Literal["think_end", "eos", "length"]
+#: ``cold``: D's prefix cache is reset before the handoff (the import reads the whole
+#: parent); ``warm``: D ran the same stage 1 first, so it holds the parent's full blocks
+#: and the import reads only the rest; ``fill``: the prompt is sized so the stage 2
+#: needs D's whole pool, to the last block.
+DState = Literal["cold", "warm", "fill"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One harness case. The stage-1 seed is searched so stage 1 ends by ``ending``;
+    with ``length`` and a ``stage1_max_tokens`` below the shortest thinking span the
+    parent length is exact: N = prompt_len + stage1_max_tokens."""
+
+    name: str
+    prompt_len: int
+    ending: Ending
+    beam_width: int
+    stage1_max_tokens: int = 48
+    beam_max_tokens: int = 3
+    extra_suffix_len: int = 0
+    seed: int = 0
+    d_state: DState = "cold"
+
+
+def default_cases(quick: bool = False) -> list[Case]:
+    # B = 32. Parent edges: N - 1 = kB - 1, kB, kB + 1 for k = 2 and k = 8.
+    cases = [
+        Case("n64-edge-w4", 60, "length", 4, stage1_max_tokens=4),
+        Case("n65-edge-w1", 61, "length", 1, stage1_max_tokens=4),
+        Case("n66-edge-w32", 62, "length", 32, stage1_max_tokens=4),
+        Case("n256-edge-w32", 252, "length", 32, stage1_max_tokens=4),
+        Case("n257-edge-w4", 253, "length", 4, stage1_max_tokens=4),
+        Case("n258-edge-w1", 254, "length", 1, stage1_max_tokens=4),
+        Case("p40-think-w4", 40, "think_end", 4),
+        Case("p33-eos-w4", 33, "eos", 4),
+        Case("p50-think-w4-t5", 50, "think_end", 4, beam_max_tokens=5),
+        Case("p64-think-longsuffix-w4", 64, "think_end", 4, extra_suffix_len=37),
+        Case("p100-think-w32-s1", 100, "think_end", 32, seed=1),
+        Case("p690-think-w32", 690, "think_end", 32, seed=2),
+        Case("warm-d-p200-w4", 200, "think_end", 4, d_state="warm"),
+        Case("fill-d-pool-w1", 0, "length", 1, stage1_max_tokens=4, d_state="fill"),
+    ]
+    if quick:
+        keep = {"n65-edge-w1", "n66-edge-w32", "p33-eos-w4", "p50-think-w4-t5",
+                "p64-think-longsuffix-w4", "p690-think-w32", "warm-d-p200-w4"}
+        cases = [c for c in cases if c.name in keep]
+    return cases
+
+
+def fault_cases() -> list[Case]:
+    """Cases every fault is run on: a parent with two full blocks and a partial one,
+    one that ends exactly at a block boundary, and a long one."""
+    keep = {"n66-edge-w32", "n257-edge-w4", "p100-think-w32-s1"}
+    return [c for c in default_cases() if c.name in keep]
+
+
+def history_prompt(length: int, key: str, tokenizer: Any) -> list[int]:
+    """A corpus-like prompt of exactly ``length`` tokens (``history: items\n<think>``),
+    its items drawn from ``key``: distinct per case, so no case finds another's parent
+    in D's prefix cache."""
+    head = tokenizer.encode(HISTORY_PREFIX, add_special_tokens=False)
+    tail = tokenizer.encode("\n<think>", add_special_tokens=False)
+    items = [tokenizer.encode(" " + item, add_special_tokens=False) for item in ITEMS]
+    assert all(len(i) == 1 for i in items), "corpus items must be single tokens"
+    rng = random.Random(key)
+    num_items = length - len(head) - len(tail)
+    if num_items < 2:
+        raise ValueError(f"a history prompt needs at least {len(head) + len(tail) + 2} tokens")
+    return head + [rng.choice(items)[0] for _ in range(num_items)] + tail

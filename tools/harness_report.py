@@ -1,0 +1,119 @@
+"""What the harness reports: a row per case, the run's verdict, its table and JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from connector.faults import FAULTS
+
+#: Cumulative logprobs of the two paths may differ by float rounding (the reference
+#: recomputes the parent's partial last block; D imports it). Stated and small.
+LOGPROB_TOLERANCE = 1e-5
+
+@dataclass
+class CaseReport:
+    name: str
+    prompt_token_ids: list[int]
+    stage1_seed: int
+    stage1_token_ids: list[int]
+    stage1_finish_reason: str
+    suffix_token_ids: list[int]
+    beam: dict[str, Any]
+    d_state: str
+    colocated_beams: list[dict[str, Any]]
+    handoff_beams: list[dict[str, Any]]
+    vllm_beams: list[dict[str, Any]]
+    num_parent_tokens: int
+    num_imported_tokens: int
+    #: Parent tokens D already held in its prefix cache (not read from P).
+    num_found_on_d_tokens: int
+    num_computed_tokens_d_first_step: int
+    num_computed_tokens_d_total: int
+    num_bytes_moved: int
+    #: What a text round-trip would compute: the re-tokenised parent + suffix.
+    num_text_roundtrip_tokens: int | None
+    stage1_identical: bool
+    stage1_identical_on_d: bool
+    beams_identical: bool
+    beams_match_vllm: bool
+    max_logprob_diff: float
+    computed_as_expected: bool
+    fault: str | None = None
+    #: False: the injected fault cannot corrupt this parent (e.g. no partial block).
+    fault_applies: bool = True
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+@dataclass
+class HarnessReport:
+    model_dir: str
+    block_size: int
+    logprob_tolerance: float
+    cases: list[CaseReport]
+    pools_clean: bool
+    pool_details: dict[str, Any]
+    elapsed_s: float
+    fault: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.pools_clean and all(c.ok for c in self.cases)
+
+    @property
+    def caught(self) -> list[str]:
+        """Cases whose failures the injected fault caused (the fault applied)."""
+        return [c.name for c in self.cases if c.fault_applies and not c.ok]
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+
+def result_text(c: CaseReport) -> str:
+    if c.ok:
+        return "identical" if c.fault_applies else "identical (fault n/a for this parent)"
+    return "FAIL: " + "; ".join(c.failures)
+
+
+def format_table(report: HarnessReport) -> str:
+    head = (f"{'case':<26}{'parent':>7}{'stage1':>8}{'suffix':>7}{'W':>4}{'D':>5}"
+            f"{'imported':>9}{'on D':>6}{'D comp':>7}{'text rt':>8}{'KiB moved':>10}"
+            f"{'dlogp':>9}  result")
+    lines = [f"injected fault: {report.fault} ({FAULTS[report.fault].what})"] if report.fault else []
+    lines += [head, "-" * len(head)]
+    for c in report.cases:
+        lines.append(
+            f"{c.name:<26}{c.num_parent_tokens:>7}{len(c.stage1_token_ids):>4} "
+            f"{c.stage1_finish_reason[:3]:>3}{len(c.suffix_token_ids):>7}{c.beam['beam_width']:>4}"
+            f"{c.d_state:>5}{c.num_imported_tokens:>9}{c.num_found_on_d_tokens:>6}"
+            f"{c.num_computed_tokens_d_first_step:>7}"
+            f"{(c.num_text_roundtrip_tokens or 0):>8}{c.num_bytes_moved / 1024:>10.0f}"
+            f"{c.max_logprob_diff:>9.1e}  {result_text(c)}"
+        )
+    n_ok = sum(c.ok for c in report.cases)
+    lines.append("-" * len(head))
+    lines.append(
+        f"{n_ok}/{len(report.cases)} cases identical (beams exact and equal to vLLM's "
+        f"beam_search, logprobs within {report.logprob_tolerance:.0e}, stage 1 equal on P "
+        f"and D); pools clean: {'yes' if report.pools_clean else 'NO'} "
+        f"{report.pool_details if not report.pools_clean else ''}; {report.elapsed_s:.1f}s"
+    )
+    if report.fault:
+        fault = FAULTS[report.fault]
+        verdict = (f"caught in {len(report.caught)} case(s)" if report.caught
+                   else "not caught")
+        lines.append(f"fault {fault.name}: {verdict}; expected "
+                     f"{'caught' if fault.expected_caught else 'invisible'}: {fault.caught_by}")
+    return "\n".join(lines)
+
+
+def write_json(report: HarnessReport, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
