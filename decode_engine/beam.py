@@ -86,6 +86,50 @@ def _error_message(out: Any) -> str:
     return info.get("error") or "the engine finished the request with an error"
 
 
+def _step_extras(beams: list[_Sequence], names: list[str], step: int, params: BeamParams,
+                 first_step_extra_args: dict[str, Any] | None, fork: bool,
+                 previous: list[str]) -> tuple[list[dict[str, Any] | None], list[str]]:
+    """Each request's ``extra_args`` for one step, and the names kept for the next."""
+    extras: list[dict[str, Any] | None] = [
+        first_step_extra_args if step == 0 else None for _ in beams
+    ]
+    if not fork:
+        return extras, previous
+    keep = step + 1 < params.max_tokens
+    for i, beam in enumerate(_fork_params(beams, names, previous, keep)):
+        extra = dict(extras[i] or {})
+        extra["kv_transfer_params"] = {**(extra.get("kv_transfer_params") or {}), BEAM_KEY: beam}
+        extras[i] = extra
+    return extras, names if keep else []
+
+
+def _check_outputs(outputs: list[Any]) -> None:
+    """A step whose request the engine ended with an error or abort ends the search."""
+    for out in outputs:
+        if out.outputs[0].finish_reason in ("error", "abort"):
+            reason = ((out.kv_transfer_params or {}).get("kvhandoff") or {}).get(
+                "reason", out.outputs[0].finish_reason
+            )
+            raise StageError("stage2", reason, _error_message(out))
+
+
+def _extend(beams: list[_Sequence], outputs: list[Any], names: list[str], step: int,
+            request_id: str, eos_token_id: int | None, ignore_eos: bool,
+            completed: list[_Sequence]) -> list[_Sequence]:
+    """Every candidate of one step; those ending by EOS go to ``completed``."""
+    candidates: list[_Sequence] = []
+    for seq, out, name in zip(beams, outputs, names):
+        logprobs = out.outputs[0].logprobs
+        assert logprobs, f"{request_id}: step {step} returned no logprobs"
+        for token_id, lp in logprobs[0].items():
+            new = _Sequence(seq.tokens + [token_id], seq.cum_logprob + lp.logprob, name)
+            if token_id == eos_token_id and not ignore_eos:
+                completed.append(new)
+            else:
+                candidates.append(new)
+    return candidates
+
+
 async def beam_search(
     generate: GenerateFn,
     prompt_token_ids: list[int],
@@ -100,26 +144,17 @@ async def beam_search(
     ``fork`` shares each beam's partial last block with the next step (see above)."""
     from vllm import SamplingParams
 
-    width = params.beam_width
-    prompt_len = len(prompt_token_ids)
+    def sampling(extra_args: dict[str, Any] | None) -> SamplingParams:
+        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width,
+                              detokenize=False, extra_args=extra_args)
 
     def score(seq: _Sequence) -> float:
         return beam_score(seq.tokens, seq.cum_logprob, eos_token_id, params.length_penalty)
 
-    def sampling(extra_args: dict[str, Any] | None) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            logprobs=2 * width,
-            detokenize=False,
-            extra_args=extra_args,
-        )
-
     beams = [_Sequence(tokens=list(prompt_token_ids))]
     completed: list[_Sequence] = []
     t0 = time.perf_counter()
-    first_output = None
-    first_step_s = 0.0
+    first_output, first_step_s = None, 0.0
     step_computed: list[int] = []
     recomputed = 0
     previous: list[str] = []
@@ -127,69 +162,41 @@ async def beam_search(
         if not beams:
             break
         names = [f"{request_id}-s{step}b{i}" for i in range(len(beams))]
-        extras: list[dict[str, Any] | None] = [
-            first_step_extra_args if step == 0 else None for _ in beams
-        ]
-        if fork:
-            keep = step + 1 < params.max_tokens
-            for i, beam in enumerate(_fork_params(beams, names, previous, keep)):
-                extra = dict(extras[i] or {})
-                extra["kv_transfer_params"] = {
-                    **(extra.get("kv_transfer_params") or {}), BEAM_KEY: beam}
-                extras[i] = extra
-            previous = names if keep else []
-        outputs = await asyncio.gather(
-            *(
-                generate(seq.tokens, sampling(extra), name)
-                for seq, extra, name in zip(beams, extras, names)
-            )
-        )
+        extras, previous = _step_extras(beams, names, step, params, first_step_extra_args,
+                                        fork, previous)
+        outputs = await asyncio.gather(*(
+            generate(seq.tokens, sampling(extra), name)
+            for seq, extra, name in zip(beams, extras, names)))
         if step == 0:
-            first_output = outputs[0]
-            first_step_s = time.perf_counter() - t0
+            first_output, first_step_s = outputs[0], time.perf_counter() - t0
             info = ((first_output.kv_transfer_params or {}).get(KEY)) or {}
             if info.get("beam_fork_disabled"):
                 fork, previous = False, []  # step 0 was not kept either
-        for out in outputs:
-            if out.outputs[0].finish_reason in ("error", "abort"):
-                reason = ((out.kv_transfer_params or {}).get("kvhandoff") or {}).get(
-                    "reason", out.outputs[0].finish_reason
-                )
-                raise StageError("stage2", reason, _error_message(out))
+        _check_outputs(outputs)
         computed = [len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in outputs]
         step_computed.append(sum(computed))
         if step > 0:
             recomputed += sum(max(n - 1, 0) for n in computed)
-        candidates: list[_Sequence] = []
-        for seq, out, name in zip(beams, outputs, names):
-            logprobs = out.outputs[0].logprobs
-            assert logprobs, f"{request_id}: step {step} returned no logprobs"
-            for token_id, lp in logprobs[0].items():
-                new = _Sequence(seq.tokens + [token_id], seq.cum_logprob + lp.logprob, name)
-                if token_id == eos_token_id and not params.ignore_eos:
-                    completed.append(new)
-                else:
-                    candidates.append(new)
-        beams = sorted(candidates, key=score, reverse=True)[:width]
+        candidates = _extend(beams, outputs, names, step, request_id, eos_token_id,
+                             params.ignore_eos, completed)
+        beams = sorted(candidates, key=score, reverse=True)[:params.beam_width]
 
     completed.extend(beams)
-    best = sorted(completed, key=score, reverse=True)[:width]
+    best = sorted(completed, key=score, reverse=True)[:params.beam_width]
     return BeamSearchOutcome(
-        beams=[
-            Beam(
-                token_ids=seq.tokens[prompt_len:],
-                cum_logprob=seq.cum_logprob,
-                finish_reason="stop"
-                if seq.tokens[-1] == eos_token_id and not params.ignore_eos
-                else "length",
-            )
-            for seq in best
-        ],
+        beams=[_beam(seq, len(prompt_token_ids), eos_token_id, params.ignore_eos)
+               for seq in best],
         first_output=first_output,
         first_step_s=first_step_s,
         step_computed_tokens=step_computed,
         recomputed_tokens=recomputed,
     )
+
+
+def _beam(seq: _Sequence, prompt_len: int, eos_token_id: int | None, ignore_eos: bool) -> Beam:
+    ended_by_eos = seq.tokens[-1] == eos_token_id and not ignore_eos
+    return Beam(token_ids=seq.tokens[prompt_len:], cum_logprob=seq.cum_logprob,
+                finish_reason="stop" if ended_by_eos else "length")
 
 
 async def vllm_beam_search(llm: Any, tokenizer: Any, prompt_token_ids: list[int],

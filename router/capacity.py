@@ -176,13 +176,7 @@ class CapacityMixin:
                 holding = [ep for ep in live if can_hold(ep)]
                 if not holding:
                     biggest = max(live, key=lambda ep: ep.capacity.num_total_blocks)
-                    raise grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"decode pool too small: needs {need(biggest)} blocks "
-                                     f"({num_prompt_tokens}-token prompt, beam width "
-                                     f"{plan.beam.beam_width}, {plan.beam.max_tokens} beam "
-                                     f"tokens), the largest decode engine holds "
-                                     f"{biggest.capacity.num_total_blocks} (beam width up to "
-                                     f"{biggest.capacity.max_beam_width})")
+                    raise _too_small(need(biggest), biggest, num_prompt_tokens, plan)
                 my_turn = not self._decode_queue or self._decode_queue[0] is ticket
                 fitting = [ep for ep in holding if need(ep) <= ep.num_unclaimed_blocks]
                 if my_turn and fitting:
@@ -191,10 +185,7 @@ class CapacityMixin:
                     return d
                 if ticket not in self._decode_queue:
                     if len(self._decode_queue) >= cfg.decode_queue_limit:
-                        raise grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                         f"decode queue full: {len(self._decode_queue)} "
-                                         f"requests wait for room on a decode engine "
-                                         f"(limit {cfg.decode_queue_limit})")
+                        raise _queue_full(len(self._decode_queue), cfg.decode_queue_limit)
                     self._decode_queue.append(ticket)
                     # The queue's head asks the Ds itself if nobody polls them.
                     max_age = 2 * cfg.capacity_poll_s
@@ -203,11 +194,7 @@ class CapacityMixin:
                     if plan.deadline is not None and wait_until >= plan.deadline:
                         raise TimeoutError()
                     most = max(holding, key=lambda ep: ep.num_unclaimed_blocks)
-                    raise grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"decode pool too small: no decode engine had room for "
-                                     f"{need(most)} blocks within {cfg.decode_wait_s:g} s "
-                                     f"(most unclaimed: {most.num_unclaimed_blocks} of "
-                                     f"{most.capacity.num_total_blocks})")
+                    raise _no_room_in_time(need(most), most, cfg.decode_wait_s)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(left, cfg.capacity_poll_s))
         finally:
@@ -227,3 +214,26 @@ class CapacityMixin:
             task = asyncio.create_task(self.refresh_capacity([d]))
             self._refreshing[d.address] = task
             task.add_done_callback(lambda _: self._refreshing.pop(d.address, None))
+
+
+# RESOURCE_EXHAUSTED answers carry the numbers a client needs to act on them.
+def _too_small(need: int, biggest: Endpoint, num_prompt_tokens: int, plan: Plan) -> RouterError:
+    cap = biggest.capacity
+    return grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"decode pool too small: needs {need} blocks ({num_prompt_tokens}-token "
+                      f"prompt, beam width {plan.beam.beam_width}, {plan.beam.max_tokens} beam "
+                      f"tokens), the largest decode engine holds {cap.num_total_blocks} (beam "
+                      f"width up to {cap.max_beam_width})")
+
+
+def _queue_full(num_waiting: int, limit: int) -> RouterError:
+    return grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"decode queue full: {num_waiting} requests wait for room on a decode "
+                      f"engine (limit {limit})")
+
+
+def _no_room_in_time(need: int, most: Endpoint, wait_s: float) -> RouterError:
+    return grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"decode pool too small: no decode engine had room for {need} blocks "
+                      f"within {wait_s:g} s (most unclaimed: {most.num_unclaimed_blocks} of "
+                      f"{most.capacity.num_total_blocks})")

@@ -163,44 +163,21 @@ class Router(CapacityMixin, WarmUpMixin):
         key = object()  # this request's claim on D's blocks
         if handoff and plan.pinned:
             d = plan.pinned[1]
-            out.decode = d.address
         elif handoff:
             # D is chosen first: P addresses (and signs) the handoff to it. The longest
             # stage-2 prompt the request can make is what must fit.
             longest = len(plan.prompt_ids) + plan.stage1.max_tokens + len(plan.suffix_ids) + 1
             d = await self._pick_decode(longest, plan, key)
-            out.decode = d.address
+        out.decode = d.address if d is not None else None
         try:
-            p.outstanding += 1
-            try:
-                call = p.stub.Stage1(engine_pb2.Stage1Request(
-                    request_id=f"{plan.request_id}-s1", prompt_token_ids=plan.prompt_ids,
-                    sampling=convert.stage1_to_pb(plan.stage1), export=handoff,
-                    target_engine_id=_handoff_target(d)),
-                    timeout=self._timeout(plan))
-                handoff_msg = None
-                waiting_since = time.perf_counter()
-                async for event in call:
-                    out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
-                    if event.new_token_ids:
-                        out.thinking_ids.extend(event.new_token_ids)
-                        yield list(event.new_token_ids)
-                    if event.finish_reason:
-                        out.stage1_finish_reason = event.finish_reason
-                        if event.HasField("handoff"):
-                            handoff_msg = event.handoff
-                    waiting_since = time.perf_counter()
-                out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
-            finally:
-                p.outstanding -= 1
+            handoff_msg = None
+            async for item in self._stage1(p, d, plan, out, export=handoff):
+                if isinstance(item, list):
+                    yield item
+                else:
+                    handoff_msg = item
             out.stage1_ms = (time.perf_counter() - t0) * 1e3
-
-            parent = plan.prompt_ids + out.thinking_ids
-            stage2_prompt = continuation_prompt(parent, plan.suffix_ids, self.tokens.think_end_id)
-            out.suffix_ids = stage2_prompt[len(parent):]
-            request = engine_pb2.Stage2Request(
-                request_id=f"{plan.request_id}-s2", prompt_token_ids=stage2_prompt,
-                beam=convert.beam_to_pb(plan.beam))
+            request = self._stage2_request(plan, out)
             if handoff:
                 if handoff_msg is None:
                     raise grpc_error(grpc.StatusCode.INTERNAL, "prefill engine exported no handoff")
@@ -211,32 +188,79 @@ class Router(CapacityMixin, WarmUpMixin):
                              handoff_msg.lease_expires_at - time.time())
             else:
                 d = p
-            try:
-                out.stage2 = await self._stage2(d, request, plan, out, key)
-            except (RouterError, grpc.aio.AioRpcError) as e:
-                code = e.code if isinstance(e, RouterError) else e.code()
-                # UNAVAILABLE: D is gone or its READ failed; FAILED_PRECONDITION: P's lease
-                # ended before D could read (D was busy, or the transfer stalled).
-                if not (handoff and code in (grpc.StatusCode.UNAVAILABLE,
-                                             grpc.StatusCode.FAILED_PRECONDITION)
-                        and self.config.on_handoff_failure == "recompute"):
-                    raise
-                # The parent's KV is out of reach; its token ids are not. P's blocks go back
-                # when the lease ends (or at once, if D told P before it failed).
-                reason = (e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)) or code.name
-                logger.warning("%s: handoff to %s failed (%s); recomputing stage 2 from the "
-                               "parent's token ids", plan.request_id, d.address, reason)
-                out.failed_decode, out.handoff_failure = d.address, reason
-                request.ClearField("handoff")
-                request.request_id = f"{plan.request_id}-s2r"
-                self._release(d, key)
-                d = await self._pick_decode(len(stage2_prompt), plan, key, fresh=True)
-                out.decode = d.address
-                out.stage2 = await self._stage2(d, request, plan, out, key)
+            d = await self._stage2_or_recompute(d, request, plan, out, key, handoff)
         finally:
             self._release(d, key)
         out.total_ms = (time.perf_counter() - t0) * 1e3
         yield out
+
+    async def _stage1(self, p: Endpoint, d: Endpoint | None, plan: Plan, out: Outcome, *,
+                      export: bool) -> AsyncIterator[list[int] | common_pb2.Handoff]:
+        """Stage 1 on P: yields token batches, then P's handoff (with ``export``)."""
+        p.outstanding += 1
+        try:
+            call = p.stub.Stage1(engine_pb2.Stage1Request(
+                request_id=f"{plan.request_id}-s1", prompt_token_ids=plan.prompt_ids,
+                sampling=convert.stage1_to_pb(plan.stage1), export=export,
+                target_engine_id=_handoff_target(d)),
+                timeout=self._timeout(plan))
+            waiting_since = time.perf_counter()
+            async for event in call:
+                out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
+                if event.new_token_ids:
+                    out.thinking_ids.extend(event.new_token_ids)
+                    yield list(event.new_token_ids)
+                if event.finish_reason:
+                    out.stage1_finish_reason = event.finish_reason
+                    if event.HasField("handoff"):
+                        yield event.handoff
+                waiting_since = time.perf_counter()
+            out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
+        finally:
+            p.outstanding -= 1
+
+    def _stage2_request(self, plan: Plan, out: Outcome) -> engine_pb2.Stage2Request:
+        """Stage 2's request: parent + suffix, from token ids (never re-tokenised)."""
+        parent = plan.prompt_ids + out.thinking_ids
+        stage2_prompt = continuation_prompt(parent, plan.suffix_ids, self.tokens.think_end_id)
+        out.suffix_ids = stage2_prompt[len(parent):]
+        return engine_pb2.Stage2Request(
+            request_id=f"{plan.request_id}-s2", prompt_token_ids=stage2_prompt,
+            beam=convert.beam_to_pb(plan.beam))
+
+    async def _stage2_or_recompute(self, d: Endpoint, request: engine_pb2.Stage2Request,
+                                   plan: Plan, out: Outcome, key: object,
+                                   handoff: bool) -> Endpoint:
+        """Stage 2 on ``d``; a handoff D cannot complete is recomputed from the parent's
+        token ids on a live D (policy "recompute"). Returns the D that ran it."""
+        try:
+            out.stage2 = await self._stage2(d, request, plan, out, key)
+            return d
+        except (RouterError, grpc.aio.AioRpcError) as e:
+            code = e.code if isinstance(e, RouterError) else e.code()
+            # UNAVAILABLE: D is gone or its READ failed; FAILED_PRECONDITION: P's lease
+            # ended before D could read (D was busy, or the transfer stalled).
+            if not (handoff and code in (grpc.StatusCode.UNAVAILABLE,
+                                         grpc.StatusCode.FAILED_PRECONDITION)
+                    and self.config.on_handoff_failure == "recompute"):
+                raise
+            # The parent's KV is out of reach; its token ids are not. P's blocks go back
+            # when the lease ends (or at once, if D told P before it failed).
+            reason = (e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)) or code.name
+            logger.warning("%s: handoff to %s failed (%s); recomputing stage 2 from the "
+                           "parent's token ids", plan.request_id, d.address, reason)
+            out.failed_decode, out.handoff_failure = d.address, reason
+        request.ClearField("handoff")
+        request.request_id = f"{plan.request_id}-s2r"
+        self._release(d, key)
+        d = await self._pick_decode(len(request.prompt_token_ids), plan, key, fresh=True)
+        out.decode = d.address
+        try:
+            out.stage2 = await self._stage2(d, request, plan, out, key)
+        except BaseException:
+            self._release(d, key)  # the caller releases only the D it chose
+            raise
+        return d
 
     async def _stage2(self, d: Endpoint, request: engine_pb2.Stage2Request, plan: Plan,
                       out: Outcome, key: object) -> engine_pb2.Stage2Response:

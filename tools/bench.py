@@ -28,8 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.types import BeamParams, Stage1Params
-from tools.bench_report import MODES, format_report, pct, plot, summarize
-from tools.harness_report import LOGPROB_TOLERANCE
+from tools.bench_report import (
+    MODES,
+    agreement,
+    concurrency_row,
+    format_report,
+    plot,
+    summarize,
+)
 
 
 @dataclass
@@ -199,6 +205,20 @@ class Bench:
                 "prefill_ms": round(prefill_ms, 3)}
 
 
+async def _at_concurrency(bench: Bench, cfg: BenchConfig, mode: str, c: int) -> dict[str, Any]:
+    """``c x rounds`` requests of one mode, ``c`` at a time."""
+    prompts = _prompts(bench.tok, c * cfg.rounds, cfg.prompt_tokens, cfg.seed + 1000 * c)
+    sem = asyncio.Semaphore(c)
+
+    async def go(i: int, prompt: list[int]) -> Sample:
+        async with sem:
+            return await bench.one(mode, prompt, cfg.seed + i)
+
+    t0 = time.perf_counter()
+    samples = await asyncio.gather(*(go(i, p) for i, p in enumerate(prompts)))
+    return concurrency_row(mode, c, samples, wall_s=time.perf_counter() - t0)
+
+
 async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
                     checkpoint: Any = None) -> dict[str, Any]:
     """Run every measurement; on ``pair`` if given (tests), else on a new P+D pair.
@@ -237,56 +257,14 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
             for mode in MODES:
                 by_mode[mode].append(await bench.one(mode, prompt, cfg.seed + i))
                 tick(f"{mode} {i + 1}/{len(prompts)}")
-        for mode in MODES:
-            result["modes"][mode] = summarize(by_mode[mode])
-        ref = by_mode["colocated"]
-        peer = by_mode["vllm_beam_search"]
-        for mode in MODES:
-            got = by_mode[mode]
-            same = sum(s.beams == r.beams for s, r in zip(got, ref))
-            result["modes"][mode]["beams_match_colocated"] = f"{same}/{len(prompts)}"
-            # vLLM's own beam search (a reference we did not write): ids and order equal,
-            # cumulative logprobs within the harness's tolerance.
-            agree = sum(s.beams == r.beams and all(
-                abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(s.logprobs, r.logprobs))
-                for s, r in zip(got, peer))
-            result["modes"][mode]["beams_match_vllm_beam_search"] = f"{agree}/{len(prompts)}"
-            # Where beams differ: are the scores the same (ties among near-equal
-            # candidates) or different searches?
-            result["modes"][mode]["max_score_diff_vs_colocated"] = max(
-                (abs(a - b) for s, r in zip(got, ref) for a, b in zip(s.logprobs, r.logprobs)),
-                default=None)
+        result["modes"] = {mode: {**summarize(by_mode[mode]), **agreement(by_mode, mode)}
+                           for mode in MODES}
         save()
-        for mode in MODES:
-            if 1 in cfg.concurrency:
-                samples = by_mode[mode]
-                result["concurrency"].append({
-                    "mode": mode, "concurrency": 1, "requests": len(samples),
-                    "requests_per_s": round(len(samples)
-                                            / (sum(s.end_to_end_ms for s in samples) / 1e3), 3),
-                    "end_to_end_ms_p50": pct([s.end_to_end_ms for s in samples], 0.5),
-                    "stage2_first_beam_ms_p50": pct([s.stage2_first_beam_ms for s in samples], 0.5),
-                })
+        if 1 in cfg.concurrency:
+            result["concurrency"] += [concurrency_row(m, 1, by_mode[m]) for m in MODES]
         for c in (c for c in cfg.concurrency if c > 1):
             for mode in MODES:
-                n = c * cfg.rounds
-                cp = _prompts(bench.tok, n, cfg.prompt_tokens, cfg.seed + 1000 * c)
-                sem = asyncio.Semaphore(c)
-
-                async def go(i: int, prompt: list[int], sem: asyncio.Semaphore = sem,
-                             mode: str = mode) -> Sample:
-                    async with sem:
-                        return await bench.one(mode, prompt, cfg.seed + i)
-
-                t0 = time.perf_counter()
-                samples = await asyncio.gather(*(go(i, p) for i, p in enumerate(cp)))
-                wall = time.perf_counter() - t0
-                result["concurrency"].append({
-                    "mode": mode, "concurrency": c, "requests": n,
-                    "requests_per_s": round(n / wall, 3),
-                    "end_to_end_ms_p50": pct([s.end_to_end_ms for s in samples], 0.5),
-                    "stage2_first_beam_ms_p50": pct([s.stage2_first_beam_ms for s in samples], 0.5),
-                })
+                result["concurrency"].append(await _at_concurrency(bench, cfg, mode, c))
                 tick(f"concurrency {c} {mode}")
                 save()
         for i, n in enumerate(cfg.sweep):

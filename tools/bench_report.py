@@ -49,6 +49,40 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
     return out
 
 
+def agreement(by_mode: dict[str, list[Sample]], mode: str) -> dict[str, Any]:
+    """How ``mode``'s beams compare with the colocated path's and with vLLM's own beam
+    search (a reference we did not write): ids and order equal, cumulative logprobs
+    within the harness's tolerance."""
+    from tools.harness_report import LOGPROB_TOLERANCE
+
+    got, ref, peer = by_mode[mode], by_mode["colocated"], by_mode["vllm_beam_search"]
+    same = sum(s.beams == r.beams for s, r in zip(got, ref))
+    agree = sum(s.beams == r.beams and all(
+        abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(s.logprobs, r.logprobs))
+        for s, r in zip(got, peer))
+    return {
+        "beams_match_colocated": f"{same}/{len(got)}",
+        "beams_match_vllm_beam_search": f"{agree}/{len(got)}",
+        # Where beams differ: are the scores the same (ties among near-equal candidates)
+        # or different searches?
+        "max_score_diff_vs_colocated": max(
+            (abs(a - b) for s, r in zip(got, ref) for a, b in zip(s.logprobs, r.logprobs)),
+            default=None),
+    }
+
+
+def concurrency_row(mode: str, c: int, samples: list[Sample],
+                    wall_s: float | None = None) -> dict[str, Any]:
+    """Throughput and latency of ``samples`` run ``c`` at a time (``wall_s``: their wall
+    time; at concurrency 1, the sum of their end-to-end times)."""
+    if wall_s is None:
+        wall_s = sum(s.end_to_end_ms for s in samples) / 1e3
+    return {"mode": mode, "concurrency": c, "requests": len(samples),
+            "requests_per_s": round(len(samples) / wall_s, 3),
+            "end_to_end_ms_p50": pct([s.end_to_end_ms for s in samples], 0.5),
+            "stage2_first_beam_ms_p50": pct([s.stage2_first_beam_ms for s in samples], 0.5)}
+
+
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"{'mode':<18}{'first beam p50':>15}{'p95':>9}{'stage2 p50':>12}{'p95':>9}"
              f"{'e2e p50':>10}{'D computed':>11}{'KiB moved':>10}{'GB/s':>7}  beams=B  =vLLM"]

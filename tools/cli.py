@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from typing import Any
 
 from connector.faults import FAULTS
 from connector.logs import LEVEL_ENV
@@ -103,18 +104,15 @@ def tls_channel_args(p: argparse.ArgumentParser, who: str) -> None:
     p.add_argument("--tls-client-key", default=None, metavar="PEM")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "WARNING"))
-    sub = parser.add_subparsers(dest="command", required=True)
+def _model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory (default: the built-in model)")
 
-    def model_arg(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default=None,
-                       help="Hugging Face model directory (default: the built-in model)")
 
+def _add_verify(sub: Any) -> None:
     verify = sub.add_parser(
         "verify", help="prove the P->D handoff gives the same tokens as one engine")
-    model_arg(verify)
+    _model_arg(verify)
     verify.add_argument("--json", default=None, metavar="PATH", help="write the full report here")
     verify.add_argument("--quick", action="store_true", help="a smaller case set")
     verify.add_argument(
@@ -126,11 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
                  f"{f.name} ({f.what})" for f in FAULTS.values()))
     verify.set_defaults(func=_verify)
 
+
+def _add_serve(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run an engine server or the router (gRPC)")
     serve.add_argument("--role", choices=["prefill", "decode", "router"], required=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    model_arg(serve)
+    _model_arg(serve)
     serve.add_argument("--kv-cache-mib", type=int, default=0, help="KV pool size (MiB)")
     serve.add_argument("--block-size", type=int, default=32)
     serve.add_argument("--max-model-len", type=int, default=4096)
@@ -144,6 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--nixl-progress-delay-us", type=int, default=500,
                        help="NIXL progress thread sleep between sweeps (µs); 0 = NIXL's "
                             "busy-spinning thread, -1 = no thread (the engine polls)")
+    _add_router_flags(serve)
+    serve.add_argument("--handoff-secret-file", default=None, metavar="PATH",
+                       help="P and D: sign (P) and require (D) handoffs with the shared "
+                            "secret in this file (or set KVHANDOFF_HANDOFF_SECRET_FILE)")
+    serve.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS")
+    serve.add_argument("--tls-key", default=None, metavar="PEM")
+    serve.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                       help="require client certificates signed by this CA (mutual TLS)")
+    tls_channel_args(serve, "router: ")
+    serve.set_defaults(func=_serve)
+
+
+def _add_router_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--prefill", default="", help="router: P endpoints host:port,...")
     serve.add_argument("--decode", default="", help="router: D endpoints host:port,...")
     serve.add_argument("--metrics-port", type=int, default=-1,
@@ -164,16 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "from token ids on a live D, or fail")
     serve.add_argument("--no-warm-up", action="store_true",
                        help="router: serve without a warm-up handoff per (P, D) pair")
-    serve.add_argument("--handoff-secret-file", default=None, metavar="PATH",
-                       help="P and D: sign (P) and require (D) handoffs with the shared "
-                            "secret in this file (or set KVHANDOFF_HANDOFF_SECRET_FILE)")
-    serve.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS")
-    serve.add_argument("--tls-key", default=None, metavar="PEM")
-    serve.add_argument("--tls-client-ca", default=None, metavar="PEM",
-                       help="require client certificates signed by this CA (mutual TLS)")
-    tls_channel_args(serve, "router: ")
-    serve.set_defaults(func=_serve)
 
+
+def _add_client(sub: Any) -> None:
     client = sub.add_parser("client", help="send one two-stage request to a router")
     client.add_argument("--router", default="127.0.0.1:50051")
     tls_channel_args(client, "")
@@ -189,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--timeout", type=float, default=120.0)
     client.set_defaults(func=_client)
 
+
+def _add_bench(sub: Any) -> None:
     bench = sub.add_parser("bench", help="measure the handoff against the alternatives")
     bench.add_argument("--model", default=None,
                        help="model directory (default: the ~100M bench model, seeded weights)")
@@ -208,12 +216,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "as separate processes (built-in model unless --model)")
     bench.set_defaults(func=_bench)
 
+
+def _add_demo(sub: Any) -> None:
     demo = sub.add_parser("demo", help="start P, D and the router; send requests; verify")
-    model_arg(demo)
+    _model_arg(demo)
     demo.add_argument("--requests", type=int, default=8)
     demo.add_argument("--beam-width", type=int, default=8)
     demo.add_argument("--json", default=None, metavar="PATH")
     demo.set_defaults(func=_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "WARNING"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_verify, _add_serve, _add_client, _add_bench, _add_demo):
+        add(sub)
     return parser
 
 

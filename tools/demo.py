@@ -31,93 +31,106 @@ def _sid_tokens(tokenizer, token_ids) -> list[str]:
     return tokenizer.convert_ids_to_tokens(list(token_ids)) if tokenizer else []
 
 
-def main_demo(args: argparse.Namespace) -> int:
+def _send_all(router: str, prompts: list[str], beam_width: int) -> list:
+    """Each prompt by handoff, then on the colocated path (4 at a time); a failed pair
+    is its status as text."""
     from tqdm import tqdm
+
+    with RouterClient(router) as client:
+
+        def both(i: int):
+            kw = dict(prompt=prompts[i], max_tokens=96, seed=i, beam_width=beam_width)
+            try:
+                got = client.generate(make_request(path="handoff", request_id=f"demo-{i}", **kw))
+                ref = client.generate(make_request(path="colocated", request_id=f"ref-{i}", **kw))
+            except grpc.RpcError as e:
+                return f"{e.code().name}: {e.details()}"
+            return got, ref
+
+        with ThreadPoolExecutor(4) as pool:
+            return list(tqdm(pool.map(both, range(len(prompts))), total=len(prompts),
+                             desc="two-stage requests", unit="req"))
+
+
+def _row(i: int, got, ref, example: Example, tokenizer, think_end: int) -> dict:
+    """One request's line of the table (printed) and of the JSON report."""
+    # A handoff the router had to recompute (flagged) must be identical too, but only
+    # the others demonstrate the handoff.
+    same = (list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+            and [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+            and all(abs(a.cum_logprob - b.cum_logprob) <= LOGPROB_TOLERANCE
+                    for a, b in zip(got.beams, ref.beams)))
+    s = got.stats
+    top = _sid_tokens(tokenizer, got.beams[0].token_ids) if got.beams else []
+    rule = semantic_id(example.history)
+    logp = got.beams[0].cum_logprob if got.beams else float("nan")
+    print(f"demo-{i:<3}{len(got.thinking_token_ids):>7}{s.num_parent_tokens:>7}"
+          f"{s.num_imported_tokens:>9}{s.num_computed_tokens_first_step:>7}"
+          f"{s.num_bytes_moved / 1024:>6.0f}{got.timings.stage2_first_step_ms:>14.1f}  "
+          f"{''.join(top):<16}{''.join(rule):<16}{logp:>8.3f}  {'yes' if same else 'NO'}"
+          f"{' (recomputed: ' + s.handoff_failure + ')' if s.recomputed else ''}")
+    return {"request_id": got.request_id, "verified": same,
+            "top_beam": top, "rule": rule, "matches_rule": top == rule,
+            "stage1_ended_by_think": bool(got.thinking_token_ids)
+            and got.thinking_token_ids[-1] == think_end,
+            "recomputed": s.recomputed, "handoff_failure": s.handoff_failure,
+            "num_parent_tokens": s.num_parent_tokens,
+            "num_imported_tokens": s.num_imported_tokens,
+            "num_computed_tokens_d": s.num_computed_tokens_first_step,
+            "num_bytes_moved": s.num_bytes_moved,
+            "stage2_first_step_ms": got.timings.stage2_first_step_ms,
+            "colocated_stage2_first_step_ms": ref.timings.stage2_first_step_ms}
+
+
+def _print_summary(rows: list[dict], handed: list[dict]) -> None:
+    done = [r for r in rows if "error" not in r]
+    imp = sum(r["num_imported_tokens"] for r in handed)
+    comp = sum(r["num_computed_tokens_d"] for r in handed)
+    print(f"\n{sum(r['verified'] for r in rows)}/{len(rows)} requests identical to the "
+          f"colocated reference; {len(handed)} by handoff, {len(done) - len(handed)} "
+          f"recomputed after a failed handoff; D imported {imp} tokens and computed {comp} "
+          "for the import steps.")
+    if not done:
+        return
+    first = sorted(r["stage2_first_step_ms"] for r in done)
+    ref_first = sorted(r["colocated_stage2_first_step_ms"] for r in done)
+    distinct = len({tuple(r["top_beam"]) for r in done})
+    print(f"the model reads its context: {distinct} distinct top beams for {len(done)} "
+          f"histories; {sum(r['matches_rule'] for r in done)}/{len(done)} top beams "
+          f"equal the corpus rule's semantic id; stage 1 ended by </think> in "
+          f"{sum(r['stage1_ended_by_think'] for r in done)}/{len(done)}.")
+    print(f"stage-2 first beam step p50: handoff {first[len(first) // 2]:.1f} ms, "
+          f"colocated {ref_first[len(ref_first) // 2]:.1f} ms (P, D, the router and this "
+          f"client share this machine's cores)")
+
+
+def main_demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from kvhandoff.model import resolve_model
 
-    out_dir = Path("out")
     examples = demo_examples(args.requests)
-    prompts = [ex.prompt for ex in examples]
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
     think_end = tokenizer.convert_tokens_to_ids("</think>")
-    rows, ok_all = [], True
-    with local_cluster(args.model, out_dir / "demo-logs") as cluster:
+    with local_cluster(args.model, Path("out") / "demo-logs") as cluster:
         print(f"P, D and router up; router at {cluster['router']}", flush=True)
-        with RouterClient(cluster["router"]) as client:
-
-            def both(i: int):
-                kw = dict(prompt=prompts[i], max_tokens=96, seed=i, beam_width=args.beam_width)
-                try:
-                    got = client.generate(make_request(path="handoff", request_id=f"demo-{i}", **kw))
-                    ref = client.generate(make_request(path="colocated", request_id=f"ref-{i}", **kw))
-                except grpc.RpcError as e:
-                    return f"{e.code().name}: {e.details()}"
-                return got, ref
-
-            with ThreadPoolExecutor(4) as pool:
-                results = list(tqdm(pool.map(both, range(len(prompts))), total=len(prompts),
-                                    desc="two-stage requests", unit="req"))
+        results = _send_all(cluster["router"], [ex.prompt for ex in examples], args.beam_width)
     print(f"\n{'req':<8}{'stage1':>7}{'parent':>7}{'imported':>9}{'D comp':>7}{'KiB':>6}"
           f"{'first beam ms':>14}  {'top beam':<16}{'rule':<16}{'logp':>8}  verified")
+    rows = []
     for i, result in enumerate(results):
         if isinstance(result, str):
-            ok_all = False
             print(f"demo-{i:<3} FAILED: {result}")
             rows.append({"request_id": f"demo-{i}", "verified": False, "error": result})
-            continue
-        got, ref = result
-        # A handoff the router had to recompute (flagged) must be identical too, but only
-        # the others demonstrate the handoff.
-        same = (list(got.thinking_token_ids) == list(ref.thinking_token_ids)
-                and [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
-                and all(abs(a.cum_logprob - b.cum_logprob) <= LOGPROB_TOLERANCE
-                        for a, b in zip(got.beams, ref.beams)))
-        ok_all &= same
-        s = got.stats
-        top = _sid_tokens(tokenizer, got.beams[0].token_ids) if got.beams else []
-        rule = semantic_id(examples[i].history)
-        logp = got.beams[0].cum_logprob if got.beams else float("nan")
-        print(f"demo-{i:<3}{len(got.thinking_token_ids):>7}{s.num_parent_tokens:>7}"
-              f"{s.num_imported_tokens:>9}{s.num_computed_tokens_first_step:>7}"
-              f"{s.num_bytes_moved / 1024:>6.0f}{got.timings.stage2_first_step_ms:>14.1f}  "
-              f"{''.join(top):<16}{''.join(rule):<16}{logp:>8.3f}  {'yes' if same else 'NO'}"
-              f"{' (recomputed: ' + s.handoff_failure + ')' if s.recomputed else ''}")
-        rows.append({"request_id": got.request_id, "verified": same,
-                     "top_beam": top, "rule": rule, "matches_rule": top == rule,
-                     "stage1_ended_by_think": bool(got.thinking_token_ids)
-                     and got.thinking_token_ids[-1] == think_end,
-                     "recomputed": s.recomputed, "handoff_failure": s.handoff_failure,
-                     "num_parent_tokens": s.num_parent_tokens,
-                     "num_imported_tokens": s.num_imported_tokens,
-                     "num_computed_tokens_d": s.num_computed_tokens_first_step,
-                     "num_bytes_moved": s.num_bytes_moved,
-                     "stage2_first_step_ms": got.timings.stage2_first_step_ms,
-                     "colocated_stage2_first_step_ms": ref.timings.stage2_first_step_ms})
-    n_ok = sum(r["verified"] for r in rows)
-    done = [r for r in rows if "error" not in r]
-    handed = [r for r in done if not r["recomputed"]]
-    # The handoff itself, not its fallback: every request but one (a first READ can stall
-    # past P's lease on a loaded 2-core host; it is recomputed, flagged) went by handoff.
-    ok_all &= len(handed) >= max(1, len(rows) - 1)
-    imp = sum(r["num_imported_tokens"] for r in handed)
-    comp = sum(r["num_computed_tokens_d"] for r in handed)
-    first = sorted(r["stage2_first_step_ms"] for r in done)
-    ref_first = sorted(r["colocated_stage2_first_step_ms"] for r in done)
-    print(f"\n{n_ok}/{len(rows)} requests identical to the colocated reference; "
-          f"{len(handed)} by handoff, {len(done) - len(handed)} recomputed after a failed "
-          f"handoff; D imported {imp} tokens and computed {comp} for the import steps.")
-    if done:
-        distinct = len({tuple(r["top_beam"]) for r in done})
-        print(f"the model reads its context: {distinct} distinct top beams for {len(done)} "
-              f"histories; {sum(r['matches_rule'] for r in done)}/{len(done)} top beams "
-              f"equal the corpus rule's semantic id; stage 1 ended by </think> in "
-              f"{sum(r['stage1_ended_by_think'] for r in done)}/{len(done)}.")
-        print(f"stage-2 first beam step p50: handoff {first[len(first) // 2]:.1f} ms, "
-              f"colocated {ref_first[len(ref_first) // 2]:.1f} ms (P, D, the router and this "
-              f"client share this machine's cores)")
+        else:
+            rows.append(_row(i, *result, examples[i], tokenizer, think_end))
+    handed = [r for r in rows if "error" not in r and not r["recomputed"]]
+    _print_summary(rows, handed)
+    # Every request identical, and the handoff itself, not its fallback: every request
+    # but one (a first READ can stall past P's lease on a loaded 2-core host; it is
+    # recomputed, flagged) went by handoff.
+    ok = all(r["verified"] for r in rows) and len(handed) >= max(1, len(rows) - 1)
     if args.json:
-        Path(args.json).write_text(json.dumps({"ok": ok_all, "requests": rows,
+        Path(args.json).write_text(json.dumps({"ok": ok, "requests": rows,
                                                "num_handoff": len(handed)}, indent=1) + "\n")
-    return 0 if ok_all else 1
+    return 0 if ok else 1

@@ -177,6 +177,25 @@ class Harness:
             await self._reset_cache(self.p)  # P's cache holds the overwritten blocks
         return self.compare(case, ref, got, fault)
 
+    def _import_failures(self, case: Case, got: TwoStageResult, found: int) -> list[str]:
+        """What D read from P, against the parent and D's cache state."""
+        s2, parent_len, b = got.stage2, len(got.parent_token_ids), self.d.block_size
+        if case.d_state == "warm":
+            full = (parent_len - 1) // b * b
+            if found != full:
+                return [f"D found {found} parent tokens in its prefix cache, expected its "
+                        f"{full} full-block tokens"]
+        elif s2.num_imported_tokens != parent_len - 1:
+            return [f"D imported {s2.num_imported_tokens} tokens, expected {parent_len - 1}"]
+        if case.d_state == "fill":
+            need = stage2_reservation(parent_len + len(got.suffix_token_ids), b,
+                                      case.beam_width, case.beam_max_tokens,
+                                      self.d.config.beam_fork, self.d.num_total_blocks)
+            if need != self.d.num_total_blocks:
+                return [f"the stage 2 needs {need} of D's {self.d.num_total_blocks} blocks, "
+                        "not all of them"]
+        return []
+
     def _roundtrip_tokens(self, parent: list[int], suffix: list[int]) -> int | None:
         if self.tokenizer is None:
             return None
@@ -213,20 +232,7 @@ class Harness:
         if not computed_ok:
             failures.append(f"D computed {s2.num_computed_tokens_first_step} tokens for the "
                             f"import step, expected len(suffix)+1 = {expected_computed}")
-        if case.d_state == "warm":
-            full = (parent_len - 1) // self.d.block_size * self.d.block_size
-            if found != full:
-                failures.append(f"D found {found} parent tokens in its prefix cache, "
-                                f"expected its {full} full-block tokens")
-        elif s2.num_imported_tokens != parent_len - 1:
-            failures.append(f"D imported {s2.num_imported_tokens} tokens, expected {parent_len - 1}")
-        if case.d_state == "fill":
-            need = stage2_reservation(len(got.parent_token_ids) + len(got.suffix_token_ids),
-                                      self.d.block_size, case.beam_width, case.beam_max_tokens,
-                                      self.d.config.beam_fork, self.d.num_total_blocks)
-            if need != self.d.num_total_blocks:
-                failures.append(f"the stage 2 needs {need} of D's {self.d.num_total_blocks} "
-                                "blocks, not all of them")
+        failures += self._import_failures(case, got, found)
 
         return CaseReport(
             name=case.name,
