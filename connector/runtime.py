@@ -71,10 +71,10 @@ def nixl_agent_options(*, progress_thread: bool, progress_delay_us: int):
 
     vLLM 0.32 builds its agent with the library defaults: a progress thread that
     busy-spins a whole core. Without any progress thread, P answers a READ only
-    while its worker happens to call into NIXL, and with P and D as separate
-    servers on 2 cores those calls were seen to stall for seconds. A progress
-    thread that sleeps ``progress_delay_us`` between sweeps keeps both: transfers
-    progress on their own and an idle engine costs a few percent of a core.
+    while its worker happens to call into NIXL. A progress thread that sleeps
+    ``progress_delay_us`` between sweeps keeps both: transfers progress on their own
+    and an idle engine costs a few percent of a core (docs/decisions.md, "NIXL
+    progress thread").
     """
     original = base_worker.nixl_agent_config
     api = sys.modules.get(getattr(base_worker.NixlWrapper, "__module__", ""), None)
@@ -105,10 +105,9 @@ def bound_shm_reader_waits(recheck_ms: int) -> None:
     vLLM's engine core and its worker hand every step over a shared-memory ring and
     wake the reader with a ZMQ ping that is best effort: PUB ``SNDHWM=1`` drops it
     silently when ZMQ's I/O thread lags, and a reader whose ping was dropped sleeps
-    until its recheck, 5 s in vLLM 0.32 (vllm-project/vllm#45224). On a busy 2-core
-    host this was measured under load: D's engine core idle for 5-6 s with imports
-    waiting. ``recheck_ms`` bounds each such stall; an idle reader wakes that often.
-    0 keeps vLLM's own value.
+    until its recheck, 5 s in vLLM 0.32 (vllm-project/vllm#45224; docs/decisions.md,
+    "Shared-memory recheck"). ``recheck_ms`` bounds each such stall; an idle reader
+    wakes that often. 0 keeps vLLM's own value.
     """
     if recheck_ms <= 0:
         return

@@ -64,15 +64,13 @@ class EngineConfig:
     nixl_progress_delay_us: int = 500
     #: UCX interfaces; "lo" keeps transfers on loopback (single host). None = all.
     ucx_net_devices: str | None = "lo"
-    #: CPU hosts only: torch threads per engine (OMP_NUM_THREADS). vLLM's default
-    #: binds each engine's OpenMP threads to cores; with two engines and their
-    #: engine-core processes on the same cores, spin-waits made every step ~25x
-    #: slower here (265 ms vs 10 ms per token), so threads are left unbound.
+    #: CPU hosts only: torch threads per engine (OMP_NUM_THREADS), left unbound: vLLM's
+    #: default binds each engine's OpenMP threads to cores, and two engines on the same
+    #: cores then spin-wait on each other (docs/decisions.md, "CPU threads").
     cpu_threads: int | None = 1
     #: CPU hosts: oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY; oneDNN's
-    #: default 1024). vLLM's CPU matmuls cache a primitive per batch shape; under load
-    #: every new token count added one, and P's worker grew ~320 KB per request
-    #: (+211 MiB over 640 stage 1s, still growing). 64 kept it flat at the same speed.
+    #: default 1024). vLLM's CPU matmuls cache a primitive per batch shape, so an
+    #: unbounded cache grows with every new token count (docs/decisions.md, "oneDNN").
     onednn_cache_capacity: int | None = 64
     #: Beam steps copy each beam's partial last block instead of recomputing it
     #: (``connector.nixl_continuation``); kept blocks wait ``beam_fork_hold_s`` at most.

@@ -53,9 +53,8 @@ class RouterConfig:
     colocated_below_tokens: int = 0
     capacity_timeout_s: float = 2.0
     #: GetCapacity calls in a row a D or P may leave unanswered past ``capacity_timeout_s``
-    #: and stay in rotation on its last snapshot: an overloaded host answers late (seen
-    #: on 2 cores, which then sent every request to the other D). A refused connection
-    #: or any other error takes it out at once.
+    #: and stay in rotation on its last snapshot: an overloaded host answers late. A
+    #: refused connection or any other error takes it out at once.
     capacity_late_limit: int = 2
     #: A D's capacity snapshot younger than this is used as it is, less the blocks of
     #: requests the router sent it since; an older one is asked again before a pick.

@@ -63,7 +63,7 @@ class Outcome:
     total_ms: float = 0.0
     #: Time spent waiting on P's Stage1 stream and D's Stage2 call.
     engine_ms: float = 0.0
-    #: The handoff failed and stage 2 was recomputed on ``decode`` (was ``failed_decode``).
+    #: The D whose handoff failed (stage 2 was then recomputed on ``decode``).
     failed_decode: str | None = None
     #: Why that handoff failed (the D's status message).
     handoff_failure: str = ""

@@ -33,9 +33,9 @@ class WarmUpMixin:
     async def warm_up(self, timeout_s: float = 120.0,
                       pairs: list[tuple[Endpoint, Endpoint]] | None = None) -> dict[str, str]:
         """One tiny handoff per reachable (P, D) pair (``pairs``: those only). On their
-        first handoff D adds P as a NIXL remote agent, with P's lease already running;
-        on a 2-core host that was seen to take seconds, twice a whole lease (README: "The
-        first handoff between a P and a D"). The router pays that before it serves, not
+        first handoff D adds P as a NIXL remote agent, with P's lease already running,
+        which can take seconds (docs/decisions.md, "Router warm-up"). The router pays that
+        before it serves, not
         a client, and again in the background for the pairs of an engine that answers
         after being down (restarted). A warm-up that fails is logged; the router serves
         anyway. Returns what happened per pair ("P -> D": "imported", "recomputed" or
