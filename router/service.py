@@ -6,21 +6,17 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from kvhandoff.errors import status_for
-from kvhandoff.tls import ServerTLS, add_port
+from kvhandoff.tls import ServerTLS
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
 from router.core import Router, RouterConfig
 from router.metrics import OVERLOAD_MESSAGE, RouterMetrics
 from router.plan import Outcome, RouterError, to_response
-from server.grpc_common import (
-    SERVER_OPTIONS,
-    add_health_and_reflection,
-    wait_for_shutdown_signal,
-)
+from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal
 
 logger = logging.getLogger(__name__)
 
@@ -76,30 +72,33 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise exc
         await context.abort(code, message)
 
-    async def Generate(self, request, context):
+    async def _events(self, request, context) -> AsyncIterator[router_pb2.GenerateStreamEvent]:
+        """Stage-1 token batches as P samples them, then the result (both rpcs)."""
         received_at = time.perf_counter()
+        with self._admit():
+            plan = self.router.plan(request, _deadline(context))
+            async with contextlib.aclosing(self.router.run(plan)) as items:
+                async for item in items:
+                    if isinstance(item, Outcome):
+                        yield router_pb2.GenerateStreamEvent(
+                            result=self._response(item, received_at))
+                    else:
+                        yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+
+    async def Generate(self, request, context):
         try:
-            with self._admit():
-                plan = self.router.plan(request, _deadline(context))
-                async with contextlib.aclosing(self.router.run(plan)) as items:
-                    async for item in items:
-                        if isinstance(item, Outcome):
-                            return self._response(item, received_at)
+            async with contextlib.aclosing(self._events(request, context)) as events:
+                async for event in events:
+                    if event.HasField("result"):
+                        return event.result
         except (Exception, asyncio.CancelledError) as e:  # mapped to a status in one place
             await self._abort(context, e)
 
     async def GenerateStream(self, request, context):
-        received_at = time.perf_counter()
         try:
-            with self._admit():
-                plan = self.router.plan(request, _deadline(context))
-                async with contextlib.aclosing(self.router.run(plan)) as items:
-                    async for item in items:
-                        if isinstance(item, Outcome):
-                            yield router_pb2.GenerateStreamEvent(
-                                result=self._response(item, received_at))
-                        else:
-                            yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+            async with contextlib.aclosing(self._events(request, context)) as events:
+                async for event in events:
+                    yield event
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 
@@ -112,14 +111,10 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     if metrics_port is not None:
         bound_metrics = metrics.serve(host, metrics_port)
         print(f"kvhandoff router metrics on http://{host}:{bound_metrics}/metrics", flush=True)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, metrics), server)
-    names = [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name]
-    health = add_health_and_reflection(server, names)
-    bound = add_port(server, f"{host}:{port}", tls)
-    await server.start()
-    for name in ["", *names]:
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+    server, health, bound = await start_server(
+        lambda s: router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, metrics), s),
+        service, host, port, tls)
     # SERVING once a prefill engine (and a decode engine, if any are configured) answers;
     # engines that are down are skipped until they answer.
     while True:
@@ -132,8 +127,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     if config.warm_up:
         await router.warm_up()
     poller = asyncio.create_task(router.poll_capacity())
-    for name in ["", *names]:
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(health, service, True)
     print(f"kvhandoff router serving on {host}:{bound}", flush=True)
     try:
         await wait_for_shutdown_signal()

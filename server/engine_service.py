@@ -13,21 +13,18 @@ import time
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from kvhandoff.errors import status_for
-from kvhandoff.tls import ServerTLS, add_port
+from kvhandoff.tls import ServerTLS
 from kvhandoff.types import InvalidRequest
 from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from server import convert as engine_pb
-from server.grpc_common import (
-    SERVER_OPTIONS,
-    add_health_and_reflection,
-    wait_for_shutdown_signal,
-)
+from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal
 from server.metrics import HandoffCounts, serve_metrics
 
 logger = logging.getLogger(__name__)
+
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 
 class EngineStarting(RuntimeError):
     """The server is up but its engine is still loading."""
@@ -163,11 +160,10 @@ async def start_engine_server(engine: Any, role: str, host: str = "127.0.0.1",
     tokens = ModelTokens.load(engine.config.model)
     servicer = EngineServicer(role, model_fingerprint(engine.config.model), tokens.think_end_id)
     servicer.engine = engine
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    add_health_and_reflection(server, [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name])
-    bound = add_port(server, f"{host}:{port}", tls)
-    await server.start()
+    server, health_servicer, bound = await start_server(
+        lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s), ENGINE_SERVICE,
+        host, port, tls)
+    await set_serving(health_servicer, ENGINE_SERVICE, True)
     return server, bound
 
 
@@ -182,14 +178,9 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
     config = EngineConfig(role=role, **config_kwargs)
     tokens = ModelTokens.load(config.model)
     servicer = EngineServicer(role, model_fingerprint(config.model), tokens.think_end_id)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    names = [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name]
-    health_servicer = add_health_and_reflection(server, names)
-    bound = add_port(server, f"{host}:{port}", tls)
-    await server.start()
-    for name in ["", *names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server, health_servicer, bound = await start_server(
+        lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s), ENGINE_SERVICE,
+        host, port, tls)
     if metrics_port is not None:
         bound_metrics = serve_metrics(servicer, host, metrics_port)
         print(f"kvhandoff {role} metrics on http://{host}:{bound_metrics}/metrics", flush=True)
@@ -200,8 +191,7 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
     engine = await asyncio.to_thread(cls.start, config)
     await engine.warmup()
     servicer.engine = engine
-    for name in ["", *names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(health_servicer, ENGINE_SERVICE, True)
     logger.info("%s engine %s serving on %s:%d (ready in %.1fs)", role, engine.engine_id,
                 host, bound, time.perf_counter() - t0)
     print(f"kvhandoff {role} serving on {host}:{bound}", flush=True)

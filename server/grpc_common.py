@@ -1,5 +1,6 @@
 """What every kvhandoff gRPC server shares (engine servers and routers): message limits,
-health and reflection, and waiting for a shutdown signal. Light: grpc only."""
+the start-up sequence (health NOT_SERVING until the caller says otherwise, reflection,
+the port with or without TLS), and waiting for a shutdown signal. Light: grpc only."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import signal
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from kvhandoff.tls import ServerTLS, add_port
 
 #: Engine messages carry token lists; 64 MiB is far above any valid request.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -42,3 +45,26 @@ async def wait_for_shutdown_signal(engine_failed: Callable[[], bool] | None = No
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), poll_s)
     return True
+
+
+async def start_server(add_servicer: Callable[[grpc.aio.Server], None], service: str,
+                       host: str, port: int, tls: ServerTLS | None = None
+                       ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """Start a gRPC server for one service (``add_servicer`` registers it): returns the
+    server, its health servicer (every name NOT_SERVING until :func:`set_serving`) and
+    the port it bound."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    add_servicer(server)
+    health_servicer = add_health_and_reflection(server, [service])
+    bound = add_port(server, f"{host}:{port}", tls)
+    await server.start()
+    await set_serving(health_servicer, service, False)
+    return server, health_servicer, bound
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, service: str,
+                      serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", service):
+        await health_servicer.set(name, status)
