@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -216,8 +215,9 @@ class RouterServer:
                                   f"P and D differ in {key}: {p[key]} vs {d[key]}")
         self._checked = True
 
-    async def _run(self, request: router_pb2.GenerateRequest, received_at: float):
-        from router import Outcome, RouterError, to_response
+    async def _events(self, request: router_pb2.GenerateRequest):
+        from router import RouterError
+        from router.service import generate_events
 
         await self._check_engines()
         if request.beam.beam_width > self.max_beam_width:
@@ -226,15 +226,10 @@ class RouterServer:
                               f"deployment's {self.max_beam_width}")
         if not any(ep.capacity for ep in self.router.prefill):
             await self.router.refresh_capacity(self.router.prefill)
-        plan = self.router.plan(request, None)
-        async with contextlib.aclosing(self.router.run(plan)) as items:
-            async for item in items:
-                if isinstance(item, Outcome):
-                    resp = to_response(item, self.router.tokens.tokenizer, received_at)
-                    self.metrics.observe(resp)
-                    yield resp
-                else:
-                    yield item
+        async with contextlib.aclosing(
+                generate_events(self.router, self.metrics, request, None)) as events:
+            async for event in events:
+                yield event
 
     def _fail(self, grpc_context: Any, exc: BaseException) -> None:
         """Set the status the standalone router would send, then raise RequestFailed
@@ -254,24 +249,19 @@ class RouterServer:
 
     async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:
-        received_at = time.perf_counter()
         try:
-            async for item in self._run(request, received_at):
-                if isinstance(item, router_pb2.GenerateResponse):
-                    return item
+            async for event in self._events(request):
+                if event.HasField("result"):
+                    return event.result
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
         raise AssertionError("the router produced no response")
 
     async def GenerateStream(self, request: router_pb2.GenerateRequest,  # noqa: N802
                              grpc_context: Any = None):
-        received_at = time.perf_counter()
         try:
-            async for item in self._run(request, received_at):
-                if isinstance(item, router_pb2.GenerateResponse):
-                    yield router_pb2.GenerateStreamEvent(result=item)
-                else:
-                    yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+            async for event in self._events(request):
+                yield event
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
 

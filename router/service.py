@@ -21,6 +21,24 @@ from server.grpc_common import set_serving, start_server, wait_for_shutdown_sign
 logger = logging.getLogger(__name__)
 
 
+async def generate_events(router: Router, metrics: RouterMetrics,
+                          request: router_pb2.GenerateRequest, deadline: float | None
+                          ) -> AsyncIterator[router_pb2.GenerateStreamEvent]:
+    """Stage-1 token batches as P samples them, then the result: what both rpcs of the
+    Router service send, standalone (``RouterServicer``) or behind Ray Serve
+    (``deploy.deployments.RouterServer``)."""
+    received_at = time.perf_counter()
+    plan = router.plan(request, deadline)
+    async with contextlib.aclosing(router.run(plan)) as items:
+        async for item in items:
+            if isinstance(item, Outcome):
+                resp = to_response(item, router.tokens.tokenizer, received_at)
+                metrics.observe(resp)
+                yield router_pb2.GenerateStreamEvent(result=resp)
+            else:
+                yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status a router caller sees for ``exc`` (standalone and Ray Serve routers)."""
     if isinstance(exc, RouterError):
@@ -55,11 +73,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             self.inflight -= 1
 
-    def _response(self, item: Outcome, received_at: float) -> router_pb2.GenerateResponse:
-        resp = to_response(item, self.router.tokens.tokenizer, received_at)
-        self.metrics.observe(resp)
-        return resp
-
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         code, message = status_of(exc)
         remaining = context.time_remaining()
@@ -73,17 +86,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         await context.abort(code, message)
 
     async def _events(self, request, context) -> AsyncIterator[router_pb2.GenerateStreamEvent]:
-        """Stage-1 token batches as P samples them, then the result (both rpcs)."""
-        received_at = time.perf_counter()
         with self._admit():
-            plan = self.router.plan(request, _deadline(context))
-            async with contextlib.aclosing(self.router.run(plan)) as items:
-                async for item in items:
-                    if isinstance(item, Outcome):
-                        yield router_pb2.GenerateStreamEvent(
-                            result=self._response(item, received_at))
-                    else:
-                        yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+            async with contextlib.aclosing(generate_events(
+                    self.router, self.metrics, request, _deadline(context))) as events:
+                async for event in events:
+                    yield event
 
     async def Generate(self, request, context):
         try:
