@@ -67,6 +67,8 @@ class Handoff:
     kv_bytes_per_block: int
     #: Wall-clock export time and lease end (seconds since the epoch, P's clock).
     exported_at: float
+    #: Seconds since the epoch on P's clock; D checks it on its own clock with
+    #: ``lease_safety_margin_s`` to spare (hosts' clocks may differ by that much).
     lease_expires_at: float
 
     def __post_init__(self) -> None:
@@ -110,21 +112,36 @@ class Handoff:
         return asdict(self)
 
 
-#: The stock NIXL fields D needs to reach P (to READ, or to tell P to release).
-_TRANSPORT_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "remote_block_ids": (list, tuple),
+# ---- the wire format: the only definition of a handoff's field lists ----------------
+#: The stock NIXL fields D needs to reach P (to READ, or to tell P to release), with
+#: their types: a handoff without them well-formed never reaches vLLM's connector.
+REQUIRED_TRANSPORT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "remote_engine_id": str,
     "remote_request_id": str,
+    "remote_block_ids": (list, tuple),
     "remote_host": str,
     "remote_port": int,
     "tp_size": int,
 }
+#: Every stock NIXL field a handoff carries (beside ``remote_num_tokens``, which D
+#: derives from ``num_computed_tokens``).
+TRANSPORT_FIELDS = (*REQUIRED_TRANSPORT_FIELDS, "dcp_size", "pp_size",
+                    "remote_blocks_expiry_time")
+#: Our fields under ``KEY``: the :class:`Handoff`, the D it is addressed to, and P's
+#: signature over :data:`SIGNED_FIELDS` (``connector.signing``).
+HANDOFF_FIELDS = (*Handoff.__dataclass_fields__, "target_engine_id", "signature")
+#: What a signature covers: (transport fields, handoff fields).
+SIGNED_FIELDS = (
+    tuple(REQUIRED_TRANSPORT_FIELDS),
+    tuple(f for f in HANDOFF_FIELDS if f not in ("exported_at", "kv_bytes_per_block",
+                                                  "signature")),
+)
 
 
 def can_reach_p(params: dict[str, Any]) -> bool:
     """Whether the stock NIXL fields are well-formed enough to contact P. A handoff
     without them must never reach vLLM's connector: it indexes them unchecked."""
-    return all(isinstance(params.get(k), t) for k, t in _TRANSPORT_FIELDS.items()) and all(
+    return all(isinstance(params.get(k), t) for k, t in REQUIRED_TRANSPORT_FIELDS.items()) and all(
         isinstance(group, (list, tuple)) and all(isinstance(b, int) for b in group)
         for group in params["remote_block_ids"]
     )

@@ -48,6 +48,7 @@ from connector.handoff import (
     DEFAULT_LEASE_SAFETY_MARGIN_S,
     KEY,
     PROTOCOL_VERSION,
+    Handoff,
     token_digest,
 )
 from connector.logs import use_vllm_handlers
@@ -227,21 +228,22 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         # Stock NIXL stamps the deadline in this process's perf_counter; D's worker
         # rebases it with the clock offset measured at the handshake.
         params["remote_blocks_expiry_time"] = self._reqs_need_send[request.request_id]
-        params[KEY] = {
-            "protocol_version": PROTOCOL_VERSION,
-            "model_fingerprint": self.model_fingerprint,
-            "engine_id": self.engine_id,
-            "request_id": request.request_id,
-            "num_parent_tokens": num_parent_tokens,
-            "num_computed_tokens": request.num_computed_tokens,
-            "token_digest": token_digest(request.all_token_ids),
-            "block_size": self.block_size,
-            "num_blocks": len(params["remote_block_ids"][0]),
-            "kv_bytes_per_block": self.kv_bytes_per_block,
-            "exported_at": now,
-            "lease_expires_at": now + self._kv_lease_duration,
-            "target_engine_id": str((request.kv_transfer_params or {}).get(TARGET_KEY) or ""),
-        }
+        handoff = Handoff(
+            protocol_version=PROTOCOL_VERSION,
+            model_fingerprint=self.model_fingerprint,
+            engine_id=self.engine_id,
+            request_id=request.request_id,
+            num_parent_tokens=num_parent_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            token_digest=token_digest(request.all_token_ids),
+            block_size=self.block_size,
+            num_blocks=len(params["remote_block_ids"][0]),
+            kv_bytes_per_block=self.kv_bytes_per_block,
+            exported_at=now,
+            lease_expires_at=now + self._kv_lease_duration,
+        )
+        target = str((request.kv_transfer_params or {}).get(TARGET_KEY) or "")
+        params[KEY] = {**handoff.to_dict(), "target_engine_id": target}
         if self._secret is not None:
             params[KEY]["signature"] = sign(params, self._secret)
         if self._fault(request) == "stale":

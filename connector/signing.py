@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from connector.handoff import KEY
+from connector.handoff import KEY, SIGNED_FIELDS
 from kvhandoff.types import HandoffError
 
 SECRET_FILE_ENV = "KVHANDOFF_HANDOFF_SECRET_FILE"
@@ -29,11 +29,7 @@ TARGET_KEY = "kvhandoff_target"
 MIN_SECRET_BYTES = 16
 
 #: Signed fields: vLLM's NIXL transport fields, then ours (under ``KEY``).
-_TRANSPORT = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host",
-              "remote_port", "tp_size")
-_HANDOFF = ("protocol_version", "model_fingerprint", "engine_id", "request_id",
-            "num_parent_tokens", "num_computed_tokens", "token_digest", "block_size",
-            "num_blocks", "lease_expires_at", "target_engine_id")
+_TRANSPORT, _HANDOFF = SIGNED_FIELDS
 
 
 def load_secret(path: str | None = None,

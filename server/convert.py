@@ -4,21 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from connector.handoff import KEY
+from connector.handoff import HANDOFF_FIELDS, KEY, TRANSPORT_FIELDS
 from kvhandoff.types import Beam, BeamParams, InvalidRequest, Stage1Params
 from kvhandoff.v1 import common_pb2
 
-_HANDOFF_FIELDS = ("protocol_version", "model_fingerprint", "engine_id", "request_id",
-                   "num_parent_tokens", "num_computed_tokens", "token_digest", "block_size",
-                   "num_blocks", "kv_bytes_per_block", "exported_at", "lease_expires_at",
-                   "target_engine_id", "signature")
-_TRANSPORT_FIELDS = ("remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
-                     "remote_blocks_expiry_time")
+#: Transport fields the Handoff message carries as they are (P's engine and request id
+#: travel as ``engine_id``/``request_id``, the block ids as a repeated message).
+_TRANSPORT_FIELDS = tuple(f for f in TRANSPORT_FIELDS
+                          if f not in ("remote_engine_id", "remote_request_id", "remote_block_ids"))
 
 
 def handoff_to_pb(params: dict[str, Any]) -> common_pb2.Handoff:
     fields = params.get(KEY) or {}
-    msg = common_pb2.Handoff(**{k: fields[k] for k in _HANDOFF_FIELDS if k in fields})
+    msg = common_pb2.Handoff(**{k: fields[k] for k in HANDOFF_FIELDS if k in fields})
     for k in _TRANSPORT_FIELDS:
         if params.get(k) is not None:
             setattr(msg, k, params[k])
@@ -38,7 +36,7 @@ def handoff_from_pb(msg: common_pb2.Handoff) -> dict[str, Any]:
         "remote_block_ids": [list(g.ids) for g in msg.remote_block_ids],
         "transfer_mode": "pull",
         **{k: getattr(msg, k) for k in _TRANSPORT_FIELDS},
-        KEY: {k: getattr(msg, k) for k in _HANDOFF_FIELDS},
+        KEY: {k: getattr(msg, k) for k in HANDOFF_FIELDS},
     }
 
 
