@@ -59,11 +59,9 @@ class EngineServer:
 
     async def __init__(self, role: str, model: str, engine_kwargs: dict[str, Any],
                        side_channel_host: str | None = None, side_channel_port: int = 0):
-        from decode_engine.engine import DecodeEngine
         from engine import EngineConfig
-        from kvhandoff.model import ModelTokens, model_fingerprint, resolve_model
-        from prefill_engine.engine import PrefillEngine
-        from server.engine_service import EngineServicer
+        from kvhandoff.model import resolve_model
+        from server.engine_service import make_servicer, start_engine
 
         self.role = role
         model_dir = str(resolve_model(model))
@@ -74,12 +72,8 @@ class EngineServer:
         host = side_channel_host or _node_ip()
         config = EngineConfig(model=model_dir, role=role, side_channel_host=host,
                               side_channel_port=port, **engine_kwargs)
-        tokens = ModelTokens.load(model_dir)
-        self.servicer = EngineServicer(role, model_fingerprint(model_dir), tokens.think_end_id)
-        cls = PrefillEngine if role == "prefill" else DecodeEngine
-        self.engine = await asyncio.to_thread(cls.start, config)
-        await self.engine.warmup()
-        self.servicer.engine = self.engine
+        self.servicer = make_servicer(role, model_dir)
+        self.engine = await start_engine(self.servicer, config)
         logger.info("%s replica ready: engine %s, NIXL side channel %s", role,
                     self.engine.engine_id, host)
 

@@ -14,10 +14,14 @@ from typing import Any
 
 import grpc
 
+from decode_engine.engine import DecodeEngine
+from engine import EngineConfig, VllmEngine
 from kvhandoff.errors import status_for
+from kvhandoff.model import ModelTokens, model_fingerprint
 from kvhandoff.tls import ServerTLS
 from kvhandoff.types import InvalidRequest
-from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
+from prefill_engine.engine import PrefillEngine
 from server import convert as engine_pb
 from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal
 from server.metrics import HandoffCounts, serve_metrics
@@ -151,14 +155,28 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.AbortResponse()
 
 
+def make_servicer(role: str, model_dir: str) -> EngineServicer:
+    """The servicer of a P or D on ``model_dir`` (its engine is attached once started)."""
+    tokens = ModelTokens.load(model_dir)
+    return EngineServicer(role, model_fingerprint(model_dir), tokens.think_end_id)
+
+
+async def start_engine(servicer: EngineServicer, config: EngineConfig) -> VllmEngine:
+    """The one start-up sequence of an engine behind a servicer (``kvhandoff serve`` and
+    the Ray Serve deployments): start P or D (~30 s on CPU, off the event loop), run its
+    first logprobs requests, then attach it, so the servicer answers only once it can."""
+    cls = PrefillEngine if config.role == "prefill" else DecodeEngine
+    engine = await asyncio.to_thread(cls.start, config)
+    await engine.warmup()
+    servicer.engine = engine
+    return engine
+
+
 async def start_engine_server(engine: Any, role: str, host: str = "127.0.0.1",
                               port: int = 0, tls: ServerTLS | None = None
                               ) -> tuple[grpc.aio.Server, int]:
     """Serve an engine that is already running in this process (the benchmark's)."""
-    from kvhandoff.model import ModelTokens, model_fingerprint
-
-    tokens = ModelTokens.load(engine.config.model)
-    servicer = EngineServicer(role, model_fingerprint(engine.config.model), tokens.think_end_id)
+    servicer = make_servicer(role, engine.config.model)
     servicer.engine = engine
     server, health_servicer, bound = await start_server(
         lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s), ENGINE_SERVICE,
@@ -170,14 +188,8 @@ async def start_engine_server(engine: Any, role: str, host: str = "127.0.0.1",
 async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port: int,
                        metrics_port: int | None = None, tls: ServerTLS | None = None) -> None:
     """Start the engine, serve until SIGTERM/SIGINT, then shut everything down."""
-    from decode_engine.engine import DecodeEngine
-    from engine import EngineConfig
-    from kvhandoff.model import ModelTokens, model_fingerprint
-    from prefill_engine.engine import PrefillEngine
-
     config = EngineConfig(role=role, **config_kwargs)
-    tokens = ModelTokens.load(config.model)
-    servicer = EngineServicer(role, model_fingerprint(config.model), tokens.think_end_id)
+    servicer = make_servicer(role, config.model)
     server, health_servicer, bound = await start_server(
         lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s), ENGINE_SERVICE,
         host, port, tls)
@@ -187,10 +199,7 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
     logger.info("%s engine server on %s:%d, starting the engine", role, host, bound)
 
     t0 = time.perf_counter()
-    cls = PrefillEngine if role == "prefill" else DecodeEngine
-    engine = await asyncio.to_thread(cls.start, config)
-    await engine.warmup()
-    servicer.engine = engine
+    engine = await start_engine(servicer, config)
     await set_serving(health_servicer, ENGINE_SERVICE, True)
     logger.info("%s engine %s serving on %s:%d (ready in %.1fs)", role, engine.engine_id,
                 host, bound, time.perf_counter() - t0)
@@ -210,4 +219,5 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
         raise SystemExit(1)
 
 
-__all__ = ["EngineServicer", "serve_engine", "common_pb2"]
+__all__ = ["EngineServicer", "make_servicer", "serve_engine", "start_engine",
+           "start_engine_server"]
