@@ -16,7 +16,7 @@ from connector.handoff import KEY, import_params
 from decode_engine.beam import beam_search
 from engine import VllmEngine
 from kvhandoff.budget import stage2_reservation
-from kvhandoff.types import BeamParams, Stage2Result, StageError, validate_prompt
+from kvhandoff.types import BeamParams, Stage2Result, check_beam_width, validate_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,8 @@ async def run_beam_stage(
         max_model_len=engine.max_model_len,
         num_new_tokens=beam.max_tokens,
     )
-    if beam.beam_width > engine.config.max_beam_width:
-        raise StageError("stage2", "beam_width",
-                         f"beam width {beam.beam_width} exceeds this engine's "
-                         f"{engine.config.max_beam_width} (max_logprobs/2)")
+    check_beam_width(beam.beam_width, engine.config.max_beam_width,
+                     "this engine (max_logprobs/2)")
     # Reserved from now until it ends at the peak its beams can reach: what the router
     # and D's admission count against the pool, so beam steps never run out of blocks.
     reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, beam.beam_width,

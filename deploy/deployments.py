@@ -19,6 +19,7 @@ import grpc
 from ray import serve
 
 from kvhandoff.budget import blocks_needed
+from kvhandoff.types import check_beam_width
 from kvhandoff.v1 import engine_pb2, router_pb2
 
 logger = logging.getLogger("kvhandoff.deploy")
@@ -210,14 +211,10 @@ class RouterServer:
         self._checked = True
 
     async def _events(self, request: router_pb2.GenerateRequest):
-        from router import RouterError
         from router.service import generate_events
 
         await self._check_engines()
-        if request.beam.beam_width > self.max_beam_width:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"beam.beam_width {request.beam.beam_width} exceeds this "
-                              f"deployment's {self.max_beam_width}")
+        check_beam_width(request.beam.beam_width, self.max_beam_width, "this deployment")
         if not any(ep.capacity for ep in self.router.prefill):
             await self.router.refresh_capacity(self.router.prefill)
         async with contextlib.aclosing(

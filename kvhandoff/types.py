@@ -86,6 +86,13 @@ class BeamParams:
             raise InvalidRequest("beam.max_tokens", f"must be >= 1, got {self.max_tokens}")
 
 
+def check_beam_width(beam_width: int, limit: int, who: str) -> None:
+    """``beam_width`` must not exceed ``who``'s limit (an engine's ``max_logprobs / 2``, a
+    deployment's configured width)."""
+    if beam_width > limit:
+        raise InvalidRequest("beam.beam_width", f"{beam_width} exceeds {who}'s limit {limit}")
+
+
 def validate_token_ids(token_ids: list[int] | tuple[int, ...], *, vocab_size: int,
                        field_name: str) -> None:
     """Every id in ``token_ids`` must be in the vocabulary."""

@@ -17,6 +17,7 @@ from kvhandoff.types import (
     Stage1Params,
     Stage1Result,
     Stage2Result,
+    check_beam_width,
     continuation_prompt,
     validate_prompt,
     validate_token_ids,
@@ -72,10 +73,8 @@ def check_request(req: TwoStageRequest, stage1_engine: PrefillEngine,
     validate_token_ids(req.suffix_token_ids, vocab_size=engine.vocab_size, field_name="suffix")
     validate_token_ids(req.stage1.stop_token_ids, vocab_size=engine.vocab_size,
                        field_name="stage1.stop_token_ids")
-    limit = stage2_engine.config.max_beam_width
-    if req.beam.beam_width > limit:
-        raise InvalidRequest("beam.beam_width",
-                             f"{req.beam.beam_width} exceeds this deployment's limit {limit}")
+    check_beam_width(req.beam.beam_width, stage2_engine.config.max_beam_width,
+                     "the stage-2 engine (max_logprobs/2)")
 
 
 def stage2_prompt(req: TwoStageRequest, stage1: Stage1Result) -> tuple[list[int], list[int]]:
