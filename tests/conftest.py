@@ -175,24 +175,11 @@ def engine_stub(address: str):
 @pytest.fixture
 def assert_cluster_clean(cluster):
     """After a test: every engine server's pool holds no block and no request."""
-    from kvhandoff.v1 import engine_pb2
+    from tests.utils import assert_servers_clean
 
     # Two leases: a stage 1 that finished (and exported) just before a cancel or deadline
     # is held by P until its lease ends, and P reaps expired leases as it steps.
     def _check(timeout_s: float = 2 * CLUSTER_LEASE_S + 5.0) -> None:
-        import time
-
-        for server in [cluster["prefill"], *cluster["decode"]]:
-            stub = engine_stub(server.address)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                cap = stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
-                clean = (cap.num_free_blocks == cap.num_total_blocks
-                         and not cap.num_running_reqs and not cap.num_waiting_reqs
-                         and not cap.num_reserved_blocks)
-                if clean or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-            assert clean, f"{server.role} {server.address} not clean: {cap}"
+        assert_servers_clean([cluster["prefill"], *cluster["decode"]], timeout_s)
 
     return _check

@@ -15,7 +15,7 @@ import pytest
 
 from kvhandoff.v1 import engine_pb2
 from tests.conftest import engine_stub
-from tests.utils import long_stage1_request, metric_sum
+from tests.utils import assert_servers_clean, long_stage1_request, metric_sum
 from tools.client import RouterClient, make_request
 
 pytestmark = [pytest.mark.engines, pytest.mark.fault]
@@ -80,24 +80,8 @@ def _warnings_on_failure(request, fleet):
         print("\n".join(lines[-12:]))
 
 
-def _clean(server, timeout_s: float = LEASE_S + 10.0) -> engine_pb2.Capacity:
-    stub = engine_stub(server.address)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        cap = stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
-        if (cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs
-                and not cap.num_waiting_reqs and not cap.num_reserved_blocks) \
-                or time.monotonic() > deadline:
-            return cap
-        time.sleep(0.2)
-
-
 def _assert_clean(*servers) -> None:
-    for s in servers:
-        cap = _clean(s)
-        assert (cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs
-                and not cap.num_reserved_blocks), \
-            f"{s.role} {s.address} not clean: {cap}"
+    assert_servers_clean(list(servers), timeout_s=LEASE_S + 10.0)
 
 
 def _kill(server) -> None:
