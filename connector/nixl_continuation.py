@@ -125,6 +125,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
 
     # ---- NIXL side channel -------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Engine start-up, once: vLLM starts the side-channel listener here; a
+        listener that could not bind fails the start with the reason."""
         super().set_xfer_handshake_metadata(metadata)
         failure = listener_failures.pop(self.side_channel_port, None)
         if failure is not None:
@@ -138,10 +140,15 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
     _nixl_handshake_listener = staticmethod(guarded_handshake_listener)
 
     def on_new_request(self, request: Request) -> None:
+        """Each request as it arrives (before scheduling): a beam step may release
+        kept requests that got no children."""
         self._fork_on_new_request(beam_params(request))
         super().on_new_request(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """Once per scheduler step: the stock metadata (READs to post, exports to
+        hold) plus beam-fork copies and releases and, with fault injection, the faults
+        the worker applies. The lists handed over are owned by the worker from here."""
         meta = super().build_connector_meta(scheduler_output)
         self._attach_fork_meta(meta)
         meta.kvhandoff_faults = {r: f for r, f in self._import_faults.items()
@@ -156,14 +163,17 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        """Before a waiting request is scheduled: how many prompt tokens past
+        ``num_computed_tokens`` (local prefix hits) come from outside, and whether they
+        arrive asynchronously. D imports ``min(remote_num_tokens, len(prompt) - 1)``: the
+        last prompt token is computed here to sample from it, the suffix never was on
+        P. A beam child counts the tokens it copies from its kept source (synchronous)."""
         params = request.kv_transfer_params
         beam = beam_params(request)
         if self._is_fork_child(beam):
             return self._fork_match(request, beam, num_computed_tokens), False
         if not (params and params.get("do_remote_prefill")):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
-        # The last prompt token must be computed here to sample from it, and the
-        # suffix was never computed on P.
         num_importable = min(
             params.get("remote_num_tokens") or 0, request.num_prompt_tokens - 1
         )
@@ -177,6 +187,9 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ):
+        """After vLLM allocated ``blocks`` for a request with
+        ``num_external_tokens`` to load: the blocks are the request's from here; the
+        READ (or the beam-fork copy) into them is queued for the next step."""
         params = request.kv_transfer_params
         beam = beam_params(request)
         if self._is_fork_child(beam):
@@ -196,6 +209,11 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
     def request_finished(
         self, request: Request, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
+        """When a request finishes, with its ``block_ids``. Returns (delay the free,
+        params for the client). True means the connector owns the blocks until the
+        worker reports them done: P holding an export until D has read it (or the lease
+        ends), or a kept beam step until its children have copied from it. D attaches
+        what it imported to the final output."""
         record = self._imports.pop(request.request_id, None)
         delay_free, params = super().request_finished(request, block_ids)
         if record is not None:
@@ -293,6 +311,8 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
                 kv_caches, int(getattr(self, "_physical_blocks_per_logical_kv_block", 1)))
 
     def start_load_kv(self, metadata: Any) -> None:
+        """Each step, before the forward pass: beam-fork copies, releases and injected
+        faults from the scheduler, then the stock READs (posted, not awaited)."""
         self._fork_on_step(metadata)
         if self._fault_injection:
             self._import_faults.update(getattr(metadata, "kvhandoff_faults", None) or {})
@@ -304,6 +324,8 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
         super().start_load_kv(metadata)
 
     def get_transfer_results(self) -> Any:
+        """Each step, after the forward pass: READs done (and failed), exports read, and
+        the kept beam steps released (reported as sent, so the scheduler frees them)."""
         return self._report_fork_releases(super().get_transfer_results())
 
     def _inject_import_faults(self, done: set[str]) -> None:
@@ -324,6 +346,8 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
         return remote.blocks_expiry_time - offset
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        """Post one request's READ from P, unless P's lease (on P's clock, rebased at
+        the handshake) ends within ``lease_safety_margin_s``: then it fails as expired."""
         assert meta.remote is not None
         deadline = None
         if meta.remote.engine_id in self._remote_agents:
@@ -357,6 +381,8 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
     def _pop_done_transfers(
         self, transfers: dict[str, list[int]]
     ) -> tuple[set[str], set[str]]:
+        """READs that completed, and those that failed; a READ that completed after
+        P's lease ended is failed too (the blocks may hold another request's KV)."""
         done, failed = super()._pop_done_transfers(transfers)
         if self._import_faults:
             self._inject_import_faults(done - failed)
