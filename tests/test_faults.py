@@ -61,7 +61,7 @@ def fleet(model_dir, tmp_path_factory):
         stop(fleet["servers"] if "fleet" in locals() else servers)
 
 
-_OUR_LOGGERS = ("router.", "kvhandoff.", "nixl_continuation", "scheduler.py:")
+_OUR_LOGGERS = ("router.", "kvhandoff.", "nixl_continuation", "nixl_worker", "scheduler.py:")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,167 @@
+"""The connector's worker side, in each engine worker process: the stock NIXL READs,
+fenced by P's lease (refused when the lease ends within ``lease_safety_margin_s``,
+discarded when they complete after it), plus beam-fork copies and, with fault
+injection, the harness's faults."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+
+from connector.beam_fork import BeamForkWorker
+from connector.faults import corrupt_imported, scribble
+from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
+from connector.runtime import nixl_agent_options
+from connector.stats import ContinuationStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+#: A READ slower than this is logged as a warning (loopback READs take milliseconds).
+SLOW_READ_S = 1.0
+
+
+class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
+    """Worker side: stock READs, fenced by the lease."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ):
+        extra = vllm_config.kv_transfer_config
+        assert extra is not None
+        with nixl_agent_options(
+            progress_thread=bool(extra.get_from_extra_config("nixl_progress_thread", True)),
+            progress_delay_us=int(
+                extra.get_from_extra_config("nixl_progress_delay_us", 500)
+            ),
+        ):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._lease_margin_s = float(
+            extra.get_from_extra_config(
+                "lease_safety_margin_s", DEFAULT_LEASE_SAFETY_MARGIN_S
+            )
+        )
+        # req_id -> (local perf_counter time by which the READ must have completed,
+        # when it was issued).
+        self._read_deadlines: dict[str, tuple[float, float]] = {}
+        # Same stats as NIXL's, with keys that aggregate with the scheduler side's.
+        self.xfer_stats = ContinuationStats()
+        self._init_beam_fork(extra, kv_cache_config.num_blocks)
+        self._fault_injection = bool(extra.get_from_extra_config("fault_injection", False))
+        self._import_faults: dict[str, str] = {}  # request id -> fault, until its READ is done
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self._fork_enabled or self._fault_injection:
+            self._register_kv_views(
+                kv_caches, int(getattr(self, "_physical_blocks_per_logical_kv_block", 1)))
+
+    def start_load_kv(self, metadata: Any) -> None:
+        """Each step, before the forward pass: beam-fork copies, releases and injected
+        faults from the scheduler, then the stock READs (posted, not awaited)."""
+        self._fork_on_step(metadata)
+        if self._fault_injection:
+            self._import_faults.update(getattr(metadata, "kvhandoff_faults", None) or {})
+            stale = getattr(metadata, "kvhandoff_scribble", None)
+            if stale:
+                logger.warning("Injected fault 'stale': overwriting %d exported blocks",
+                               len(stale))
+                scribble(self._kv_views, stale, self._kernel_blocks_per_block)
+        super().start_load_kv(metadata)
+
+    def get_transfer_results(self) -> Any:
+        """Each step, after the forward pass: READs done (and failed), exports read, and
+        the kept beam steps released (reported as sent, so the scheduler frees them)."""
+        return self._report_fork_releases(super().get_transfer_results())
+
+    def _inject_import_faults(self, done: set[str]) -> None:
+        for req_id in done:
+            fault = self._import_faults.pop(req_id, None)
+            meta = self._recving_metadata.get(req_id)
+            if fault is None or meta is None:
+                continue
+            logger.warning("Injected fault %r into %s's imported blocks", fault, req_id)
+            corrupt_imported(fault, self._kv_views, list(meta.local_block_ids[0]),
+                             self._kernel_blocks_per_block)
+
+    def _local_deadline(self, meta: Any) -> float | None:
+        remote = meta.remote
+        offset = self._engine_clock_offset.get(remote.engine_id)
+        if remote.blocks_expiry_time is None or offset is None:
+            return None
+        return remote.blocks_expiry_time - offset
+
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        """Post one request's READ from P, unless P's lease (on P's clock, rebased at
+        the handshake) ends within ``lease_safety_margin_s``: then it fails as expired."""
+        assert meta.remote is not None
+        deadline = None
+        if meta.remote.engine_id in self._remote_agents:
+            deadline = self._local_deadline(meta)
+        if deadline is not None and any(meta.local_block_ids):
+            remaining = deadline - time.perf_counter()
+            if remaining < self._lease_margin_s:
+                logger.warning(
+                    "Refusing READ for %s: P's lease on its blocks ends in %.2fs "
+                    "(margin %.2fs); its blocks may be reused",
+                    req_id,
+                    remaining,
+                    self._lease_margin_s,
+                )
+                self.xfer_stats.record_kv_expired_req()
+                self._handle_failed_transfer(
+                    req_id, None, self._recv_failures, record_failed_transfer=False
+                )
+                return
+            self._read_deadlines[req_id] = (deadline, time.perf_counter())
+            logger.debug("READ for %s: %d blocks, P's lease ends in %.2fs", req_id,
+                         len(meta.local_block_ids[0]), remaining)
+        posted_at = time.perf_counter()
+        super()._read_blocks_for_req(req_id, meta)
+        posting = time.perf_counter() - posted_at
+        if posting >= SLOW_READ_S:
+            # The worker (and so the engine's step) was blocked in NIXL for that long.
+            logger.warning("Posting the READ for %s took %.2fs (NIXL's transfer() blocked "
+                           "this worker)", req_id, posting)
+
+    def _pop_done_transfers(
+        self, transfers: dict[str, list[int]]
+    ) -> tuple[set[str], set[str]]:
+        """READs that completed, and those that failed; a READ that completed after
+        P's lease ended is failed too (the blocks may hold another request's KV)."""
+        done, failed = super()._pop_done_transfers(transfers)
+        if self._import_faults:
+            self._inject_import_faults(done - failed)
+        now = time.perf_counter()
+        for req_id in done:
+            fence = self._read_deadlines.pop(req_id, None)
+            if fence is None:
+                continue
+            deadline, issued_at = fence
+            took = now - issued_at
+            if took >= SLOW_READ_S:
+                logger.warning("READ for %s took %.2fs (P's lease ended %.2fs after it was "
+                               "issued)", req_id, took, deadline - issued_at)
+            else:
+                logger.debug("READ for %s done in %.3fs", req_id, took)
+            if now >= deadline and req_id not in failed:
+                # P may have freed and reused the blocks while we read them.
+                logger.error(
+                    "Discarding READ for %s: it completed %.3fs after P's lease ended "
+                    "(issued %.3fs before the lease end, took %.3fs)",
+                    req_id,
+                    now - deadline,
+                    deadline - issued_at,
+                    now - issued_at,
+                )
+                self.xfer_stats.record_kv_expired_req()
+                failed.add(req_id)
+        return done, failed
