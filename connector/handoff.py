@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from connector.faults import FAULT_KEY
 from kvhandoff.types import HandoffError
 
 #: Bumped whenever the meaning of a handoff field changes. P and D must agree.
@@ -147,22 +149,46 @@ def can_reach_p(params: dict[str, Any]) -> bool:
     )
 
 
-def import_params(
-    export_params: dict[str, Any], *, beam_width: int, beam_max_tokens: int
-) -> dict[str, Any]:
-    """The ``kv_transfer_params`` D's import request carries: a fresh copy of P's export
-    (the connector mutates it) with the import flag set and the beam fan-out attached,
-    so D's admission check can count the blocks the beams will need. Nothing is
-    validated here: D's scheduler is the one authority on what it accepts."""
-    params = {k: v for k, v in export_params.items() if k != KEY}
-    fields = export_params.get(KEY)
-    if fields is not None:
-        params[KEY] = dict(fields) if isinstance(fields, dict) else {"malformed": fields}
-        params[KEY]["beam_width"] = beam_width
-        params[KEY]["beam_max_tokens"] = beam_max_tokens
-    params["do_remote_prefill"] = True
-    params["do_remote_decode"] = False
-    return params
+@dataclass(frozen=True, slots=True)
+class ImportRequest:
+    """What D's step-0 request asks of D's scheduler, typed from D's engine to its
+    scheduler: P's export as it arrived (wire form: the scheduler, the one authority on
+    what D accepts, parses and checks it), the beam fan-out D must hold, the blocks the
+    stage 2s already running on D may still grow into, and, for the harness's negative
+    controls only, a fault to inject."""
+
+    export: Mapping[str, Any]
+    beam_width: int
+    beam_max_tokens: int
+    reserved_blocks: int = 0
+    fault: str | None = None
+
+    def to_params(self) -> dict[str, Any]:
+        """The request's ``kv_transfer_params`` (the one place they are built): a fresh
+        copy each time, since vLLM's connector mutates them."""
+        params = {k: v for k, v in self.export.items() if k != KEY}
+        fields = self.export.get(KEY)
+        if fields is not None:
+            params[KEY] = dict(fields) if isinstance(fields, dict) else {"malformed": fields}
+            params[KEY].update(beam_width=self.beam_width,
+                               beam_max_tokens=self.beam_max_tokens,
+                               reserved_blocks=self.reserved_blocks)
+        params["do_remote_prefill"] = True
+        params["do_remote_decode"] = False
+        if self.fault is not None:
+            params[FAULT_KEY] = self.fault
+        return params
+
+    @classmethod
+    def parse(cls, params: dict[str, Any]) -> tuple[Handoff, ImportRequest]:
+        """D's scheduler: the handoff and the request, or :class:`HandoffError`."""
+        handoff = Handoff.from_params(params)
+        fields = params[KEY]
+        return handoff, cls(export=params,
+                            beam_width=int(fields.get("beam_width", 1)),
+                            beam_max_tokens=int(fields.get("beam_max_tokens", 1)),
+                            reserved_blocks=int(fields.get("reserved_blocks", 0)),
+                            fault=params.get(FAULT_KEY))
 
 
 def validate_import(

@@ -11,8 +11,7 @@ import logging
 import time
 from typing import Any
 
-from connector.faults import FAULT_KEY
-from connector.handoff import KEY, import_params
+from connector.handoff import KEY, ImportRequest
 from decode_engine.beam import beam_search
 from engine import VllmEngine
 from kvhandoff.budget import stage2_reservation
@@ -87,15 +86,12 @@ class DecodeEngine(VllmEngine):
         """``fault``: a D-side fault of ``connector.faults`` (negative controls only)."""
         # Even a handoff that looks wrong goes to D: D's scheduler is the one authority,
         # and refusing there also tells P to release the parent's blocks.
-        params = import_params(
-            handoff_params, beam_width=beam.beam_width, beam_max_tokens=beam.max_tokens
-        )
-        if isinstance(params.get(KEY), dict):  # else admission refuses it anyway
-            # The stage 2s already running here: admission leaves their peaks free.
-            params[KEY]["reserved_blocks"] = self.num_reserved_blocks
         if fault is not None:
             self.check_fault(fault)
-            params[FAULT_KEY] = fault
+        # The stage 2s already running here: admission leaves their peaks free.
+        params = ImportRequest(handoff_params, beam_width=beam.beam_width,
+                               beam_max_tokens=beam.max_tokens,
+                               reserved_blocks=self.num_reserved_blocks, fault=fault).to_params()
         result = await run_beam_stage(
             self, prompt_token_ids, beam, request_id,
             first_step_extra_args={"kv_transfer_params": params},

@@ -34,13 +34,13 @@ from connector.handoff import (
     BEAM_KEY,
     DEFAULT_LEASE_SAFETY_MARGIN_S,
     KEY,
-    Handoff,
-    HandoffError,
+    ImportRequest,
     can_reach_p,
     validate_import,
 )
 from connector.signing import load_secret, verify
 from kvhandoff.budget import blocks_needed
+from kvhandoff.types import HandoffError
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class ContinuationScheduler(Scheduler):
 
     def _check_import(self, request: Request, params: dict[str, Any], claimed: int) -> int:
         """Raise :class:`HandoffError` unless D takes the import; return its blocks."""
-        handoff = Handoff.from_params(params)
+        handoff, wanted = ImportRequest.parse(params)
         if self._secret is not None:
             verify(params, self._secret, self._handoff_ids)
         validate_import(
@@ -110,15 +110,13 @@ class ContinuationScheduler(Scheduler):
             model_fingerprint=self._model_fingerprint,
             safety_margin_s=self._lease_margin_s,
         )
-        fields = params[KEY]
-        beam_width = int(fields.get("beam_width", 1))
-        beam_max_tokens = int(fields.get("beam_max_tokens", 1))
+        beam_width, beam_max_tokens = wanted.beam_width, wanted.beam_max_tokens
         needed = blocks_needed(
             request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,
             self._beam_fork,
         )
         # Free now, and free once the stage 2s running on D reach their peaks.
-        reserved = int(fields.get("reserved_blocks", 0))
+        reserved = wanted.reserved_blocks
         free = min(self.kv_cache_manager.block_pool.get_num_free_blocks() - claimed,
                    self.num_total_blocks - reserved)
         beam = params.get(BEAM_KEY)

@@ -10,7 +10,7 @@ from connector.handoff import (
     KEY,
     Handoff,
     HandoffError,
-    import_params,
+    ImportRequest,
     token_digest,
     validate_import,
 )
@@ -57,12 +57,17 @@ def test_validate_rejects_expiry_within_the_safety_margin():
 
 def test_import_params_are_a_fresh_copy_each_time():
     export = make_export_params(PARENT, model_fingerprint="m")
-    a = import_params(export, beam_width=4, beam_max_tokens=3)
+    wanted = ImportRequest(export, beam_width=4, beam_max_tokens=3, reserved_blocks=7)
+    a = wanted.to_params()
     a["do_remote_prefill"] = False
     a[KEY]["beam_width"] = 99
-    b = import_params(export, beam_width=4, beam_max_tokens=3)
+    b = wanted.to_params()
     assert b["do_remote_prefill"] is True and b[KEY]["beam_width"] == 4
     assert "beam_width" not in export[KEY]
+    # What D's scheduler reads back is what D's engine put in.
+    handoff, parsed = ImportRequest.parse(b)
+    assert handoff.num_parent_tokens == len(PARENT)
+    assert (parsed.beam_width, parsed.beam_max_tokens, parsed.reserved_blocks) == (4, 3, 7)
 
 
 @pytest.mark.parametrize("n,w,t,expected,with_fork", [

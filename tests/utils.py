@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from connector.handoff import KEY, PROTOCOL_VERSION, import_params, token_digest
+from connector.handoff import KEY, PROTOCOL_VERSION, ImportRequest, token_digest
 
 BLOCK_SIZE = 32
 P_ENGINE_ID = "prefill-test"
@@ -133,9 +133,9 @@ def make_import_request(prompt_ids: list[int], export_params: dict[str, Any], *,
         pooling_params=None,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
     )
-    req.kv_transfer_params = import_params(
+    req.kv_transfer_params = ImportRequest(
         export_params, beam_width=beam_width, beam_max_tokens=beam_max_tokens
-    )
+    ).to_params()
     return req
 
 
