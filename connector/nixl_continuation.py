@@ -56,6 +56,7 @@ from connector.runtime import (
 )
 from connector.signing import TARGET_KEY, load_secret, sign
 from connector.stats import ContinuationStats
+from kvhandoff.model import model_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -87,7 +88,6 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ):
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        from kvhandoff.model import model_fingerprint
 
         self.model_fingerprint = model_fingerprint(vllm_config.model_config.model)
         self.kv_bytes_per_block = kv_bytes_per_block(kv_cache_config)

@@ -40,6 +40,7 @@ from connector.handoff import (
 )
 from connector.signing import load_secret, verify
 from kvhandoff.budget import blocks_needed
+from kvhandoff.model import model_fingerprint
 from kvhandoff.types import HandoffError
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ class ContinuationScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        from kvhandoff.model import model_fingerprint
 
         self._model_fingerprint = model_fingerprint(self.vllm_config.model_config.model)
         config = self.vllm_config.kv_transfer_config

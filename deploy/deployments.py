@@ -18,9 +18,15 @@ from typing import Any
 import grpc
 from ray import serve
 
+from engine import EngineConfig
 from kvhandoff.budget import blocks_needed
+from kvhandoff.model import resolve_model
 from kvhandoff.types import check_beam_width
 from kvhandoff.v1 import engine_pb2, router_pb2
+from router import Endpoint, Router, RouterConfig, RouterError
+from router.metrics import RouterMetrics
+from router.service import generate_events, status_of
+from server.engine_service import make_servicer, start_engine
 
 logger = logging.getLogger("kvhandoff.deploy")
 
@@ -60,10 +66,6 @@ class EngineServer:
 
     async def __init__(self, role: str, model: str, engine_kwargs: dict[str, Any],
                        side_channel_host: str | None = None, side_channel_port: int = 0):
-        from engine import EngineConfig
-        from kvhandoff.model import resolve_model
-        from server.engine_service import make_servicer, start_engine
-
         self.role = role
         model_dir = str(resolve_model(model))
         port = None
@@ -124,8 +126,6 @@ class HandleStub:
 
     @staticmethod
     def _error(exc: BaseException) -> Exception:
-        from router import RouterError
-
         cause = exc if isinstance(exc, EngineCallError) else getattr(exc, "cause", None)
         if isinstance(cause, EngineCallError):
             return RouterError(grpc.StatusCode[cause.code_name], cause.message)
@@ -180,10 +180,6 @@ class RouterServer:
 
     def __init__(self, prefill: Any, decode: Any, model: str, colocated_below_tokens: int = 0,
                  max_beam_width: int = 32):
-        from kvhandoff.model import resolve_model
-        from router import Endpoint, Router, RouterConfig
-        from router.metrics import RouterMetrics
-
         config = RouterConfig(prefill=("serve:Prefill",), decode=("serve:Decode",),
                               model=str(resolve_model(model)),
                               colocated_below_tokens=colocated_below_tokens)
@@ -204,15 +200,11 @@ class RouterServer:
         p, d = await asyncio.gather(self._prefill.info.remote(), self._decode.info.remote())
         for key in ("vllm_version", "model_fingerprint", "block_size"):
             if p[key] != d[key]:
-                from router import RouterError
-
                 raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"P and D differ in {key}: {p[key]} vs {d[key]}")
         self._checked = True
 
     async def _events(self, request: router_pb2.GenerateRequest):
-        from router.service import generate_events
-
         await self._check_engines()
         check_beam_width(request.beam.beam_width, self.max_beam_width, "this deployment")
         if not any(ep.capacity for ep in self.router.prefill):
@@ -225,7 +217,6 @@ class RouterServer:
     def _fail(self, grpc_context: Any, exc: BaseException) -> None:
         """Set the status the standalone router would send, then raise RequestFailed
         (a CancelledError stays one: the client went away)."""
-        from router.service import status_of
 
         code, message = status_of(exc)
         self.metrics.observe_error(code, message)

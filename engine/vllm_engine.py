@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from connector.faults import FAULTS
 from engine.config import EngineConfig, engine_env, environment
 from engine.stats import EngineCounters, PoolSnapshot, stats_logger_factory
 from kvhandoff.ports import free_port
@@ -120,7 +121,6 @@ class VllmEngine:
 
     def check_fault(self, fault: str) -> None:
         """Raise ``ValueError`` unless this engine may inject ``fault``."""
-        from connector.faults import FAULTS
 
         if not self.config.fault_injection:
             raise ValueError(f"fault {fault!r}: engine {self.engine_id} was not started "

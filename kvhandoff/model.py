@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvhandoff.corpus import SID_TOKENS, tokenizer_lines
+from kvhandoff.train import TrainConfig, train
 
 logger = logging.getLogger(__name__)
 
@@ -224,8 +225,6 @@ def _build(out_dir: Path, shape: ModelShape, weights: Weights) -> None:
     config = _llama_config(shape, vocab_size, ids[BOS], ids[EOS])
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if weights == "trained":
-        from kvhandoff.train import TrainConfig, train
-
         result = train(str(out_dir), TrainConfig(seed=_SEED))
         logger.info("Trained %s: final loss %.3f in %.0fs", out_dir.name, result["loss"],
                     result["seconds"])

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvhandoff.corpus import SID_TOKENS, Example, make_example
+from kvhandoff.corpus import SID_TOKENS, Example, make_example, semantic_id
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ class Encoder:
 def _batch(enc: Encoder, rng: random.Random, size: int, max_items: int):
     import torch
 
-    from kvhandoff.corpus import semantic_id
 
     rows = []
     for _ in range(size):

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from decode_engine.engine import DecodeEngine
+from decode_engine.engine import DecodeEngine, run_beam_stage
 from engine import EngineConfig, VllmEngine
 from kvhandoff.errors import status_for
 from kvhandoff.model import ModelTokens, model_fingerprint
@@ -92,8 +92,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await abort_with(context, e)
 
     async def Stage2(self, request: engine_pb2.Stage2Request, context):
-        from decode_engine.engine import run_beam_stage
-
         try:
             beam = engine_pb.beam_from_pb(request.beam)
             prompt = list(request.prompt_token_ids)

@@ -27,6 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from decode_engine.beam import vllm_beam_search
+from decode_engine.engine import run_beam_stage
+from kvhandoff.model import _WORDS, DEFAULT_SUFFIX_TEXT
 from kvhandoff.types import BeamParams, Stage1Params
 from tools.bench_report import (
     MODES,
@@ -36,6 +39,10 @@ from tools.bench_report import (
     plot,
     summarize,
 )
+from tools.local import local_pair
+from tools.nixl_probe import measure_transfer
+from tools.pipeline import TwoStageRequest, stage2_prompt
+from tools.router_overhead import measure_router_overhead, measure_router_overhead_on_cluster
 
 
 @dataclass
@@ -83,8 +90,6 @@ class Sample:
 
 
 def _prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
-    from kvhandoff.model import _WORDS  # the built-in corpus's words
-
     rng = random.Random(seed)
     words = list(_WORDS)
     out = []
@@ -99,8 +104,6 @@ def _prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
 
 class Bench:
     def __init__(self, pair: Any, cfg: BenchConfig):
-        from kvhandoff.model import DEFAULT_SUFFIX_TEXT
-
         self.pair, self.cfg = pair, cfg
         self.p, self.d = pair.p, pair.d
         self.tok = pair.tokenizer
@@ -119,8 +122,6 @@ class Bench:
                                 t for t in (self.pair.think_end_id,) if t is not None))
 
     def _request(self, prompt: list[int], seed: int, max_tokens: int | None = None):
-        from tools.pipeline import TwoStageRequest
-
         return TwoStageRequest(request_id=self._rid("req"), prompt_token_ids=prompt,
                                suffix_token_ids=self.suffix_ids,
                                stage1=self._stage1_params(seed, max_tokens), beam=self.beam,
@@ -128,10 +129,6 @@ class Bench:
 
     async def one(self, mode: str, prompt: list[int], seed: int,
                   stage1_tokens: int | None = None) -> Sample:
-        from decode_engine.beam import vllm_beam_search
-        from decode_engine.engine import run_beam_stage
-        from tools.pipeline import stage2_prompt
-
         req = self._request(prompt, seed, stage1_tokens)
         t0 = time.perf_counter()
         stage1 = await self.p.run_stage1(prompt, req.stage1, self._rid("s1"),
@@ -223,8 +220,6 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
                     checkpoint: Any = None) -> dict[str, Any]:
     """Run every measurement; on ``pair`` if given (tests), else on a new P+D pair.
     ``checkpoint(result)`` is called after each phase with what is measured so far."""
-    from tools.local import local_pair
-    from tools.nixl_probe import measure_transfer
 
     def tick(label: str) -> None:
         if progress is not None:
@@ -272,8 +267,6 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
             tick(f"sweep {n}")
             save()
         if cfg.router_requests:
-            from tools.router_overhead import measure_router_overhead
-
             result["router"] = await measure_router_overhead(
                 pair, _prompts(bench.tok, cfg.router_requests, cfg.prompt_tokens, cfg.seed + 99),
                 stage1_tokens=cfg.stage1_tokens, beam=bench.beam, progress=tick)
@@ -288,8 +281,6 @@ def main_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     if args.router_only:
-        from tools.router_overhead import measure_router_overhead_on_cluster
-
         result = {"router_cluster": measure_router_overhead_on_cluster(
             args.model, args.requests or 12)}
         print(json.dumps(result, indent=1))

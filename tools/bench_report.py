@@ -6,6 +6,8 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from tools.harness_report import LOGPROB_TOLERANCE
+
 if TYPE_CHECKING:
     from tools.bench import Sample
 
@@ -53,7 +55,6 @@ def agreement(by_mode: dict[str, list[Sample]], mode: str) -> dict[str, Any]:
     """How ``mode``'s beams compare with the colocated path's and with vLLM's own beam
     search (a reference we did not write): ids and order equal, cumulative logprobs
     within the harness's tolerance."""
-    from tools.harness_report import LOGPROB_TOLERANCE
 
     got, ref, peer = by_mode[mode], by_mode["colocated"], by_mode["vllm_beam_search"]
     same = sum(s.beams == r.beams for s, r in zip(got, ref))

@@ -13,6 +13,8 @@ from connector.faults import FAULTS
 from connector.logs import LEVEL_ENV
 
 
+# Each subcommand imports what it runs inside its function: ``kvhandoff client`` and the
+# router then start without loading vLLM, torch or Ray.
 def _verify(args: argparse.Namespace) -> int:
     from tools.harness import main_verify
 

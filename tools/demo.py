@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from kvhandoff.corpus import Example, make_example, semantic_id
+from kvhandoff.model import resolve_model
 from tools.client import RouterClient, make_request
 from tools.harness_report import LOGPROB_TOLERANCE
 from tools.launch import local_cluster
@@ -37,7 +38,6 @@ def _send_all(router: str, prompts: list[str], beam_width: int) -> list:
     from tqdm import tqdm
 
     with RouterClient(router) as client:
-
         def both(i: int):
             kw = dict(prompt=prompts[i], max_tokens=96, seed=i, beam_width=beam_width)
             try:
@@ -107,7 +107,6 @@ def _print_summary(rows: list[dict], handed: list[dict]) -> None:
 def main_demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from kvhandoff.model import resolve_model
 
     examples = demo_examples(args.requests)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))

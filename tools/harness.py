@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from connector.faults import FAULTS, applies
 from decode_engine.beam import vllm_beam_search
 from kvhandoff.budget import stage2_reservation
+from kvhandoff.model import kv_bytes_per_block, resolve_model
 from kvhandoff.types import Beam, BeamParams, Stage1Params
 from prefill_engine.engine import stage1_sampling
 from tools.harness_cases import Case, default_cases, history_prompt
@@ -39,6 +40,7 @@ from tools.harness_report import (
     result_text,
     write_json,
 )
+from tools.local import local_pair
 from tools.pipeline import (
     TwoStageRequest,
     TwoStageResult,
@@ -290,8 +292,6 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
                  lease_s: int = 30, inject: str | None = None) -> HarnessReport:
     """Start P and D on ``model``, run the harness (with ``inject``: every handoff
     carries that fault), shut both down."""
-    from kvhandoff.model import kv_bytes_per_block, resolve_model
-    from tools.local import local_pair
 
     d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(resolve_model(model), block_size=32)
     async with local_pair(model, lease_s=lease_s, fault_injection=inject is not None,

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from decode_engine.engine import DecodeEngine
+from engine import EngineConfig, shutdown_all
 from kvhandoff.model import ModelTokens, resolve_model
+from prefill_engine.engine import PrefillEngine
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +48,6 @@ async def local_pair(model: str | None = None, *, prefill_overrides: dict[str, A
                      decode_overrides: dict[str, Any] | None = None,
                      **common: Any) -> AsyncIterator[LocalPair]:
     """Start P then D (about 30 s each on CPU); shut both down on exit."""
-    from decode_engine.engine import DecodeEngine
-    from engine import EngineConfig, shutdown_all
-    from prefill_engine.engine import PrefillEngine
 
     model_dir = resolve_model(model)
     tokens = ModelTokens.load(model_dir)

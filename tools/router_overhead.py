@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from kvhandoff.ports import free_port
 from kvhandoff.types import BeamParams, Stage1Params, continuation_prompt
 from kvhandoff.v1 import (
     common_pb2,
@@ -30,6 +31,9 @@ from kvhandoff.v1 import (
     router_pb2_grpc,
 )
 from server import convert as engine_pb
+from server.engine_service import start_engine_server
+from tools.client import RouterClient, make_request
+from tools.launch import local_cluster, spawn, stop, wait_serving
 
 
 def _median(values: list[float]) -> float | None:
@@ -65,10 +69,6 @@ async def _direct(p: Any, d: Any, rid: str, prompt: list[int], stage1: Stage1Par
 async def measure_router_overhead(pair: Any, prompts: list[list[int]], *, stage1_tokens: int,
                                   beam: BeamParams, log_dir: Path | None = None,
                                   progress: Any = None) -> dict[str, Any]:
-    from kvhandoff.ports import free_port
-    from server.engine_service import start_engine_server
-    from tools.launch import spawn, stop, wait_serving
-
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvhandoff-router-bench-"))
     p_server, p_port = await start_engine_server(pair.p, "prefill")
     d_server, d_port = await start_engine_server(pair.d, "decode")
@@ -138,8 +138,6 @@ def measure_router_overhead_on_cluster(model: str | None, num_requests: int, *,
     ``kvhandoff serve`` process (``kvhandoff bench --router-only``), requests one at a
     time, the first two as warm-up. Unlike ``measure_router_overhead``, no engine shares
     an event loop with another or with the benchmark."""
-    from tools.client import RouterClient, make_request
-    from tools.launch import local_cluster
 
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvhandoff-router-cluster-"))
     overhead, total, recomputed = [], [], 0
