@@ -14,22 +14,9 @@ from tests.utils import (
     make_export_params,
     make_import_request,
     make_scheduler,
+    model_output,
+    reject_at_admission,
 )
-
-
-def _model_output(finished_recving=None):
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-    return ModelRunnerOutput(
-        req_ids=[], req_id_to_index={},
-        kv_connector_output=KVConnectorOutput(finished_recving=finished_recving or set()),
-    )
-
-
-def _schedule_and_collect(scheduler):
-    out = scheduler.schedule()
-    engine_outputs = scheduler.update_from_output(out, _model_output())
-    return out, [o for eco in engine_outputs.values() for o in eco.outputs]
 
 
 @pytest.mark.parametrize("num_parent,num_suffix", [(40, 3), (64, 3), (65, 2), (95, 40)])
@@ -51,26 +38,9 @@ def test_import_claims_exactly_the_tokens_p_computed(model_dir, fingerprint, num
     assert out.num_scheduled_tokens == {}
 
     # STEP 2: the READ completes; D schedules only the last parent token + the suffix.
-    scheduler.update_from_output(out, _model_output(finished_recving={req.request_id}))
+    scheduler.update_from_output(out, model_output(finished_recving={req.request_id}))
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {req.request_id: num_suffix + 1}
-
-
-def _reject(scheduler, req, *, notify_p=True):
-    scheduler.add_request(req)
-    out, outputs = _schedule_and_collect(scheduler)
-    assert out.num_scheduled_tokens == {}, "a rejected request must not be scheduled"
-    (result,) = outputs
-    assert result.finish_reason is not None and str(result.finish_reason).lower().endswith("error")
-    notify = out.kv_connector_metadata.reqs_to_recv
-    if notify_p:
-        # In the same step P is told to release its blocks: an empty read.
-        assert req.request_id in notify and not any(notify[req.request_id].local_block_ids)
-    else:
-        # An unverified handoff names a P nobody vouched for: D must not contact it.
-        assert req.request_id not in notify
-    assert_scheduler_clean(scheduler)
-    return result.kv_transfer_params[KEY]
 
 
 def test_digest_mismatch_is_refused_before_any_read(model_dir, fingerprint):
@@ -79,7 +49,7 @@ def test_digest_mismatch_is_refused_before_any_read(model_dir, fingerprint):
     tampered = parent[:20] + [parent[20] + 1] + parent[21:]
     req = make_import_request(tampered + [7, 8],
                               make_export_params(parent, model_fingerprint=fingerprint))
-    info = _reject(scheduler, req)
+    info = reject_at_admission(scheduler, req)
     assert info["reason"] == "digest" and "digest" in info["error"]
 
 
@@ -89,7 +59,7 @@ def test_expired_lease_is_refused(model_dir, fingerprint):
     parent = list(range(10, 60))
     params = make_export_params(parent, model_fingerprint=fingerprint,
                                 lease_expires_at=time.time() - 1)
-    info = _reject(scheduler, make_import_request(parent + [7], params))
+    info = reject_at_admission(scheduler, make_import_request(parent + [7], params))
     assert info["reason"] == "expired"
 
 
@@ -101,7 +71,7 @@ def test_other_version_or_model_is_refused(model_dir, fingerprint, field, value,
     scheduler = make_scheduler(model_dir)
     parent = list(range(10, 60))
     params = make_export_params(parent, **{"model_fingerprint": fingerprint, field: value})
-    info = _reject(scheduler, make_import_request(parent + [7], params))
+    info = reject_at_admission(scheduler, make_import_request(parent + [7], params))
     assert info["reason"] == reason
 
 
@@ -112,7 +82,7 @@ def test_capacity_refusal_names_the_numbers_and_does_not_block_the_queue(model_d
     parent = list(range(10, 310))
     big = make_import_request(parent + [7], make_export_params(parent, model_fingerprint=fingerprint),
                               request_id="big", beam_width=32)
-    info = _reject(scheduler, big)
+    info = reject_at_admission(scheduler, big)
     assert info["reason"] == "capacity"
     assert "needs 73 blocks" in info["error"] and "20 free of 20" in info["error"]
 
@@ -129,7 +99,6 @@ def test_capacity_refusal_names_the_numbers_and_does_not_block_the_queue(model_d
 def test_admission_leaves_room_for_the_running_stage2s_peaks(model_dir, fingerprint):
     """D's server passes the blocks its running stage 2s may still grow into: an import
     that fits the free blocks now but not beside those peaks is refused."""
-    from connector.handoff import KEY
 
     scheduler = make_scheduler(model_dir, num_blocks=21)
     parent = list(range(10, 50))
@@ -140,7 +109,7 @@ def test_admission_leaves_room_for_the_running_stage2s_peaks(model_dir, fingerpr
         req.kv_transfer_params[KEY]["reserved_blocks"] = reserved
         return req
 
-    info = _reject(scheduler, request("beside-peaks", reserved=18))
+    info = reject_at_admission(scheduler, request("beside-peaks", reserved=18))
     assert info["reason"] == "capacity" and "(18 reserved by running stage 2s)" in info["error"]
     scheduler.add_request(request("with-room", reserved=10))
     assert "with-room" in scheduler.schedule().kv_connector_metadata.reqs_to_recv

@@ -12,8 +12,12 @@ import pytest
 from connector.handoff import KEY
 from connector.signing import SECRET_ENV, SECRET_FILE_ENV, load_secret, sign, verify
 from kvhandoff.types import HandoffError
-from tests.test_scheduler_side import _reject
-from tests.utils import make_export_params, make_import_request, make_scheduler
+from tests.utils import (
+    make_export_params,
+    make_import_request,
+    make_scheduler,
+    reject_at_admission,
+)
 
 pytestmark = [pytest.mark.security]
 
@@ -120,7 +124,7 @@ def test_d_refuses_bad_handoffs_before_any_read(model_dir, fingerprint, secret_f
     else:
         params = _signed(parent, fingerprint, target="decode-7")
     with caplog.at_level(logging.DEBUG):
-        info = _reject(scheduler, make_import_request(parent + [7], params), notify_p=False)
+        info = reject_at_admission(scheduler, make_import_request(parent + [7], params), notify_p=False)
     assert info["reason"] == reason and message in info["error"]
     assert SECRET.decode() not in caplog.text
 

@@ -232,3 +232,39 @@ def assert_servers_clean(servers: list, timeout_s: float) -> None:
                 break
             time.sleep(0.1)
         assert clean, f"{server.role} {server.address} not clean: {cap}"
+
+
+def model_output(finished_recving=None):
+    """An empty step's output from the workers, with the READs that finished."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=[], req_id_to_index={},
+        kv_connector_output=KVConnectorOutput(finished_recving=finished_recving or set()),
+    )
+
+
+def schedule_and_collect(scheduler):
+    """One scheduler step with no model: what was scheduled and the outputs."""
+    out = scheduler.schedule()
+    engine_outputs = scheduler.update_from_output(out, model_output())
+    return out, [o for eco in engine_outputs.values() for o in eco.outputs]
+
+
+def reject_at_admission(scheduler, req, *, notify_p=True):
+    """Add ``req``; D's admission must refuse it in the same step (and tell P to
+    release, unless the handoff was unverified). Returns the refusal's fields."""
+    scheduler.add_request(req)
+    out, outputs = schedule_and_collect(scheduler)
+    assert out.num_scheduled_tokens == {}, "a rejected request must not be scheduled"
+    (result,) = outputs
+    assert result.finish_reason is not None and str(result.finish_reason).lower().endswith("error")
+    notify = out.kv_connector_metadata.reqs_to_recv
+    if notify_p:
+        # In the same step P is told to release its blocks: an empty read.
+        assert req.request_id in notify and not any(notify[req.request_id].local_block_ids)
+    else:
+        # An unverified handoff names a P nobody vouched for: D must not contact it.
+        assert req.request_id not in notify
+    assert_scheduler_clean(scheduler)
+    return result.kv_transfer_params[KEY]
