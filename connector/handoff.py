@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from connector.faults import FAULT_KEY
-from kvhandoff.types import HandoffError
+from kvhandoff.types import BeamParams, HandoffError
 
 #: Bumped whenever the meaning of a handoff field changes. P and D must agree.
 PROTOCOL_VERSION = 1
@@ -162,6 +162,14 @@ class ImportRequest:
     beam_max_tokens: int
     reserved_blocks: int = 0
     fault: str | None = None
+
+    @classmethod
+    def for_beams(cls, export: Mapping[str, Any], beam: BeamParams,
+                  fault: str | None = None) -> ImportRequest:
+        """What a stage 2 with ``beam`` asks of D for P's ``export`` (D's engine adds the
+        blocks its running stage 2s reserve)."""
+        return cls(export, beam_width=beam.beam_width, beam_max_tokens=beam.max_tokens,
+                   fault=fault)
 
     def to_params(self) -> dict[str, Any]:
         """The request's ``kv_transfer_params`` (the one place they are built): a fresh

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from connector.handoff import KEY, ImportRequest
@@ -80,18 +81,17 @@ class DecodeEngine(VllmEngine):
         beam: BeamParams,
         request_id: str,
         *,
-        handoff_params: dict[str, Any],
-        fault: str | None = None,
+        handoff: ImportRequest,
     ) -> Stage2Result:
-        """``fault``: a D-side fault of ``connector.faults`` (negative controls only)."""
-        # Even a handoff that looks wrong goes to D: D's scheduler is the one authority,
-        # and refusing there also tells P to release the parent's blocks.
-        if fault is not None:
-            self.check_fault(fault)
+        """Stage 2 importing P's export (``handoff``, built for ``beam``). Even a handoff
+        that looks wrong goes to D's scheduler: it is the one authority, and refusing
+        there also tells P to release the parent's blocks."""
+        assert (handoff.beam_width, handoff.beam_max_tokens) == (beam.beam_width, beam.max_tokens), \
+            f"{request_id}: the import request was built for other beams"
+        if handoff.fault is not None:
+            self.check_fault(handoff.fault)
         # The stage 2s already running here: admission leaves their peaks free.
-        params = ImportRequest(handoff_params, beam_width=beam.beam_width,
-                               beam_max_tokens=beam.max_tokens,
-                               reserved_blocks=self.num_reserved_blocks, fault=fault).to_params()
+        params = replace(handoff, reserved_blocks=self.num_reserved_blocks).to_params()
         result = await run_beam_stage(
             self, prompt_token_ids, beam, request_id,
             first_step_extra_args={"kv_transfer_params": params},

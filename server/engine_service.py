@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from connector.handoff import ImportRequest
 from decode_engine.engine import DecodeEngine, run_beam_stage
 from engine import EngineConfig, VllmEngine
 from kvhandoff.errors import status_for
@@ -104,8 +105,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                  request.handoff.lease_expires_at - time.time())
                     try:
                         result = await self.engine.run_stage2(
-                            prompt, beam, request.request_id,
-                            handoff_params=engine_pb.handoff_from_pb(request.handoff))
+                            prompt, beam, request.request_id, handoff=ImportRequest.for_beams(
+                                engine_pb.handoff_from_pb(request.handoff), beam))
                     except Exception:
                         self.counts.import_failures += 1
                         raise

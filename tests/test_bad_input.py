@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from connector.handoff import KEY
+from connector.handoff import KEY, ImportRequest
 from kvhandoff.types import BeamParams, InvalidRequest, Stage1Params, StageError
 from tests.conftest import LEASE_S
 from tests.utils import make_request
@@ -64,7 +64,8 @@ def _stage1(pair, run, request_id: str, **kw):
 
 def _stage2_error(pair, run, prompt, beam, params, request_id) -> StageError:
     with pytest.raises(StageError) as err:
-        run(pair.d.run_stage2(prompt, beam, request_id, handoff_params=params))
+        run(pair.d.run_stage2(prompt, beam, request_id,
+                              handoff=ImportRequest.for_beams(params, beam)))
     return err.value
 
 

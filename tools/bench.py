@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from connector.handoff import ImportRequest
 from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
 from kvhandoff.model import _WORDS, DEFAULT_SUFFIX_TEXT
@@ -144,8 +145,9 @@ class Bench:
         if mode == "handoff":
             c = self.d.counters
             before = c.transfer_s, c.transfers
-            s2 = await self.d.run_stage2(prompt2, self.beam, self._rid("c2"),
-                                         handoff_params=stage1.handoff_params)
+            s2 = await self.d.run_stage2(
+                prompt2, self.beam, self._rid("c2"),
+                handoff=ImportRequest.for_beams(stage1.handoff_params, self.beam))
             if c.transfers > before[1]:
                 transfer_ms = (c.transfer_s - before[0]) * 1e3
             kv_bytes = s2.num_imported_bytes

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from connector.faults import FAULTS
+from connector.handoff import ImportRequest
 from decode_engine.engine import run_beam_stage
 from kvhandoff.types import (
     BeamParams,
@@ -96,9 +97,9 @@ async def run_handoff(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest, *
     assert stage1.handoff_params is not None
     prompt, suffix = stage2_prompt(req, stage1)
     stage2 = await d.run_stage2(
-        prompt, req.beam, f"{req.request_id}-d", handoff_params=stage1.handoff_params,
-        fault=fault if side not in (None, "prefill") else None,
-    )
+        prompt, req.beam, f"{req.request_id}-d", handoff=ImportRequest.for_beams(
+            stage1.handoff_params, req.beam,
+            fault=fault if side not in (None, "prefill") else None))
     return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2)
 
 
