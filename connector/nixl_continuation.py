@@ -101,6 +101,11 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._fault_injection = bool(extra.get_from_extra_config("fault_injection", False))
         self._import_faults: dict[str, str] = {}  # D: request id -> decode-worker fault
         self._scribble_block_ids: list[int] = []  # P: exported blocks to overwrite
+        # Idle pacing (see _pace_idle_step): seconds of empty steps before pacing, and
+        # the pause per empty step after that.
+        self._idle_after_s = float(extra.get_from_extra_config("idle_after_ms", 50)) / 1e3
+        self._idle_pause_s = float(extra.get_from_extra_config("idle_pause_ms", 20)) / 1e3
+        self._idle_since: float | None = None
 
     def _fault(self, request: Request) -> str | None:
         """The fault ``request`` names, if this engine injects faults."""
@@ -142,6 +147,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         """Once per scheduler step: the stock metadata (READs to post, exports to
         hold) plus beam-fork copies and releases and, with fault injection, the faults
         the worker applies. The lists handed over are owned by the worker from here."""
+        self._pace_idle_step(scheduler_output)
         meta = super().build_connector_meta(scheduler_output)
         self._attach_fork_meta(meta)
         meta.kvhandoff_faults = {r: f for r, f in self._import_faults.items()
@@ -151,6 +157,28 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         meta.kvhandoff_scribble = self._scribble_block_ids
         self._scribble_block_ids = []
         return meta
+
+    def _pace_idle_step(self, scheduler_output: Any) -> None:
+        """Pause an engine whose steps have computed nothing for ``idle_after_ms``.
+
+        vLLM keeps stepping (1 ms apart) while any finished request still holds blocks
+        through the connector: P holding an export until D reads it or the lease ends, a
+        kept beam step. Each empty step is a round trip to the worker, which polls NIXL:
+        ~130% of a core on P for as long as the export waits, taken from D on a small
+        host. After ``idle_after_ms`` of empty steps each further one first sleeps
+        ``idle_pause_ms``: the worker still polls READ-done notifications and leases
+        every ~10 ms, a new request waits at most that long to be scheduled, and beam
+        steps (whose next step arrives within milliseconds) never reach the pause."""
+        if self._idle_pause_s <= 0:
+            return
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            self._idle_since = None
+            return
+        now = time.perf_counter()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since >= self._idle_after_s:
+            time.sleep(self._idle_pause_s)
 
     # ---- D side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -282,7 +310,9 @@ class ContinuationConnector(NixlPullConnector):
         # Built in the engine core (scheduler role) and in each worker: both read.
         extra = vllm_config.kv_transfer_config
         assert extra is not None
-        bound_shm_reader_waits(int(extra.get_from_extra_config("shm_reader_recheck_ms", 20)))
+        busy_loop_ms = extra.get_from_extra_config("shm_busy_loop_ms", 0.5)
+        bound_shm_reader_waits(int(extra.get_from_extra_config("shm_reader_recheck_ms", 10)),
+                               None if busy_loop_ms is None else float(busy_loop_ms))
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = ContinuationConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config

@@ -4,8 +4,8 @@ stated where it is made. Applied in the engine processes the connector is loaded
 - the NIXL side channel: vLLM's listener thread dies silently on a failed bind and the
   engine core waits for it forever (:func:`guarded_handshake_listener`);
 - NIXL's progress thread busy-spins a core (:func:`nixl_agent_options`);
-- vLLM's shared-memory step queue can sleep 5 s on a lost wake-up ping
-  (:func:`bound_shm_reader_waits`).
+- vLLM's shared-memory step queue can sleep 5 s on a lost wake-up ping, and its
+  readers spin for 1 s after every message (:func:`bound_shm_reader_waits`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def nixl_agent_options(*, progress_thread: bool, progress_delay_us: int):
             bind.nixlAgentConfig = saved_config
 
 
-def bound_shm_reader_waits(recheck_ms: int) -> None:
+def bound_shm_reader_waits(recheck_ms: int, busy_loop_ms: float | None = None) -> None:
     """Cap how long this process's readers of vLLM's shared-memory queues sleep.
 
     vLLM's engine core and its worker hand every step over a shared-memory ring and
@@ -108,10 +108,28 @@ def bound_shm_reader_waits(recheck_ms: int) -> None:
     until its recheck, 5 s in vLLM 0.32 (vllm-project/vllm#45224; docs/decisions.md,
     "Shared-memory recheck"). ``recheck_ms`` bounds each such stall; an idle reader
     wakes that often. 0 keeps vLLM's own value.
+
+    A reader also spins (``sched_yield``) for 1 s after each message before it sleeps
+    on the ping. An engine stepping every few milliseconds, as vLLM steps one whose
+    finished requests still hold exported blocks, keeps its engine core and its worker
+    spinning for as long as that lasts: a whole core of a small host. ``busy_loop_ms``
+    caps the spin (None keeps vLLM's 1 s); past it the reader sleeps until the ping or
+    the recheck.
     """
-    if recheck_ms <= 0:
-        return
     from vllm.distributed.device_communicators import shm_broadcast
 
-    if shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS > recheck_ms:
+    if 0 < recheck_ms < shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS:
         shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = recheck_ms
+    if busy_loop_ms is None:
+        return
+    cond = shm_broadcast.SpinCondition
+    original = getattr(cond.wait, "__wrapped__", cond.wait)
+    cap_s = busy_loop_ms / 1e3
+
+    @functools.wraps(original)
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
+        if self.busy_loop_s > cap_s:
+            self.busy_loop_s = cap_s
+        original(self, timeout_ms)
+
+    cond.wait = wait
