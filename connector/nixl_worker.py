@@ -6,6 +6,7 @@ injection, the harness's faults."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from connector.beam_fork import BeamForkWorker
 from connector.faults import corrupt_imported, scribble
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
-from connector.runtime import nixl_agent_options
+from connector.runtime import back_with_huge_pages, nixl_agent_options
 from connector.stats import ContinuationStats
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
     ):
         extra = vllm_config.kv_transfer_config
         assert extra is not None
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         with nixl_agent_options(
             progress_thread=bool(extra.get_from_extra_config("nixl_progress_thread", True)),
             progress_delay_us=int(
@@ -44,6 +46,15 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
             ),
         ):
             super().__init__(vllm_config, engine_id, kv_cache_config)
+        if affinity is not None and extra.get_from_extra_config("keep_cpu_affinity", True):
+            # On CPU, vLLM's NIXL worker pins this thread (which also runs the forward
+            # pass) to the last core of each NUMA node, expecting OpenMP threads bound
+            # to the others. Unbound (VLLM_CPU_OMP_THREADS_BIND=nobind, our default),
+            # that puts every engine's forward pass and READs on one core of the host:
+            # keep the cores the worker started with (docs/decisions.md, "Worker CPU
+            # affinity").
+            os.sched_setaffinity(0, affinity)
+        self._huge_pages = bool(extra.get_from_extra_config("kv_huge_pages", True))
         self._lease_margin_s = float(
             extra.get_from_extra_config(
                 "lease_safety_margin_s", DEFAULT_LEASE_SAFETY_MARGIN_S
@@ -59,6 +70,11 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
         self._import_faults: dict[str, str] = {}  # request id -> fault, until its READ is done
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self._huge_pages:
+            t0 = time.perf_counter()
+            collapsed = back_with_huge_pages(list(kv_caches.values()))
+            logger.info("KV pool: %.0f MiB on 2 MiB pages (%.2fs)", collapsed / 2**20,
+                        time.perf_counter() - t0)
         super().register_kv_caches(kv_caches)
         if self._fork_enabled or self._fault_injection:
             self._register_kv_views(

@@ -5,12 +5,16 @@ stated where it is made. Applied in the engine processes the connector is loaded
   engine core waits for it forever (:func:`guarded_handshake_listener`);
 - NIXL's progress thread busy-spins a core (:func:`nixl_agent_options`);
 - vLLM's shared-memory step queue can sleep 5 s on a lost wake-up ping, and its
-  readers spin for 1 s after every message (:func:`bound_shm_reader_waits`).
+  readers spin for 1 s after every message (:func:`bound_shm_reader_waits`);
+- on CPU hosts the KV pool sits on 4 KiB pages, which halves what a NIXL READ moves
+  per second (:func:`back_with_huge_pages`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 import logging
 import sys
@@ -43,6 +47,46 @@ def guarded_handshake_listener(encoded_data: dict[tuple[int, int], Any],
             raise
         listener_failures[port] = exc
         ready_event.set()
+
+
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25  # Linux 6.1+
+_HUGE_PAGE = 2 << 20
+
+
+def back_with_huge_pages(tensors: list[Any]) -> int:
+    """Back the host memory of ``tensors`` (the KV pool) with 2 MiB pages; returns the
+    bytes now on huge pages.
+
+    vLLM allocates the CPU KV pool with ``torch.zeros``, which touches every page as
+    4 KiB: the host's transparent huge pages are ``madvise``-only here and torch does not
+    ask. UCX's ``cma`` READs (``process_vm_readv``) walk pages on both sides, and on 4 KiB
+    pages they move about half of what they move on 2 MiB pages (docs/decisions.md,
+    "Huge pages for the KV pool"). ``MADV_HUGEPAGE`` then ``MADV_COLLAPSE`` rebuilds the
+    already-touched range in place; a kernel without ``MADV_COLLAPSE`` (before 6.1)
+    gets the advice only (khugepaged collapses it later) and a warning.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    spans = sorted({(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                    for t in tensors if t.device.type == "cpu"})
+    collapsed = 0
+    for addr, nbytes in spans:
+        start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
+        end = (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        if end <= start:
+            continue
+        length = ctypes.c_size_t(end - start)
+        if libc.madvise(ctypes.c_void_p(start), length, _MADV_HUGEPAGE) != 0:
+            logger.warning("KV pool stays on 4 KiB pages: madvise(MADV_HUGEPAGE) failed "
+                           "(errno %d)", ctypes.get_errno())
+            continue
+        if libc.madvise(ctypes.c_void_p(start), length, _MADV_COLLAPSE) != 0:
+            logger.warning("KV pool advised to huge pages but not collapsed now "
+                           "(madvise(MADV_COLLAPSE) errno %d; needs Linux 6.1+)",
+                           ctypes.get_errno())
+            continue
+        collapsed += end - start
+    return collapsed
 
 
 def _agent_config_with_delay(bind: Any, delay_us: int) -> type:

@@ -30,6 +30,16 @@ class PoolSnapshot:
         return self.num_used_blocks == 0 and not self.num_running_reqs and not self.num_waiting_reqs
 
 
+@dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """One NIXL READ as NIXL's telemetry reports it."""
+
+    seconds: float
+    num_bytes: int
+    num_descriptors: int
+    post_seconds: float
+
+
 @dataclass
 class EngineCounters:
     """Cumulative counters from vLLM's stat loggers (prompt tokens by source, and the NIXL
@@ -50,8 +60,10 @@ class EngineCounters:
     failed_notifications: int = 0
     failed_handshakes: int = 0
     expired_leases: int = 0
-    #: The latest transfers' (seconds, bytes), newest last.
-    recent_transfers: deque = field(default_factory=lambda: deque(maxlen=256))
+    #: Descriptors NIXL posted for the READs (after its own merging of adjacent ones).
+    transfer_descriptors: int = 0
+    #: The latest transfers, newest last.
+    recent_transfers: deque[TransferRecord] = field(default_factory=lambda: deque(maxlen=256))
 
     def add_connector_stats(self, data: dict[str, list]) -> None:
         durations = data.get("transfer_duration", [])
@@ -59,7 +71,12 @@ class EngineCounters:
         self.transfers += len(durations)
         self.transfer_s += float(sum(durations))
         self.transfer_bytes += int(sum(sizes))
-        self.recent_transfers.extend(zip(durations, sizes))
+        descriptors = data.get("num_descriptors", [])
+        posts = data.get("post_duration", [])
+        self.transfer_descriptors += int(sum(descriptors))
+        self.recent_transfers.extend(
+            TransferRecord(float(s), int(b), int(n), float(p))
+            for s, b, n, p in zip(durations, sizes, descriptors, posts))
         self.failed_transfers += len(data.get("num_failed_transfers", []))
         self.failed_notifications += len(data.get("num_failed_notifications", []))
         self.failed_handshakes += len(data.get("num_failed_handshakes", []))

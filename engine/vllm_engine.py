@@ -155,6 +155,20 @@ class VllmEngine:
                 return snap
             await asyncio.sleep(0.05)
 
+    async def empty_prefix_cache(self, timeout_s: float = 10.0) -> None:
+        """Empty the prefix cache of an engine that is about to be idle: vLLM refuses the
+        reset while any block is held (an export until D has read it, a kept beam step
+        until it is released), so wait for a clean pool and retry; raise if it never is."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.wait_pool_clean(max(0.0, deadline - time.monotonic()))
+            if await self.llm.reset_prefix_cache():
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{self.engine_id}: prefix cache not emptied within "
+                                   f"{timeout_s:.0f}s, blocks still held: {self.pool()}")
+            await asyncio.sleep(0.05)
+
     def shutdown(self) -> None:
         """Stop the engine-core and worker processes. Idempotent."""
         llm, self.llm = self.llm, None

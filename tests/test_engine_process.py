@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import types
 from pathlib import Path
 
 import pytest
 
-from connector.runtime import bound_shm_reader_waits
+from connector.runtime import back_with_huge_pages, bound_shm_reader_waits
 
 
 def test_shm_reader_waits_are_bounded_and_never_lengthened(monkeypatch):
@@ -24,6 +26,54 @@ def test_shm_reader_waits_are_bounded_and_never_lengthened(monkeypatch):
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 20
     bound_shm_reader_waits(100)
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 20
+
+
+def test_shm_reader_spin_is_capped(monkeypatch):
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    seen = []
+
+    def wait(self, timeout_ms=None):
+        seen.append(self.busy_loop_s)
+
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", wait)
+    cond = types.SimpleNamespace(busy_loop_s=1.0)
+    shm_broadcast.SpinCondition.wait(cond)
+    assert seen == [1.0]  # the control: vLLM's 1 s spin, uncapped
+    bound_shm_reader_waits(0, busy_loop_ms=0.5)
+    shm_broadcast.SpinCondition.wait(cond)
+    assert seen[-1] == 0.0005
+    bound_shm_reader_waits(0, busy_loop_ms=0.5)  # applied twice: wrapped once
+    assert shm_broadcast.SpinCondition.wait.__wrapped__ is wait
+
+
+def _huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of this process's mapping that holds ``address``."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_kv_pool_memory_is_collapsed_to_huge_pages():
+    import torch
+
+    if "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        pytest.skip("every mapping gets huge pages on this host: nothing to compare")
+    size = 64 << 20
+    control = torch.zeros(size, dtype=torch.int8)
+    pool = torch.zeros(size, dtype=torch.int8)
+    assert _huge_kib(control.data_ptr()) == 0  # torch alone: 4 KiB pages
+    collapsed = back_with_huge_pages([pool[: size // 2], pool[size // 2:]])
+    assert collapsed >= size - (4 << 20)  # one storage, its 2 MiB-aligned span
+    assert _huge_kib(pool.data_ptr() + (4 << 20)) * 1024 >= collapsed
+    assert torch.count_nonzero(pool) == 0  # contents kept
 
 
 @pytest.mark.parametrize("level, shown, hidden", [
@@ -94,3 +144,22 @@ def test_an_engine_server_whose_side_channel_port_is_taken_exits_saying_so(model
             capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert proc.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in proc.stdout + proc.stderr
+
+
+@pytest.mark.engines
+def test_engine_workers_keep_every_core_and_hold_their_pool_on_huge_pages(pair):
+    """vLLM's NIXL worker pins the thread that runs the forward pass to one core (the
+    same core for P and D on this host); ours gives the cores back. Its KV pool is on
+    2 MiB pages (READs move about twice the bytes per second)."""
+    import psutil
+
+    from tests.conftest import D_POOL_BYTES, P_POOL_BYTES
+
+    workers = [p for p in psutil.Process().children(recursive=True)
+               if p.name().startswith("VLLM::Worker")]
+    assert len(workers) == 2
+    for worker in workers:
+        assert set(worker.cpu_affinity()) == os.sched_getaffinity(0), worker
+        rollup = Path(f"/proc/{worker.pid}/smaps_rollup").read_text()
+        huge = int(rollup.split("AnonHugePages:")[1].split()[0]) * 1024
+        assert huge >= min(P_POOL_BYTES, D_POOL_BYTES) - (4 << 20), (worker, huge)

@@ -135,17 +135,6 @@ class Harness:
             think_end_id=self.think_end_id,
         )
 
-    @staticmethod
-    async def _reset_cache(engine: Any) -> None:
-        """Empty an idle engine's prefix cache (a kept beam-fork request or an export
-        may still be releasing its blocks, so wait for a clean pool first)."""
-        for _ in range(20):
-            await engine.wait_pool_clean()
-            if await engine.llm.reset_prefix_cache():
-                return
-            await asyncio.sleep(0.25)
-        raise RuntimeError(f"{engine.engine_id}: prefix cache not reset, blocks still held")
-
     async def reference(self, case: Case) -> _Reference:
         """Stage 1 on P and on D, the colocated two stages on P, vLLM's beam search."""
         if case.name in self._references:
@@ -173,10 +162,10 @@ class Harness:
             await self.d.generate(ref.prompt, stage1_sampling(ref.request.stage1),
                                   f"verify-{case.name}-warm")
         else:
-            await self._reset_cache(self.d)
+            await self.d.empty_prefix_cache()
         got = await run_handoff(self.p, self.d, ref.request, fault=fault)
         if fault is not None and FAULTS[fault].side == "prefill":
-            await self._reset_cache(self.p)  # P's cache holds the overwritten blocks
+            await self.p.empty_prefix_cache()  # P's cache holds the overwritten blocks
         return self.compare(case, ref, got, fault)
 
     def _import_failures(self, case: Case, got: TwoStageResult, found: int) -> list[str]:

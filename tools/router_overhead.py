@@ -95,10 +95,8 @@ async def measure_router_overhead(pair: Any, prompts: list[list[int]], *, stage1
                 times = {}
                 # Alternate the order; both start from empty caches either way.
                 for path in (("direct", "router") if i % 2 else ("router", "direct")):
-                    await pair.p.wait_pool_clean(10.0)
-                    await pair.d.wait_pool_clean(10.0)
-                    await pair.p.llm.reset_prefix_cache()
-                    await pair.d.llm.reset_prefix_cache()
+                    await pair.p.empty_prefix_cache()
+                    await pair.d.empty_prefix_cache()
                     t0 = time.perf_counter()
                     if path == "router":
                         resp = await rs.Generate(req, timeout=300)
