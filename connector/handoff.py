@@ -173,8 +173,12 @@ class ImportRequest:
 
     def to_params(self) -> dict[str, Any]:
         """The request's ``kv_transfer_params`` (the one place they are built): a fresh
-        copy each time, since vLLM's connector mutates them."""
-        params = {k: v for k, v in self.export.items() if k != KEY}
+        copy each time, since vLLM's connector mutates them. P's
+        ``remote_prefill_cached_tokens`` is left out: given it, vLLM 0.32 reports P's
+        prefix hits as D's ``num_cached_tokens``, and D's first step would then count
+        the tokens it imported as computed."""
+        params = {k: v for k, v in self.export.items()
+                  if k not in (KEY, "remote_prefill_cached_tokens")}
         fields = self.export.get(KEY)
         if fields is not None:
             params[KEY] = dict(fields) if isinstance(fields, dict) else {"malformed": fields}

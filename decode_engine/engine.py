@@ -63,6 +63,7 @@ async def run_beam_stage(
         num_prompt_tokens=len(prompt_token_ids),
         num_imported_tokens=int(imported.get("num_imported_tokens", 0)),
         num_imported_bytes=int(imported.get("num_imported_bytes", 0)),
+        num_imported_blocks=int(imported.get("num_imported_blocks", 0)),
         num_computed_tokens_first_step=outcome.step_computed_tokens[0],
         num_computed_tokens_total=sum(outcome.step_computed_tokens),
         first_step_s=outcome.first_step_s,

@@ -40,6 +40,17 @@ class TransferRecord:
     post_seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class IterationRecord:
+    """One engine step as vLLM's iteration stats report it: ``inter_token_s`` holds, for
+    every request that decoded a (non-first) token in the step, the time since its
+    previous token: with all of a batch decoding, the step's duration."""
+
+    index: int
+    num_generation_tokens: int
+    inter_token_s: tuple[float, ...]
+
+
 @dataclass
 class EngineCounters:
     """Cumulative counters from vLLM's stat loggers (prompt tokens by source, and the NIXL
@@ -60,6 +71,13 @@ class EngineCounters:
     failed_notifications: int = 0
     failed_handshakes: int = 0
     expired_leases: int = 0
+    #: vLLM's prefix-cache stats: prompt tokens looked up in this engine's cache and
+    #: tokens found there (hit rate = hits / queries).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    #: Engine steps reported so far, and the latest (newest last).
+    iterations: int = 0
+    recent_iterations: deque[IterationRecord] = field(default_factory=lambda: deque(maxlen=4096))
     #: Descriptors NIXL posted for the READs (after its own merging of adjacent ones).
     transfer_descriptors: int = 0
     #: The latest transfers, newest last.
@@ -85,6 +103,16 @@ class EngineCounters:
         self.beam_fork_tokens += fork
         self._fork_tokens_unmatched += fork
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def add_iteration(self, iteration_stats: Any) -> None:
+        self.iterations += 1
+        self.recent_iterations.append(IterationRecord(
+            self.iterations, int(iteration_stats.num_generation_tokens),
+            tuple(iteration_stats.inter_token_latencies_iter)))
+
     def add_external_tokens(self, num_tokens: int) -> None:
         """vLLM's external (KV connector) prompt tokens, minus the beam fork copies."""
         fork = min(num_tokens, self._fork_tokens_unmatched)
@@ -106,6 +134,10 @@ def stats_logger_factory(sink: dict[str, Any]):
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
             if scheduler_stats is not None:
                 sink["scheduler"] = scheduler_stats
+                cache = scheduler_stats.prefix_cache_stats
+                if cache is not None:
+                    counters.prefix_cache_queries += cache.queries
+                    counters.prefix_cache_hits += cache.hits
                 if scheduler_stats.kv_connector_stats:
                     counters.add_connector_stats(scheduler_stats.kv_connector_stats)
             if iteration_stats is not None:
@@ -114,6 +146,7 @@ def stats_logger_factory(sink: dict[str, Any]):
                 counters.prompt_tokens_cached += tokens.local_cache_hit
                 counters.add_external_tokens(tokens.external_kv_transfer)
                 counters.generation_tokens += iteration_stats.num_generation_tokens
+                counters.add_iteration(iteration_stats)
 
         def log_engine_initialized(self) -> None:
             pass

@@ -173,3 +173,5 @@ class Stage2Result:
     step_computed_tokens: list[int] = field(default_factory=list)
     #: See ``decode_engine.beam.BeamSearchOutcome.recomputed_tokens``.
     num_recomputed_beam_tokens: int = 0
+    #: D's blocks the import filled (num_imported_bytes = blocks x bytes per block).
+    num_imported_blocks: int = 0

@@ -61,6 +61,14 @@ class EngineCollector:
                       c.prompt_tokens_cached)
         yield counter("prompt_tokens_transferred", "Prompt tokens imported from another engine",
                       c.prompt_tokens_transferred)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                      "(vLLM's prefix-cache stats)", c.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                      c.prefix_cache_hits)
+        yield gauge("prefix_cache_hit_rate", "Prefix-cache hits / queried prompt tokens since "
+                    "start", c.prefix_cache_hit_rate)
+        yield counter("nixl_descriptors", "NIXL descriptors the READs posted after merging "
+                      "(D)", c.transfer_descriptors)
         yield counter("beam_fork_tokens", "Prompt tokens beam steps copied from a kept beam "
                       "on this engine instead of computing them", c.beam_fork_tokens)
         if engine is not None:

@@ -70,6 +70,16 @@ def test_import_params_are_a_fresh_copy_each_time():
     assert (parsed.beam_width, parsed.beam_max_tokens, parsed.reserved_blocks) == (4, 3, 7)
 
 
+def test_import_params_leave_out_p_s_cache_hits():
+    """vLLM reports ``remote_prefill_cached_tokens`` as D's cached tokens: kept, a cold
+    import's first step would count every imported token as computed on D."""
+    export = {**make_export_params(PARENT, model_fingerprint="m"),
+              "remote_prefill_cached_tokens": 0}
+    params = ImportRequest(export, beam_width=4, beam_max_tokens=3).to_params()
+    assert "remote_prefill_cached_tokens" not in params
+    assert params["remote_engine_id"] == export["remote_engine_id"]
+
+
 @pytest.mark.parametrize("n,w,t,expected,with_fork", [
     (64, 1, 1, 2 + 1, 2 + 1),      # two full blocks shared, one tail block (no next step)
     (65, 4, 3, 2 + 4 * 1, 2 + 4 + 4),  # 1 + 3 tail tokens fit one block per beam

@@ -67,5 +67,12 @@ def test_engine_metrics_show_vllm_and_handoff_counters(cluster, router_client, a
         resp.stats.num_imported_tokens
     # Beam steps 2.. copy their partial last block from the beam they extend (beam fork).
     assert d(d0, d1, "kvhandoff_engine_beam_fork_tokens_total") > 0
+    # Prefix-cache lookups from vLLM's stats: P looked the prompt up; D's beam steps after
+    # the import find the parent in D's cache.
+    assert d(p0, p1, "kvhandoff_engine_prefix_cache_queries_total") >= 80
+    assert d(d0, d1, "kvhandoff_engine_prefix_cache_hits_total") > 0
+    rate = [v for k, v in d1.items() if k[0] == "kvhandoff_engine_prefix_cache_hit_rate"]
+    assert len(rate) == 1 and 0 < rate[0] < 1
+    assert d(d0, d1, "kvhandoff_engine_nixl_descriptors_total") >= 1
     # vLLM's own metrics are there too.
     assert any(k[0].startswith("vllm:") for k in d1)

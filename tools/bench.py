@@ -13,6 +13,17 @@ Workload (generative recommendation): a ~500-token prompt, stage 1 sampling ~200
 
 Engines run in this process (no gRPC) so the figures are the engines' own. Stage-2 times:
 the first beam step (for C it includes the NIXL READ) and the whole beam search.
+
+Cache state, stated per sample: one request at a time, both engines' prefix caches are
+emptied before every sample and the order of the modes is rotated per prompt, so no mode
+runs on another's blocks. The headline handoff is ``cold`` (D's cache empty: the import
+reads the whole parent, checked against the parent's blocks x bytes per block); a
+``warm`` handoff follows on the same prompt, with D holding the prompt's blocks (tokens
+read vs found on D, bytes saved). Also measured: the stage-2 floor (the import step plus
+T-1 engine steps decoding W sequences of the parent's length, from vLLM's iteration
+stats) for W x T, the import step's pieces per parent length, throughput at concurrency
+(handoff vs colocated, caches emptied before each batch, distinct prompts), and the
+CPU the engines use while P holds an export nobody reads.
 """
 
 from __future__ import annotations
@@ -20,8 +31,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,9 +49,11 @@ from tools.bench_report import (
     MODES,
     agreement,
     concurrency_row,
+    floor_row,
     format_report,
     plot,
     summarize,
+    summarize_warm,
 )
 from tools.local import local_pair
 from tools.nixl_probe import measure_transfer
@@ -55,7 +70,15 @@ class BenchConfig:
     beam_tokens: int = 3
     requests: int = 8
     concurrency: tuple[int, ...] = (1, 4, 16)
-    sweep: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    #: Modes run at concurrency above 1 (the slow references are measured at 1).
+    concurrent_modes: tuple[str, ...] = ("colocated", "handoff")
+    sweep: tuple[int, ...] = (256, 1024, 2048, 4096)
+    #: Stage-2 floor grid: beam widths x beam tokens, ``floor_repeats`` samples each.
+    floor_widths: tuple[int, ...] = (4, 16, 32)
+    floor_tokens: tuple[int, ...] = (3, 8)
+    floor_repeats: int = 2
+    #: Seconds over which the engines' CPU is measured idle and holding an export.
+    idle_s: float = 10.0
     seed: int = 0
     nixl_sizes_mib: tuple[int, ...] = (32, 128, 512)
     #: Requests per concurrency level = level x rounds.
@@ -65,8 +88,8 @@ class BenchConfig:
 
     @classmethod
     def quick(cls, **kw: Any) -> BenchConfig:
-        base = dict(requests=2, stage1_tokens=64, concurrency=(1, 4), sweep=(256, 2048),
-                    nixl_sizes_mib=(32, 128), rounds=1, router_requests=3)
+        base = dict(requests=2, stage1_tokens=64, concurrency=(1, 4), sweep=(256, 1024),
+                    floor_repeats=1, nixl_sizes_mib=(32,), rounds=1, router_requests=3)
         return cls(**{**base, **kw})
 
 
@@ -81,13 +104,29 @@ class Sample:
     stage2_total_ms: float
     end_to_end_ms: float
     computed_tokens_d: int
+    #: Bytes NIXL read for this request (its telemetry), and in how many descriptors.
     kv_bytes: int = 0
     transfer_ms: float | None = None
+    descriptors: int = 0
     beams: list[list[int]] = field(default_factory=list)
     #: Tokens computed for the first beam step (output-reported; None for vLLM's search).
     computed_first_step: int | None = None
     suffix_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
+    #: Handoff only: D's prefix cache before the import ("cold": emptied; "warm": it
+    #: holds the prompt), and the import's prompt tokens read from P vs found on D.
+    d_cache: str | None = None
+    tokens_read: int = 0
+    tokens_found: int = 0
+    kv_bytes_per_block: int = 0
+    block_size: int = 1
+    #: Prefix-cache (hits, queried tokens) during the sample, per engine ("p", "d").
+    prefix_cache: dict[str, tuple[int, int]] = field(default_factory=dict)
+    stage2_prompt: list[int] = field(default_factory=list, repr=False)
+
+
+class BenchError(RuntimeError):
+    """A measurement that does not describe what it claims (raised, never reported)."""
 
 
 def _prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
@@ -101,6 +140,21 @@ def _prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
                                     add_special_tokens=False)
         out.append(ids[:length])
     return out
+
+
+def rotated(modes: tuple[str, ...], i: int) -> tuple[str, ...]:
+    """The modes in the order prompt ``i`` runs them (each mode first once per len(modes))."""
+    k = i % len(modes)
+    return modes[k:] + modes[:k]
+
+
+def _cpu_s(processes: list[Any]) -> float:
+    total = 0.0
+    for proc in processes:
+        with contextlib.suppress(Exception):
+            t = proc.cpu_times()
+            total += t.user + t.system
+    return total
 
 
 class Bench:
@@ -122,15 +176,29 @@ class Bench:
                             seed=seed, stop_token_ids=tuple(
                                 t for t in (self.pair.think_end_id,) if t is not None))
 
-    def _request(self, prompt: list[int], seed: int, max_tokens: int | None = None):
+    def _request(self, prompt: list[int], seed: int, max_tokens: int | None = None,
+                 beam: BeamParams | None = None):
         return TwoStageRequest(request_id=self._rid("req"), prompt_token_ids=prompt,
                                suffix_token_ids=self.suffix_ids,
-                               stage1=self._stage1_params(seed, max_tokens), beam=self.beam,
-                               think_end_id=self.pair.think_end_id)
+                               stage1=self._stage1_params(seed, max_tokens),
+                               beam=beam or self.beam, think_end_id=self.pair.think_end_id)
+
+    async def empty_caches(self) -> None:
+        await self.p.empty_prefix_cache()
+        await self.d.empty_prefix_cache()
 
     async def one(self, mode: str, prompt: list[int], seed: int,
-                  stage1_tokens: int | None = None) -> Sample:
-        req = self._request(prompt, seed, stage1_tokens)
+                  stage1_tokens: int | None = None, *, d_cache: str = "cold",
+                  beam: BeamParams | None = None, alone: bool = True) -> Sample:
+        """One request of ``mode``. ``alone``: nothing else runs (the counters' deltas are
+        this request's; a cold handoff is checked). A cold handoff or a text round trip
+        empties D's prefix cache first (both engines' when ``alone``)."""
+        beam = beam or self.beam
+        req = self._request(prompt, seed, stage1_tokens, beam)
+        if alone and d_cache == "cold":
+            await self.empty_caches()
+        before = {"p": dataclasses.replace(self.p.counters),
+                  "d": dataclasses.replace(self.d.counters)}
         t0 = time.perf_counter()
         stage1 = await self.p.run_stage1(prompt, req.stage1, self._rid("s1"),
                                          export=mode == "handoff",
@@ -141,25 +209,27 @@ class Bench:
         # requests run one at a time).
         engine2 = self.d if mode in ("handoff", "text_roundtrip") else self.p
         computed0 = engine2.counters.prompt_tokens_computed
-        kv_bytes, transfer_ms = 0, None
+        extra: dict[str, Any] = {}
         if mode == "handoff":
-            c = self.d.counters
-            before = c.transfer_s, c.transfers
             s2 = await self.d.run_stage2(
-                prompt2, self.beam, self._rid("c2"),
-                handoff=ImportRequest.for_beams(stage1.handoff_params, self.beam))
-            if c.transfers > before[1]:
-                transfer_ms = (c.transfer_s - before[0]) * 1e3
-            kv_bytes = s2.num_imported_bytes
+                prompt2, beam, self._rid("c2"),
+                handoff=ImportRequest.for_beams(stage1.handoff_params, beam))
             first_ms, total_ms, beams = s2.first_step_s * 1e3, s2.elapsed_s * 1e3, s2.beams
+            extra = dict(d_cache=d_cache, tokens_read=s2.num_imported_tokens,
+                         block_size=self.d.block_size,
+                         tokens_found=(len(prompt2) - s2.num_imported_tokens
+                                       - s2.num_computed_tokens_first_step),
+                         kv_bytes_per_block=(s2.num_imported_bytes // s2.num_imported_blocks
+                                             if s2.num_imported_blocks else 0))
         elif mode == "colocated":
-            s2 = await run_beam_stage(self.p, prompt2, self.beam, self._rid("b2"))
+            s2 = await run_beam_stage(self.p, prompt2, beam, self._rid("b2"))
             first_ms, total_ms, beams = s2.first_step_s * 1e3, s2.elapsed_s * 1e3, s2.beams
         elif mode == "text_roundtrip":
             text = self.tok.decode(parent, skip_special_tokens=False) + self.suffix_text
             ids = self.tok.encode(text, add_special_tokens=False)
-            await self.d.llm.reset_prefix_cache()
-            s2 = await run_beam_stage(self.d, ids, self.beam, self._rid("a2"))
+            if alone:
+                await self.d.empty_prefix_cache()
+            s2 = await run_beam_stage(self.d, ids, beam, self._rid("a2"))
             first_ms, total_ms, beams = s2.first_step_s * 1e3, s2.elapsed_s * 1e3, s2.beams
         else:
             assert mode == "vllm_beam_search"
@@ -168,50 +238,161 @@ class Bench:
             # the full search then runs with that step's blocks cached (in its favour).
             t1 = time.perf_counter()
             await vllm_beam_search(self.p.llm, self.tok, prompt2,
-                                   BeamParams(beam_width=self.beam.beam_width, max_tokens=1),
+                                   BeamParams(beam_width=beam.beam_width, max_tokens=1),
                                    self._rid("d1"))
             first_ms = (time.perf_counter() - t1) * 1e3
             t2 = time.perf_counter()
-            full = await vllm_beam_search(self.p.llm, self.tok, prompt2, self.beam,
-                                          self._rid("d2"))
+            full = await vllm_beam_search(self.p.llm, self.tok, prompt2, beam, self._rid("d2"))
             total_ms = (time.perf_counter() - t2) * 1e3
             beams = [type(b)(token_ids=b.token_ids[len(prompt2):]
                              if len(b.token_ids) > len(prompt2) else b.token_ids,
                              cum_logprob=b.cum_logprob, finish_reason=b.finish_reason)
                      for b in full]
+        end_ms = (time.perf_counter() - t0) * 1e3
         computed = engine2.counters.prompt_tokens_computed - computed0
         first_computed = None if mode == "vllm_beam_search" else s2.num_computed_tokens_first_step
-        return Sample(mode, len(stage1.token_ids), len(parent), first_ms, total_ms,
-                      (time.perf_counter() - t0) * 1e3, computed, kv_bytes, transfer_ms,
-                      [list(b.token_ids) for b in beams], first_computed,
-                      len(prompt2) - len(parent), [b.cum_logprob for b in beams])
+        sample = Sample(mode, len(stage1.token_ids), len(parent), first_ms, total_ms, end_ms,
+                        computed, beams=[list(b.token_ids) for b in beams],
+                        computed_first_step=first_computed,
+                        suffix_tokens=len(prompt2) - len(parent),
+                        logprobs=[b.cum_logprob for b in beams], stage2_prompt=prompt2, **extra)
+        if alone:
+            # The engines' stats follow a request's outputs by a step: wait for the READ's.
+            deadline = time.perf_counter() + 2.0
+            while (mode == "handoff" and sample.tokens_read and time.perf_counter() < deadline
+                   and self.d.counters.transfers == before["d"].transfers):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            after = {"p": self.p.counters, "d": self.d.counters}
+            sample.prefix_cache = {
+                k: (after[k].prefix_cache_hits - before[k].prefix_cache_hits,
+                    after[k].prefix_cache_queries - before[k].prefix_cache_queries)
+                for k in after}
+            c0, c1 = before["d"], after["d"]
+            if mode == "handoff" and c1.transfers > c0.transfers:
+                sample.kv_bytes = c1.transfer_bytes - c0.transfer_bytes
+                sample.transfer_ms = (c1.transfer_s - c0.transfer_s) * 1e3
+                sample.descriptors = c1.transfer_descriptors - c0.transfer_descriptors
+            if mode == "handoff" and d_cache == "cold":
+                self._check_cold(sample)
+        return sample
+
+    def _check_cold(self, s: Sample) -> None:
+        """A cold import reads the whole parent, all its computed tokens (the last sampled
+        token has no KV yet) in whole blocks, finds nothing on D, and NIXL moved exactly
+        those blocks: otherwise the sample is not what it is reported as."""
+        num_blocks = -(-(s.parent_tokens - 1) // self.d.block_size)
+        expected = num_blocks * s.kv_bytes_per_block
+        if (s.tokens_found or s.tokens_read != s.parent_tokens - 1 or not expected
+                or s.kv_bytes != expected):
+            raise BenchError(
+                f"cold handoff of a {s.parent_tokens}-token parent: read {s.tokens_read} "
+                f"tokens, found {s.tokens_found} on D, NIXL moved {s.kv_bytes} bytes; "
+                f"expected {s.parent_tokens - 1} tokens read, none found, {num_blocks} "
+                f"blocks x {s.kv_bytes_per_block} bytes = {expected}")
 
     async def sweep_point(self, parent_tokens: int, seed: int) -> dict[str, Any]:
-        """Transfer time of a ``parent_tokens`` parent vs the prefill it replaces on D."""
+        """A cold handoff of a ``parent_tokens`` parent: its READ, its import step and the
+        step's pieces, against the prefill it replaces on D."""
         from vllm import SamplingParams
 
         prompt = _prompts(self.tok, 1, parent_tokens - 1, seed)[0]
-        s = await self.one("handoff", prompt, seed, stage1_tokens=1)
-        await self.d.llm.reset_prefix_cache()
+        s = await self.one("handoff", prompt, seed, stage1_tokens=1,
+                           beam=BeamParams(beam_width=self.cfg.beam_width, max_tokens=2))
+        # The tail's forward pass at this context: D now holds the parent's full blocks,
+        # so the same stage-2 prompt computes only what follows them.
+        computed0 = self.d.counters.prompt_tokens_computed
+        t0 = time.perf_counter()
+        await self.d.generate(s.stage2_prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                              self._rid("tail"))
+        tail_ms = (time.perf_counter() - t0) * 1e3
+        await asyncio.sleep(0.05)
+        tail_tokens = self.d.counters.prompt_tokens_computed - computed0
+        await self.d.empty_prefix_cache()
         t0 = time.perf_counter()
         await self.d.generate(prompt + [0], SamplingParams(max_tokens=1, temperature=0.0),
                               self._rid("prefill"))
         prefill_ms = (time.perf_counter() - t0) * 1e3
+        read_ms = s.transfer_ms or 0.0
         return {"parent_tokens": s.parent_tokens, "kv_bytes": s.kv_bytes,
+                "descriptors": s.descriptors,
                 "computed_tokens_d_import_step": s.computed_first_step,
+                "suffix_tokens": s.suffix_tokens,
                 "transfer_ms": None if s.transfer_ms is None else round(s.transfer_ms, 3),
+                "read_gbps": round(s.kv_bytes / read_ms / 1e6, 3) if read_ms else None,
                 "import_step_ms": round(s.stage2_first_beam_ms, 3),
+                "tail_forward_ms": round(tail_ms, 3), "tail_forward_tokens": tail_tokens,
+                "import_step_budget_ms": round(read_ms + tail_ms + 10.0, 3),
+                "import_step_within_budget": s.stage2_first_beam_ms <= read_ms + tail_ms + 10.0,
                 "prefill_ms": round(prefill_ms, 3)}
+
+    async def decode_step_ms(self, prompt: list[int], width: int, steps: int) -> float:
+        """Median duration of an engine step decoding ``width`` sequences of ``prompt``'s
+        length on D, from vLLM's iteration stats (steps in which all of them decoded)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+        first = self.d.counters.iterations
+        await asyncio.gather(*(self.d.generate(prompt, params, self._rid(f"floor{i}"))
+                               for i in range(width)))
+        await asyncio.sleep(0.1)
+        step_s = [statistics.median(it.inter_token_s)
+                  for it in self.d.counters.recent_iterations
+                  if it.index > first and len(it.inter_token_s) == width]
+        if not step_s:
+            raise BenchError(f"no engine step decoded all {width} sequences together")
+        return statistics.median(step_s) * 1e3
+
+    async def stage2_floor(self, prompt: list[int], width: int, tokens: int,
+                           seed: int) -> dict[str, Any]:
+        """Our stage 2 (cold handoff, ``width`` beams, ``tokens`` tokens) against its
+        floor: the import step plus ``tokens - 1`` steps decoding ``width`` sequences."""
+        s = await self.one("handoff", prompt, seed,
+                           beam=BeamParams(beam_width=width, max_tokens=tokens))
+        step_ms = await self.decode_step_ms(s.stage2_prompt, width, max(tokens, 3))
+        floor_ms = s.stage2_first_beam_ms + (tokens - 1) * step_ms
+        return {"beam_width": width, "beam_tokens": tokens, "parent_tokens": s.parent_tokens,
+                "stage2_total_ms": round(s.stage2_total_ms, 3),
+                "import_step_ms": round(s.stage2_first_beam_ms, 3),
+                "decode_step_ms": round(step_ms, 3), "floor_ms": round(floor_ms, 3),
+                "ratio": round(s.stage2_total_ms / floor_ms, 3)}
+
+    async def idle_cpu(self, seconds: float) -> dict[str, Any]:
+        """Both engines' processes' CPU (percent of one core) over ``seconds`` idle, then
+        over ``seconds`` while P holds an export D has not read (then D reads it)."""
+        import psutil
+
+        procs = psutil.Process().children(recursive=True)
+
+        async def measure() -> float:
+            await asyncio.sleep(1.0)  # past the last request's steps
+            c0, t0 = _cpu_s(procs), time.perf_counter()
+            await asyncio.sleep(seconds)
+            return round(100 * (_cpu_s(procs) - c0) / (time.perf_counter() - t0), 1)
+
+        idle = await measure()
+        prompt = _prompts(self.tok, 1, 64, 5)[0]
+        req = self._request(prompt, 1, 4)
+        stage1 = await self.p.run_stage1(prompt, req.stage1, self._rid("hold"), export=True,
+                                         target=self.d.handoff_target)
+        holding = await measure()
+        prompt2, _ = stage2_prompt(req, stage1)
+        await self.d.run_stage2(prompt2, self.beam, self._rid("hold2"),
+                                handoff=ImportRequest.for_beams(stage1.handoff_params, self.beam))
+        return {"seconds": seconds, "engines_cpu_pct_idle": idle,
+                "engines_cpu_pct_holding_export": holding}
 
 
 async def _at_concurrency(bench: Bench, cfg: BenchConfig, mode: str, c: int) -> dict[str, Any]:
-    """``c x rounds`` requests of one mode, ``c`` at a time."""
+    """``c x rounds`` requests of one mode, ``c`` at a time, on emptied caches and
+    distinct prompts (no request finds another's blocks)."""
     prompts = _prompts(bench.tok, c * cfg.rounds, cfg.prompt_tokens, cfg.seed + 1000 * c)
     sem = asyncio.Semaphore(c)
+    await bench.empty_caches()
 
     async def go(i: int, prompt: list[int]) -> Sample:
         async with sem:
-            return await bench.one(mode, prompt, cfg.seed + i)
+            return await bench.one(mode, prompt, cfg.seed + i, alone=False)
 
     t0 = time.perf_counter()
     samples = await asyncio.gather(*(go(i, p) for i, p in enumerate(prompts)))
@@ -236,10 +417,11 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
     max_len += -max_len % 32
     pool = 2 << 30
     common = dict(max_model_len=max_len, kv_cache_memory_bytes=pool, lease_s=60,
-                  max_num_seqs=max(64, cfg.beam_width * max(cfg.concurrency)),
-                  max_logprobs=max(64, 2 * cfg.beam_width))
+                  max_num_seqs=max(64, cfg.beam_width * max(cfg.concurrency),
+                                   max(cfg.floor_widths, default=1)),
+                  max_logprobs=max(64, 2 * cfg.beam_width, *(2 * w for w in cfg.floor_widths)))
     result: dict[str, Any] = {"config": {**asdict(cfg)}, "modes": {}, "concurrency": [],
-                              "sweep": [], "transfer": {}}
+                              "sweep": [], "floor": [], "transfer": {}}
     t_start = time.perf_counter()
     started = contextlib.nullcontext(pair) if pair is not None else local_pair(cfg.model, **common)
     async with started as pair:
@@ -250,30 +432,56 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
             await bench.one(mode, prompts[0][:64], 1, stage1_tokens=4)
         tick("warm-up")
         by_mode: dict[str, list[Sample]] = {m: [] for m in MODES}
+        warm: list[Sample] = []
         for i, prompt in enumerate(prompts):
-            for mode in MODES:
+            for mode in rotated(MODES, i):
                 by_mode[mode].append(await bench.one(mode, prompt, cfg.seed + i))
+                if mode == "handoff":
+                    # D now holds the prompt's blocks: the same prompt, another stage 1.
+                    warm.append(await bench.one(mode, prompt, cfg.seed + i + 500,
+                                                d_cache="warm"))
                 tick(f"{mode} {i + 1}/{len(prompts)}")
         result["modes"] = {mode: {**summarize(by_mode[mode]), **agreement(by_mode, mode)}
                            for mode in MODES}
+        result["handoff_warm"] = summarize_warm(warm)
         save()
         if 1 in cfg.concurrency:
             result["concurrency"] += [concurrency_row(m, 1, by_mode[m]) for m in MODES]
         for c in (c for c in cfg.concurrency if c > 1):
-            for mode in MODES:
+            for mode in cfg.concurrent_modes:
                 result["concurrency"].append(await _at_concurrency(bench, cfg, mode, c))
                 tick(f"concurrency {c} {mode}")
+                save()
+        floor_prompt = _prompts(bench.tok, 1, cfg.prompt_tokens, cfg.seed + 77)[0]
+        for w in cfg.floor_widths:
+            for t in cfg.floor_tokens:
+                rows = [await bench.stage2_floor(floor_prompt, w, t, cfg.seed + 80 + k)
+                        for k in range(cfg.floor_repeats)]
+                result["floor"].append(floor_row(rows))
+                tick(f"floor W={w} T={t}")
                 save()
         for i, n in enumerate(cfg.sweep):
             result["sweep"].append(await bench.sweep_point(n, cfg.seed + 7 + i))
             tick(f"sweep {n}")
+            save()
+        if cfg.idle_s:
+            result["idle_cpu"] = await bench.idle_cpu(cfg.idle_s)
+            tick("idle CPU")
             save()
         if cfg.router_requests:
             result["router"] = await measure_router_overhead(
                 pair, _prompts(bench.tok, cfg.router_requests, cfg.prompt_tokens, cfg.seed + 99),
                 stage1_tokens=cfg.stage1_tokens, beam=bench.beam, progress=tick)
             save()
-    result["transfer"] = measure_transfer([m << 20 for m in cfg.nixl_sizes_mib])
+    # Raw NIXL for the bytes each sweep point read, and the configured sizes.
+    sizes = sorted({*(row["kv_bytes"] for row in result["sweep"] if row["kv_bytes"]),
+                    *(m << 20 for m in cfg.nixl_sizes_mib)})
+    result["transfer"] = measure_transfer(sizes)
+    raw = {row["bytes"]: row["nixl_gbps"] for row in result["transfer"]["sizes"]}
+    for row in result["sweep"]:
+        if row["read_gbps"] and row["kv_bytes"] in raw:
+            row["raw_nixl_gbps"] = raw[row["kv_bytes"]]
+            row["read_vs_raw"] = round(row["read_gbps"] / raw[row["kv_bytes"]], 3)
     tick("raw transfer")
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     return result
@@ -302,8 +510,9 @@ def main_bench(args: argparse.Namespace) -> int:
         kw["sweep"] = tuple(int(x) for x in args.sweep.split(","))
     cfg = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
     levels = sum(1 for c in cfg.concurrency if c > 1)
-    steps = (1 + cfg.requests * len(MODES) + levels * len(MODES) + len(cfg.sweep)
-             + cfg.router_requests + 1)
+    steps = (1 + cfg.requests * len(MODES) + levels * len(cfg.concurrent_modes)
+             + len(cfg.floor_widths) * len(cfg.floor_tokens) + len(cfg.sweep)
+             + bool(cfg.idle_s) + cfg.router_requests + 1)
     with tqdm(total=steps, desc="bench", unit="step") as bar:
         def progress(label: str) -> None:
             bar.set_postfix_str(label)

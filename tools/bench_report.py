@@ -44,10 +44,38 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
             f"{sum(s.computed_first_step == s.suffix_tokens + 1 for s in samples)}/{len(samples)}")
     moved = [s for s in samples if s.kv_bytes and s.transfer_ms]
     if moved:
+        out["d_cache"] = sorted({s.d_cache for s in moved})
         out["kv_bytes_per_request"] = statistics.mean(s.kv_bytes for s in moved)
+        out["descriptors_per_request"] = statistics.mean(s.descriptors for s in moved)
         out["transfer_ms_p50"] = pct([s.transfer_ms for s in moved], 0.5)
         out["transfer_gbps"] = round(sum(s.kv_bytes for s in moved)
                                      / (sum(s.transfer_ms for s in moved) / 1e3) / 1e9, 3)
+    for engine in ("p", "d"):
+        hits = sum(s.prefix_cache.get(engine, (0, 0))[0] for s in samples)
+        queries = sum(s.prefix_cache.get(engine, (0, 0))[1] for s in samples)
+        out[f"prefix_cache_hit_rate_{engine}"] = round(hits / queries, 3) if queries else None
+    return out
+
+
+def summarize_warm(samples: list[Sample]) -> dict[str, Any]:
+    """Handoffs to a D that already holds the prompt's blocks: what the import read and
+    what it found on D instead."""
+    if not samples:
+        return {}
+    out = summarize(samples)
+    out["tokens_read_per_request"] = statistics.mean(s.tokens_read for s in samples)
+    out["tokens_found_on_d_per_request"] = statistics.mean(s.tokens_found for s in samples)
+    out["bytes_saved_per_request"] = statistics.mean(
+        s.tokens_found // s.block_size * s.kv_bytes_per_block for s in samples)
+    return out
+
+
+def floor_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repeats of one (beam width, beam tokens) floor measurement."""
+    out = dict(rows[0])
+    for key in ("stage2_total_ms", "import_step_ms", "decode_step_ms", "floor_ms", "ratio"):
+        out[key] = round(statistics.median(r[key] for r in rows), 3)
+    out["repeats"] = len(rows)
     return out
 
 
@@ -81,12 +109,19 @@ def concurrency_row(mode: str, c: int, samples: list[Sample],
     return {"mode": mode, "concurrency": c, "requests": len(samples),
             "requests_per_s": round(len(samples) / wall_s, 3),
             "end_to_end_ms_p50": pct([s.end_to_end_ms for s in samples], 0.5),
-            "stage2_first_beam_ms_p50": pct([s.stage2_first_beam_ms for s in samples], 0.5)}
+            "stage2_first_beam_ms_p50": pct([s.stage2_first_beam_ms for s in samples], 0.5),
+            "stage2_first_beam_ms_p95": pct([s.stage2_first_beam_ms for s in samples], 0.95)}
 
 
 def format_report(r: dict[str, Any]) -> str:
-    lines = [f"{'mode':<18}{'first beam p50':>15}{'p95':>9}{'stage2 p50':>12}{'p95':>9}"
-             f"{'e2e p50':>10}{'D computed':>11}{'KiB moved':>10}{'GB/s':>7}  beams=B  =vLLM"]
+    lines = ["one request at a time, both prefix caches emptied before each; handoff = cold D",
+             f"{'mode':<18}{'first beam p50':>15}{'p95':>9}{'stage2 p50':>12}{'p95':>9}"
+             f"{'e2e p50':>10}{'D computed':>11}{'KiB moved':>10}{'GB/s':>7}{'hit P':>7}"
+             f"{'hit D':>7}  beams=B  =vLLM"]
+
+    def rate(x: float | None) -> str:
+        return f"{x:>7.2f}" if x is not None else f"{'-':>7}"
+
     for mode in MODES:
         m = r["modes"][mode]
         kib = m.get("kv_bytes_per_request")
@@ -94,21 +129,50 @@ def format_report(r: dict[str, Any]) -> str:
             f"{mode:<18}{m['stage2_first_beam_ms_p50']:>15.1f}{m['stage2_first_beam_ms_p95']:>9.1f}"
             f"{m['stage2_total_ms_p50']:>12.1f}{m['stage2_total_ms_p95']:>9.1f}"
             f"{m['end_to_end_ms_p50']:>10.0f}{m['computed_tokens_d_per_request']:>11.1f}"
-            f"{(kib / 1024 if kib else 0):>10.0f}{m.get('transfer_gbps', 0):>7.2f}  "
+            f"{(kib / 1024 if kib else 0):>10.0f}{m.get('transfer_gbps', 0):>7.2f}"
+            f"{rate(m.get('prefix_cache_hit_rate_p'))}{rate(m.get('prefix_cache_hit_rate_d'))}  "
             f"{m['beams_match_colocated']:>7}{m['beams_match_vllm_beam_search']:>7}")
+    w = r.get("handoff_warm")
+    if w:
+        lines.append(
+            f"handoff, warm D (holds the prompt): first beam p50 {w['stage2_first_beam_ms_p50']:.1f} ms, "
+            f"read {w['tokens_read_per_request']:.0f} tokens, found "
+            f"{w['tokens_found_on_d_per_request']:.0f} on D, "
+            f"{w['bytes_saved_per_request'] / 2**20:.1f} MiB not moved per request")
     lines.append("")
-    lines.append(f"{'concurrency':<12}{'mode':<18}{'req/s':>8}{'e2e p50 ms':>12}{'first beam p50':>16}")
+    lines.append(f"{'concurrency':<12}{'mode':<18}{'req/s':>8}{'e2e p50 ms':>12}"
+                 f"{'first beam p50':>16}{'p95':>9}")
     for row in r["concurrency"]:
         lines.append(f"{row['concurrency']:<12}{row['mode']:<18}{row['requests_per_s']:>8.2f}"
-                     f"{row['end_to_end_ms_p50']:>12.0f}{row['stage2_first_beam_ms_p50']:>16.1f}")
+                     f"{row['end_to_end_ms_p50']:>12.0f}{row['stage2_first_beam_ms_p50']:>16.1f}"
+                     f"{row['stage2_first_beam_ms_p95']:>9.1f}")
+    if r.get("floor"):
+        lines.append("")
+        lines.append(f"{'W':>4}{'T':>4}{'stage2 ms':>11}{'import step':>13}{'decode step':>13}"
+                     f"{'floor ms':>10}{'ratio':>7}")
+        for row in r["floor"]:
+            lines.append(f"{row['beam_width']:>4}{row['beam_tokens']:>4}"
+                         f"{row['stage2_total_ms']:>11.1f}{row['import_step_ms']:>13.1f}"
+                         f"{row['decode_step_ms']:>13.1f}{row['floor_ms']:>10.1f}"
+                         f"{row['ratio']:>7.2f}")
     lines.append("")
-    lines.append(f"{'parent tokens':<14}{'KiB':>8}{'transfer ms':>13}{'import step ms':>16}"
+    lines.append(f"{'parent':<8}{'MiB':>6}{'descs':>7}{'READ ms':>9}{'GB/s':>7}{'raw':>7}"
+                 f"{'ratio':>7}{'import step':>13}{'tail fwd':>10}{'budget':>8}"
                  f"{'prefill ms':>12}")
     for row in r["sweep"]:
         t = row["transfer_ms"]
-        lines.append(f"{row['parent_tokens']:<14}{row['kv_bytes'] / 1024:>8.0f}"
-                     f"{(t if t is not None else float('nan')):>13.2f}"
-                     f"{row['import_step_ms']:>16.1f}{row['prefill_ms']:>12.1f}")
+        lines.append(f"{row['parent_tokens']:<8}{row['kv_bytes'] / 2**20:>6.1f}"
+                     f"{row['descriptors']:>7}{(t if t is not None else float('nan')):>9.2f}"
+                     f"{row['read_gbps'] or 0:>7.2f}{row.get('raw_nixl_gbps', 0):>7.2f}"
+                     f"{row.get('read_vs_raw', 0):>7.2f}{row['import_step_ms']:>13.1f}"
+                     f"{row['tail_forward_ms']:>10.1f}{row['import_step_budget_ms']:>8.1f}"
+                     f"{row['prefill_ms']:>12.1f}")
+    if r.get("idle_cpu"):
+        c = r["idle_cpu"]
+        lines.append("")
+        lines.append(f"engines' CPU over {c['seconds']:.0f} s: idle {c['engines_cpu_pct_idle']:.1f}% "
+                     f"of a core, P holding an unread export "
+                     f"{c['engines_cpu_pct_holding_export']:.1f}%")
     if r.get("router"):
         ro = r["router"]
         lines.append("")
