@@ -66,14 +66,42 @@ class BeamForkScheduler:
         self._fork_pending: dict[str, tuple[str, int]] = {}  # child -> (source, tokens)
         self._fork_copies: list[tuple[int, int]] = []  # (source block, child block)
         self._fork_release: set[str] = set()  # beam names
+        # step group -> [requests arrived, time.monotonic() of the first]
+        self._gangs: dict[str, list[float]] = {}
+        self._gang_wait_s = float(extra.get_from_extra_config("beam_step_gang_ms", 20)) / 1e3
 
     def _is_fork_child(self, beam: dict[str, Any] | None) -> bool:
         return bool(beam and beam.get("fork_from") and self._fork_enabled)
 
     def _fork_on_new_request(self, beam: dict[str, Any] | None) -> None:
-        """A new request may release kept requests that got no children."""
+        """A new request may release kept requests that got no children; a beam step's
+        request is counted in its step's gang."""
         if beam and self._fork_enabled:
             self._fork_release.update(n for n in beam.get("fork_release") or () if n in self._kept)
+        if beam and int(beam.get("step_size") or 1) > 1 and beam.get("step_group"):
+            now = time.monotonic()
+            gang = self._gangs.get(beam["step_group"])
+            if gang is None:
+                stale = [g for g, (_, t) in self._gangs.items() if now - t > 60.0]
+                for g in stale:
+                    del self._gangs[g]
+                gang = self._gangs[beam["step_group"]] = [0, now]
+            gang[0] += 1
+
+    def _gang_ready(self, beam: dict[str, Any] | None) -> bool:
+        """Whether a beam step's request may be scheduled: once all its step's requests
+        have arrived, or ``beam_step_gang_ms`` after the first did. vLLM receives them one
+        message at a time, and a step scheduled with the first few runs the rest in a
+        second engine step: most W=32 beam steps took two engine steps without this
+        (docs/decisions.md, "Beam steps scheduled together")."""
+        if not beam or not beam.get("step_group"):
+            return True
+        gang = self._gangs.get(beam["step_group"])
+        if gang is None:
+            return True
+        arrived, first = gang
+        return (arrived >= int(beam.get("step_size") or 1)
+                or time.monotonic() - first >= self._gang_wait_s)
 
     def _fork_match(self, request: Request, beam: dict[str, Any], num_computed: int) -> int:
         """Tokens a beam child can copy from its kept source (0: compute them)."""

@@ -183,14 +183,16 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
     # ---- D side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Before a waiting request is scheduled: how many prompt tokens past
         ``num_computed_tokens`` (local prefix hits) come from outside, and whether they
-        arrive asynchronously. D imports ``min(remote_num_tokens, len(prompt) - 1)``: the
+        arrive asynchronously (None: not yet, a beam step's siblings are on their way). D imports ``min(remote_num_tokens, len(prompt) - 1)``: the
         last prompt token is computed here to sample from it, the suffix never was on
         P. A beam child counts the tokens it copies from its kept source (synchronous)."""
         params = request.kv_transfer_params
         beam = beam_params(request)
+        if not self._gang_ready(beam):
+            return None, False  # vLLM skips it this step and asks again
         if self._is_fork_child(beam):
             return self._fork_match(request, beam, num_computed_tokens), False
         if not (params and params.get("do_remote_prefill")):
@@ -213,6 +215,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         READ (or the beam-fork copy) into them is queued for the next step."""
         params = request.kv_transfer_params
         beam = beam_params(request)
+        if not self._gang_ready(beam):
+            return None, False  # vLLM skips it this step and asks again
         if self._is_fork_child(beam):
             self._fork_scheduled(request, beam, blocks, num_external_tokens)
         if params and params.get("do_remote_prefill") and num_external_tokens > 0:

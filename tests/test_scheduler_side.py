@@ -221,6 +221,39 @@ def test_beam_fork_copies_the_partial_block_and_releases_the_source(model_dir):
     assert_scheduler_clean(scheduler)
 
 
+@pytest.mark.parametrize("arrive", [3, 2])
+def test_a_beam_step_is_scheduled_together(model_dir, arrive):
+    """A step's requests wait for their siblings (they reach vLLM one at a time): with 2
+    of 3 arrived nothing runs until the third comes, or until beam_step_gang_ms; then
+    they run in one engine step. Control: requests without a step group run at once."""
+    scheduler = make_scheduler(model_dir, extra_config={"beam_step_gang_ms": 300})
+    loose = _beam_request(list(range(10, 30)), {"id": "x"}, "x-internal")
+    scheduler.add_request(loose)
+    assert _step(scheduler).num_scheduled_tokens == {"x-internal": 20}
+
+    def member(i):
+        return _beam_request(list(range(40, 60)) + [i], {"id": f"g{i}", "step_group": "r-s1",
+                                                          "step_size": 3}, f"g{i}-internal")
+
+    t0 = time.monotonic()
+    for i in range(2):
+        scheduler.add_request(member(i))
+    assert _step(scheduler).num_scheduled_tokens == {}
+    if arrive == 3:
+        scheduler.add_request(member(2))
+        expected = {f"g{i}-internal": 21 for i in range(3)}
+    else:  # the third never comes: the two run once the wait is over
+        expected = {f"g{i}-internal": 21 for i in range(2)}
+    out = _step(scheduler)
+    while not out.num_scheduled_tokens:
+        assert time.monotonic() - t0 < 5.0, "the step's requests were never scheduled"
+        time.sleep(0.01)
+        out = _step(scheduler)
+    assert out.num_scheduled_tokens == expected
+    assert (time.monotonic() - t0 >= 0.3) == (arrive == 2)
+    assert_scheduler_clean(scheduler)
+
+
 def test_beam_fork_refuses_a_child_that_does_not_extend_its_source(model_dir):
     scheduler = make_scheduler(model_dir)
     prompt = list(range(10, 80))

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from connector.handoff import ImportRequest
+from connector.handoff import BEAM_KEY, ImportRequest
 from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
 from kvhandoff.model import _WORDS, DEFAULT_SUFFIX_TEXT
@@ -326,12 +326,14 @@ class Bench:
                 "import_step_within_budget": s.stage2_first_beam_ms <= read_ms + tail_ms + 10.0,
                 "prefill_ms": round(prefill_ms, 3)}
 
-    async def decode_step_ms(self, prompt: list[int], width: int, steps: int) -> float:
+    async def decode_step_ms(self, prompt: list[int], width: int, steps: int,
+                             logprobs: int | None = None) -> float:
         """Median duration of an engine step decoding ``width`` sequences of ``prompt``'s
         length on D, from vLLM's iteration stats (steps in which all of them decoded)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True,
+                                logprobs=logprobs, detokenize=False)
         first = self.d.counters.iterations
         await asyncio.gather(*(self.d.generate(prompt, params, self._rid(f"floor{i}"))
                                for i in range(width)))
@@ -343,18 +345,46 @@ class Bench:
             raise BenchError(f"no engine step decoded all {width} sequences together")
         return statistics.median(step_s) * 1e3
 
+    async def new_requests_step_ms(self, prompt: list[int], width: int) -> float:
+        """Wall time of a beam step without its block copies: ``width`` new one-token
+        requests scheduled together (as a beam step's are), each the block-aligned part of
+        ``prompt`` (cached on D) plus one different token, so each computes one token,
+        returning the beam search's ``2 x width`` logprobs."""
+        from vllm import SamplingParams
+
+        aligned = prompt[:(len(prompt) - 1) // self.d.block_size * self.d.block_size]
+        gang = {"kv_transfer_params": {BEAM_KEY: {"step_group": self._rid("gang"),
+                                                  "step_size": width}}}
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width,
+                                detokenize=False, extra_args=gang)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(self.d.generate(aligned + [10 + i], params, self._rid("new"))
+                               for i in range(width)))
+        return (time.perf_counter() - t0) * 1e3
+
     async def stage2_floor(self, prompt: list[int], width: int, tokens: int,
                            seed: int) -> dict[str, Any]:
         """Our stage 2 (cold handoff, ``width`` beams, ``tokens`` tokens) against its
-        floor: the import step plus ``tokens - 1`` steps decoding ``width`` sequences."""
+        floor: the import step plus ``tokens - 1`` steps decoding ``width`` sequences.
+        The gap's parts: the same decode steps returning the beam search's logprobs, and
+        a round of ``width`` new one-token requests (what a beam step submits)."""
         s = await self.one("handoff", prompt, seed,
                            beam=BeamParams(beam_width=width, max_tokens=tokens))
         step_ms = await self.decode_step_ms(s.stage2_prompt, width, max(tokens, 3))
+        with_logprobs_ms = await self.decode_step_ms(s.stage2_prompt, width, max(tokens, 3),
+                                                     logprobs=2 * width)
+        new_ms = statistics.median([await self.new_requests_step_ms(s.stage2_prompt, width)
+                                    for _ in range(3)])
         floor_ms = s.stage2_first_beam_ms + (tokens - 1) * step_ms
         return {"beam_width": width, "beam_tokens": tokens, "parent_tokens": s.parent_tokens,
                 "stage2_total_ms": round(s.stage2_total_ms, 3),
                 "import_step_ms": round(s.stage2_first_beam_ms, 3),
-                "decode_step_ms": round(step_ms, 3), "floor_ms": round(floor_ms, 3),
+                "decode_step_ms": round(step_ms, 3),
+                "decode_step_logprobs_ms": round(with_logprobs_ms, 3),
+                "new_requests_step_ms": round(new_ms, 3),
+                "beam_step_ms": round((s.stage2_total_ms - s.stage2_first_beam_ms)
+                                      / max(1, tokens - 1), 3),
+                "floor_ms": round(floor_ms, 3),
                 "ratio": round(s.stage2_total_ms / floor_ms, 3)}
 
     async def idle_cpu(self, seconds: float) -> dict[str, Any]:
