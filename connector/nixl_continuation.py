@@ -186,9 +186,10 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
     ) -> tuple[int | None, bool]:
         """Before a waiting request is scheduled: how many prompt tokens past
         ``num_computed_tokens`` (local prefix hits) come from outside, and whether they
-        arrive asynchronously (None: not yet, a beam step's siblings are on their way). D imports ``min(remote_num_tokens, len(prompt) - 1)``: the
-        last prompt token is computed here to sample from it, the suffix never was on
-        P. A beam child counts the tokens it copies from its kept source (synchronous)."""
+        arrive asynchronously (None: not yet, a beam step's siblings are on their way).
+        D imports ``min(remote_num_tokens, len(prompt) - 1)``: the last prompt token is
+        computed here to sample from it, the suffix never was on P. A beam child counts
+        the tokens it copies from its kept source (synchronous)."""
         params = request.kv_transfer_params
         beam = beam_params(request)
         if not self._gang_ready(beam):
