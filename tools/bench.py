@@ -56,7 +56,7 @@ from tools.bench_report import (
     summarize_warm,
 )
 from tools.local import local_pair
-from tools.nixl_probe import measure_transfer
+from tools.nixl_probe import measure_descriptor_rate, measure_transfer
 from tools.pipeline import TwoStageRequest, stage2_prompt
 from tools.router_overhead import measure_router_overhead, measure_router_overhead_on_cluster
 
@@ -146,6 +146,15 @@ def rotated(modes: tuple[str, ...], i: int) -> tuple[str, ...]:
     """The modes in the order prompt ``i`` runs them (each mode first once per len(modes))."""
     k = i % len(modes)
     return modes[k:] + modes[:k]
+
+
+def _engine_processes(engine: Any) -> list[Any]:
+    """An engine's engine-core process(es) and their children (its worker)."""
+    import psutil
+
+    manager = engine.llm.engine_core.resources.engine_manager
+    cores = [psutil.Process(p.pid) for p in manager.processes]
+    return cores + [c for core in cores for c in core.children(recursive=True)]
 
 
 def _cpu_s(processes: list[Any]) -> float:
@@ -388,17 +397,20 @@ class Bench:
                 "ratio": round(s.stage2_total_ms / floor_ms, 3)}
 
     async def idle_cpu(self, seconds: float) -> dict[str, Any]:
-        """Both engines' processes' CPU (percent of one core) over ``seconds`` idle, then
-        over ``seconds`` while P holds an export D has not read (then D reads it)."""
-        import psutil
+        """CPU (percent of one core) of P's processes (engine core and worker) and of both
+        engines' over ``seconds`` idle, then over ``seconds`` while P holds an export D
+        has not read (then D reads it)."""
 
-        procs = psutil.Process().children(recursive=True)
+        p_procs = _engine_processes(self.p)
+        all_procs = p_procs + _engine_processes(self.d)
 
-        async def measure() -> float:
+        async def measure() -> tuple[float, float]:
             await asyncio.sleep(1.0)  # past the last request's steps
-            c0, t0 = _cpu_s(procs), time.perf_counter()
+            p0, a0, t0 = _cpu_s(p_procs), _cpu_s(all_procs), time.perf_counter()
             await asyncio.sleep(seconds)
-            return round(100 * (_cpu_s(procs) - c0) / (time.perf_counter() - t0), 1)
+            elapsed = time.perf_counter() - t0
+            return (round(100 * (_cpu_s(p_procs) - p0) / elapsed, 1),
+                    round(100 * (_cpu_s(all_procs) - a0) / elapsed, 1))
 
         idle = await measure()
         prompt = _prompts(self.tok, 1, 64, 5)[0]
@@ -409,8 +421,9 @@ class Bench:
         prompt2, _ = stage2_prompt(req, stage1)
         await self.d.run_stage2(prompt2, self.beam, self._rid("hold2"),
                                 handoff=ImportRequest.for_beams(stage1.handoff_params, self.beam))
-        return {"seconds": seconds, "engines_cpu_pct_idle": idle,
-                "engines_cpu_pct_holding_export": holding}
+        return {"seconds": seconds, "p_cpu_pct_idle": idle[0],
+                "p_cpu_pct_holding_export": holding[0], "engines_cpu_pct_idle": idle[1],
+                "engines_cpu_pct_holding_export": holding[1]}
 
 
 async def _at_concurrency(bench: Bench, cfg: BenchConfig, mode: str, c: int) -> dict[str, Any]:
@@ -512,6 +525,9 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
         if row["read_gbps"] and row["kv_bytes"] in raw:
             row["raw_nixl_gbps"] = raw[row["kv_bytes"]]
             row["read_vs_raw"] = round(row["read_gbps"] / raw[row["kv_bytes"]], 3)
+            # The same bytes in as many unmergeable descriptors as the engine posted.
+            row["raw_same_descriptors_gbps"] = measure_descriptor_rate(
+                row["kv_bytes"], max(1, row["descriptors"]))
     tick("raw transfer")
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     return result

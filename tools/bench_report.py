@@ -161,22 +161,25 @@ def format_report(r: dict[str, Any]) -> str:
                          f"{row['new_requests_step_ms']:>12.1f}")
     lines.append("")
     lines.append(f"{'parent':<8}{'MiB':>6}{'descs':>7}{'READ ms':>9}{'GB/s':>7}{'raw':>7}"
-                 f"{'ratio':>7}{'import step':>13}{'tail fwd':>10}{'budget':>8}"
+                 f"{'ratio':>7}{'raw@descs':>10}{'import step':>13}{'tail fwd':>10}{'budget':>8}"
                  f"{'prefill ms':>12}")
     for row in r["sweep"]:
         t = row["transfer_ms"]
         lines.append(f"{row['parent_tokens']:<8}{row['kv_bytes'] / 2**20:>6.1f}"
                      f"{row['descriptors']:>7}{(t if t is not None else float('nan')):>9.2f}"
                      f"{row['read_gbps'] or 0:>7.2f}{row.get('raw_nixl_gbps', 0):>7.2f}"
-                     f"{row.get('read_vs_raw', 0):>7.2f}{row['import_step_ms']:>13.1f}"
+                     f"{row.get('read_vs_raw', 0):>7.2f}"
+                     f"{row.get('raw_same_descriptors_gbps', 0):>10.2f}"
+                     f"{row['import_step_ms']:>13.1f}"
                      f"{row['tail_forward_ms']:>10.1f}{row['import_step_budget_ms']:>8.1f}"
                      f"{row['prefill_ms']:>12.1f}")
     if r.get("idle_cpu"):
         c = r["idle_cpu"]
         lines.append("")
-        lines.append(f"engines' CPU over {c['seconds']:.0f} s: idle {c['engines_cpu_pct_idle']:.1f}% "
-                     f"of a core, P holding an unread export "
-                     f"{c['engines_cpu_pct_holding_export']:.1f}%")
+        lines.append(f"CPU over {c['seconds']:.0f} s, % of a core: P idle {c['p_cpu_pct_idle']:.1f}, "
+                     f"P holding an unread export {c['p_cpu_pct_holding_export']:.1f} (both "
+                     f"engines: {c['engines_cpu_pct_idle']:.1f} idle, "
+                     f"{c['engines_cpu_pct_holding_export']:.1f} holding)")
     if r.get("router"):
         ro = r["router"]
         lines.append("")

@@ -22,13 +22,13 @@ def _owner(size: int, conn: Any) -> None:
     buf = np.ones(size, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
     descs = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
-    conn.send((agent.get_agent_metadata(), agent.get_serialized_descs(descs)))
+    conn.send((agent.get_agent_metadata(), agent.get_serialized_descs(descs), buf.ctypes.data))
     while not conn.poll(0.0005):
         agent.get_new_notifs()
     conn.recv()
 
 
-def _read_gbps(size: int, repeats: int) -> float:
+def _read_gbps(size: int, repeats: int, num_descriptors: int = 1) -> float:
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -37,14 +37,26 @@ def _read_gbps(size: int, repeats: int) -> float:
     owner = ctx.Process(target=_owner, args=(size, child), daemon=True)
     owner.start()
     try:
-        meta, serialized = parent.recv()
+        meta, serialized, remote_addr = parent.recv()
         agent = nixl_agent(f"kvh-probe-reader-{os.getpid()}",
                            nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         buf = np.zeros(size, dtype=np.uint8)
         agent.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
-        local = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
         remote_name = agent.add_remote_agent(meta)
-        remote = agent.deserialize_descs(serialized)
+        if num_descriptors == 1:
+            local = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
+            remote = agent.deserialize_descs(serialized)
+        else:
+            # Equal pieces, the local ones in a shuffled order (as D's free blocks come),
+            # so NIXL cannot merge them: the descriptor structure of an engine's READ.
+            chunk = size // num_descriptors
+            order = np.random.default_rng(0).permutation(num_descriptors)
+            local = agent.get_xfer_descs(np.array(
+                [(buf.ctypes.data + i * chunk, chunk, 0) for i in order], dtype=np.uint64),
+                "DRAM")
+            remote = agent.get_xfer_descs(np.array(
+                [(remote_addr + i * chunk, chunk, 0) for i in range(num_descriptors)],
+                dtype=np.uint64), "DRAM")
         best = float("inf")
         for i in range(repeats + 1):  # the first READ sets up the connection: not timed
             handle = agent.initialize_xfer("READ", local, remote, remote_name)
@@ -58,10 +70,11 @@ def _read_gbps(size: int, repeats: int) -> float:
                 raise RuntimeError(f"NIXL READ of {size} bytes ended in {state}")
             if i:
                 best = min(best, elapsed)
-        if not buf[:16].all():
+        moved = size // num_descriptors * num_descriptors
+        if not buf[:16].all() or not buf[moved - 16:moved].all():
             raise RuntimeError("NIXL READ returned the wrong bytes")
         agent.remove_remote_agent(remote_name)
-        return size / best / 1e9
+        return moved / best / 1e9
     finally:
         parent.send("stop")
         owner.join(10)
@@ -78,6 +91,12 @@ def _memcpy_gbps(size: int, repeats: int) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return size / best / 1e9
+
+
+def measure_descriptor_rate(size: int, num_descriptors: int, repeats: int = 3) -> float:
+    """Raw NIXL READ GB/s for ``size`` bytes posted as ``num_descriptors`` equal,
+    unmergeable descriptors: what an engine's READ of that structure could reach."""
+    return round(_read_gbps(size, repeats, num_descriptors), 3)
 
 
 def measure_transfer(sizes: list[int], repeats: int = 3) -> dict[str, Any]:
