@@ -104,6 +104,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         # Idle pacing (see _pace_idle_step): seconds of empty steps before pacing, and
         # the pause per empty step after that.
         self._idle_after_s = float(extra.get_from_extra_config("idle_after_ms", 50)) / 1e3
+        self._last_step_at = 0.0
         self._idle_pause_s = float(extra.get_from_extra_config("idle_pause_ms", 20)) / 1e3
         self._idle_since: float | None = None
 
@@ -168,13 +169,17 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         host. After ``idle_after_ms`` of empty steps each further one first sleeps
         ``idle_pause_ms``: the worker still polls READ-done notifications and leases
         every ~10 ms, a new request waits at most that long to be scheduled, and beam
-        steps (whose next step arrives within milliseconds) never reach the pause."""
+        steps (whose next step arrives within milliseconds) never reach the pause. A step
+        that posts READs, or the first after the engine slept on its empty queue (a new
+        request arrived), starts a new streak: an import's READ step is never paused."""
         if self._idle_pause_s <= 0:
             return
-        if scheduler_output.total_num_scheduled_tokens > 0:
+        now = time.perf_counter()
+        last, self._last_step_at = self._last_step_at, now
+        if (scheduler_output.total_num_scheduled_tokens > 0 or self._reqs_need_recv
+                or now - last > self._idle_after_s):
             self._idle_since = None
             return
-        now = time.perf_counter()
         if self._idle_since is None:
             self._idle_since = now
         elif now - self._idle_since >= self._idle_after_s:

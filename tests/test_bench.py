@@ -17,6 +17,7 @@ def test_bench_measures_every_mode(pair, run, assert_pools_clean, tmp_path):
     cfg = BenchConfig(model=None, prompt_tokens=40, stage1_tokens=8, beam_width=4, beam_tokens=2,
                       requests=2, concurrency=(1, 2), rounds=1, sweep=(64, 200),
                       floor_widths=(2, 4), floor_tokens=(3,), floor_repeats=1, idle_s=1.0,
+                      sweep_repeats=1,
                       nixl_sizes_mib=(4,), router_requests=2)
     r = run(run_bench(cfg, pair=pair), timeout=900)
     for mode in MODES:

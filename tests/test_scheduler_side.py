@@ -308,3 +308,33 @@ def test_import_admitted_without_beam_fork_when_only_that_fits(model_dir, finger
     assert req.request_id in out.kv_connector_metadata.reqs_to_recv, "admitted"
     assert req.kv_transfer_params[BEAM_KEY] == {"id": "b0", "keep": False,
                                                 "fork_disabled": True}
+
+
+def test_idle_steps_are_paced_but_never_a_read_step(model_dir):
+    """Empty steps back to back for idle_after_ms: the next one pauses idle_pause_ms. The
+    first step after the engine slept on its queue (a request just arrived) and a step
+    that posts READs do not: an import is never delayed by the pacing."""
+    from types import SimpleNamespace
+
+    scheduler = make_scheduler(model_dir, extra_config={"idle_after_ms": 30,
+                                                        "idle_pause_ms": 80})
+    pacer = scheduler.connector.connector_scheduler
+    empty = SimpleNamespace(total_num_scheduled_tokens=0)
+
+    def step_s():
+        t0 = time.perf_counter()
+        pacer._pace_idle_step(empty)
+        return time.perf_counter() - t0
+
+    assert step_s() < 0.02  # first step after a long quiet: a new streak
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.02:  # a streak shorter than idle_after_ms
+        assert step_s() < 0.02
+        time.sleep(0.005)
+    time.sleep(0.015)
+    assert step_s() >= 0.07  # the control: past idle_after_ms of empty steps, paced
+    pacer._reqs_need_recv["imp"] = object()  # this step posts a READ
+    assert step_s() < 0.02
+    del pacer._reqs_need_recv["imp"]
+    time.sleep(0.1)  # the engine slept on its queue
+    assert step_s() < 0.02

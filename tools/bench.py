@@ -73,6 +73,7 @@ class BenchConfig:
     #: Modes run at concurrency above 1 (the slow references are measured at 1).
     concurrent_modes: tuple[str, ...] = ("colocated", "handoff")
     sweep: tuple[int, ...] = (256, 1024, 2048, 4096)
+    sweep_repeats: int = 3
     #: Stage-2 floor grid: beam widths x beam tokens, ``floor_repeats`` samples each.
     floor_widths: tuple[int, ...] = (4, 16, 32)
     floor_tokens: tuple[int, ...] = (3, 8)
@@ -306,8 +307,13 @@ class Bench:
         from vllm import SamplingParams
 
         prompt = _prompts(self.tok, 1, parent_tokens - 1, seed)[0]
-        s = await self.one("handoff", prompt, seed, stage1_tokens=1,
-                           beam=BeamParams(beam_width=self.cfg.beam_width, max_tokens=2))
+        # Cold handoffs of this parent (a different stage-1 token each); the median one
+        # by READ time is reported, with the median import step.
+        runs = [await self.one("handoff", prompt, seed + k, stage1_tokens=1,
+                               beam=BeamParams(beam_width=self.cfg.beam_width, max_tokens=2))
+                for k in range(self.cfg.sweep_repeats)]
+        s = sorted(runs, key=lambda r: r.transfer_ms or 0.0)[len(runs) // 2]
+        import_step_ms = statistics.median(r.stage2_first_beam_ms for r in runs)
         # The tail's forward pass at this context: D now holds the parent's full blocks,
         # so the same stage-2 prompt computes only what follows them.
         computed0 = self.d.counters.prompt_tokens_computed
@@ -329,10 +335,10 @@ class Bench:
                 "suffix_tokens": s.suffix_tokens,
                 "transfer_ms": None if s.transfer_ms is None else round(s.transfer_ms, 3),
                 "read_gbps": round(s.kv_bytes / read_ms / 1e6, 3) if read_ms else None,
-                "import_step_ms": round(s.stage2_first_beam_ms, 3),
+                "repeats": len(runs), "import_step_ms": round(import_step_ms, 3),
                 "tail_forward_ms": round(tail_ms, 3), "tail_forward_tokens": tail_tokens,
                 "import_step_budget_ms": round(read_ms + tail_ms + 10.0, 3),
-                "import_step_within_budget": s.stage2_first_beam_ms <= read_ms + tail_ms + 10.0,
+                "import_step_within_budget": import_step_ms <= read_ms + tail_ms + 10.0,
                 "prefill_ms": round(prefill_ms, 3)}
 
     async def decode_step_ms(self, prompt: list[int], width: int, steps: int,

@@ -90,9 +90,19 @@ def agreement(by_mode: dict[str, list[Sample]], mode: str) -> dict[str, Any]:
     agree = sum(s.beams == r.beams and all(
         abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(s.logprobs, r.logprobs))
         for s, r in zip(got, peer))
+    # Where the beams differ from vLLM's: the same scores in another order (near-ties
+    # whose order the batch's floating point decides) or another search?
+    same_scores = sum(len(s.logprobs) == len(r.logprobs) and all(
+        abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(sorted(s.logprobs), sorted(r.logprobs)))
+        for s, r in zip(got, peer))
     return {
         "beams_match_colocated": f"{same}/{len(got)}",
         "beams_match_vllm_beam_search": f"{agree}/{len(got)}",
+        "beam_ids_match_vllm_beam_search": f"{sum(s.beams == r.beams for s, r in zip(got, peer))}/{len(got)}",
+        "scores_match_vllm_beam_search": f"{same_scores}/{len(got)}",
+        "max_score_diff_vs_vllm_beam_search": max(
+            (abs(a - b) for s, r in zip(got, peer)
+             for a, b in zip(sorted(s.logprobs), sorted(r.logprobs))), default=None),
         # Where beams differ: are the scores the same (ties among near-equal candidates)
         # or different searches?
         "max_score_diff_vs_colocated": max(
