@@ -221,8 +221,6 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         READ (or the beam-fork copy) into them is queued for the next step."""
         params = request.kv_transfer_params
         beam = beam_params(request)
-        if not self._gang_ready(beam):
-            return None, False  # vLLM skips it this step and asks again
         if self._is_fork_child(beam):
             self._fork_scheduled(request, beam, blocks, num_external_tokens)
         if params and params.get("do_remote_prefill") and num_external_tokens > 0:

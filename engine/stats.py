@@ -75,7 +75,7 @@ class EngineCounters:
     #: tokens found there (hit rate = hits / queries).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    #: Engine steps reported so far, and the latest (newest last).
+    #: Iterations (engine output batches) reported so far, and the latest (newest last).
     iterations: int = 0
     recent_iterations: deque[IterationRecord] = field(default_factory=lambda: deque(maxlen=4096))
     #: Descriptors NIXL posted for the READs (after its own merging of adjacent ones).
