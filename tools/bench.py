@@ -201,8 +201,9 @@ class Bench:
                   stage1_tokens: int | None = None, *, d_cache: str = "cold",
                   beam: BeamParams | None = None, alone: bool = True) -> Sample:
         """One request of ``mode``. ``alone``: nothing else runs (the counters' deltas are
-        this request's; a cold handoff is checked). A cold handoff or a text round trip
-        empties D's prefix cache first (both engines' when ``alone``)."""
+        this request's; a cold handoff is checked): both engines' prefix caches are
+        emptied first (for ``d_cache="cold"``), and D's again before a text round trip's
+        stage 2. Not alone, the caller empties them before the batch."""
         beam = beam or self.beam
         req = self._request(prompt, seed, stage1_tokens, beam)
         if alone and d_cache == "cold":
