@@ -44,6 +44,7 @@ class VllmEngine:
         self.num_total_blocks: int = (cache.num_gpu_blocks or 1) - 1
         #: Peak blocks of the stage 2s running here (see run_beam_stage).
         self.num_reserved_blocks: int = 0
+        self._steps_run = 0  # run_one_step's request ids
         model_config = llm.vllm_config.model_config
         self.vocab_size: int = model_config.get_vocab_size()
         self.max_model_len: int = model_config.max_model_len
@@ -118,6 +119,18 @@ class VllmEngine:
             await self.generate([1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0,
                                                           logprobs=k, detokenize=False),
                                 f"warmup-{self.engine_id}-{k}")
+
+    async def run_one_step(self) -> None:
+        """Return once the engine has run a step begun after this call: whatever its
+        scheduler side handed the workers before (an injected ``stale`` fault's overwrite
+        of exported blocks, which rides on the next step's connector metadata) has been
+        applied. A one-token request is such a step."""
+        from vllm import SamplingParams
+
+        self._steps_run += 1
+        await self.generate([1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0,
+                                                      detokenize=False),
+                            f"step-{self.engine_id}-{self._steps_run}")
 
     def check_fault(self, fault: str) -> None:
         """Raise ``ValueError`` unless this engine may inject ``fault``."""

@@ -95,6 +95,8 @@ async def run_handoff(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest, *
                                target=d.handoff_target,
                                fault=fault if side == "prefill" else None)
     assert stage1.handoff_params is not None
+    if side == "prefill":
+        await p.run_one_step()  # P's workers apply the fault before D reads
     prompt, suffix = stage2_prompt(req, stage1)
     stage2 = await d.run_stage2(
         prompt, req.beam, f"{req.request_id}-d", handoff=ImportRequest.for_beams(
