@@ -29,7 +29,7 @@ from kvhandoff.model import ModelTokens
 from kvhandoff.tls import ChannelTLS, aio_channel
 from kvhandoff.types import continuation_prompt
 from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
-from router.capacity import CapacityMixin, Endpoint
+from router.capacity import CapacityMixin, Endpoint, EngineObserver
 from router.plan import Outcome, Plan, RouterError, grpc_error, plan_request
 from router.warmup import WarmUpMixin
 from server import convert
@@ -52,10 +52,11 @@ class RouterConfig:
     #: AUTO runs requests whose parent can be at most this long colocated on P.
     colocated_below_tokens: int = 0
     capacity_timeout_s: float = 2.0
-    #: GetCapacity calls in a row a D or P may leave unanswered past ``capacity_timeout_s``
-    #: and stay in rotation on its last snapshot: an overloaded host answers late. A
-    #: refused connection or any other error takes it out at once.
-    capacity_late_limit: int = 2
+    #: An engine that has not answered GetCapacity for this long leaves rotation; until
+    #: then late answers keep it in on its last snapshot (an overloaded host answers
+    #: late). A refused connection or any other error takes it out at once. Requests
+    #: wait for an engine of their role while one answered within this time.
+    engine_silence_s: float = 10.0
     #: A D's capacity snapshot younger than this is used as it is, less the blocks of
     #: requests the router sent it since; an older one is asked again before a pick.
     #: ``Router.poll_capacity`` refreshes every engine each ``capacity_poll_s`` so the
@@ -86,8 +87,8 @@ class RouterConfig:
             raise ValueError("colocated_below_tokens must be >= 0")
         if self.max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
-        if self.capacity_late_limit < 0:
-            raise ValueError("capacity_late_limit must be >= 0")
+        if self.engine_silence_s <= self.capacity_poll_s:
+            raise ValueError("engine_silence_s must be above capacity_poll_s")
         if self.decode_queue_limit < 0 or self.decode_wait_s < 0:
             raise ValueError("decode_queue_limit and decode_wait_s must be >= 0")
         if not 0 < self.capacity_poll_s < self.capacity_max_age_s:
@@ -122,6 +123,8 @@ class Router(CapacityMixin, WarmUpMixin):
         #: late) gets its pairs warmed up in the background (``_warming``).
         self._rewarm = False
         self._warming: set[asyncio.Task] = set()
+        #: Told of engine state changes and capacity answers (RouterMetrics.track_engines).
+        self.observer = EngineObserver()
 
     def _endpoint(self, address: str) -> Endpoint:
         channel = aio_channel(address, self.config.channel_tls, CHANNEL_OPTIONS)
@@ -156,7 +159,7 @@ class Router(CapacityMixin, WarmUpMixin):
         """Yield stage-1 token batches as P samples them, then the Outcome."""
         t0 = time.perf_counter()
         handoff = plan.path == common_pb2.PATH_HANDOFF
-        p = plan.pinned[0] if plan.pinned else self._pick_prefill()
+        p = plan.pinned[0] if plan.pinned else await self._pick_prefill(plan)
         out = Outcome(plan, p.address, None)
         d = None
         key = object()  # this request's claim on D's blocks

@@ -57,10 +57,38 @@ class RouterMetrics:
             "kvhandoff_router_expired_leases",
             "Handoffs refused or discarded because P's lease on the blocks ended", registry=r)
 
+        self.engine_state_changes = Counter(
+            "kvhandoff_router_engine_state_changes",
+            "Engines entering (state=in) or leaving (state=out) the router's rotation, by "
+            "reason (first answer, answered, silent, unavailable, ...)",
+            ["role", "endpoint", "state", "reason"], registry=r)
+        self.capacity_late_answers = Counter(
+            "kvhandoff_router_capacity_late_answers",
+            "GetCapacity calls that timed out (the engine stays in rotation until it has "
+            "been silent for --engine-silence-s)", ["role", "endpoint"], registry=r)
+        self.capacity_rpc_seconds = Histogram(
+            "kvhandoff_router_capacity_rpc_seconds",
+            "GetCapacity round trips from the router, answered or not", ["role"],
+            buckets=_LATENCY_BUCKETS, registry=r)
+        from server.grpc_common import loop_lag_histogram
+
+        self.loop_lag = loop_lag_histogram(r)
+
     def track_engines(self, router) -> None:
         """Export ``kvhandoff_router_engine_up{role, endpoint}``: 1 while the router
-        routes to that engine (its last capacity snapshot stands), read at each scrape."""
+        routes to that engine (its last capacity snapshot stands), read at each scrape;
+        and count its engines' state changes and capacity answers (``router.observer``)."""
         self.registry.register(_EngineCollector(router))
+        router.observer = self
+
+    # ---- router.capacity.EngineObserver --------------------------------------------------
+    def engine_state(self, role: str, address: str, state: str, reason: str) -> None:
+        self.engine_state_changes.labels(role, address, state, reason).inc()
+
+    def capacity_answer(self, role: str, address: str, seconds: float, code: str) -> None:
+        self.capacity_rpc_seconds.labels(role).observe(seconds)
+        if code == "DEADLINE_EXCEEDED":
+            self.capacity_late_answers.labels(role, address).inc()
 
     def serve(self, host: str, port: int) -> int:
         server, _ = start_http_server(port, addr=host, registry=self.registry)

@@ -16,7 +16,7 @@ from kvhandoff.v1 import router_pb2, router_pb2_grpc
 from router.core import Router, RouterConfig
 from router.metrics import OVERLOAD_MESSAGE, RouterMetrics
 from router.plan import Outcome, RouterError, to_response
-from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal
+from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal, watch_loop_lag
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     if config.warm_up:
         await router.warm_up()
     poller = asyncio.create_task(router.poll_capacity())
+    lag = asyncio.create_task(watch_loop_lag(metrics.loop_lag, "router"))
     await set_serving(health, service, True)
     print(f"kvhandoff router serving on {host}:{bound}", flush=True)
     try:
@@ -141,7 +142,8 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     finally:
         await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
-        poller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await poller
+        for task in (poller, lag):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await router.close()

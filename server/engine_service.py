@@ -24,8 +24,8 @@ from kvhandoff.types import InvalidRequest
 from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
 from prefill_engine.engine import PrefillEngine
 from server import convert as engine_pb
-from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal
-from server.metrics import HandoffCounts, serve_metrics
+from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal, watch_loop_lag
+from server.metrics import LOOP_LAG, HandoffCounts, serve_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +196,7 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
         bound_metrics = serve_metrics(servicer, host, metrics_port)
         print(f"kvhandoff {role} metrics on http://{host}:{bound_metrics}/metrics", flush=True)
     logger.info("%s engine server on %s:%d, starting the engine", role, host, bound)
+    lag = asyncio.create_task(watch_loop_lag(LOOP_LAG, role))
 
     t0 = time.perf_counter()
     engine = await start_engine(servicer, config)
@@ -211,6 +212,7 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
                          "serving, exiting so a supervisor can restart it", role,
                          engine.engine_id)
     finally:
+        lag.cancel()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         engine.shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import Callable
 
 import grpc
@@ -68,3 +69,27 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service: str,
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("", service):
         await health_servicer.set(name, status)
+
+
+#: Buckets of ``kvhandoff_event_loop_lag_seconds``: a control RPC answered within 100 ms
+#: needs the loop's lag well below that.
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def loop_lag_histogram(registry):
+    """``kvhandoff_event_loop_lag_seconds{loop}`` on ``registry`` (prometheus_client)."""
+    from prometheus_client import Histogram
+
+    return Histogram("kvhandoff_event_loop_lag_seconds",
+                     "How late the server's asyncio loop ran a timer (what a control RPC "
+                     "such as GetCapacity waits before it is even read)", ["loop"],
+                     buckets=LOOP_LAG_BUCKETS, registry=registry)
+
+
+async def watch_loop_lag(histogram, loop_name: str, interval_s: float = 0.05) -> None:
+    """Observe, every ``interval_s`` until cancelled, how late this loop woke a sleeper."""
+    child = histogram.labels(loop_name)
+    while True:
+        t0 = time.perf_counter()
+        await asyncio.sleep(interval_s)
+        child.observe(max(0.0, time.perf_counter() - t0 - interval_s))

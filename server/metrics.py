@@ -10,6 +10,11 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine import EngineCounters
+from server.grpc_common import loop_lag_histogram
+
+#: ``kvhandoff_event_loop_lag_seconds{loop}`` of the engine server's loop (which also
+#: runs vLLM's AsyncLLM output handler).
+LOOP_LAG = loop_lag_histogram(REGISTRY)
 
 
 class HandoffCounts:
@@ -79,6 +84,7 @@ class EngineCollector:
 
 
 def serve_metrics(servicer: Any, host: str, port: int) -> int:
+    """Serve this process's metrics; the caller runs ``watch_loop_lag(LOOP_LAG, role)``."""
     REGISTRY.register(EngineCollector(servicer))
     server, _ = start_http_server(port, addr=host, registry=REGISTRY)
     return server.server_port

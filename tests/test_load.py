@@ -1,18 +1,25 @@
-"""Load through the router on the real cluster: many two-stage requests at once, then
-a burst too big for D's pool. Size: KVHANDOFF_LOAD_REQUESTS (default 48, what CI runs)
-and KVHANDOFF_LOAD_CONCURRENCY (default 8); the issue's full size is 500 at 32."""
+"""Load through the router on the real cluster: many two-stage requests at once, a burst
+twice D's pool, a D paused with SIGSTOP (slow is not dead), and a burst beyond the queue.
+Size: KVHANDOFF_LOAD_REQUESTS (default 48, what CI runs) and KVHANDOFF_LOAD_CONCURRENCY
+(default 8); the issue's full size is 500 at 32. With KVHANDOFF_LOAD_REPORT=FILE the main
+run appends one JSON line of its figures to FILE (docs/reliability.md's table)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tools.client import RouterClient, make_request
+from tools.launch import CapacityProbe, paused, percentile, rss_mib
 
 pytestmark = [pytest.mark.engines, pytest.mark.load]
 
@@ -42,11 +49,26 @@ def _refused_by_d(result) -> bool:
     return _is_capacity_rejection(result) and " free of " in result.details()
 
 
-def _rss_mib(server) -> float:
-    import psutil
+def _metric(url: str, name: str) -> list:
+    """Samples of metric family ``name`` scraped from ``url``."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return [s for f in text_string_to_metric_families(text) if f.name == name
+            for s in f.samples]
 
-    proc = psutil.Process(server.proc.pid)
-    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
+
+def _histogram_quantile(url: str, name: str, q: float) -> float:
+    """The upper bound of the bucket holding quantile ``q`` of histogram ``name``
+    (all label sets summed), from a scrape of ``url``."""
+    buckets: dict[float, float] = {}
+    for s in _metric(url, name):
+        if s.name.endswith("_bucket"):
+            le = float(s.labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + s.value
+    if not buckets or not buckets[float("inf")]:
+        return 0.0
+    total = buckets[float("inf")]
+    return next(le for le in sorted(buckets) if buckets[le] >= q * total)
 
 
 def _run_all(address: str, requests: list, concurrency: int) -> list:
@@ -79,11 +101,13 @@ def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
     assert not errors, errors
     assert_cluster_clean()
     servers = cluster["servers"]
-    baseline = {s.role: _rss_mib(s) for s in servers}
+    baseline = {s.role: rss_mib(s) for s in servers}
 
     requests = [_request(i, rng) for i in range(NUM_REQUESTS)]
     t0 = time.perf_counter()
-    results = _run_all(cluster["router"], requests, CONCURRENCY)
+    # GetCapacity answered promptly under load: probed from outside, as the router polls.
+    with CapacityProbe([cluster["prefill"], *cluster["decode"]]) as probe:
+        results = _run_all(cluster["router"], requests, CONCURRENCY)
     elapsed = time.perf_counter() - t0
     # The cluster's D is small on purpose (at concurrency 32 it holds about a third of the
     # beams): the router queues requests for room on it. A refusal for D's capacity (the
@@ -103,6 +127,8 @@ def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
           f"{len(rejected)} refused for D's capacity (slowest refusal "
           f"{max(rejected, default=0.0):.1f}s), {len(recomputed)} handoffs recomputed "
           f"{recomputed}")
+    control_plane = probe.percentiles()
+    print(f"GetCapacity round trips under load: {control_plane}")
     assert max(rejected, default=0.0) < REJECTION_S
     if CONCURRENCY <= D_HOLDS_ALL_CONCURRENCY:
         # D holds everything: a refusal or a recompute is a bug, not load.
@@ -116,7 +142,26 @@ def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
         assert all("KV import from P failed" in why for _, why in recomputed), recomputed
         assert len(recomputed) <= len(served) // 4, recomputed
     assert_cluster_clean()
-    after = {s.role: _rss_mib(s) for s in servers}
+    after = {s.role: rss_mib(s) for s in servers}
+    if os.environ.get("KVHANDOFF_LOAD_REPORT"):
+        latencies = [results[i][1] for i in served]
+        report = {
+            "requests": NUM_REQUESTS, "concurrency": CONCURRENCY,
+            "elapsed_s": round(elapsed, 1), "served": len(served),
+            "refused_for_capacity": len(rejected),
+            "slowest_refusal_s": round(max(rejected, default=0.0), 1),
+            "recomputed": len(recomputed),
+            "p50_s": round(percentile(latencies, 0.5), 2),
+            "p95_s": round(percentile(latencies, 0.95), 2),
+            "rss_mib_before": {k: round(v) for k, v in baseline.items()},
+            "rss_mib_after": {k: round(v) for k, v in after.items()},
+            "get_capacity": control_plane,
+            "loop_lag_p99_s": {s.role: _histogram_quantile(
+                s.metrics_url, "kvhandoff_event_loop_lag_seconds", 0.99) for s in servers},
+            "pools_clean": True,
+        }
+        with open(os.environ["KVHANDOFF_LOAD_REPORT"], "a") as f:
+            f.write(json.dumps(report) + "\n")
     for role in baseline:
         assert after[role] <= baseline[role] + RSS_MARGIN_MIB, (role, baseline[role], after[role])
 
@@ -136,6 +181,87 @@ def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
     assert_cluster_clean()
 
 
+def _long_requests(n: int, name: str, seed: int = 5) -> list:
+    """Requests of ~48 blocks of D's 135 each (a ~1000-token parent, 8 beams): two fit on
+    the cluster's D at a time."""
+    rng = random.Random(seed)
+    return [make_request(prompt=[rng.randrange(10, 1000) for _ in range(1000)], max_tokens=4,
+                         seed=i, beam_width=8, path="handoff", request_id=f"{name}-{i}")
+            for i in range(n)]
+
+
+def test_a_burst_twice_ds_pool_waits_for_room_and_is_served(cluster, assert_cluster_clean):
+    """Six requests needing twice D's blocks at once: the router queues them for room on D,
+    none is refused (the wait is far below its 30 s bound) and none fails."""
+    requests = _long_requests(6, "burst2x")
+    results = _run_all(cluster["router"], requests, len(requests))
+    failed = [(req.request_id, r.code().name, r.details()) for req, (r, _) in
+              zip(requests, results) if isinstance(r, grpc.RpcError)]
+    print(f"\nburst of twice D's pool: {len(requests) - len(failed)} served, slowest "
+          f"{max(t for _, t in results):.1f}s")
+    assert not failed, failed
+    assert_cluster_clean()
+
+
+def _out_of_rotation(metrics_url: str, role: str) -> float:
+    return sum(s.value for s in _metric(metrics_url, "kvhandoff_router_engine_state_changes")
+               if s.name.endswith("_total") and s.labels["role"] == role
+               and s.labels["state"] == "out")
+
+
+def test_a_paused_d_is_slow_not_dead(cluster, model_dir, tmp_path, assert_cluster_clean):
+    """D's processes stopped (SIGSTOP) for 6 s with requests in flight and more arriving:
+    the router keeps D in rotation (silent for less than --engine-silence-s, 10 s), every
+    request waits and is served once D continues. Control: a router told
+    --engine-silence-s 1 takes D out and refuses the same kind of request UNAVAILABLE."""
+    from kvhandoff.ports import free_port
+    from tools.launch import spawn, stop, wait_serving
+
+    d = cluster["decode"][0]
+    control = spawn("router", free_port(),
+                    ["--model", model_dir, "--prefill", cluster["prefill"].address,
+                     "--decode", d.address, "--no-warm-up", "--engine-silence-s", "1"],
+                    tmp_path, "router-control")
+    try:
+        wait_serving(control.address, [control])
+        rng = random.Random(17)
+        before = [_request(20_000 + i, rng) for i in range(4)]
+        during = [_request(20_100 + i, rng) for i in range(4)]
+        results: dict[str, object] = {}
+
+        def send(address: str, reqs: list) -> None:
+            for req, res in zip(reqs, _run_all(address, reqs, len(reqs))):
+                results[req.request_id] = res
+
+        first = threading.Thread(target=send, args=(cluster["router"], before))
+        first.start()
+        time.sleep(0.05)  # in flight when D stops
+        with paused(d):
+            time.sleep(3.5)  # the control router's D has been silent > 1 s by now
+            late = threading.Thread(target=send, args=(cluster["router"], during))
+            late.start()
+            refused, refused_s = _run_all(control.address, [_request(20_200, rng)], 1)[0]
+            time.sleep(2.5)
+        first.join()
+        late.join()
+        control_metrics = control.metrics_url
+        assert _out_of_rotation(control_metrics, "decode") >= 1
+    finally:
+        stop([control])
+    failed = {rid: (r.code().name, r.details()) for rid, (r, _) in results.items()
+              if isinstance(r, grpc.RpcError)}
+    print(f"\npaused D: {len(results) - len(failed)} of {len(results)} served (slowest "
+          f"{max(t for _, t in results.values()):.1f}s); control router: "
+          f"{getattr(refused, 'code', lambda: 'OK')()} after {refused_s:.1f}s")
+    assert not failed, failed
+    assert len(results) == len(before) + len(during)
+    assert _out_of_rotation(cluster["router_metrics"], "decode") == 0
+    assert isinstance(refused, grpc.RpcError), "the control router served while D was stopped"
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE, (refused.code(), refused.details())
+    assert "no decode engine is reachable" in refused.details()
+    assert_cluster_clean()
+
+
 def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(
         cluster, model_dir, tmp_path, assert_cluster_clean):
     """A router whose queue for D holds two: of eight requests that fit D two at a time,
@@ -149,14 +275,7 @@ def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(
                      "--decode-queue-limit", "2"], tmp_path, "router-burst")
     try:
         wait_serving(router.address, [router])
-        # D holds 135 blocks of 32 tokens; each of these needs ~48 (a ~1000-token parent
-        # with 8 beams), so two fit at a time.
-        rng = random.Random(5)
-        requests = []
-        for i in range(8):
-            prompt = [rng.randrange(10, 1000) for _ in range(1000)]
-            requests.append(make_request(prompt=prompt, max_tokens=4, seed=i, beam_width=8,
-                                         path="handoff", request_id=f"burst-{i}"))
+        requests = _long_requests(8, "burst")
         results = _run_all(router.address, requests, 8)
     finally:
         stop([router])

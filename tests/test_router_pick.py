@@ -86,25 +86,94 @@ def test_stale_snapshots_and_failed_handoffs_ask_again(model_dir):
     assert d.stub.num_capacity_calls == 3
 
 
-def test_a_late_d_keeps_its_snapshot_up_to_the_limit_and_a_refusing_one_is_out_at_once(
+class RecordingObserver:
+    def __init__(self):
+        self.changes: list[tuple[str, str, str]] = []
+        self.answers: list[str] = []
+
+    def engine_state(self, role, address, state, reason):
+        self.changes.append((address, state, reason))
+
+    def capacity_answer(self, role, address, seconds, code):
+        self.answers.append(code)
+
+
+def test_a_late_d_stays_in_rotation_until_silent_and_a_refusing_one_is_out_at_once(
         model_dir):
-    router = _router(model_dir, [40, 30], capacity_late_limit=2)
+    router = _router(model_dir, [40, 30], engine_silence_s=0.5)
+    router.observer = seen = RecordingObserver()
     d0, d1 = router.decode
     asyncio.run(router.refresh_capacity(router.decode))
+    assert seen.changes == [("d0", "in", "first answer"), ("d1", "in", "first answer")]
     seen_at = d0.capacity_at
     d0.stub.fail_with = grpc.StatusCode.DEADLINE_EXCEEDED
     d1.stub.fail_with = grpc.StatusCode.UNAVAILABLE
-    for late in (1, 2):
+    for late in (1, 2, 3):
         asyncio.run(router.refresh_capacity(router.decode))
-        assert d0.capacity is not None and d0.num_late_answers == late
+        assert d0.in_rotation and d0.num_late_answers == late  # slow is not dead
         assert d0.capacity_at == seen_at  # claims settle against the snapshot's own time
-        assert d1.capacity is None
+        assert not d1.in_rotation and d1.out_reason.startswith("UNAVAILABLE")
     assert d0.num_unclaimed_blocks == 40  # still counted on
+    time.sleep(0.5)
     asyncio.run(router.refresh_capacity(router.decode))
-    assert d0.capacity is None
+    assert not d0.in_rotation and d0.out_reason.startswith("silent for")
     d0.stub.fail_with = None
     asyncio.run(router.refresh_capacity(router.decode))
-    assert d0.capacity is not None and d0.num_late_answers == 0
+    assert d0.in_rotation and d0.num_late_answers == 0
+    assert seen.changes[2:] == [("d1", "out", "unavailable"), ("d0", "out", "silent"),
+                                ("d0", "in", "answered")]
+    assert seen.answers.count("DEADLINE_EXCEEDED") == 4
+
+
+def test_with_no_d_in_rotation_a_request_waits_while_one_answered_lately(model_dir):
+    async def scenario():
+        router = _router(model_dir, [40], engine_silence_s=2.0)
+        d = router.decode[0]
+        await router.refresh_capacity(router.decode)
+        d.stub.fail_with = grpc.StatusCode.UNAVAILABLE  # e.g. restarting
+        await router.refresh_capacity(router.decode)
+        assert not d.in_rotation
+        waiter = asyncio.create_task(_pick(router))
+        await _until(lambda: len(router._decode_queue) == 1)
+        d.stub.fail_with = None
+        assert await asyncio.wait_for(waiter, 5) is d  # its next answer lets it through
+        # Silent past the limit: UNAVAILABLE at once, naming why.
+        d.stub.fail_with = grpc.StatusCode.UNAVAILABLE
+        await router.refresh_capacity(router.decode)
+        d.answered_at -= 2.0
+        with pytest.raises(RouterError, match="no decode engine is reachable") as e:
+            await _pick(router)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and "d0: UNAVAILABLE" in str(e.value)
+
+    asyncio.run(scenario())
+
+
+def test_a_wait_for_an_engine_out_of_rotation_is_bounded(model_dir):
+    async def scenario():
+        router = _router(model_dir, [40], decode_wait_s=0.3)
+        d = router.decode[0]
+        await router.refresh_capacity(router.decode)
+        d.stub.fail_with = grpc.StatusCode.UNAVAILABLE
+        await router.refresh_capacity(router.decode)
+        t0 = time.monotonic()
+        with pytest.raises(RouterError, match="no decode engine is reachable") as e:
+            await _pick(router)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and 0.25 < time.monotonic() - t0 < 2
+        with pytest.raises(asyncio.TimeoutError):
+            await _pick(router, plan=_plan(deadline=time.monotonic() + 0.1))
+        assert not router._decode_queue
+        # P alike: a request waits for a P that answered lately, bounded.
+        p = router.prefill[0]
+        await router.refresh_capacity(router.prefill)
+        p.stub.fail_with = grpc.StatusCode.UNAVAILABLE
+        await router.refresh_capacity(router.prefill)
+        waiter = asyncio.create_task(router._pick_prefill(_plan()))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        p.stub.fail_with = None
+        assert await asyncio.wait_for(waiter, 5) is p
+
+    asyncio.run(scenario())
 
 
 def test_a_request_no_d_could_ever_hold_is_refused_at_once(model_dir):
@@ -182,3 +251,5 @@ def test_poll_interval_must_be_below_the_snapshot_age():
 
     with pytest.raises(ValueError, match="capacity_poll_s"):
         RouterConfig(prefill=("p",), decode=(), model="m", capacity_poll_s=2.0)
+    with pytest.raises(ValueError, match="engine_silence_s"):
+        RouterConfig(prefill=("p",), decode=(), model="m", engine_silence_s=0.1)

@@ -216,21 +216,10 @@ def assert_servers_clean(servers: list, timeout_s: float) -> None:
     """Every engine server's pool ends with no block held and no request (running,
     waiting or reserved), within ``timeout_s`` each: the one clean-pool check of the
     tests that run engine servers (the in-process pair's is ``PoolSnapshot.is_clean``)."""
-    import time
-
-    from kvhandoff.v1 import engine_pb2
-    from tests.conftest import engine_stub
+    from tools.launch import wait_pool_clean
 
     for server in servers:
-        stub = engine_stub(server.address)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            cap = stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=5)
-            clean = (cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs
-                     and not cap.num_waiting_reqs and not cap.num_reserved_blocks)
-            if clean or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        clean, cap = wait_pool_clean(server.address, timeout_s)
         assert clean, f"{server.role} {server.address} not clean: {cap}"
 
 

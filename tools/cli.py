@@ -65,6 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_inflight=args.max_inflight,
             decode_queue_limit=args.decode_queue_limit,
             decode_wait_s=args.decode_wait_s,
+            engine_silence_s=args.engine_silence_s,
             on_handoff_failure=args.on_handoff_failure,
             warm_up=not args.no_warm_up,
             channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
@@ -172,6 +173,11 @@ def _add_router_flags(serve: argparse.ArgumentParser) -> None:
                             "at once); beyond, RESOURCE_EXHAUSTED")
     serve.add_argument("--decode-wait-s", type=float, default=30.0,
                        help="router: longest wait for room on a D, then RESOURCE_EXHAUSTED")
+    serve.add_argument("--engine-silence-s", type=float, default=10.0,
+                       help="router: an engine that has not answered for this long leaves "
+                            "rotation (late answers alone keep it in; a refused connection "
+                            "takes it out at once); requests wait for one that answered "
+                            "within it")
     serve.add_argument("--on-handoff-failure", choices=["recompute", "fail"],
                        default="recompute",
                        help="router: when D cannot complete a handoff (UNAVAILABLE, or "

@@ -1,5 +1,7 @@
 """Start and stop kvhandoff servers as separate processes: the public launcher the demo,
-the bench and the tests use (``spawn``, ``stop``, ``wait_serving``, ``local_cluster``).
+the bench, the soak and the tests use (``spawn``, ``stop``, ``wait_serving``,
+``local_cluster``), and what they measure of them (``pool_state``, ``rss_mib``,
+``paused``, ``CapacityProbe``).
 
 Each server runs ``python -m tools.cli serve`` in its own process group, so stopping
 it also ends its engine core and workers: nothing is left running.
@@ -13,6 +15,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,3 +130,105 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                "router_metrics": router.metrics_url, "secret_file": secret_file}
     finally:
         stop(servers)
+
+
+def pool_state(address: str, timeout_s: float = 5.0):
+    """(clean, capacity) of the engine server at ``address``: clean = no block held and
+    no request running, waiting or reserved."""
+    from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        cap = engine_pb2_grpc.EngineStub(channel).GetCapacity(engine_pb2.CapacityRequest(),
+                                                              timeout=timeout_s)
+    clean = (cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs
+             and not cap.num_waiting_reqs and not cap.num_reserved_blocks)
+    return clean, cap
+
+
+def wait_pool_clean(address: str, timeout_s: float):
+    """Poll ``pool_state`` until clean or ``timeout_s``; returns the last (clean, cap)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        clean, cap = pool_state(address)
+        if clean or time.monotonic() > deadline:
+            return clean, cap
+        time.sleep(0.1)
+
+
+def rss_mib(server: ServerProcess) -> float:
+    """Resident memory of a server and all its processes (engine core, workers)."""
+    import psutil
+
+    proc = psutil.Process(server.proc.pid)
+    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
+
+
+@contextlib.contextmanager
+def paused(server: ServerProcess) -> Iterator[None]:
+    """SIGSTOP a server and all its processes for the block, then SIGCONT them: a host
+    too busy to run it, as seen from outside (its sockets accept, nothing answers)."""
+    import psutil
+
+    proc = psutil.Process(server.proc.pid)
+    procs = [proc, *proc.children(recursive=True)]
+    for p in procs:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGCONT)
+
+
+class CapacityProbe:
+    """Calls GetCapacity on each engine every ``interval_s`` from a thread, as the
+    router's poller does, and keeps the round-trip times: how promptly the control plane
+    answers under load (``percentiles``)."""
+
+    def __init__(self, servers: list[ServerProcess], interval_s: float = 0.1,
+                 timeout_s: float = 5.0):
+        self.servers, self.interval_s, self.timeout_s = servers, interval_s, timeout_s
+        self.seconds: dict[str, list[float]] = {s.role: [] for s in servers}
+        self.failures: dict[str, int] = {s.role: 0 for s in servers}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="capacity-probe", daemon=True)
+
+    def __enter__(self) -> CapacityProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
+
+        channels = [grpc.insecure_channel(s.address) for s in self.servers]
+        stubs = [engine_pb2_grpc.EngineStub(c) for c in channels]
+        try:
+            while not self._stop.wait(self.interval_s):
+                for server, stub in zip(self.servers, stubs):
+                    t0 = time.perf_counter()
+                    try:
+                        stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=self.timeout_s)
+                    except grpc.RpcError:
+                        self.failures[server.role] += 1
+                    self.seconds[server.role].append(time.perf_counter() - t0)
+        finally:
+            for c in channels:
+                c.close()
+
+    def percentiles(self) -> dict[str, dict[str, float]]:
+        """Per role: calls, p50, p99 and max round trip in ms, and failed calls."""
+        return {role: {"calls": len(xs), "p50_ms": round(percentile(xs, 0.50) * 1e3, 1),
+                       "p99_ms": round(percentile(xs, 0.99) * 1e3, 1),
+                       "max_ms": round(max(xs) * 1e3, 1), "failed": self.failures[role]}
+                for role, xs in self.seconds.items() if xs}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (nearest rank; 0.0 for none)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
