@@ -238,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_verify, _add_serve, _add_client, _add_bench, _add_demo):
+    from tools.soak import add_soak_parser
+
+    for add in (_add_verify, _add_serve, _add_client, _add_bench, _add_demo, add_soak_parser):
         add(sub)
     return parser
 
