@@ -40,6 +40,11 @@ BEAM_KEY = "kvhandoff_beam"
 #: counts them as external (KV-connector) tokens; they were copied on D, not transferred.
 FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"
 
+#: ``kv_transfer_params`` key on P's stage-1 request: hold the export for its whole lease
+#: (a parent for continuations): P keeps the blocks after a READ, so several
+#: continuations (on one D or several) may read them, until the lease ends.
+HOLD_KEY = "kvhandoff_hold"
+
 #: Reads are refused this long before the lease ends: the READ itself, the clock
 #: difference between hosts and a stalled step must all fit in it.
 DEFAULT_LEASE_SAFETY_MARGIN_S = 2.0

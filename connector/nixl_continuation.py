@@ -42,6 +42,7 @@ from connector.faults import (
     num_imported_with_fault,
 )
 from connector.handoff import (
+    HOLD_KEY,
     KEY,
     PROTOCOL_VERSION,
     Handoff,
@@ -101,6 +102,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._fault_injection = bool(extra.get_from_extra_config("fault_injection", False))
         self._import_faults: dict[str, str] = {}  # D: request id -> decode-worker fault
         self._scribble_block_ids: list[int] = []  # P: exported blocks to overwrite
+        # P: exports held for their whole lease (HOLD_KEY), for the worker's next step.
+        self._holds: list[str] = []
         # Idle pacing (see _pace_idle_step): seconds of empty steps before pacing, and
         # the pause per empty step after that.
         self._idle_after_s = float(extra.get_from_extra_config("idle_after_ms", 50)) / 1e3
@@ -157,6 +160,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             del self._import_faults[req_id]
         meta.kvhandoff_scribble = self._scribble_block_ids
         self._scribble_block_ids = []
+        meta.kvhandoff_hold = self._holds
+        self._holds = []
         return meta
 
     def _pace_idle_step(self, scheduler_output: Any) -> None:
@@ -295,6 +300,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             params[KEY]["signature"] = sign(params, self._secret)
         if self._fault(request) == "stale":
             self._scribble_block_ids.extend(params["remote_block_ids"][0])
+        if (request.kv_transfer_params or {}).get(HOLD_KEY):
+            self._holds.append(request.request_id)
         logger.debug(
             "Exported %s: %d parent tokens, %d blocks, lease %ds",
             request.request_id,

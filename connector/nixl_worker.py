@@ -68,6 +68,9 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
         self._init_beam_fork(extra, kv_cache_config.num_blocks)
         self._fault_injection = bool(extra.get_from_extra_config("fault_injection", False))
         self._import_faults: dict[str, str] = {}  # request id -> fault, until its READ is done
+        # P: held exports (parents) -> their lease end (perf_counter, as _reqs_to_send):
+        # READs do not release them, the lease end does.
+        self._held: dict[str, float] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self._huge_pages:
@@ -92,6 +95,36 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
                                len(stale))
                 scribble(self._kv_views, stale, self._kernel_blocks_per_block)
         super().start_load_kv(metadata)
+        for req_id in getattr(metadata, "kvhandoff_hold", None) or ():
+            expires = self._reqs_to_send.get(req_id)
+            if expires is not None:
+                self._held[req_id] = expires
+
+    def _get_new_notifs(self) -> set[str]:
+        """Exports D has read (P frees them). A held export stays until its lease ends:
+        it goes back in the list of exports to serve, with its own lease end."""
+        read = super()._get_new_notifs()
+        for req_id in read & self._held.keys():
+            read.discard(req_id)
+            self._reqs_to_send[req_id] = self._held[req_id]
+            self._reqs_to_process.add(req_id)
+            logger.debug("Held parent %s read; kept until its lease ends in %.1fs", req_id,
+                         self._held[req_id] - time.perf_counter())
+        return read
+
+    def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
+        """Free exports whose lease ended. A held one ending is its normal end (not an
+        expiry: it was read, or never needed)."""
+        now = time.perf_counter()
+        for req_id in [r for r, expires in self._held.items() if now >= expires]:
+            del self._held[req_id]
+            if self._reqs_to_send.pop(req_id, None) is not None:
+                self._reqs_to_process.discard(req_id)
+                self.consumer_notification_counts_by_req.pop(req_id, None)
+                self.expected_consumer_notifications_by_req.pop(req_id, None)
+                done_sending.add(req_id)
+                logger.debug("Held parent %s released: its lease ended", req_id)
+        super()._reap_expired_send_leases(done_sending)
 
     def get_transfer_results(self) -> Any:
         """Each step, after the forward pass: READs done (and failed), exports read, and

@@ -25,7 +25,7 @@ from kvhandoff.types import check_beam_width
 from kvhandoff.v1 import engine_pb2, router_pb2
 from router import Endpoint, Router, RouterConfig, RouterError
 from router.metrics import RouterMetrics
-from router.service import generate_events, status_of
+from router.service import generate_events, parent_events, status_of
 from server.engine_service import make_servicer, start_engine
 
 logger = logging.getLogger("kvhandoff.deploy")
@@ -246,6 +246,33 @@ class RouterServer:
                 yield event
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
+
+    async def StartParent(self, request: router_pb2.ParentRequest,  # noqa: N802
+                          grpc_context: Any = None):
+        """Stage 1 as a parent. The parent registry is this replica's: run one Router
+        replica for continuations (a continuation that lands on another gets NOT_FOUND)."""
+        try:
+            await self._check_engines()
+            if not any(ep.capacity for ep in self.router.prefill + self.router.decode):
+                await self.router.refresh_capacity(self.router.prefill + self.router.decode)
+            async with contextlib.aclosing(
+                    parent_events(self.router, request, None)) as events:
+                async for event in events:
+                    yield event
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+
+    async def Continue(self, request: router_pb2.ContinueRequest,  # noqa: N802
+                       grpc_context: Any = None) -> router_pb2.GenerateResponse:
+        try:
+            await self._check_engines()
+            check_beam_width(request.beam.beam_width, self.max_beam_width, "this deployment")
+            resp = await self.router.run_continuation(request, None)
+            self.metrics.observe(resp)
+            return resp
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+        raise AssertionError("unreachable")
 
     async def check_health(self) -> None:
         endpoints = self.router.prefill + self.router.decode

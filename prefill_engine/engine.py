@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULT_KEY
+from connector.handoff import HOLD_KEY
 from connector.signing import TARGET_KEY
 from engine import VllmEngine
 from kvhandoff.types import (
@@ -53,7 +54,8 @@ class PrefillEngine(VllmEngine):
     """The prefill/sampling engine (P). Also serves the colocated path."""
 
     def _sampling(self, prompt_token_ids: list[int], params: Stage1Params, export: bool,
-                  target: str | None, fault: str | None = None) -> SamplingParams:
+                  target: str | None, fault: str | None = None,
+                  hold: bool = False) -> SamplingParams:
         validate_prompt(
             prompt_token_ids,
             vocab_size=self.vocab_size,
@@ -65,6 +67,8 @@ class PrefillEngine(VllmEngine):
         if not export:
             return stage1_sampling(params)
         transfer = {"do_remote_decode": True, TARGET_KEY: target or ""}
+        if hold:
+            transfer[HOLD_KEY] = True
         if fault is not None:
             self.check_fault(fault)
             transfer[FAULT_KEY] = fault
@@ -79,12 +83,15 @@ class PrefillEngine(VllmEngine):
         export: bool,
         target: str | None = None,
         fault: str | None = None,
+        hold: bool = False,
     ) -> AsyncIterator[tuple[list[int], Stage1Result | None]]:
         """Yield ``(new_token_ids, None)`` as tokens are sampled, then
         ``([], result)`` once stage 1 has finished. With ``export``, the handoff is
-        addressed to (and, with a secret, signed for) the decode engine ``target``.
+        addressed to (and, with a secret, signed for) the decode engine ``target``; with
+        ``hold`` too, P keeps the exported blocks for the whole lease however often they
+        are read (a parent for continuations), else until the first READ.
         ``fault``: a P-side fault of ``connector.faults`` (negative controls only)."""
-        sampling = self._sampling(prompt_token_ids, params, export, target, fault)
+        sampling = self._sampling(prompt_token_ids, params, export, target, fault, hold)
         t0 = time.perf_counter()
         token_ids: list[int] = []
         last = None
@@ -118,10 +125,12 @@ class PrefillEngine(VllmEngine):
         export: bool,
         target: str | None = None,
         fault: str | None = None,
+        hold: bool = False,
     ) -> Stage1Result:
         result = None
         async for _, final in self.stream_stage1(prompt_token_ids, params, request_id,
-                                                 export=export, target=target, fault=fault):
+                                                 export=export, target=target, fault=fault,
+                                                 hold=hold):
             result = final or result
         assert result is not None
         return result

@@ -242,12 +242,15 @@ class CapacityMixin:
                 await asyncio.wait_for(changed.wait(), min(left, self.config.capacity_poll_s))
 
     async def _pick_decode(self, num_prompt_tokens: int, plan: Plan, key: object, *,
-                           fresh: bool = False) -> Endpoint:
+                           fresh: bool = False, only: list[Endpoint] | None = None
+                           ) -> Endpoint:
         """The D with the most unclaimed blocks among those with room for the request;
         its blocks are claimed there under ``key`` (``_release`` gives them back). With no
         room on any D the request waits its turn (FIFO) for up to ``decode_wait_s``.
-        ``fresh`` asks every D first (after a failed handoff)."""
+        ``fresh`` asks every D first (after a failed handoff); ``only`` limits the
+        choice to those Ds (a held parent's continuation: the D its handoff names)."""
         cfg = self.config
+        decode = only if only is not None else self.decode
 
         def need(ep: Endpoint) -> int:  # what D reserves for it
             cap = ep.capacity
@@ -268,16 +271,16 @@ class CapacityMixin:
             while True:
                 changed = self._decode_changed
                 oldest = time.monotonic() - max_age
-                stale = [ep for ep in self.decode if fresh or ep.capacity_at < oldest]
+                stale = [ep for ep in decode if fresh or ep.capacity_at < oldest]
                 fresh = False
                 if stale:
                     # A slow D does not hold the request: at most one poll interval, then
                     # its last snapshot (or none) is used and the call goes on.
                     await asyncio.wait([self._refresh_soon(ep) for ep in stale],
                                        timeout=cfg.capacity_poll_s)
-                live = [ep for ep in self.decode if ep.in_rotation]
+                live = [ep for ep in decode if ep.in_rotation]
                 if not live:
-                    _unavailable_unless_recent(self, self.decode, "decode")
+                    _unavailable_unless_recent(self, decode, "decode")
                 holding = [ep for ep in live if can_hold(ep)]
                 if live and not holding:
                     biggest = max(live, key=lambda ep: ep.capacity.num_total_blocks)
@@ -299,7 +302,7 @@ class CapacityMixin:
                     if plan.deadline is not None and wait_until >= plan.deadline:
                         raise TimeoutError()
                     if not live:
-                        raise _none_in_rotation(self.decode, "decode", cfg.decode_wait_s)
+                        raise _none_in_rotation(decode, "decode", cfg.decode_wait_s)
                     most = max(holding, key=lambda ep: ep.num_unclaimed_blocks)
                     raise _no_room_in_time(need(most), most, cfg.decode_wait_s)
                 with contextlib.suppress(asyncio.TimeoutError):

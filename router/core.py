@@ -30,6 +30,7 @@ from kvhandoff.tls import ChannelTLS, aio_channel
 from kvhandoff.types import continuation_prompt
 from kvhandoff.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 from router.capacity import CapacityMixin, Endpoint, EngineObserver
+from router.parents import ParentRegistry, ParentsMixin
 from router.plan import Outcome, Plan, RouterError, grpc_error, plan_request
 from router.warmup import WarmUpMixin
 from server import convert
@@ -79,6 +80,12 @@ class RouterConfig:
     on_handoff_failure: str = "recompute"
     #: Before serving, one tiny handoff per (P, D) pair (see Router.warm_up).
     warm_up: bool = True
+    #: Parents (StartParent) the registry keeps for continuations, least recently used
+    #: evicted first; each is forgotten this long after its last use.
+    max_parents: int = 256
+    parent_ttl_s: float = 300.0
+    #: The share of P's pool held parents may keep (new stage 1s keep the rest).
+    parent_pool_share: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -93,12 +100,16 @@ class RouterConfig:
             raise ValueError("decode_queue_limit and decode_wait_s must be >= 0")
         if not 0 < self.capacity_poll_s < self.capacity_max_age_s:
             raise ValueError("capacity_poll_s must be positive and below capacity_max_age_s")
+        if self.max_parents < 1 or self.parent_ttl_s <= 0:
+            raise ValueError("max_parents must be >= 1 and parent_ttl_s positive")
+        if not 0 <= self.parent_pool_share <= 1:
+            raise ValueError("parent_pool_share must be in [0, 1]")
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:
             raise ValueError(f"on_handoff_failure must be one of {HANDOFF_FAILURE_POLICIES}")
 
 
 
-class Router(CapacityMixin, WarmUpMixin):
+class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
     """Runs two-stage requests over P and D (see the module docstring)."""
 
     def __init__(self, config: RouterConfig,
@@ -125,6 +136,9 @@ class Router(CapacityMixin, WarmUpMixin):
         self._warming: set[asyncio.Task] = set()
         #: Told of engine state changes and capacity answers (RouterMetrics.track_engines).
         self.observer = EngineObserver()
+        #: Parents served by StartParent, for continuations (router.parents).
+        self.parents = ParentRegistry(config.max_parents, config.parent_ttl_s,
+                                      config.parent_pool_share)
 
     def _endpoint(self, address: str) -> Endpoint:
         channel = aio_channel(address, self.config.channel_tls, CHANNEL_OPTIONS)
@@ -197,13 +211,15 @@ class Router(CapacityMixin, WarmUpMixin):
         yield out
 
     async def _stage1(self, p: Endpoint, d: Endpoint | None, plan: Plan, out: Outcome, *,
-                      export: bool) -> AsyncIterator[list[int] | common_pb2.Handoff]:
-        """Stage 1 on P: yields token batches, then P's handoff (with ``export``)."""
+                      export: bool, hold: bool = False
+                      ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
+        """Stage 1 on P: yields token batches, then P's handoff (with ``export``; with
+        ``hold`` P keeps the blocks for the whole lease: a parent)."""
         p.outstanding += 1
         try:
             call = p.stub.Stage1(engine_pb2.Stage1Request(
                 request_id=f"{plan.request_id}-s1", prompt_token_ids=plan.prompt_ids,
-                sampling=convert.stage1_to_pb(plan.stage1), export=export,
+                sampling=convert.stage1_to_pb(plan.stage1), export=export, hold=hold,
                 target_engine_id=_handoff_target(d)),
                 timeout=self._timeout(plan))
             waiting_since = time.perf_counter()
@@ -232,9 +248,13 @@ class Router(CapacityMixin, WarmUpMixin):
 
     async def _stage2_or_recompute(self, d: Endpoint, request: engine_pb2.Stage2Request,
                                    plan: Plan, out: Outcome, key: object,
-                                   handoff: bool) -> Endpoint:
+                                   handoff: bool, *, recompute: bool | None = None
+                                   ) -> Endpoint:
         """Stage 2 on ``d``; a handoff D cannot complete is recomputed from the parent's
-        token ids on a live D (policy "recompute"). Returns the D that ran it."""
+        token ids on a live D (``recompute``; by default the router's policy is
+        "recompute"). Returns the D that ran it."""
+        if recompute is None:
+            recompute = self.config.on_handoff_failure == "recompute"
         try:
             out.stage2 = await self._stage2(d, request, plan, out, key)
             return d
@@ -244,7 +264,7 @@ class Router(CapacityMixin, WarmUpMixin):
             # ended before D could read (D was busy, or the transfer stalled).
             if not (handoff and code in (grpc.StatusCode.UNAVAILABLE,
                                          grpc.StatusCode.FAILED_PRECONDITION)
-                    and self.config.on_handoff_failure == "recompute"):
+                    and recompute):
                 raise
             # The parent's KV is out of reach; its token ids are not. P's blocks go back
             # when the lease ends (or at once, if D told P before it failed).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvhandoff.v1 import common_pb2, router_pb2
 
@@ -132,7 +132,7 @@ class _EngineCollector:
         self.router = router
 
     def describe(self):
-        return [GaugeMetricFamily("kvhandoff_router_engine_up", "", labels=["role", "endpoint"])]
+        return []  # collected at each scrape only (names checked there)
 
     def collect(self):
         up = GaugeMetricFamily("kvhandoff_router_engine_up",
@@ -143,3 +143,24 @@ class _EngineCollector:
             for ep in endpoints:
                 up.add_metric([role, ep.address], 0 if ep.capacity is None else 1)
         yield up
+        reg = self.router.parents
+        yield GaugeMetricFamily("kvhandoff_router_parents", "Parents the registry keeps for "
+                                "continuations", value=len(reg))
+        yield GaugeMetricFamily("kvhandoff_router_parents_held", "Parents whose blocks P "
+                                "holds (until their leases end)", value=reg.num_held())
+        yield GaugeMetricFamily("kvhandoff_router_parent_blocks_held", "P blocks held "
+                                "parents keep (counted against --parent-pool-share)",
+                                value=reg.held_blocks())
+        evictions = CounterMetricFamily("kvhandoff_router_parent_evictions",
+                                        "Parents forgotten, by reason (lru, ttl)",
+                                        labels=["reason"])
+        for reason in ("lru", "ttl"):
+            evictions.add_metric([reason], reg.evictions[reason])
+        yield evictions
+        conts = CounterMetricFamily("kvhandoff_router_continuations",
+                                    "Continuations by outcome (imported: the parent's "
+                                    "blocks were read from P; recomputed; not_found; "
+                                    "refused)", labels=["outcome"])
+        for outcome in ("imported", "recomputed", "not_found", "refused"):
+            conts.add_metric([outcome], reg.continuations[outcome])
+        yield conts

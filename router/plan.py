@@ -159,5 +159,8 @@ def to_response(out: Outcome, tokenizer: Any,
             num_recomputed_beam_tokens=s2.num_recomputed_beam_tokens,
             recomputed=out.failed_decode is not None,
             failed_decode_endpoint=out.failed_decode or "",
-            handoff_failure=out.handoff_failure),
+            handoff_failure=out.handoff_failure,
+            num_found_on_d_tokens=max(0, len(out.plan.prompt_ids) + len(out.thinking_ids)
+                                      + len(out.suffix_ids) - s2.num_imported_tokens
+                                      - s2.num_computed_tokens_first_step)),
     )

@@ -12,7 +12,7 @@ import grpc
 
 from kvhandoff.errors import status_for
 from kvhandoff.tls import ServerTLS
-from kvhandoff.v1 import router_pb2, router_pb2_grpc
+from kvhandoff.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.core import Router, RouterConfig
 from router.metrics import OVERLOAD_MESSAGE, RouterMetrics
 from router.plan import Outcome, RouterError, to_response
@@ -37,6 +37,28 @@ async def generate_events(router: Router, metrics: RouterMetrics,
                 yield router_pb2.GenerateStreamEvent(result=resp)
             else:
                 yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+
+
+async def parent_events(router: Router, request: router_pb2.ParentRequest,
+                        deadline: float | None) -> AsyncIterator[router_pb2.ParentEvent]:
+    """StartParent: stage-1 token batches as P samples them, then the Parent."""
+    from router.parents import ParentRecord, parent_to_pb
+
+    router.check_model(request.model)
+    as_generate = router_pb2.GenerateRequest(
+        request_id=request.request_id, stage1=request.stage1, timeout_ms=request.timeout_ms,
+        path=common_pb2.PATH_HANDOFF if router.decode else common_pb2.PATH_COLOCATED)
+    if request.WhichOneof("prompt") == "prompt_text":
+        as_generate.prompt_text = request.prompt_text
+    elif request.WhichOneof("prompt") == "prompt_token_ids":
+        as_generate.prompt_token_ids.CopyFrom(request.prompt_token_ids)
+    plan = router.plan(as_generate, deadline)
+    async with contextlib.aclosing(router.run_parent(plan)) as items:
+        async for item in items:
+            if isinstance(item, ParentRecord):
+                yield router_pb2.ParentEvent(parent=parent_to_pb(item, router.tokens.tokenizer))
+            else:
+                yield router_pb2.ParentEvent(stage1_tokens={"ids": item})
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -109,9 +131,31 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 
+    async def StartParent(self, request, context):
+        try:
+            with self._admit():
+                async with contextlib.aclosing(parent_events(
+                        self.router, request, _deadline(context))) as events:
+                    async for event in events:
+                        yield event
+        except (Exception, asyncio.CancelledError) as e:
+            await self._abort(context, e)
+
+    async def Continue(self, request, context):
+        try:
+            with self._admit():
+                resp = await self.router.run_continuation(request, _deadline(context))
+            self.metrics.observe(resp)
+            return resp
+        except (Exception, asyncio.CancelledError) as e:
+            await self._abort(context, e)
+
 
 async def serve_router(config: RouterConfig, host: str, port: int,
-                       metrics_port: int | None = None, tls: ServerTLS | None = None) -> None:
+                       metrics_port: int | None = None, tls: ServerTLS | None = None,
+                       http_port: int | None = None) -> None:
+    """Serve the Router over gRPC (and, with ``http_port``, the OpenAI-compatible HTTP
+    front of ``router.http``) until SIGTERM/SIGINT."""
     router = Router(config)
     metrics = RouterMetrics()
     metrics.track_engines(router)
@@ -135,11 +179,22 @@ async def serve_router(config: RouterConfig, host: str, port: int,
         await router.warm_up()
     poller = asyncio.create_task(router.poll_capacity())
     lag = asyncio.create_task(watch_loop_lag(metrics.loop_lag, "router"))
+    http = None
+    if http_port is not None:
+        from router.http import serve_http
+
+        http, http_task, bound_http = await serve_http(router, metrics, host, http_port)
+        print(f"kvhandoff router HTTP (OpenAI-compatible) on http://{host}:{bound_http}",
+              flush=True)
     await set_serving(health, service, True)
     print(f"kvhandoff router serving on {host}:{bound}", flush=True)
     try:
         await wait_for_shutdown_signal()
     finally:
+        if http is not None:
+            http.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(http_task, 5)
         await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         for task in (poller, lag):

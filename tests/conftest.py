@@ -72,7 +72,7 @@ class _Shared:
             close()
 
 
-_GROUPS = {"pair": _Shared(), "cluster": _Shared()}
+_GROUPS = {"pair": _Shared(), "cluster": _Shared(), "family": _Shared()}
 
 
 def _group_order(item: pytest.Item) -> int:
@@ -81,6 +81,8 @@ def _group_order(item: pytest.Item) -> int:
         return 4  # after the cluster group (its first test compares with the cluster)
     if "pair" in names:
         return 1
+    if "family" in names:
+        return 2.5  # one group: tests/test_continuation.py, then tests/test_http.py
     if "cluster" in names:
         return 3
     return 2 if item.get_closest_marker("engines") else 0
@@ -99,10 +101,15 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
+    """After the test's own fixtures are torn down (they may still use the group), close
+    each group the next test does not use."""
+    result = yield
     for name, group in _GROUPS.items():
         if nextitem is None or name not in getattr(nextitem, "fixturenames", ()):
             group.close()
+    return result
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -154,6 +161,51 @@ def cluster(model_dir, tmp_path_factory):
         return cm.__enter__(), lambda: cm.__exit__(None, None, None)
 
     return _GROUPS["cluster"].get(start)
+
+
+#: The family's lease: short, so a test can outlive it; long enough for a continuation on
+#: 2 busy cores.
+FAMILY_LEASE_S = 12
+
+
+@pytest.fixture
+def family(model_dir, tmp_path_factory):
+    """P, D and three routers over them (tests/test_continuation.py, tests/test_http.py):
+    ``router`` with defaults and the HTTP front (``http``: its base URL); ``noshare``, no
+    share of P's pool for held parents; ``small``, a registry of two parents that live
+    3 s."""
+
+    def start():
+        from kvhandoff.ports import free_port
+        from tools.launch import local_cluster, spawn, stop, wait_serving
+
+        log_dir = tmp_path_factory.mktemp("family-logs")
+        http_port = free_port()
+        cm = local_cluster(model_dir, log_dir, decode_mib=32, prefill_mib=64,
+                           lease_s=FAMILY_LEASE_S, router_flags=("--http-port", str(http_port)))
+        cluster = cm.__enter__()
+        engines = ["--model", model_dir, "--prefill", cluster["prefill"].address,
+                   "--decode", cluster["decode"][0].address, "--no-warm-up"]
+        extra = [spawn("router", free_port(), [*engines, "--parent-pool-share", "0"], log_dir,
+                       "router-noshare"),
+                 spawn("router", free_port(), [*engines, "--max-parents", "2",
+                                               "--parent-ttl-s", "3"], log_dir, "router-small")]
+
+        def close():
+            stop(extra)
+            cm.__exit__(None, None, None)
+
+        try:
+            for r in extra:
+                wait_serving(r.address, extra)
+        except BaseException:
+            close()
+            raise
+        return ({**cluster, "http": f"http://127.0.0.1:{http_port}",
+                 "noshare": extra[0].address, "small": extra[1].address,
+                 "small_metrics": extra[1].metrics_url}, close)
+
+    return _GROUPS["family"].get(start)
 
 
 @pytest.fixture

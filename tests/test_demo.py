@@ -48,4 +48,10 @@ def test_demo_verifies_every_request_and_leaves_nothing_running(model_dir, tmp_p
     # The built-in model reads its context: the histories get different semantic ids.
     assert len({tuple(row["top_beam"]) for row in report["requests"]}) >= 2, report
     assert "top beams equal the corpus rule's semantic id" in proc.stdout
+    # The two-call flow over the HTTP front: stage 1, then a continuation by parent id
+    # that imported the parent and equals the colocated reference.
+    two = report["two_calls"]
+    assert two["verified"] and two["identical"] and not two["recomputed"], two
+    assert two["num_imported_tokens"] > 0
+    assert "two calls over HTTP" in proc.stdout
     assert _processes_in(tmp_path) == []

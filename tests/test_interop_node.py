@@ -37,8 +37,10 @@ def node_client() -> Path:
     return NODE_DIR / "client.js"
 
 
-def _node(client: Path, router: str, request: dict) -> tuple[int, dict]:
-    proc = subprocess.run(["node", str(client), router, json.dumps(request)],
+def _node(client: Path, router: str, request: dict, then: dict | None = None
+          ) -> tuple[int, dict]:
+    extra = [] if then is None else [json.dumps(then)]
+    proc = subprocess.run(["node", str(client), router, json.dumps(request), *extra],
                           capture_output=True, text=True, timeout=300)
     assert proc.stdout, proc.stderr
     return proc.returncode, json.loads(proc.stdout)
@@ -90,3 +92,26 @@ def test_node_client_sees_invalid_argument_with_the_field(node_client, cluster):
     assert rc == 3
     assert out["code"] == 3  # INVALID_ARGUMENT
     assert "beam.beam_width" in out["details"]
+
+
+def test_node_client_runs_the_two_call_flow(node_client, family):
+    """StartParent then Continue from the .proto alone: the same parent and beams as the
+    Python client's one-shot Generate on the colocated path (same seed)."""
+    from tools.client import RouterClient
+
+    prompt = list(range(400, 470))
+    rc, out = _node(node_client, family["router"],
+                    {"prompt_token_ids": {"ids": prompt},
+                     "stage1": {"max_tokens": 16, "temperature": 1.0, "seed": 11}},
+                    {"beam": {"beam_width": 4, "max_tokens": 3}})
+    assert rc == 0, out
+    with RouterClient(family["router"]) as client:
+        ref = client.generate(make_request(prompt=prompt, max_tokens=16, seed=11,
+                                           beam_width=4, path="colocated"))
+    assert out["stage1_ids"] == list(ref.thinking_token_ids)
+    assert out["parent"]["held"] and out["parent"]["thinking_token_ids"] == out["stage1_ids"]
+    cont = out["continuation"]
+    assert cont["parent_id"] == out["parent"]["parent_id"]
+    assert not cont["stats"].get("recomputed", False), cont["stats"]
+    assert cont["stats"]["num_imported_tokens"] > 0
+    assert [b["token_ids"] for b in cont["beams"]] == [list(b.token_ids) for b in ref.beams]

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from kvhandoff.ports import free_port
-from kvhandoff.v1 import common_pb2, router_pb2_grpc
+from kvhandoff.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.utils import assert_handed_off
 from tools.client import make_request
 
@@ -125,6 +125,28 @@ def _requests():
 def _key(resp):
     return (list(resp.prompt_token_ids), list(resp.thinking_token_ids),
             [list(b.token_ids) for b in resp.beams], resp.stats.path)
+
+
+def test_two_calls_through_the_proxy(proxy, router_client):
+    """StartParent then Continue through Serve's gRPC proxy: the parent's blocks are
+    imported and the beams equal the standalone router's one-shot request."""
+    req = router_pb2.ParentRequest(request_id="serve-parent")
+    req.prompt_token_ids.ids.extend(range(500, 580))
+    req.stage1.max_tokens, req.stage1.temperature, req.stage1.seed = 16, 1.0, 13
+    parent = None
+    for event in proxy.StartParent(req, metadata=METADATA, timeout=300):
+        if event.HasField("parent"):
+            parent = event.parent
+    assert parent is not None and parent.held, parent
+    cont = router_pb2.ContinueRequest(parent_id=parent.parent_id)
+    cont.beam.beam_width, cont.beam.max_tokens = 4, 3
+    got = proxy.Continue(cont, metadata=METADATA, timeout=300)
+    ref = router_client.generate(make_request(prompt=list(range(500, 580)), max_tokens=16,
+                                              seed=13, beam_width=4, path="colocated"))
+    assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    assert got.parent_id == "serve-parent" and got.stats.num_imported_tokens > 0
+    assert not got.stats.recomputed, got.stats.handoff_failure
 
 
 def test_same_results_as_the_standalone_router(proxy, router_client):

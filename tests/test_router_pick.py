@@ -253,3 +253,37 @@ def test_poll_interval_must_be_below_the_snapshot_age():
         RouterConfig(prefill=("p",), decode=(), model="m", capacity_poll_s=2.0)
     with pytest.raises(ValueError, match="engine_silence_s"):
         RouterConfig(prefill=("p",), decode=(), model="m", engine_silence_s=0.1)
+
+
+def test_the_parent_registry_is_bounded_by_count_time_and_ps_share():
+    from router.parents import ParentRecord, ParentRegistry
+
+    def done(pid: str) -> ParentRecord:
+        r = ParentRecord(pid, "m", [1, 2, 3], num_blocks=10)
+        r.done.set()
+        return r
+
+    reg = ParentRegistry(max_parents=2, ttl_s=0.2, pool_share=0.25)
+    running = ParentRecord("run", "m", [1])
+    reg.add(running)
+    for pid in ("a", "b"):
+        reg.add(done(pid))
+    # Over the limit, but the oldest is still running: it stays; then it finishes.
+    assert reg.get("run") is running and len(reg) == 3
+    running.done.set()
+    reg.add(done("c"))
+    assert reg.get("a") is None and reg.get("b") is None and reg.evictions["lru"] == 2
+    assert reg.get("run") is running and reg.get("c") is not None
+    time.sleep(0.25)
+    assert reg.get("c") is None and reg.evictions["ttl"] == 2
+    # The share: 25 of 100 blocks; a hold counts until its lease ends, evicted or not.
+    a, b = done("x"), done("y")
+    assert reg.may_hold(10, 100) == ""
+    reg.hold(a, time.time() + 60)
+    reg.hold(b, time.time() + 0.2)
+    assert "share of P's pool for held parents is full (20 of 25" in reg.may_hold(10, 100)
+    assert reg.num_held() == 2
+    time.sleep(0.25)
+    assert reg.held_blocks() == 10 and reg.may_hold(10, 100) == ""
+    reg.unhold(a)
+    assert reg.held_blocks() == 0

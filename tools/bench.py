@@ -543,6 +543,22 @@ async def run_bench(cfg: BenchConfig, progress: Any = None, pair: Any = None,
 def main_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    if args.http_two_calls:
+        from tools.bench_http import format_two_calls, measure_two_calls_over_http
+
+        kw = {"requests": args.requests or 8}
+        if args.concurrency:
+            kw["concurrency"] = tuple(int(x) for x in args.concurrency.split(","))
+        for name in ("prompt_tokens", "stage1_tokens", "beam_width", "seed"):
+            if getattr(args, name) is not None:
+                kw[name] = getattr(args, name)
+        result = measure_two_calls_over_http(args.model, **kw)
+        print(format_two_calls(result))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
+
     if args.router_only:
         result = {"router_cluster": measure_router_overhead_on_cluster(
             args.model, args.requests or 12)}

@@ -66,12 +66,16 @@ def _serve(args: argparse.Namespace) -> int:
             decode_queue_limit=args.decode_queue_limit,
             decode_wait_s=args.decode_wait_s,
             engine_silence_s=args.engine_silence_s,
+            max_parents=args.max_parents,
+            parent_ttl_s=args.parent_ttl_s,
+            parent_pool_share=args.parent_pool_share,
             on_handoff_failure=args.on_handoff_failure,
             warm_up=not args.no_warm_up,
             channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
         )
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
-        asyncio.run(serve_router(config, args.host, args.port, metrics_port, tls))
+        http_port = None if args.http_port < 0 else args.http_port
+        asyncio.run(serve_router(config, args.host, args.port, metrics_port, tls, http_port))
     else:
         from server.engine_service import serve_engine
 
@@ -178,6 +182,18 @@ def _add_router_flags(serve: argparse.ArgumentParser) -> None:
                             "rotation (late answers alone keep it in; a refused connection "
                             "takes it out at once); requests wait for one that answered "
                             "within it")
+    serve.add_argument("--http-port", type=int, default=-1,
+                       help="router: also serve the OpenAI-compatible HTTP API (/v1/completions "
+                            "with continuation_of, /v1/models, /health, /metrics) on this port "
+                            "(0 = any; default: off)")
+    serve.add_argument("--max-parents", type=int, default=256,
+                       help="router: parents (StartParent) kept for continuations; the least "
+                            "recently used is forgotten first")
+    serve.add_argument("--parent-ttl-s", type=float, default=300.0,
+                       help="router: a parent is forgotten this long after its last use")
+    serve.add_argument("--parent-pool-share", type=float, default=0.25,
+                       help="router: the share of P's KV pool held parents may keep; a "
+                            "parent beyond it is not held (its continuations recompute)")
     serve.add_argument("--on-handoff-failure", choices=["recompute", "fail"],
                        default="recompute",
                        help="router: when D cannot complete a handoff (UNAVAILABLE, or "
@@ -222,6 +238,11 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--router-only", action="store_true",
                        help="only the router's own time per request, with P, D and the router "
                             "as separate processes (built-in model unless --model)")
+    bench.add_argument("--http-two-calls", action="store_true",
+                       help="the two-call client over the router's HTTP front: stage 2 as a "
+                            "text round trip vs as a continuation (built-in model unless "
+                            "--model; --requests, --concurrency, --prompt-tokens, "
+                            "--stage1-tokens, --beam-width)")
     bench.set_defaults(func=_bench)
 
 

@@ -3,10 +3,14 @@
 // router with @grpc/grpc-js (a gRPC implementation independent of the Python stubs).
 //
 //   node client.js ROUTER_ADDRESS REQUEST_JSON
+//   node client.js ROUTER_ADDRESS PARENT_REQUEST_JSON CONTINUE_REQUEST_JSON
 //
-// REQUEST_JSON is a kvhandoff.v1.GenerateRequest in proto3 JSON-ish field names
-// (snake_case). Prints {"unary": GenerateResponse, "stream": {"stage1_ids": [...],
-// "result": GenerateResponse}} as JSON; on an RPC error prints {"code", "details"}
+// With one request, REQUEST_JSON is a kvhandoff.v1.GenerateRequest in proto3 JSON-ish
+// field names (snake_case). Prints {"unary": GenerateResponse, "stream": {"stage1_ids":
+// [...], "result": GenerateResponse}} as JSON. With two, the two-call flow: StartParent
+// (a ParentRequest; its stage-1 tokens streamed), then Continue (a ContinueRequest whose
+// parent_id is filled in with the Parent's). Prints {"stage1_ids": [...], "parent":
+// Parent, "continuation": GenerateResponse}. On an RPC error prints {"code", "details"}
 // and exits 3.
 "use strict";
 
@@ -48,17 +52,46 @@ function stream(client, request, deadline) {
   });
 }
 
+function startParent(client, request, deadline) {
+  return new Promise((resolve, reject) => {
+    const ids = [];
+    let parent = null;
+    const call = client.StartParent(request, { deadline });
+    call.on("data", (event) => {
+      if (event.event === "stage1_tokens") ids.push(...event.stage1_tokens.ids);
+      else parent = event.parent;
+    });
+    call.on("error", reject);
+    call.on("end", () => resolve({ stage1_ids: ids, parent }));
+  });
+}
+
+function continueParent(client, request, deadline) {
+  return new Promise((resolve, reject) => {
+    client.Continue(request, { deadline }, (err, resp) => (err ? reject(err) : resolve(resp)));
+  });
+}
+
+async function twoCalls(client, parentRequest, continueRequest, deadline) {
+  const { stage1_ids, parent } = await startParent(client, parentRequest, deadline());
+  const continuation = await continueParent(
+    client, { ...continueRequest, parent_id: parent.parent_id }, deadline());
+  return { stage1_ids, parent, continuation };
+}
+
 async function main() {
-  const [address, requestJson] = process.argv.slice(2);
+  const [address, requestJson, continueJson] = process.argv.slice(2);
   const Router = loadRouter();
   const client = new Router(address, grpc.credentials.createInsecure());
   const request = JSON.parse(requestJson);
   const deadline = () => Date.now() + 120000;
   try {
-    const out = {
-      unary: await unary(client, request, deadline()),
-      stream: await stream(client, request, deadline()),
-    };
+    const out = continueJson
+      ? await twoCalls(client, request, JSON.parse(continueJson), deadline)
+      : {
+          unary: await unary(client, request, deadline()),
+          stream: await stream(client, request, deadline()),
+        };
     process.stdout.write(JSON.stringify(out) + "\n");
   } catch (err) {
     process.stdout.write(JSON.stringify({ code: err.code, details: err.details }) + "\n");

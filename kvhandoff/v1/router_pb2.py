@@ -25,23 +25,31 @@ _sym_db = _symbol_database.Default()
 from kvhandoff.v1 import common_pb2 as kvhandoff_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvhandoff/v1/router.proto\x12\x0ckvhandoff.v1\x1a\x19kvhandoff/v1/common.proto\"\xdb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12,\n\x06stage1\x18\x04 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage1Sampling\x12\x15\n\x0bsuffix_text\x18\x05 \x01(\tH\x01\x12\x32\n\x10suffix_token_ids\x18\x06 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x01\x12&\n\x04\x62\x65\x61m\x18\x07 \x01(\x0b\x32\x18.kvhandoff.v1.BeamSearch\x12 \n\x04path\x18\x08 \x01(\x0e\x32\x12.kvhandoff.v1.Path\x12\x12\n\ntimeout_ms\x18\t \x01(\rB\x08\n\x06promptB\x08\n\x06suffix\"{\n\x07Timings\x12\x11\n\tstage1_ms\x18\x01 \x01(\x01\x12\x1c\n\x14stage2_first_step_ms\x18\x02 \x01(\x01\x12\x11\n\tstage2_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x1a\n\x12router_overhead_ms\x18\x05 \x01(\x01\"\xf0\x02\n\x0cHandoffStats\x12 \n\x04path\x18\x01 \x01(\x0e\x32\x12.kvhandoff.v1.Path\x12\x18\n\x10prefill_endpoint\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_endpoint\x18\x03 \x01(\t\x12\x19\n\x11num_parent_tokens\x18\x04 \x01(\r\x12\x1b\n\x13num_imported_tokens\x18\x05 \x01(\r\x12\x17\n\x0fnum_bytes_moved\x18\x06 \x01(\x04\x12&\n\x1enum_computed_tokens_first_step\x18\x07 \x01(\r\x12!\n\x19num_computed_tokens_total\x18\x08 \x01(\r\x12\x12\n\nrecomputed\x18\t \x01(\x08\x12\x1e\n\x16\x66\x61iled_decode_endpoint\x18\n \x01(\t\x12\"\n\x1anum_recomputed_beam_tokens\x18\x0b \x01(\r\x12\x17\n\x0fhandoff_failure\x18\x0c \x01(\t\"\xa1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12thinking_token_ids\x18\x02 \x03(\x05\x12\x15\n\rthinking_text\x18\x03 \x01(\t\x12\x1c\n\x14stage1_finish_reason\x18\x04 \x01(\t\x12\x18\n\x10suffix_token_ids\x18\x05 \x03(\x05\x12!\n\x05\x62\x65\x61ms\x18\x06 \x03(\x0b\x32\x12.kvhandoff.v1.Beam\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.kvhandoff.v1.Timings\x12)\n\x05stats\x18\x08 \x01(\x0b\x32\x1a.kvhandoff.v1.HandoffStats\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\"\x81\x01\n\x13GenerateStreamEvent\x12/\n\rstage1_tokens\x18\x01 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12\x30\n\x06result\x18\x02 \x01(\x0b\x32\x1e.kvhandoff.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent2\xa9\x01\n\x06Router\x12I\n\x08Generate\x12\x1d.kvhandoff.v1.GenerateRequest\x1a\x1e.kvhandoff.v1.GenerateResponse\x12T\n\x0eGenerateStream\x12\x1d.kvhandoff.v1.GenerateRequest\x1a!.kvhandoff.v1.GenerateStreamEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvhandoff/v1/router.proto\x12\x0ckvhandoff.v1\x1a\x19kvhandoff/v1/common.proto\"\xc9\x01\n\rParentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12,\n\x06stage1\x18\x04 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage1Sampling\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"\xfc\x01\n\x06Parent\x12\x11\n\tparent_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1a\n\x12thinking_token_ids\x18\x03 \x03(\x05\x12\x15\n\rthinking_text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x0c\n\x04held\x18\x06 \x01(\x08\x12\x17\n\x0fnot_held_reason\x18\x07 \x01(\t\x12\x18\n\x10prefill_endpoint\x18\x08 \x01(\t\x12\x18\n\x10lease_expires_at\x18\t \x01(\x01\x12\x11\n\tstage1_ms\x18\n \x01(\x01\x12\r\n\x05model\x18\x0b \x01(\t\"o\n\x0bParentEvent\x12/\n\rstage1_tokens\x18\x01 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12&\n\x06parent\x18\x02 \x01(\x0b\x32\x14.kvhandoff.v1.ParentH\x00\x42\x07\n\x05\x65vent\"\xe8\x01\n\x0f\x43ontinueRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tparent_id\x18\x02 \x01(\t\x12\x15\n\x0bsuffix_text\x18\x03 \x01(\tH\x00\x12\x32\n\x10suffix_token_ids\x18\x04 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12&\n\x04\x62\x65\x61m\x18\x05 \x01(\x0b\x32\x18.kvhandoff.v1.BeamSearch\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\tB\x08\n\x06suffix\"\xdb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12,\n\x06stage1\x18\x04 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage1Sampling\x12\x15\n\x0bsuffix_text\x18\x05 \x01(\tH\x01\x12\x32\n\x10suffix_token_ids\x18\x06 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x01\x12&\n\x04\x62\x65\x61m\x18\x07 \x01(\x0b\x32\x18.kvhandoff.v1.BeamSearch\x12 \n\x04path\x18\x08 \x01(\x0e\x32\x12.kvhandoff.v1.Path\x12\x12\n\ntimeout_ms\x18\t \x01(\rB\x08\n\x06promptB\x08\n\x06suffix\"{\n\x07Timings\x12\x11\n\tstage1_ms\x18\x01 \x01(\x01\x12\x1c\n\x14stage2_first_step_ms\x18\x02 \x01(\x01\x12\x11\n\tstage2_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x1a\n\x12router_overhead_ms\x18\x05 \x01(\x01\"\x8f\x03\n\x0cHandoffStats\x12 \n\x04path\x18\x01 \x01(\x0e\x32\x12.kvhandoff.v1.Path\x12\x18\n\x10prefill_endpoint\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_endpoint\x18\x03 \x01(\t\x12\x19\n\x11num_parent_tokens\x18\x04 \x01(\r\x12\x1b\n\x13num_imported_tokens\x18\x05 \x01(\r\x12\x17\n\x0fnum_bytes_moved\x18\x06 \x01(\x04\x12&\n\x1enum_computed_tokens_first_step\x18\x07 \x01(\r\x12!\n\x19num_computed_tokens_total\x18\x08 \x01(\r\x12\x12\n\nrecomputed\x18\t \x01(\x08\x12\x1e\n\x16\x66\x61iled_decode_endpoint\x18\n \x01(\t\x12\"\n\x1anum_recomputed_beam_tokens\x18\x0b \x01(\r\x12\x17\n\x0fhandoff_failure\x18\x0c \x01(\t\x12\x1d\n\x15num_found_on_d_tokens\x18\r \x01(\r\"\xb4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12thinking_token_ids\x18\x02 \x03(\x05\x12\x15\n\rthinking_text\x18\x03 \x01(\t\x12\x1c\n\x14stage1_finish_reason\x18\x04 \x01(\t\x12\x18\n\x10suffix_token_ids\x18\x05 \x03(\x05\x12!\n\x05\x62\x65\x61ms\x18\x06 \x03(\x0b\x32\x12.kvhandoff.v1.Beam\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.kvhandoff.v1.Timings\x12)\n\x05stats\x18\x08 \x01(\x0b\x32\x1a.kvhandoff.v1.HandoffStats\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\x12\x11\n\tparent_id\x18\n \x01(\t\"\x81\x01\n\x13GenerateStreamEvent\x12/\n\rstage1_tokens\x18\x01 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12\x30\n\x06result\x18\x02 \x01(\x0b\x32\x1e.kvhandoff.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent2\xbd\x02\n\x06Router\x12I\n\x08Generate\x12\x1d.kvhandoff.v1.GenerateRequest\x1a\x1e.kvhandoff.v1.GenerateResponse\x12T\n\x0eGenerateStream\x12\x1d.kvhandoff.v1.GenerateRequest\x1a!.kvhandoff.v1.GenerateStreamEvent0\x01\x12G\n\x0bStartParent\x12\x1b.kvhandoff.v1.ParentRequest\x1a\x19.kvhandoff.v1.ParentEvent0\x01\x12I\n\x08\x43ontinue\x12\x1d.kvhandoff.v1.ContinueRequest\x1a\x1e.kvhandoff.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvhandoff.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=71
-  _globals['_GENERATEREQUEST']._serialized_end=418
-  _globals['_TIMINGS']._serialized_start=420
-  _globals['_TIMINGS']._serialized_end=543
-  _globals['_HANDOFFSTATS']._serialized_start=546
-  _globals['_HANDOFFSTATS']._serialized_end=914
-  _globals['_GENERATERESPONSE']._serialized_start=917
-  _globals['_GENERATERESPONSE']._serialized_end=1206
-  _globals['_GENERATESTREAMEVENT']._serialized_start=1209
-  _globals['_GENERATESTREAMEVENT']._serialized_end=1338
-  _globals['_ROUTER']._serialized_start=1341
-  _globals['_ROUTER']._serialized_end=1510
+  _globals['_PARENTREQUEST']._serialized_start=71
+  _globals['_PARENTREQUEST']._serialized_end=272
+  _globals['_PARENT']._serialized_start=275
+  _globals['_PARENT']._serialized_end=527
+  _globals['_PARENTEVENT']._serialized_start=529
+  _globals['_PARENTEVENT']._serialized_end=640
+  _globals['_CONTINUEREQUEST']._serialized_start=643
+  _globals['_CONTINUEREQUEST']._serialized_end=875
+  _globals['_GENERATEREQUEST']._serialized_start=878
+  _globals['_GENERATEREQUEST']._serialized_end=1225
+  _globals['_TIMINGS']._serialized_start=1227
+  _globals['_TIMINGS']._serialized_end=1350
+  _globals['_HANDOFFSTATS']._serialized_start=1353
+  _globals['_HANDOFFSTATS']._serialized_end=1752
+  _globals['_GENERATERESPONSE']._serialized_start=1755
+  _globals['_GENERATERESPONSE']._serialized_end=2063
+  _globals['_GENERATESTREAMEVENT']._serialized_start=2066
+  _globals['_GENERATESTREAMEVENT']._serialized_end=2195
+  _globals['_ROUTER']._serialized_start=2198
+  _globals['_ROUTER']._serialized_end=2515
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,76 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ParentRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "timeout_ms", "model")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STAGE1_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_text: str
+    prompt_token_ids: _common_pb2.TokenIds
+    stage1: _common_pb2.Stage1Sampling
+    timeout_ms: int
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class Parent(_message.Message):
+    __slots__ = ("parent_id", "prompt_token_ids", "thinking_token_ids", "thinking_text", "finish_reason", "held", "not_held_reason", "prefill_endpoint", "lease_expires_at", "stage1_ms", "model")
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    THINKING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    THINKING_TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    NOT_HELD_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    STAGE1_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    parent_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    thinking_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    thinking_text: str
+    finish_reason: str
+    held: bool
+    not_held_reason: str
+    prefill_endpoint: str
+    lease_expires_at: float
+    stage1_ms: float
+    model: str
+    def __init__(self, parent_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., held: _Optional[bool] = ..., not_held_reason: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., stage1_ms: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
+
+class ParentEvent(_message.Message):
+    __slots__ = ("stage1_tokens", "parent")
+    STAGE1_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    stage1_tokens: _common_pb2.TokenIds
+    parent: Parent
+    def __init__(self, stage1_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., parent: _Optional[_Union[Parent, _Mapping]] = ...) -> None: ...
+
+class ContinueRequest(_message.Message):
+    __slots__ = ("request_id", "parent_id", "suffix_text", "suffix_token_ids", "beam", "strict", "timeout_ms", "model")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_TEXT_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    parent_id: str
+    suffix_text: str
+    suffix_token_ids: _common_pb2.TokenIds
+    beam: _common_pb2.BeamSearch
+    strict: bool
+    timeout_ms: int
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., strict: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "suffix_text", "suffix_token_ids", "beam", "path", "timeout_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -44,7 +114,7 @@ class Timings(_message.Message):
     def __init__(self, stage1_ms: _Optional[float] = ..., stage2_first_step_ms: _Optional[float] = ..., stage2_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., router_overhead_ms: _Optional[float] = ...) -> None: ...
 
 class HandoffStats(_message.Message):
-    __slots__ = ("path", "prefill_endpoint", "decode_endpoint", "num_parent_tokens", "num_imported_tokens", "num_bytes_moved", "num_computed_tokens_first_step", "num_computed_tokens_total", "recomputed", "failed_decode_endpoint", "num_recomputed_beam_tokens", "handoff_failure")
+    __slots__ = ("path", "prefill_endpoint", "decode_endpoint", "num_parent_tokens", "num_imported_tokens", "num_bytes_moved", "num_computed_tokens_first_step", "num_computed_tokens_total", "recomputed", "failed_decode_endpoint", "num_recomputed_beam_tokens", "handoff_failure", "num_found_on_d_tokens")
     PATH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +127,7 @@ class HandoffStats(_message.Message):
     FAILED_DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOMPUTED_BEAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FOUND_ON_D_TOKENS_FIELD_NUMBER: _ClassVar[int]
     path: _common_pb2.Path
     prefill_endpoint: str
     decode_endpoint: str
@@ -69,10 +140,11 @@ class HandoffStats(_message.Message):
     failed_decode_endpoint: str
     num_recomputed_beam_tokens: int
     handoff_failure: str
-    def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., handoff_failure: _Optional[str] = ...) -> None: ...
+    num_found_on_d_tokens: int
+    def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., handoff_failure: _Optional[str] = ..., num_found_on_d_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids")
+    __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids", "parent_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THINKING_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +154,7 @@ class GenerateResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     thinking_token_ids: _containers.RepeatedScalarFieldContainer[int]
     thinking_text: str
@@ -91,7 +164,8 @@ class GenerateResponse(_message.Message):
     timings: Timings
     stats: HandoffStats
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., stage1_finish_reason: _Optional[str] = ..., suffix_token_ids: _Optional[_Iterable[int]] = ..., beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stats: _Optional[_Union[HandoffStats, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    parent_id: str
+    def __init__(self, request_id: _Optional[str] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., stage1_finish_reason: _Optional[str] = ..., suffix_token_ids: _Optional[_Iterable[int]] = ..., beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stats: _Optional[_Union[HandoffStats, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., parent_id: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamEvent(_message.Message):
     __slots__ = ("stage1_tokens", "result")

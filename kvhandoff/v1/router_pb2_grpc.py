@@ -44,6 +44,16 @@ class RouterStub:
                 request_serializer=kvhandoff_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvhandoff_dot_v1_dot_router__pb2.GenerateStreamEvent.FromString,
                 _registered_method=True)
+        self.StartParent = channel.unary_stream(
+                '/kvhandoff.v1.Router/StartParent',
+                request_serializer=kvhandoff_dot_v1_dot_router__pb2.ParentRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_router__pb2.ParentEvent.FromString,
+                _registered_method=True)
+        self.Continue = channel.unary_unary(
+                '/kvhandoff.v1.Router/Continue',
+                request_serializer=kvhandoff_dot_v1_dot_router__pb2.ContinueRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -63,6 +73,27 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartParent(self, request, context):
+        """Stage 1 alone, as a parent for later continuations: streams stage-1 tokens as they
+        are sampled, then the Parent. Its parent_id names it in Continue. While the parent is
+        held, P keeps its KV blocks (until P's lease ends) and the router its token ids (until
+        the registry's time to live or LRU limit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Continue(self, request, context):
+        """Stage 2 as a continuation of a parent: parent + suffix, from the parent's token ids
+        (never re-tokenised), on a D that imports the parent's blocks from P. A parent whose
+        blocks are gone is recomputed from its token ids (flagged), or with strict refused
+        FAILED_PRECONDITION; an unknown parent id is NOT_FOUND; a parent still running is
+        waited for (within the deadline); a parent under another model is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +106,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=kvhandoff_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=kvhandoff_dot_v1_dot_router__pb2.GenerateStreamEvent.SerializeToString,
+            ),
+            'StartParent': grpc.unary_stream_rpc_method_handler(
+                    servicer.StartParent,
+                    request_deserializer=kvhandoff_dot_v1_dot_router__pb2.ParentRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_router__pb2.ParentEvent.SerializeToString,
+            ),
+            'Continue': grpc.unary_unary_rpc_method_handler(
+                    servicer.Continue,
+                    request_deserializer=kvhandoff_dot_v1_dot_router__pb2.ContinueRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +172,60 @@ class Router:
             '/kvhandoff.v1.Router/GenerateStream',
             kvhandoff_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             kvhandoff_dot_v1_dot_router__pb2.GenerateStreamEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartParent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvhandoff.v1.Router/StartParent',
+            kvhandoff_dot_v1_dot_router__pb2.ParentRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_router__pb2.ParentEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Continue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.v1.Router/Continue',
+            kvhandoff_dot_v1_dot_router__pb2.ContinueRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_router__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

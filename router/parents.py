@@ -1,0 +1,386 @@
+"""Parents and their continuations: stage 1 alone (``run_parent``), then stage 2 as a
+continuation naming it (``run_continuation``).
+
+A parent is a stage 1 the router served with ``StartParent``. P exports it with ``hold``:
+its KV blocks stay on P until P's lease ends, however many continuations read them. The
+router keeps the parent's token ids and its handoff in a bounded registry
+(:class:`ParentRegistry`): at most ``max_parents`` records (least recently used evicted
+first), each forgotten ``parent_ttl_s`` after its last use, and held blocks limited to
+``parent_pool_share`` of P's pool (counted until each lease ends, evicted or not), so held
+parents never starve new stage 1s. A parent that would exceed the share runs without a hold
+(its continuations are recomputed, flagged).
+
+A continuation builds stage 2's prompt from the parent's token ids (never re-tokenised) and
+runs it on the D the handoff is addressed to, which imports the parent's blocks (only those
+it does not already hold in its prefix cache). Parent gone from P (lease over, not held, its
+D out of rotation, D's READ failed): recomputed from the token ids, flagged with the reason,
+unless the client asked for ``strict``. Unknown id: NOT_FOUND. Still running: the
+continuation waits for it, within its deadline. Another model: FAILED_PRECONDITION.
+Mixed into ``router.core.Router``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvhandoff.types import (
+    InvalidRequest,
+    Stage1Params,
+    continuation_prompt,
+    validate_prompt,
+    validate_token_ids,
+)
+from kvhandoff.v1 import common_pb2, router_pb2
+from router.plan import Outcome, Plan, grpc_error
+from server import convert
+
+if TYPE_CHECKING:
+    from router.capacity import Endpoint
+    from router.core import RouterConfig
+
+logger = logging.getLogger(__name__)
+
+#: A held parent is imported only while P's lease has at least this long to run: D
+#: refuses a READ within its lease safety margin (2 s by default), so closer to the end
+#: the continuation is recomputed at once instead of failing over.
+LEASE_MARGIN_S = 2.5
+
+
+@dataclass
+class ParentRecord:
+    """One parent: what a continuation needs of it. Owned by the registry."""
+
+    parent_id: str
+    model: str
+    prompt_ids: list[int]
+    prefill: str = ""
+    #: The D its handoff is addressed to (signed for), when held.
+    decode: Endpoint | None = None
+    thinking_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    handoff: common_pb2.Handoff | None = None
+    #: Why P does not hold it ("" while it is held or still running).
+    not_held_reason: str = ""
+    #: P blocks counted against the share (an estimate until stage 1 ends).
+    num_blocks: int = 0
+    stage1_ms: float = 0.0
+    #: Set when stage 1 has ended; ``error`` says how, if it failed.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str = ""
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def held(self) -> bool:
+        return (self.handoff is not None and not self.not_held_reason
+                and time.time() < self.handoff.lease_expires_at - LEASE_MARGIN_S)
+
+
+class ParentRegistry:
+    """Parents by id: bounded in number (LRU), in time (TTL since last use) and in the P
+    blocks their holds take (a share of P's pool, counted until each lease ends)."""
+
+    def __init__(self, max_parents: int, ttl_s: float, pool_share: float):
+        self.max_parents, self.ttl_s, self.pool_share = max_parents, ttl_s, pool_share
+        self._records: collections.OrderedDict[str, ParentRecord] = collections.OrderedDict()
+        #: (lease end as time.time(), blocks) of every hold P may still keep.
+        self._holds: list[tuple[float, int, ParentRecord]] = []
+        self.evictions = collections.Counter()  # reason -> count
+        self.continuations = collections.Counter()  # outcome -> count
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def held_blocks(self) -> int:
+        now = time.time()
+        self._holds = [h for h in self._holds if h[0] > now]
+        return sum(blocks for _, blocks, _ in self._holds)
+
+    def num_held(self) -> int:
+        self.held_blocks()
+        return len({id(r) for _, _, r in self._holds})
+
+    def may_hold(self, num_blocks: int, p_total_blocks: int) -> str:
+        """"" when a parent of ``num_blocks`` fits in the share, else why not."""
+        share = int(self.pool_share * p_total_blocks)
+        held = self.held_blocks()
+        if held + num_blocks > share:
+            return (f"the share of P's pool for held parents is full ({held} of {share} "
+                    f"blocks held, this parent needs up to {num_blocks})")
+        return ""
+
+    def hold(self, record: ParentRecord, until: float) -> None:
+        """Count ``record``'s blocks against the share until ``until`` (time.time()),
+        replacing what was counted for it before."""
+        self.unhold(record)
+        self._holds.append((until, record.num_blocks, record))
+
+    def unhold(self, record: ParentRecord) -> None:
+        self._holds = [h for h in self._holds if h[2] is not record]
+
+    def add(self, record: ParentRecord) -> None:
+        self.sweep()
+        if record.parent_id in self._records:
+            raise InvalidRequest("request_id", f"parent {record.parent_id!r} already exists")
+        self._records[record.parent_id] = record
+        while len(self._records) > self.max_parents:
+            old_id, old = next(iter(self._records.items()))
+            if not old.done.is_set():
+                break  # never evict a running parent (its stage 1 adds it back in order)
+            del self._records[old_id]
+            self.evictions["lru"] += 1
+            logger.info("parent %s evicted (least recently used of %d)", old_id,
+                        self.max_parents)
+
+    def get(self, parent_id: str) -> ParentRecord | None:
+        self.sweep()
+        record = self._records.get(parent_id)
+        if record is not None:
+            record.last_used = time.monotonic()
+            self._records.move_to_end(parent_id)
+        return record
+
+    def sweep(self) -> None:
+        """Forget finished parents unused for ``ttl_s``."""
+        oldest = time.monotonic() - self.ttl_s
+        for pid in [p for p, r in self._records.items()
+                    if r.done.is_set() and r.last_used < oldest]:
+            del self._records[pid]
+            self.evictions["ttl"] += 1
+
+    def discard(self, parent_id: str) -> None:
+        self._records.pop(parent_id, None)
+
+
+def parent_to_pb(record: ParentRecord, tokenizer) -> router_pb2.Parent:
+    h = record.handoff
+    return router_pb2.Parent(
+        parent_id=record.parent_id, prompt_token_ids=record.prompt_ids,
+        thinking_token_ids=record.thinking_ids,
+        thinking_text=tokenizer.decode(record.thinking_ids, skip_special_tokens=False),
+        finish_reason=record.finish_reason, held=record.held,
+        not_held_reason=record.not_held_reason, prefill_endpoint=record.prefill,
+        lease_expires_at=h.lease_expires_at if h is not None and record.held else 0.0,
+        stage1_ms=record.stage1_ms, model=record.model)
+
+
+class ParentsMixin:
+    """StartParent and Continue of a :class:`~router.core.Router`."""
+
+    config: RouterConfig
+    parents: ParentRegistry
+    decode: list[Endpoint]
+    prefill: list[Endpoint]
+    # Also uses Router's tokens, _ids, _pick_prefill, _pick_decode, _release, _stage1,
+    # _stage2_or_recompute and _timeout.
+
+    @property
+    def model_names(self) -> set[str]:
+        """Names a request's ``model`` may give: the model directory or its last part."""
+        return {self.config.model, Path(self.config.model).name}
+
+    def check_model(self, model: str) -> None:
+        if model and model not in self.model_names:
+            raise InvalidRequest("model", f"{model!r} is not served here (this router "
+                                          f"serves {Path(self.config.model).name!r})")
+
+    async def run_parent(self, plan: Plan) -> AsyncIterator[list[int] | ParentRecord]:
+        """Stage 1 of ``plan`` as a parent: yields token batches as P samples them, then
+        the finished :class:`ParentRecord` (registered before stage 1 starts, so a
+        continuation can wait for it)."""
+        t0 = time.perf_counter()
+        p = await self._pick_prefill(plan)
+        record = ParentRecord(plan.request_id, Path(self.config.model).name,
+                              list(plan.prompt_ids), prefill=p.address)
+        self.parents.add(record)
+        try:
+            cap = p.capacity
+            if cap is not None:
+                record.num_blocks = math.ceil(
+                    (len(plan.prompt_ids) + plan.stage1.max_tokens) / cap.block_size)
+                record.not_held_reason = self.parents.may_hold(record.num_blocks,
+                                                               cap.num_total_blocks)
+            d = self._parent_target()
+            if d is None and not record.not_held_reason:
+                record.not_held_reason = "no decode engine in rotation to address it to"
+            hold = not record.not_held_reason
+            if hold:
+                record.decode = d
+                # Counted now (estimate), corrected when the handoff says how many.
+                self.parents.hold(record, time.time() + 3600.0)
+            out = Outcome(plan, p.address, d.address if hold else None)
+            handoff = None
+            async for item in self._stage1(p, d if hold else None, plan, out, export=hold,
+                                           hold=hold):
+                if isinstance(item, list):
+                    yield item
+                else:
+                    handoff = item
+            record.thinking_ids = out.thinking_ids
+            record.finish_reason = out.stage1_finish_reason
+            record.stage1_ms = (time.perf_counter() - t0) * 1e3
+            if hold:
+                self.parents.unhold(record)
+                if handoff is None:
+                    record.not_held_reason = "P exported no handoff"
+                else:
+                    record.handoff = handoff
+                    record.num_blocks = handoff.num_blocks
+                    self.parents.hold(record, handoff.lease_expires_at)
+        except BaseException as e:
+            record.error = str(e) or type(e).__name__
+            # P's blocks (if it exported before failing) come back at its lease end.
+            self.parents.unhold(record)
+            self.parents.discard(record.parent_id)
+            raise
+        finally:
+            record.done.set()
+        yield record
+
+    def _parent_target(self) -> Endpoint | None:
+        """The D a parent's handoff is addressed to: the one in rotation with the most
+        room (its continuations run there while P holds the parent)."""
+        live = [ep for ep in self.decode if ep.in_rotation]
+        return max(live, key=lambda ep: (ep.num_unclaimed_blocks, -ep.outstanding),
+                   default=None)
+
+    async def run_continuation(self, req: router_pb2.ContinueRequest,
+                               deadline: float | None) -> router_pb2.GenerateResponse:
+        """Stage 2 of ``req``'s parent (see the module docstring)."""
+        from router.plan import to_response
+
+        received_at = time.perf_counter()
+        self.check_model(req.model)
+        if not req.parent_id:
+            raise InvalidRequest("parent_id", "is empty")
+        record = self.parents.get(req.parent_id)
+        if record is None:
+            self.parents.continuations["not_found"] += 1
+            raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                             f"parent {req.parent_id!r} is unknown: never served here, or "
+                             f"forgotten (parents live {self.config.parent_ttl_s:g} s after "
+                             f"their last use, at most {self.config.max_parents})")
+        if req.model and record.model not in {req.model, Path(req.model).name}:
+            self.parents.continuations["refused"] += 1
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"parent {req.parent_id!r} ran under model {record.model!r}, "
+                             f"not {req.model!r}")
+        if req.timeout_ms:
+            t = time.monotonic() + req.timeout_ms / 1e3
+            deadline = t if deadline is None else min(deadline, t)
+        if not record.done.is_set():
+            logger.info("continuation of %s waits for its parent's stage 1", req.parent_id)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await asyncio.wait_for(record.done.wait(), timeout)  # TimeoutError: DEADLINE
+        if record.error:
+            self.parents.continuations["refused"] += 1
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"parent {req.parent_id!r} failed: {record.error}")
+        plan = self._continuation_plan(req, record, deadline)
+        t0 = time.perf_counter()
+        parent = record.prompt_ids + record.thinking_ids
+        out = Outcome(plan, record.prefill, None, thinking_ids=list(record.thinking_ids),
+                      stage1_finish_reason=record.finish_reason)
+        request = self._stage2_request(plan, out)
+        key = object()
+        d = None
+        why_not = self._why_not_importable(record)
+        try:
+            if not why_not:
+                d = await self._pick_decode(len(request.prompt_token_ids), plan, key,
+                                            only=[record.decode])
+                request.handoff.CopyFrom(record.handoff)
+                d = await self._stage2_or_recompute(d, request, plan, out, key, True,
+                                                    recompute=not req.strict)
+            elif req.strict:
+                self.parents.continuations["refused"] += 1
+                raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"parent {req.parent_id!r} cannot be imported: {why_not} "
+                                 "(strict: not recomputed)")
+            else:
+                out.failed_decode, out.handoff_failure = "", f"parent not held: {why_not}"
+                d = await self._pick_decode(len(request.prompt_token_ids), plan, key)
+                out.decode = d.address
+                out.stage2 = await self._stage2(d, request, plan, out, key)
+        finally:
+            self._release(d, key)
+        out.total_ms = (time.perf_counter() - t0) * 1e3
+        resp = to_response(out, self.tokens.tokenizer, received_at)
+        resp.parent_id = record.parent_id
+        resp.stats.num_parent_tokens = len(parent)
+        self.parents.continuations["recomputed" if resp.stats.recomputed else "imported"] += 1
+        return resp
+
+    async def run_prompt_beams(self, prompt_ids: list[int], beam, request_id: str,
+                               deadline: float | None) -> router_pb2.GenerateResponse:
+        """Beam search over a whole prompt on a D, nothing imported: what a client gets
+        that sends stage 2 as a brand-new text request (the text round trip the bench
+        compares continuations with)."""
+        from router.plan import to_response
+
+        received_at = time.perf_counter()
+        cap = next((ep.capacity for ep in self.decode if ep.capacity), None)
+        if cap is not None:
+            validate_prompt(prompt_ids, vocab_size=cap.vocab_size,
+                            max_model_len=cap.max_model_len, num_new_tokens=beam.max_tokens)
+        elif not prompt_ids:
+            raise InvalidRequest("prompt", "is empty")
+        plan = Plan(request_id or f"b{next(self._ids)}", list(prompt_ids), [],
+                    Stage1Params(max_tokens=1), beam, common_pb2.PATH_HANDOFF, deadline)
+        t0 = time.perf_counter()
+        out = Outcome(plan, "", None)
+        request = self._stage2_request(plan, out)
+        key = object()
+        d = None
+        try:
+            d = await self._pick_decode(len(request.prompt_token_ids), plan, key)
+            out.decode = d.address
+            out.stage2 = await self._stage2(d, request, plan, out, key)
+        finally:
+            self._release(d, key)
+        out.total_ms = (time.perf_counter() - t0) * 1e3
+        return to_response(out, self.tokens.tokenizer, received_at)
+
+    def _why_not_importable(self, record: ParentRecord) -> str:
+        if record.not_held_reason:
+            return record.not_held_reason
+        if not record.held:
+            return "P's lease on its blocks has ended"
+        if record.decode is None or not record.decode.in_rotation:
+            return "the decode engine it is addressed to is out of rotation"
+        return ""
+
+    def _continuation_plan(self, req: router_pb2.ContinueRequest, record: ParentRecord,
+                           deadline: float | None) -> Plan:
+        which = req.WhichOneof("suffix")
+        if which == "suffix_text":
+            if len(req.suffix_text) > 1 << 20:
+                raise InvalidRequest("suffix_text", "longer than 1 MiB")
+            suffix = self.tokens.tokenizer.encode(req.suffix_text, add_special_tokens=False)
+        elif which == "suffix_token_ids":
+            suffix = list(req.suffix_token_ids.ids)
+        else:
+            suffix = list(self.tokens.default_suffix_ids)
+        beam = convert.beam_from_pb(req.beam)
+        cap = next((ep.capacity for ep in self.decode if ep.capacity), None)
+        if cap is not None:
+            validate_token_ids(suffix, vocab_size=cap.vocab_size, field_name="suffix")
+            validate_prompt(continuation_prompt(record.prompt_ids + record.thinking_ids, suffix,
+                                                self.tokens.think_end_id),
+                            vocab_size=cap.vocab_size, max_model_len=cap.max_model_len,
+                            num_new_tokens=beam.max_tokens)
+        request_id = req.request_id or f"{record.parent_id}-c{next(self._ids)}"
+        if len(request_id) > 128:
+            raise InvalidRequest("request_id", "longer than 128 characters")
+        return Plan(request_id, list(record.prompt_ids), suffix, Stage1Params(max_tokens=1),
+                    beam, common_pb2.PATH_HANDOFF, deadline)
+

@@ -1,0 +1,243 @@
+"""Continuations of a named parent: P holds a parent's exported blocks for its whole lease
+(``hold``), so several continuations import it, and frees them when the lease ends. Real
+engines, real NIXL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from connector.handoff import ImportRequest
+from decode_engine.engine import run_beam_stage
+from tests.conftest import FAMILY_LEASE_S, LEASE_S
+from tests.utils import make_request
+
+pytestmark = pytest.mark.engines
+
+
+def _parent(pair, run, request_id: str, *, hold: bool):
+    req = make_request(pair, request_id=request_id, prompt_len=150)
+    s1 = run(pair.p.run_stage1(req.prompt_token_ids, req.stage1, f"{request_id}-p",
+                               export=True, hold=hold))
+    prompt = req.prompt_token_ids + s1.token_ids + req.suffix_token_ids
+    return req, s1, prompt
+
+
+def _import(pair, run, req, s1, prompt, request_id: str):
+    return run(pair.d.run_stage2(prompt, req.beam, request_id,
+                                 handoff=ImportRequest.for_beams(s1.handoff_params, req.beam)))
+
+
+def test_a_held_parent_serves_several_continuations_and_is_freed_at_lease_end(
+        pair, run, assert_pools_clean):
+    req, s1, prompt = _parent(pair, run, "held", hold=True)
+    exported_at = time.monotonic()
+    reference = run(run_beam_stage(pair.d, prompt, req.beam, "held-ref"))
+    results = []
+    for i in range(3):
+        # D's cache emptied: every continuation reads the whole parent from P again.
+        run(pair.d.empty_prefix_cache())
+        results.append(_import(pair, run, req, s1, prompt, f"held-c{i}"))
+        assert pair.p.pool().num_used_blocks > 0, "P freed a held parent before its lease"
+    for r in results:
+        assert r.num_imported_tokens == len(prompt) - len(req.suffix_token_ids) - 1
+        assert [b.token_ids for b in r.beams] == [b.token_ids for b in reference.beams]
+    assert time.monotonic() - exported_at < LEASE_S
+    # The lease ends: P frees the blocks on its own.
+    snap = run(pair.p.wait_pool_clean(LEASE_S + 5.0))
+    assert snap.is_clean, snap
+    assert_pools_clean()
+
+
+def test_without_hold_p_frees_the_parent_after_the_first_read(pair, run, assert_pools_clean):
+    """The control: the same flow without ``hold`` frees P's blocks once D has read them,
+    long before the lease ends (so the hold is what keeps them)."""
+    req, s1, prompt = _parent(pair, run, "unheld", hold=False)
+    exported_at = time.monotonic()
+    run(pair.d.empty_prefix_cache())
+    r = _import(pair, run, req, s1, prompt, "unheld-c0")
+    assert r.num_imported_tokens > 0
+    snap = run(pair.p.wait_pool_clean(LEASE_S / 2))
+    assert snap.is_clean, f"P still holds the parent after D read it: {snap}"
+    assert time.monotonic() - exported_at < LEASE_S - 2  # well before the lease end
+    assert_pools_clean()
+
+
+# ---- through the router: StartParent, then Continue ------------------------------------
+
+@pytest.fixture
+def family_clean(family):
+    from tests.utils import assert_servers_clean
+
+    yield
+    assert_servers_clean([family["prefill"], *family["decode"]], 2 * FAMILY_LEASE_S + 5.0)
+
+
+def _stub(address: str):
+    import grpc
+
+    from kvhandoff.v1 import router_pb2_grpc
+
+    return router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
+
+
+def _parent_request(request_id: str, *, seed: int = 3, max_tokens: int = 24,
+                    min_tokens: int = 0, prompt_len: int = 120):
+    import random
+
+    from kvhandoff.v1 import router_pb2
+
+    rng = random.Random(request_id)
+    req = router_pb2.ParentRequest(request_id=request_id)
+    req.prompt_token_ids.ids.extend(rng.randrange(10, 1000) for _ in range(prompt_len))
+    req.stage1.max_tokens, req.stage1.temperature, req.stage1.seed = max_tokens, 1.0, seed
+    req.stage1.min_tokens = min_tokens
+    return req
+
+
+def _start_parent(stub, req, timeout: float = 120):
+    """(stage-1 token batches, the Parent)."""
+    batches, parent = [], None
+    for event in stub.StartParent(req, timeout=timeout):
+        if event.HasField("stage1_tokens"):
+            batches.append(list(event.stage1_tokens.ids))
+        else:
+            parent = event.parent
+    return batches, parent
+
+
+def _continue(stub, parent_id: str, *, beam_width: int = 4, strict: bool = False,
+              suffix_ids: list[int] | None = None, timeout: float = 120, **kw):
+    from kvhandoff.v1 import router_pb2
+
+    req = router_pb2.ContinueRequest(parent_id=parent_id, strict=strict, **kw)
+    req.beam.beam_width, req.beam.max_tokens = beam_width, 3
+    if suffix_ids is not None:
+        req.suffix_token_ids.ids.extend(suffix_ids)
+    return stub.Continue(req, timeout=timeout)
+
+
+def test_continuations_import_a_held_parent_and_equal_the_one_shot(family, family_clean):
+    from tools.client import RouterClient, make_request
+
+    stub = _stub(family["router"])
+    preq = _parent_request("fam-parent")
+    batches, parent = _start_parent(stub, preq)
+    assert parent.held and not parent.not_held_reason, parent.not_held_reason
+    assert sum(batches, []) == list(parent.thinking_token_ids) and parent.parent_id == "fam-parent"
+    first = _continue(stub, parent.parent_id)
+    again = _continue(stub, parent.parent_id)
+    other = _continue(stub, parent.parent_id, suffix_ids=[5, 6, 7])
+    # The one-shot reference on one engine (same seed: same stage 1).
+    with RouterClient(family["router"]) as client:
+        ref = client.generate(make_request(prompt=list(preq.prompt_token_ids.ids),
+                                           max_tokens=24, seed=3, beam_width=4,
+                                           path="colocated"))
+    assert list(parent.thinking_token_ids) == list(ref.thinking_token_ids)
+    for resp in (first, again, other):
+        assert resp.parent_id == "fam-parent" and not resp.stats.recomputed, \
+            resp.stats.handoff_failure
+        assert list(resp.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert [list(b.token_ids) for b in first.beams] == [list(b.token_ids) for b in ref.beams]
+    assert [list(b.token_ids) for b in again.beams] == [list(b.token_ids) for b in ref.beams]
+    num_parent = len(preq.prompt_token_ids.ids) + len(parent.thinking_token_ids)
+    assert first.stats.num_parent_tokens == num_parent
+    assert first.stats.num_imported_tokens == num_parent - 1  # a cold D reads it all
+    # The second on the same D reads only what its prefix cache lacks.
+    a = again.stats
+    assert a.num_found_on_d_tokens > 0 and a.num_imported_tokens < num_parent - 1
+    assert (a.num_imported_tokens + a.num_found_on_d_tokens + a.num_computed_tokens_first_step
+            == num_parent + len(again.suffix_token_ids))
+    assert list(other.suffix_token_ids) == [5, 6, 7]
+
+
+def test_unknown_parents_and_other_models_are_refused_with_the_reason(family, family_clean):
+    import grpc
+
+    stub = _stub(family["router"])
+    with pytest.raises(grpc.RpcError) as e:
+        _continue(stub, "never-served")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "never-served" in e.value.details()
+    _, parent = _start_parent(stub, _parent_request("fam-model"))
+    with pytest.raises(grpc.RpcError) as e:
+        _continue(stub, parent.parent_id, model="another-model")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "another-model" in e.value.details()
+    assert not _continue(stub, parent.parent_id, model=parent.model).stats.recomputed
+
+
+def test_a_continuation_of_a_running_parent_waits_for_it(family, family_clean):
+    import threading
+
+    stub = _stub(family["router"])
+    first_tokens = threading.Event()
+    result: dict[str, object] = {}
+
+    def parent():
+        for event in stub.StartParent(_parent_request("fam-running", max_tokens=150,
+                                                      min_tokens=150), timeout=120):
+            if event.HasField("stage1_tokens"):
+                first_tokens.set()
+            else:
+                result["parent"] = event.parent
+
+    t = threading.Thread(target=parent)
+    t.start()
+    assert first_tokens.wait(60)
+    resp = _continue(stub, "fam-running")  # sent while stage 1 runs
+    t.join()
+    assert "parent" in result and len(resp.thinking_token_ids) == 150
+    assert not resp.stats.recomputed and resp.stats.num_imported_tokens > 0
+
+
+def test_a_parent_p_does_not_hold_is_recomputed_or_refused_when_strict(family, family_clean):
+    import grpc
+
+    stub = _stub(family["noshare"])
+    _, parent = _start_parent(stub, _parent_request("fam-noshare"))
+    assert not parent.held and "share" in parent.not_held_reason
+    resp = _continue(stub, parent.parent_id)
+    assert resp.stats.recomputed and "not held" in resp.stats.handoff_failure
+    assert resp.stats.num_imported_tokens == 0
+    with pytest.raises(grpc.RpcError) as e:
+        _continue(stub, parent.parent_id, strict=True)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "share" in e.value.details()
+
+
+def test_after_the_lease_a_continuation_is_recomputed_with_the_same_beams(family, family_clean):
+    import grpc
+
+    stub = _stub(family["router"])
+    _, parent = _start_parent(stub, _parent_request("fam-late"))
+    held = _continue(stub, parent.parent_id)
+    time.sleep(max(0.0, parent.lease_expires_at - time.time()) + 0.5)
+    late = _continue(stub, parent.parent_id)
+    assert late.stats.recomputed and "lease" in late.stats.handoff_failure
+    assert [list(b.token_ids) for b in late.beams] == [list(b.token_ids) for b in held.beams]
+    with pytest.raises(grpc.RpcError) as e:
+        _continue(stub, parent.parent_id, strict=True)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_the_registry_forgets_the_least_recently_used_and_the_expired(family, family_clean):
+    import grpc
+
+    from tests.test_load import _metric
+
+    stub = _stub(family["small"])
+    for name in ("fam-a", "fam-b", "fam-c"):  # holds two: fam-a goes
+        _start_parent(stub, _parent_request(name, max_tokens=4))
+    with pytest.raises(grpc.RpcError) as e:
+        _continue(stub, "fam-a")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert not _continue(stub, "fam-c").stats.recomputed
+    time.sleep(3.5)  # the time to live
+    with pytest.raises(grpc.RpcError) as e:
+        _continue(stub, "fam-b")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    evictions = {s.labels["reason"]: s.value
+                 for s in _metric(family["small_metrics"], "kvhandoff_router_parent_evictions")
+                 if s.name.endswith("_total")}
+    assert evictions == {"lru": 1.0, "ttl": 2.0}

