@@ -213,6 +213,8 @@ class ParentsMixin:
             if d is None and not record.not_held_reason:
                 record.not_held_reason = "no decode engine in rotation to address it to"
             hold = not record.not_held_reason
+            if not hold:
+                logger.info("parent %s not held: %s", record.parent_id, record.not_held_reason)
             if hold:
                 record.decode = d
                 # Counted now (estimate), corrected when the handoff says how many.
@@ -307,6 +309,7 @@ class ParentsMixin:
                                  f"parent {req.parent_id!r} cannot be imported: {why_not} "
                                  "(strict: not recomputed)")
             else:
+                logger.info("continuation of %s recomputed: %s", req.parent_id, why_not)
                 out.failed_decode, out.handoff_failure = "", f"parent not held: {why_not}"
                 d = await self._pick_decode(len(request.prompt_token_ids), plan, key)
                 out.decode = d.address

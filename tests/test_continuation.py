@@ -241,3 +241,54 @@ def test_the_registry_forgets_the_least_recently_used_and_the_expired(family, fa
                  for s in _metric(family["small_metrics"], "kvhandoff_router_parent_evictions")
                  if s.name.endswith("_total")}
     assert evictions == {"lru": 1.0, "ttl": 2.0}
+
+
+def test_a_burst_of_continuations_of_one_parent_is_served_from_its_blocks(family,
+                                                                         family_clean):
+    from concurrent.futures import ThreadPoolExecutor
+
+    stub = _stub(family["router"])
+    _, parent = _start_parent(stub, _parent_request("fam-burst"))
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: _continue(stub, parent.parent_id), range(8)))
+    num_parent = len(parent.prompt_token_ids) + len(parent.thinking_token_ids)
+    for r in results:
+        assert not r.stats.recomputed, r.stats.handoff_failure
+        assert [list(b.token_ids) for b in r.beams] == [list(b.token_ids)
+                                                        for b in results[0].beams]
+        s = r.stats
+        assert (s.num_imported_tokens + s.num_found_on_d_tokens
+                + s.num_computed_tokens_first_step) == num_parent + len(r.suffix_token_ids)
+    # Some read from P; none computed the parent (it was read or found on D).
+    assert any(r.stats.num_imported_tokens > 0 for r in results)
+    assert all(r.stats.num_computed_tokens_first_step <= len(r.suffix_token_ids) + 1
+               for r in results)
+
+
+def test_held_parents_fill_ps_share_and_the_next_one_says_why(family, family_clean):
+    """The default router may hold a quarter of P's pool: parents beyond it are served
+    without a hold (their continuations recompute, flagged); once the leases end, holds
+    are granted again."""
+    from tests.test_load import _metric
+
+    stub = _stub(family["router"])
+    parents = []
+    for i in range(200):
+        _, p = _start_parent(stub, _parent_request(f"fam-share-{i}", max_tokens=4,
+                                                   prompt_len=120))
+        parents.append(p)
+        if not p.held:
+            break
+    refused = parents[-1]
+    assert not refused.held and "share of P's pool for held parents is full" in \
+        refused.not_held_reason, refused.not_held_reason
+    held = [p for p in parents if p.held]
+    assert held, "no parent was held"
+    blocks = sum(s.value for s in _metric(family["router_metrics"],
+                                          "kvhandoff_router_parent_blocks_held"))
+    assert blocks > 0
+    resp = _continue(stub, refused.parent_id)
+    assert resp.stats.recomputed and "share" in resp.stats.handoff_failure
+    time.sleep(max(0.0, max(p.lease_expires_at for p in held) - time.time()) + 0.5)
+    _, again = _start_parent(stub, _parent_request("fam-share-after", max_tokens=4))
+    assert again.held, again.not_held_reason

@@ -60,7 +60,8 @@ def _one(base: str, i: int, mode: str, prompt: list[int], prompt_text: str,
             "imported_tokens": details["imported_tokens"],
             "computed_tokens": details["computed_tokens"],
             "prompt_tokens": s2["usage"]["prompt_tokens"],
-            "recomputed": s2["kvhandoff"]["recomputed"]}
+            "recomputed": s2["kvhandoff"]["recomputed"],
+            "handoff_failure": s2["kvhandoff"]["handoff_failure"]}
 
 
 def measure_two_calls_over_http(model: str | None, **kw: Any) -> dict[str, Any]:
