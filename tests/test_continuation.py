@@ -224,7 +224,7 @@ def test_after_the_lease_a_continuation_is_recomputed_with_the_same_beams(family
 def test_the_registry_forgets_the_least_recently_used_and_the_expired(family, family_clean):
     import grpc
 
-    from tests.test_load import _metric
+    from tests.utils import metric_sum
 
     stub = _stub(family["small"])
     for name in ("fam-a", "fam-b", "fam-c"):  # holds two: fam-a goes
@@ -237,9 +237,9 @@ def test_the_registry_forgets_the_least_recently_used_and_the_expired(family, fa
     with pytest.raises(grpc.RpcError) as e:
         _continue(stub, "fam-b")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
-    evictions = {s.labels["reason"]: s.value
-                 for s in _metric(family["small_metrics"], "kvhandoff_router_parent_evictions")
-                 if s.name.endswith("_total")}
+    evictions = {reason: metric_sum(family["small_metrics"],
+                                    "kvhandoff_router_parent_evictions_total", reason=reason)
+                 for reason in ("lru", "ttl")}
     assert evictions == {"lru": 1.0, "ttl": 2.0}
 
 
@@ -269,7 +269,7 @@ def test_held_parents_fill_ps_share_and_the_next_one_says_why(family, family_cle
     """The default router may hold a quarter of P's pool: parents beyond it are served
     without a hold (their continuations recompute, flagged); once the leases end, holds
     are granted again."""
-    from tests.test_load import _metric
+    from tests.utils import metric_sum
 
     stub = _stub(family["router"])
     parents = []
@@ -284,8 +284,7 @@ def test_held_parents_fill_ps_share_and_the_next_one_says_why(family, family_cle
         refused.not_held_reason, refused.not_held_reason
     held = [p for p in parents if p.held]
     assert held, "no parent was held"
-    blocks = sum(s.value for s in _metric(family["router_metrics"],
-                                          "kvhandoff_router_parent_blocks_held"))
+    blocks = metric_sum(family["router_metrics"], "kvhandoff_router_parent_blocks_held")
     assert blocks > 0
     resp = _continue(stub, refused.parent_id)
     assert resp.stats.recomputed and "share" in resp.stats.handoff_failure

@@ -18,6 +18,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.utils import metric_sum
 from tools.client import RouterClient, make_request
 from tools.launch import CapacityProbe, paused, percentile, rss_mib
 
@@ -204,9 +205,8 @@ def test_a_burst_twice_ds_pool_waits_for_room_and_is_served(cluster, assert_clus
 
 
 def _out_of_rotation(metrics_url: str, role: str) -> float:
-    return sum(s.value for s in _metric(metrics_url, "kvhandoff_router_engine_state_changes")
-               if s.name.endswith("_total") and s.labels["role"] == role
-               and s.labels["state"] == "out")
+    return metric_sum(metrics_url, "kvhandoff_router_engine_state_changes_total", role=role,
+                      state="out")
 
 
 def test_a_paused_d_is_slow_not_dead(cluster, model_dir, tmp_path, assert_cluster_clean):
