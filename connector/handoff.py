@@ -42,7 +42,8 @@ FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"
 
 #: ``kv_transfer_params`` key on P's stage-1 request: hold the export for its whole lease
 #: (a parent for continuations): P keeps the blocks after a READ, so several
-#: continuations (on one D or several) may read them, until the lease ends.
+#: continuations (on one D or several) may read them, until the lease ends. True: P's
+#: lease; a number of seconds: that long, at most P's lease.
 HOLD_KEY = "kvhandoff_hold"
 
 #: Reads are refused this long before the lease ends: the READ itself, the clock

@@ -277,6 +277,13 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             f"{num_parent_tokens}-token parent: the lease would cover the wrong KV"
         )
         now = time.time()
+        lease_s = float(self._kv_lease_duration)
+        hold = (request.kv_transfer_params or {}).get(HOLD_KEY)
+        if not isinstance(hold, bool) and isinstance(hold, int | float) and hold > 0:
+            # A parent held for a shorter time than P's lease (the router's
+            # --parent-hold-s): its blocks come back sooner.
+            lease_s = min(lease_s, float(hold))
+            self._reqs_need_send[request.request_id] = time.perf_counter() + lease_s
         # Stock NIXL stamps the deadline in this process's perf_counter; D's worker
         # rebases it with the clock offset measured at the handshake.
         params["remote_blocks_expiry_time"] = self._reqs_need_send[request.request_id]
@@ -292,7 +299,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             num_blocks=len(params["remote_block_ids"][0]),
             kv_bytes_per_block=self.kv_bytes_per_block,
             exported_at=now,
-            lease_expires_at=now + self._kv_lease_duration,
+            lease_expires_at=now + lease_s,
         )
         target = str((request.kv_transfer_params or {}).get(TARGET_KEY) or "")
         params[KEY] = {**handoff.to_dict(), "target_engine_id": target}
@@ -303,11 +310,11 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         if (request.kv_transfer_params or {}).get(HOLD_KEY):
             self._holds.append(request.request_id)
         logger.debug(
-            "Exported %s: %d parent tokens, %d blocks, lease %ds",
+            "Exported %s: %d parent tokens, %d blocks, lease %.1fs",
             request.request_id,
             num_parent_tokens,
             len(params["remote_block_ids"][0]),
-            self._kv_lease_duration,
+            lease_s,
         )
 
 

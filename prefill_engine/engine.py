@@ -55,7 +55,7 @@ class PrefillEngine(VllmEngine):
 
     def _sampling(self, prompt_token_ids: list[int], params: Stage1Params, export: bool,
                   target: str | None, fault: str | None = None,
-                  hold: bool = False) -> SamplingParams:
+                  hold: bool | float = False) -> SamplingParams:
         validate_prompt(
             prompt_token_ids,
             vocab_size=self.vocab_size,
@@ -68,7 +68,7 @@ class PrefillEngine(VllmEngine):
             return stage1_sampling(params)
         transfer = {"do_remote_decode": True, TARGET_KEY: target or ""}
         if hold:
-            transfer[HOLD_KEY] = True
+            transfer[HOLD_KEY] = True if hold is True else float(hold)
         if fault is not None:
             self.check_fault(fault)
             transfer[FAULT_KEY] = fault
@@ -83,13 +83,14 @@ class PrefillEngine(VllmEngine):
         export: bool,
         target: str | None = None,
         fault: str | None = None,
-        hold: bool = False,
+        hold: bool | float = False,
     ) -> AsyncIterator[tuple[list[int], Stage1Result | None]]:
         """Yield ``(new_token_ids, None)`` as tokens are sampled, then
         ``([], result)`` once stage 1 has finished. With ``export``, the handoff is
         addressed to (and, with a secret, signed for) the decode engine ``target``; with
-        ``hold`` too, P keeps the exported blocks for the whole lease however often they
-        are read (a parent for continuations), else until the first READ.
+        ``hold`` too, P keeps the exported blocks for the whole lease (or ``hold``
+        seconds, at most the lease) however often they are read (a parent for
+        continuations), else until the first READ.
         ``fault``: a P-side fault of ``connector.faults`` (negative controls only)."""
         sampling = self._sampling(prompt_token_ids, params, export, target, fault, hold)
         t0 = time.perf_counter()
@@ -125,7 +126,7 @@ class PrefillEngine(VllmEngine):
         export: bool,
         target: str | None = None,
         fault: str | None = None,
-        hold: bool = False,
+        hold: bool | float = False,
     ) -> Stage1Result:
         result = None
         async for _, final in self.stream_stage1(prompt_token_ids, params, request_id,

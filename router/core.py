@@ -86,6 +86,8 @@ class RouterConfig:
     parent_ttl_s: float = 300.0
     #: The share of P's pool held parents may keep (new stage 1s keep the rest).
     parent_pool_share: float = 0.25
+    #: How long P holds a parent's blocks (seconds, at most P's lease); 0: P's lease.
+    parent_hold_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -102,6 +104,8 @@ class RouterConfig:
             raise ValueError("capacity_poll_s must be positive and below capacity_max_age_s")
         if self.max_parents < 1 or self.parent_ttl_s <= 0:
             raise ValueError("max_parents must be >= 1 and parent_ttl_s positive")
+        if self.parent_hold_s < 0:
+            raise ValueError("parent_hold_s must be >= 0")
         if not 0 <= self.parent_pool_share <= 1:
             raise ValueError("parent_pool_share must be in [0, 1]")
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:
@@ -211,15 +215,16 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         yield out
 
     async def _stage1(self, p: Endpoint, d: Endpoint | None, plan: Plan, out: Outcome, *,
-                      export: bool, hold: bool = False
+                      export: bool, hold: bool = False, hold_s: float = 0.0
                       ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
         """Stage 1 on P: yields token batches, then P's handoff (with ``export``; with
-        ``hold`` P keeps the blocks for the whole lease: a parent)."""
+        ``hold`` P keeps the blocks for the whole lease, or ``hold_s``: a parent)."""
         p.outstanding += 1
         try:
             call = p.stub.Stage1(engine_pb2.Stage1Request(
                 request_id=f"{plan.request_id}-s1", prompt_token_ids=plan.prompt_ids,
                 sampling=convert.stage1_to_pb(plan.stage1), export=export, hold=hold,
+                hold_s=hold_s,
                 target_engine_id=_handoff_target(d)),
                 timeout=self._timeout(plan))
             waiting_since = time.perf_counter()

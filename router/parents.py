@@ -222,7 +222,7 @@ class ParentsMixin:
             out = Outcome(plan, p.address, d.address if hold else None)
             handoff = None
             async for item in self._stage1(p, d if hold else None, plan, out, export=hold,
-                                           hold=hold):
+                                           hold=hold, hold_s=self.config.parent_hold_s):
                 if isinstance(item, list):
                     yield item
                 else:

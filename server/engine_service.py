@@ -80,7 +80,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 async for new, result in self.engine.stream_stage1(
                     list(request.prompt_token_ids), params, request.request_id,
                     export=request.export, target=request.target_engine_id,
-                    hold=request.export and request.hold,
+                    hold=request.export and request.hold and (request.hold_s or True),
                 ):
                     if result is None:
                         yield engine_pb2.Stage1Event(new_token_ids=new)

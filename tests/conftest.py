@@ -103,12 +103,19 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the test's own fixtures are torn down (they may still use the group), close
-    each group the next test does not use."""
+    """Close each group the next test does not use: the ones on the session's event loop
+    before the test's fixtures are torn down (the loop goes with the last test), the
+    process family after them (its tests' teardown fixtures still check its pools)."""
+
+    def unused(name: str) -> bool:
+        return nextitem is None or name not in getattr(nextitem, "fixturenames", ())
+
+    for name in ("pair", "cluster"):
+        if unused(name):
+            _GROUPS[name].close()
     result = yield
-    for name, group in _GROUPS.items():
-        if nextitem is None or name not in getattr(nextitem, "fixturenames", ()):
-            group.close()
+    if unused("family"):
+        _GROUPS["family"].close()
     return result
 
 

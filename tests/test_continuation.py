@@ -50,6 +50,26 @@ def test_a_held_parent_serves_several_continuations_and_is_freed_at_lease_end(
     assert_pools_clean()
 
 
+def test_a_parent_held_for_a_shorter_time_than_the_lease_is_freed_then(pair, run,
+                                                                       assert_pools_clean):
+    """``hold`` in seconds (the router's --parent-hold-s): the handoff's lease says so,
+    a continuation within it imports, and P frees the blocks then, not at P's lease."""
+    req = make_request(pair, request_id="short-hold", prompt_len=150)
+    s1 = run(pair.p.run_stage1(req.prompt_token_ids, req.stage1, "short-hold-p",
+                               export=True, hold=5.0))
+    exported_at = time.time()
+    prompt = req.prompt_token_ids + s1.token_ids + req.suffix_token_ids
+    lease = s1.handoff_params["kvhandoff"]["lease_expires_at"] - exported_at
+    assert 4.0 < lease <= 5.0, lease
+    run(pair.d.empty_prefix_cache())
+    r = _import(pair, run, req, s1, prompt, "short-hold-c0")
+    assert r.num_imported_tokens > 0
+    snap = run(pair.p.wait_pool_clean(LEASE_S))
+    assert snap.is_clean, snap
+    assert time.time() - exported_at < LEASE_S - 2  # the hold's end, not P's lease
+    assert_pools_clean()
+
+
 def test_without_hold_p_frees_the_parent_after_the_first_read(pair, run, assert_pools_clean):
     """The control: the same flow without ``hold`` frees P's blocks once D has read them,
     long before the lease ends (so the hold is what keeps them)."""

@@ -69,6 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_parents=args.max_parents,
             parent_ttl_s=args.parent_ttl_s,
             parent_pool_share=args.parent_pool_share,
+            parent_hold_s=args.parent_hold_s,
             on_handoff_failure=args.on_handoff_failure,
             warm_up=not args.no_warm_up,
             channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
@@ -194,6 +195,9 @@ def _add_router_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--parent-pool-share", type=float, default=0.25,
                        help="router: the share of P's KV pool held parents may keep; a "
                             "parent beyond it is not held (its continuations recompute)")
+    serve.add_argument("--parent-hold-s", type=float, default=0.0,
+                       help="router: how long P holds a parent's blocks for continuations "
+                            "(seconds, at most P's --lease-s; 0 = P's lease)")
     serve.add_argument("--on-handoff-failure", choices=["recompute", "fail"],
                        default="recompute",
                        help="router: when D cannot complete a handoff (UNAVAILABLE, or "

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Stage1Request(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export", "target_engine_id", "hold")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export", "target_engine_id", "hold", "hold_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EXPORT_FIELD_NUMBER: _ClassVar[int]
     TARGET_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Stage1Sampling
     export: bool
     target_engine_id: str
     hold: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ...) -> None: ...
+    hold_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ...) -> None: ...
 
 class Stage1Event(_message.Message):
     __slots__ = ("new_token_ids", "finish_reason", "handoff")
