@@ -175,13 +175,11 @@ class HttpFront:
         req = router_pb2.GenerateRequest(
             request_id="", path=common_pb2.PATH_HANDOFF if self.router.decode
             else common_pb2.PATH_COLOCATED)
-        prompt = body.prompt
+        prompt = _prompt_of(body)
         if isinstance(prompt, str):
             req.prompt_text = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            req.prompt_token_ids.ids.extend(prompt)
         else:
-            raise _bad("prompt", "give one prompt, as text or as token ids")
+            req.prompt_token_ids.ids.extend(prompt)
         s = req.stage1
         if body.max_tokens is not None:
             s.max_tokens = body.max_tokens
@@ -312,15 +310,13 @@ class HttpFront:
 
         req = router_pb2.ContinueRequest()
         self._beam_of(body, req)
-        prompt = body.prompt
+        prompt = _prompt_of(body)
         if isinstance(prompt, str):
             if len(prompt) > 1 << 20:
                 raise _bad("prompt", "longer than 1 MiB")
             ids = self.router.tokens.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
         else:
-            raise _bad("prompt", "give one prompt, as text or as token ids")
+            ids = prompt
         deadline = None if not body.timeout_ms else time.monotonic() + body.timeout_ms / 1e3
         resp = await self.router.run_prompt_beams(ids, convert.beam_from_pb(req.beam), "",
                                                   deadline)
@@ -348,6 +344,15 @@ class HttpFront:
                                              decode_endpoint=s.decode_endpoint,
                                              stage2_first_step_ms=resp.timings.stage2_first_step_ms,
                                              stage2_ms=resp.timings.stage2_ms))
+
+
+def _prompt_of(body: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completions request, as text or token ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        return prompt
+    raise _bad("prompt", "give one prompt, as text or as token ids")
 
 
 def _sse(obj: dict[str, Any]) -> str:

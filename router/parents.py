@@ -41,7 +41,7 @@ from kvhandoff.types import (
     validate_token_ids,
 )
 from kvhandoff.v1 import common_pb2, router_pb2
-from router.plan import Outcome, Plan, grpc_error
+from router.plan import Outcome, Plan, grpc_error, suffix_ids_of
 from server import convert
 
 if TYPE_CHECKING:
@@ -311,9 +311,7 @@ class ParentsMixin:
             else:
                 logger.info("continuation of %s recomputed: %s", req.parent_id, why_not)
                 out.failed_decode, out.handoff_failure = "", f"parent not held: {why_not}"
-                d = await self._pick_decode(len(request.prompt_token_ids), plan, key)
-                out.decode = d.address
-                out.stage2 = await self._stage2(d, request, plan, out, key)
+                await self._stage2_anywhere(request, plan, out, key)
         finally:
             self._release(d, key)
         out.total_ms = (time.perf_counter() - t0) * 1e3
@@ -341,17 +339,19 @@ class ParentsMixin:
                     Stage1Params(max_tokens=1), beam, common_pb2.PATH_HANDOFF, deadline)
         t0 = time.perf_counter()
         out = Outcome(plan, "", None)
-        request = self._stage2_request(plan, out)
-        key = object()
-        d = None
+        await self._stage2_anywhere(self._stage2_request(plan, out), plan, out, object())
+        out.total_ms = (time.perf_counter() - t0) * 1e3
+        return to_response(out, self.tokens.tokenizer, received_at)
+
+    async def _stage2_anywhere(self, request, plan: Plan, out: Outcome, key: object) -> None:
+        """Stage 2 from token ids (nothing imported) on the D with the most room; its
+        claim under ``key`` ends with it."""
+        d = await self._pick_decode(len(request.prompt_token_ids), plan, key)
+        out.decode = d.address
         try:
-            d = await self._pick_decode(len(request.prompt_token_ids), plan, key)
-            out.decode = d.address
             out.stage2 = await self._stage2(d, request, plan, out, key)
         finally:
             self._release(d, key)
-        out.total_ms = (time.perf_counter() - t0) * 1e3
-        return to_response(out, self.tokens.tokenizer, received_at)
 
     def _why_not_importable(self, record: ParentRecord) -> str:
         if record.not_held_reason:
@@ -364,15 +364,7 @@ class ParentsMixin:
 
     def _continuation_plan(self, req: router_pb2.ContinueRequest, record: ParentRecord,
                            deadline: float | None) -> Plan:
-        which = req.WhichOneof("suffix")
-        if which == "suffix_text":
-            if len(req.suffix_text) > 1 << 20:
-                raise InvalidRequest("suffix_text", "longer than 1 MiB")
-            suffix = self.tokens.tokenizer.encode(req.suffix_text, add_special_tokens=False)
-        elif which == "suffix_token_ids":
-            suffix = list(req.suffix_token_ids.ids)
-        else:
-            suffix = list(self.tokens.default_suffix_ids)
+        suffix = suffix_ids_of(req, self.tokens)
         beam = convert.beam_from_pb(req.beam)
         cap = next((ep.capacity for ep in self.decode if ep.capacity), None)
         if cap is not None:

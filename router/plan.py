@@ -75,6 +75,18 @@ def _ids_of(tokens: ModelTokens, text: str, field_name: str) -> list[int]:
     return tokens.tokenizer.encode(text, add_special_tokens=False)
 
 
+def suffix_ids_of(req: router_pb2.GenerateRequest | router_pb2.ContinueRequest,
+                  tokens: ModelTokens) -> list[int]:
+    """The continuation suffix a request gives (text, tokenised here, or ids), else the
+    default ``</think>\n<|sid_begin|>``."""
+    which = req.WhichOneof("suffix")
+    if which == "suffix_text":
+        return _ids_of(tokens, req.suffix_text, "suffix_text")
+    if which == "suffix_token_ids":
+        return list(req.suffix_token_ids.ids)
+    return list(tokens.default_suffix_ids)
+
+
 def plan_request(req: router_pb2.GenerateRequest, deadline: float | None, *,
                  tokens: ModelTokens, prefill_capacity: engine_pb2.Capacity | None,
                  has_decode: bool, colocated_below_tokens: int,
@@ -87,13 +99,7 @@ def plan_request(req: router_pb2.GenerateRequest, deadline: float | None, *,
         prompt = list(req.prompt_token_ids.ids)
     else:
         raise InvalidRequest("prompt", "set prompt_text or prompt_token_ids")
-    which = req.WhichOneof("suffix")
-    if which == "suffix_text":
-        suffix = _ids_of(tokens, req.suffix_text, "suffix_text")
-    elif which == "suffix_token_ids":
-        suffix = list(req.suffix_token_ids.ids)
-    else:
-        suffix = list(tokens.default_suffix_ids)
+    suffix = suffix_ids_of(req, tokens)
     think_end = tokens.think_end_id
     stage1 = convert.stage1_from_pb(
         req.stage1, default_stop_ids=(think_end,) if think_end is not None else ())

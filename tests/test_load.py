@@ -11,14 +11,12 @@ import os
 import random
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.utils import metric_sum
+from tests.utils import metric_sum, scrape_metrics
 from tools.client import RouterClient, make_request
 from tools.launch import CapacityProbe, paused, percentile, rss_mib
 
@@ -50,22 +48,14 @@ def _refused_by_d(result) -> bool:
     return _is_capacity_rejection(result) and " free of " in result.details()
 
 
-def _metric(url: str, name: str) -> list:
-    """Samples of metric family ``name`` scraped from ``url``."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return [s for f in text_string_to_metric_families(text) if f.name == name
-            for s in f.samples]
-
-
 def _histogram_quantile(url: str, name: str, q: float) -> float:
     """The upper bound of the bucket holding quantile ``q`` of histogram ``name``
     (all label sets summed), from a scrape of ``url``."""
     buckets: dict[float, float] = {}
-    for s in _metric(url, name):
-        if s.name.endswith("_bucket"):
-            le = float(s.labels["le"])
-            buckets[le] = buckets.get(le, 0.0) + s.value
+    for (sample, labels), value in scrape_metrics(url).items():
+        if sample == f"{name}_bucket":
+            le = float(dict(labels)["le"])
+            buckets[le] = buckets.get(le, 0.0) + value
     if not buckets or not buckets[float("inf")]:
         return 0.0
     total = buckets[float("inf")]
