@@ -15,6 +15,12 @@ Who owns the blocks: a kept request's blocks stay allocated (vLLM's delay-free) 
 is released, which happens once its ``k`` children were scheduled, when a later request
 lists it under ``fork_release`` (it got no children), or after ``beam_fork_hold_s``. The
 worker reports a released request as "finished sending" and the scheduler frees it.
+
+A parent held on its own engine (the one-engine path of continuations) is a kept request
+with ``hold_s``: released only when that time ends, whatever its children. Its full
+blocks stay hashed in the prefix cache (held blocks are never evicted) and its children
+copy the partial last one, so a continuation computes ``len(suffix) + 1`` tokens however
+much else went through the cache meanwhile.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class KeptRequest:
     expires_at: float  # time.monotonic()
     num_children: int | None = None  # announced by its first child
     num_forked: int = 0
+    held: bool = False  # a parent held for continuations: released at expires_at only
 
 
 class BeamForkScheduler:
@@ -133,6 +140,8 @@ class BeamForkScheduler:
                 zip(source.block_ids[0][first:last], child_blocks[first:last])
             )
             self.stats.data[FORK_TOKENS_KEY].append(num_external_tokens)
+        if source.held:
+            return
         if source.num_children is None:
             source.num_children = max(int(beam.get("fork_children") or 1), 1)
         source.num_forked += 1
@@ -152,12 +161,18 @@ class BeamForkScheduler:
             and any(block_ids)
         ):
             return False
+        hold_s = float(beam.get("hold_s") or 0.0)
         self._kept[beam["id"]] = KeptRequest(
             request_id=request.request_id,
             token_ids=list(request.all_token_ids[: request.num_computed_tokens]),
             block_ids=tuple(list(group) for group in block_ids),
-            expires_at=time.monotonic() + self._fork_hold_s,
+            expires_at=time.monotonic() + (hold_s or self._fork_hold_s),
+            held=hold_s > 0,
         )
+        if hold_s > 0:
+            logger.debug("Holding parent %s here for %.1fs: %d tokens in %d blocks",
+                         beam["id"], hold_s, request.num_computed_tokens,
+                         len(block_ids[0]))
         return True
 
     def _attach_fork_meta(self, meta: Any) -> None:
@@ -165,6 +180,10 @@ class BeamForkScheduler:
         now = time.monotonic()
         for name, kept in self._kept.items():
             if now >= kept.expires_at and name not in self._fork_release:
+                if kept.held:
+                    logger.debug("Held parent %s released: its hold ended", name)
+                    self._fork_release.add(name)
+                    continue
                 logger.warning(
                     "Releasing beam request %s: %d of %s children forked from it within "
                     "%.1fs", name, kept.num_forked, kept.num_children, self._fork_hold_s

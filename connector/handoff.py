@@ -34,7 +34,10 @@ PROTOCOL_VERSION = 1
 #: The key under which our fields travel inside ``kv_transfer_params``.
 KEY = "kvhandoff"
 
-#: The key of the beam-fork parameters (``connector.nixl_continuation``).
+#: The key of the beam-fork parameters (``connector.beam_fork``). A request sent with
+#: ``{"id": name, "keep": True, "hold_s": s}`` under it is a parent held on its own engine
+#: (the one-engine path): its blocks stay ``s`` seconds, however many continuations copy
+#: from them (``{"fork_from": name}``).
 BEAM_KEY = "kvhandoff_beam"
 #: Connector stats key: prompt tokens beam steps copied from a kept beam (beam fork). vLLM
 #: counts them as external (KV-connector) tokens; they were copied on D, not transferred.

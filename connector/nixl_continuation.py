@@ -266,6 +266,10 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._fork_pending.pop(request.request_id, None)
         beam = beam_params(request)
         if beam and not delay_free and self._keep(request, beam, block_ids):
+            if beam.get("hold_s"):
+                # A parent held here: the client learns until when (Unix time).
+                params = {**(params or {}),
+                          KEY: {"held_until": time.time() + float(beam["hold_s"])}}
             return True, params
         return delay_free, params
 

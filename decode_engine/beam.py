@@ -83,7 +83,7 @@ class BeamSearchOutcome:
     recomputed_tokens: int = 0
 
 
-def _error_message(out: Any) -> str:
+def error_message(out: Any) -> str:
     params = out.kv_transfer_params or {}
     info = params.get("kvhandoff") or {}
     return info.get("error") or "the engine finished the request with an error"
@@ -114,7 +114,7 @@ def _check_outputs(outputs: list[Any]) -> None:
             reason = ((out.kv_transfer_params or {}).get("kvhandoff") or {}).get(
                 "reason", out.outputs[0].finish_reason
             )
-            raise StageError("stage2", reason, _error_message(out))
+            raise StageError("stage2", reason, error_message(out))
 
 
 def _extend(beams: list[_Sequence], outputs: list[Any], names: list[str], step: int,
@@ -150,9 +150,12 @@ async def beam_search(
     request_id: str,
     first_step_extra_args: dict[str, Any] | None = None,
     fork: bool = False,
+    held_parent: str | None = None,
 ) -> BeamSearchOutcome:
     """Run beam search; ``first_step_extra_args`` go on the single step-0 request;
-    ``fork`` shares each beam's partial last block with the next step (see above)."""
+    ``fork`` shares each beam's partial last block with the next step (see above);
+    ``held_parent`` (with ``fork``): a parent held on this engine that step 0 copies
+    what its prefix-cache hit lacks from (``connector.beam_fork``)."""
     from vllm import SamplingParams
 
     def sampling(extra_args: dict[str, Any] | None) -> SamplingParams:
@@ -162,7 +165,7 @@ async def beam_search(
     def score(seq: _Sequence) -> float:
         return beam_score(seq.tokens, seq.cum_logprob, eos_token_id, params.length_penalty)
 
-    beams = [_Sequence(tokens=list(prompt_token_ids))]
+    beams = [_Sequence(tokens=list(prompt_token_ids), source=held_parent if fork else None)]
     completed: list[_Sequence] = []
     t0 = time.perf_counter()
     first_output, first_step_s = None, 0.0

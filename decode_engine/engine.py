@@ -1,8 +1,10 @@
-"""DecodeEngine: stage 2 (beam search) on D, starting from an imported parent.
+"""DecodeEngine: stage 2 (beam search, or sampling) on D, starting from an imported parent.
 
 Step 0 is a single request over ``parent + suffix`` that carries the handoff: D's
 scheduler admits it (valid, fits), the connector READs the parent's KV from P, and D
-computes only ``len(suffix) + 1`` tokens. Later steps hit D's prefix cache.
+computes only ``len(suffix) + 1`` tokens. Later steps hit D's prefix cache. A sampled
+stage 2 (a continuation with its own sampling parameters) is one request that imports the
+same way and samples from there.
 """
 
 from __future__ import annotations
@@ -12,11 +14,20 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from connector.handoff import KEY, ImportRequest
-from decode_engine.beam import beam_search
+from connector.handoff import BEAM_KEY, KEY, ImportRequest
+from decode_engine.beam import beam_search, error_message
 from engine import VllmEngine
 from kvhandoff.budget import stage2_reservation
-from kvhandoff.types import BeamParams, Stage2Result, check_beam_width, validate_prompt
+from kvhandoff.types import (
+    Beam,
+    BeamParams,
+    Stage1Params,
+    Stage2Result,
+    StageError,
+    check_beam_width,
+    validate_prompt,
+    validate_token_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +38,11 @@ async def run_beam_stage(
     beam: BeamParams,
     request_id: str,
     first_step_extra_args: dict[str, Any] | None = None,
+    held_parent: str | None = None,
 ) -> Stage2Result:
-    """Stage 2 on ``engine``; shared by the handoff path (D) and the colocated path."""
+    """Stage 2 on ``engine``; shared by the handoff path (D) and the colocated path
+    (``held_parent``: the stage-1 request id of a parent held on ``engine``, whose blocks
+    the first step copies from)."""
     validate_prompt(
         prompt_token_ids,
         vocab_size=engine.vocab_size,
@@ -53,6 +67,7 @@ async def run_beam_stage(
             request_id=request_id,
             first_step_extra_args=first_step_extra_args,
             fork=engine.config.beam_fork,
+            held_parent=held_parent or None,
         )
     finally:
         engine.num_reserved_blocks -= reserved
@@ -73,6 +88,73 @@ async def run_beam_stage(
     )
 
 
+async def run_sample_stage(
+    engine: VllmEngine,
+    prompt_token_ids: list[int],
+    params: Stage1Params,
+    request_id: str,
+    first_step_extra_args: dict[str, Any] | None = None,
+    held_parent: str | None = None,
+) -> Stage2Result:
+    """A sampled stage 2 on ``engine``: one sequence of ``params`` over ``parent +
+    suffix``, returned as one beam (tokens, the sum of their logprobs, why it ended).
+    ``first_step_extra_args`` carry an import (D); ``held_parent`` names a parent held on
+    ``engine`` to copy from (the one-engine path). vLLM's own sampling: with a seed, the
+    tokens equal the same request's on any engine."""
+    from vllm import SamplingParams
+
+    validate_prompt(prompt_token_ids, vocab_size=engine.vocab_size,
+                    max_model_len=engine.max_model_len, num_new_tokens=params.max_tokens)
+    validate_token_ids(params.stop_token_ids, vocab_size=engine.vocab_size,
+                       field_name="sampling.stop_token_ids")
+    extra = dict(first_step_extra_args or {})
+    if held_parent and engine.config.beam_fork:
+        extra["kv_transfer_params"] = {
+            **(extra.get("kv_transfer_params") or {}),
+            BEAM_KEY: {"id": f"{request_id}-c", "fork_from": held_parent, "fork_children": 1}}
+    sampling = SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k, seed=params.seed, stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, logprobs=0,
+        detokenize=False, extra_args=extra or None)
+    reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, 1,
+                                  params.max_tokens, engine.config.beam_fork,
+                                  engine.num_total_blocks)
+    engine.num_reserved_blocks += reserved
+    t0 = time.perf_counter()
+    first_step_s, first, last = 0.0, None, None
+    token_ids: list[int] = []
+    try:
+        async for out in engine.stream(prompt_token_ids, sampling, request_id):
+            if first is None:
+                first, first_step_s = out, time.perf_counter() - t0
+            token_ids.extend(out.outputs[0].token_ids)
+            last = out
+    finally:
+        engine.num_reserved_blocks -= reserved
+    assert first is not None and last is not None and last.finished, \
+        f"{request_id}: no final output"
+    reason = last.outputs[0].finish_reason
+    if reason not in ("stop", "length"):
+        raise StageError("stage2", reason or "unknown", error_message(last))
+    imported = ((last.kv_transfer_params or {}).get(KEY) or {})
+    computed_first = len(prompt_token_ids) - (first.num_cached_tokens or 0)
+    return Stage2Result(
+        beams=[Beam(token_ids=token_ids,
+                    cum_logprob=float(last.outputs[0].cumulative_logprob or 0.0),
+                    finish_reason=reason)],
+        num_prompt_tokens=len(prompt_token_ids),
+        num_imported_tokens=int(imported.get("num_imported_tokens", 0)),
+        num_imported_bytes=int(imported.get("num_imported_bytes", 0)),
+        num_imported_blocks=int(imported.get("num_imported_blocks", 0)),
+        num_computed_tokens_first_step=computed_first,
+        num_computed_tokens_total=computed_first + max(len(token_ids) - 1, 0),
+        first_step_s=first_step_s,
+        elapsed_s=time.perf_counter() - t0,
+        step_computed_tokens=[computed_first],
+    )
+
+
 class DecodeEngine(VllmEngine):
     """The decode/beam engine (D)."""
 
@@ -83,20 +165,27 @@ class DecodeEngine(VllmEngine):
         request_id: str,
         *,
         handoff: ImportRequest,
+        sampling: Stage1Params | None = None,
     ) -> Stage2Result:
-        """Stage 2 importing P's export (``handoff``, built for ``beam``). Even a handoff
-        that looks wrong goes to D's scheduler: it is the one authority, and refusing
-        there also tells P to release the parent's blocks."""
+        """Stage 2 importing P's export (``handoff``, built for ``beam``; with
+        ``sampling``, a sampled stage 2 whose ``beam`` is its shape: width 1, its
+        max_tokens). Even a handoff that looks wrong goes to D's scheduler: it is the one
+        authority, and refusing there also tells P to release the parent's blocks."""
         assert (handoff.beam_width, handoff.beam_max_tokens) == (beam.beam_width, beam.max_tokens), \
             f"{request_id}: the import request was built for other beams"
         if handoff.fault is not None:
             self.check_fault(handoff.fault)
         # The stage 2s already running here: admission leaves their peaks free.
         params = replace(handoff, reserved_blocks=self.num_reserved_blocks).to_params()
-        result = await run_beam_stage(
-            self, prompt_token_ids, beam, request_id,
-            first_step_extra_args={"kv_transfer_params": params},
-        )
+        if sampling is not None:
+            result = await run_sample_stage(
+                self, prompt_token_ids, sampling, request_id,
+                first_step_extra_args={"kv_transfer_params": params})
+        else:
+            result = await run_beam_stage(
+                self, prompt_token_ids, beam, request_id,
+                first_step_extra_args={"kv_transfer_params": params},
+            )
         expected = int(params.get(KEY, {}).get("num_computed_tokens", 0))
         if result.num_prompt_tokens - result.num_computed_tokens_first_step < expected:
             # The import did not cover the parent (e.g. a load failure recomputed it).

@@ -155,6 +155,8 @@ class Stage1Result:
     #: P's returned kv_transfer_params (None unless exported).
     handoff_params: dict | None
     elapsed_s: float
+    #: Held on this engine (``hold`` without export) until then, Unix time; 0: not held.
+    held_until: float = 0.0
 
 
 @dataclass(slots=True)

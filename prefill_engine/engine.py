@@ -4,6 +4,10 @@ With ``export=True`` the request carries ``{"do_remote_decode": True}``: when it
 stop token, EOS or length, P keeps its KV blocks under a lease and returns the handoff in
 ``Stage1Result.handoff_params`` for a decode engine to import, addressed to ``target``
 (signed for it when a handoff secret is configured).
+
+With ``hold`` and no export, P keeps the blocks here for continuations that run on this
+engine (the one-engine path): a kept request of ``connector.beam_fork`` named by the
+stage-1 request id, released when the hold ends (``Stage1Result.held_until``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULT_KEY
-from connector.handoff import HOLD_KEY
+from connector.handoff import BEAM_KEY, HOLD_KEY, KEY
 from connector.signing import TARGET_KEY
 from engine import VllmEngine
 from kvhandoff.types import (
@@ -55,7 +59,7 @@ class PrefillEngine(VllmEngine):
 
     def _sampling(self, prompt_token_ids: list[int], params: Stage1Params, export: bool,
                   target: str | None, fault: str | None = None,
-                  hold: bool | float = False) -> SamplingParams:
+                  hold: bool | float = False, request_id: str = "") -> SamplingParams:
         validate_prompt(
             prompt_token_ids,
             vocab_size=self.vocab_size,
@@ -64,6 +68,15 @@ class PrefillEngine(VllmEngine):
         )
         validate_token_ids(params.stop_token_ids, vocab_size=self.vocab_size,
                            field_name="stage1.stop_token_ids")
+        if not export and hold:
+            lease = float(self.config.lease_s)
+            hold_s = lease if hold is True else min(float(hold), lease)
+            if not self.config.beam_fork:
+                logger.info("%s not held here: this engine runs without beam fork",
+                            request_id)
+                return stage1_sampling(params)
+            return stage1_sampling(params, {BEAM_KEY: {"id": request_id, "keep": True,
+                                                       "hold_s": hold_s}})
         if not export:
             return stage1_sampling(params)
         transfer = {"do_remote_decode": True, TARGET_KEY: target or ""}
@@ -90,9 +103,12 @@ class PrefillEngine(VllmEngine):
         addressed to (and, with a secret, signed for) the decode engine ``target``; with
         ``hold`` too, P keeps the exported blocks for the whole lease (or ``hold``
         seconds, at most the lease) however often they are read (a parent for
-        continuations), else until the first READ.
+        continuations), else until the first READ. ``hold`` without ``export``: the
+        parent is held here for continuations on this engine (``Stage2`` with
+        ``held_parent=request_id``).
         ``fault``: a P-side fault of ``connector.faults`` (negative controls only)."""
-        sampling = self._sampling(prompt_token_ids, params, export, target, fault, hold)
+        sampling = self._sampling(prompt_token_ids, params, export, target, fault, hold,
+                                  request_id)
         t0 = time.perf_counter()
         token_ids: list[int] = []
         last = None
@@ -110,11 +126,16 @@ class PrefillEngine(VllmEngine):
         handoff_params = last.kv_transfer_params if export else None
         if export and not handoff_params:
             raise StageError("stage1", "export", "P finished stage 1 but exported no handoff")
+        held_until = 0.0
+        if hold and not export:
+            held_until = float(((last.kv_transfer_params or {}).get(KEY) or {})
+                               .get("held_until", 0.0))
         yield [], Stage1Result(
             token_ids=token_ids,
             finish_reason=reason,
             handoff_params=handoff_params,
             elapsed_s=time.perf_counter() - t0,
+            held_until=held_until,
         )
 
     async def run_stage1(

@@ -218,7 +218,8 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                       export: bool, hold: bool = False, hold_s: float = 0.0
                       ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
         """Stage 1 on P: yields token batches, then P's handoff (with ``export``; with
-        ``hold`` P keeps the blocks for the whole lease, or ``hold_s``: a parent)."""
+        ``hold`` P keeps the blocks for the whole lease, or ``hold_s``: a parent). ``hold``
+        without ``export``: P holds the parent for continuations on P (``out.held_until``)."""
         p.outstanding += 1
         try:
             call = p.stub.Stage1(engine_pb2.Stage1Request(
@@ -235,6 +236,7 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                     yield list(event.new_token_ids)
                 if event.finish_reason:
                     out.stage1_finish_reason = event.finish_reason
+                    out.held_until = event.held_until
                     if event.HasField("handoff"):
                         yield event.handoff
                 waiting_since = time.perf_counter()
@@ -243,13 +245,17 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
             p.outstanding -= 1
 
     def _stage2_request(self, plan: Plan, out: Outcome) -> engine_pb2.Stage2Request:
-        """Stage 2's request: parent + suffix, from token ids (never re-tokenised)."""
+        """Stage 2's request: parent + suffix, from token ids (never re-tokenised); beam
+        search, or sampling when the plan says so (a continuation)."""
         parent = plan.prompt_ids + out.thinking_ids
         stage2_prompt = continuation_prompt(parent, plan.suffix_ids, self.tokens.think_end_id)
         out.suffix_ids = stage2_prompt[len(parent):]
-        return engine_pb2.Stage2Request(
+        request = engine_pb2.Stage2Request(
             request_id=f"{plan.request_id}-s2", prompt_token_ids=stage2_prompt,
             beam=convert.beam_to_pb(plan.beam))
+        if plan.stage2_sampling is not None:
+            request.sampling.CopyFrom(convert.stage1_to_pb(plan.stage2_sampling))
+        return request
 
     async def _stage2_or_recompute(self, d: Endpoint, request: engine_pb2.Stage2Request,
                                    plan: Plan, out: Outcome, key: object,

@@ -7,9 +7,10 @@ process and event loop, over the same :class:`~router.core.Router`.
 - without ``continuation_of``: stage 1 on P as a parent (``Router.run_parent``). The
   response's ``id`` is the parent id; ``stream`` sends its tokens as server-sent events.
 - with ``continuation_of: <id>`` (and ``continuation_suffix``, text or token ids; in the
-  ``openai`` client, through ``extra_body``) and ``use_beam_search``: stage 2 as a
-  continuation of that parent (``Router.run_continuation``), ``n`` beams of ``max_tokens``
-  tokens, one choice per beam, best first, with its token ids and cumulative logprob.
+  ``openai`` client, through ``extra_body``): stage 2 as a continuation of that parent
+  (``Router.run_continuation``). With ``use_beam_search``: ``n`` beams of ``max_tokens``
+  tokens, one choice per beam, best first, with its token ids and cumulative logprob;
+  without: one sequence sampled with the request's sampling fields (``n`` = 1).
 
 ``usage`` has prompt and completion tokens and, for a continuation, how many prompt tokens
 were imported from P rather than computed (``prompt_tokens_details``). Errors use
@@ -180,7 +181,18 @@ class HttpFront:
             req.prompt_text = prompt
         else:
             req.prompt_token_ids.ids.extend(prompt)
-        s = req.stage1
+        stop_ids = self._sampling_of(body, req.stage1)
+        if stop_ids:
+            think_end = self.router.tokens.think_end_id
+            req.stage1.stop_token_ids.extend(
+                ([think_end] if think_end is not None else []) + stop_ids)
+        if body.timeout_ms:
+            req.timeout_ms = body.timeout_ms
+        return self.router.plan(req, None)
+
+    def _sampling_of(self, body: CompletionRequest, s: Any) -> list[int]:
+        """Fill the Stage1Sampling ``s`` from ``body``; returns its stop token ids
+        (``stop_token_ids`` and single-token ``stop`` strings), for the caller to add."""
         if body.max_tokens is not None:
             s.max_tokens = body.max_tokens
         if body.temperature is not None:
@@ -201,12 +213,7 @@ class HttpFront:
                 raise _bad("stop", f"stop strings must be single tokens here; {text!r} is "
                                    f"{len(ids)} (use stop_token_ids)")
             stop_ids += ids
-        if stop_ids:
-            think_end = self.router.tokens.think_end_id
-            s.stop_token_ids.extend(([think_end] if think_end is not None else []) + stop_ids)
-        if body.timeout_ms:
-            req.timeout_ms = body.timeout_ms
-        return self.router.plan(req, None)
+        return stop_ids
 
     async def _parent(self, body: CompletionRequest) -> JSONResponse:
         plan = self._parent_plan(body)
@@ -286,9 +293,6 @@ class HttpFront:
             req.beam.length_penalty = body.length_penalty
 
     async def _continuation(self, body: CompletionRequest) -> JSONResponse:
-        if not body.use_beam_search:
-            raise _bad("use_beam_search", "a continuation runs beam search: set "
-                                          "use_beam_search with n beams")
         req = router_pb2.ContinueRequest(parent_id=body.continuation_of,
                                          strict=body.continuation_strict,
                                          model=body.model or "")
@@ -297,7 +301,16 @@ class HttpFront:
             req.suffix_text = suffix
         elif suffix is not None:
             req.suffix_token_ids.ids.extend(suffix)
-        self._beam_of(body, req)
+        if body.use_beam_search:
+            self._beam_of(body, req)
+        else:
+            # A sampled continuation: one sequence, answered once.
+            if body.n != 1:
+                raise _bad("n", "a sampled continuation returns one sequence; n beams "
+                                "need use_beam_search")
+            if body.stream:
+                raise _bad("stream", "a continuation answers once, not as a stream")
+            req.sampling.stop_token_ids.extend(self._sampling_of(body, req.sampling))
         if body.timeout_ms:
             req.timeout_ms = body.timeout_ms
         resp = await self.router.run_continuation(req, None)
@@ -328,7 +341,7 @@ class HttpFront:
         prompt_tokens = s.num_parent_tokens + len(resp.suffix_token_ids)
         choices = [{"index": i, "text": b.text, "token_ids": list(b.token_ids),
                     "cumulative_logprob": b.cum_logprob, "logprobs": None,
-                    "finish_reason": "length", "stop_reason": None}
+                    "finish_reason": b.finish_reason or "length", "stop_reason": None}
                    for i, b in enumerate(resp.beams)]
         completion_tokens = sum(len(b.token_ids) for b in resp.beams)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

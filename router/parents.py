@@ -12,7 +12,11 @@ parents never starve new stage 1s. A parent that would exceed the share runs wit
 
 A continuation builds stage 2's prompt from the parent's token ids (never re-tokenised) and
 runs it on the D the handoff is addressed to, which imports the parent's blocks (only those
-it does not already hold in its prefix cache). Parent gone from P (lease over, not held, its
+it does not already hold in its prefix cache). On one engine (``PATH_COLOCATED``, or a
+router without decode engines) P holds the parent itself and the continuation runs on
+that P, copying from the held blocks what its prefix cache lacks: ``len(suffix) + 1``
+tokens computed, however much else went through P's cache meanwhile. A continuation runs
+beam search, or samples one sequence with its own parameters. Parent gone from P (lease over, not held, its
 D out of rotation, D's READ failed): recomputed from the token ids, flagged with the reason,
 unless the client asked for ``strict``. Unknown id: NOT_FOUND. Still running: the
 continuation waits for it, within its deadline. Another model: FAILED_PRECONDITION.
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvhandoff.types import (
+    BeamParams,
     InvalidRequest,
     Stage1Params,
     continuation_prompt,
@@ -64,8 +69,14 @@ class ParentRecord:
     model: str
     prompt_ids: list[int]
     prefill: str = ""
-    #: The D its handoff is addressed to (signed for), when held.
+    #: The D its handoff is addressed to (signed for), when held for a D.
     decode: Endpoint | None = None
+    #: The P that ran stage 1 (and holds the parent itself, when ``local``).
+    prefill_ep: Endpoint | None = None
+    #: Held on P for continuations on P (the one-engine path), not exported.
+    local: bool = False
+    #: When P's hold on the blocks ends (Unix time); 0 until known.
+    held_until: float = 0.0
     thinking_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     handoff: common_pb2.Handoff | None = None
@@ -81,8 +92,8 @@ class ParentRecord:
 
     @property
     def held(self) -> bool:
-        return (self.handoff is not None and not self.not_held_reason
-                and time.time() < self.handoff.lease_expires_at - LEASE_MARGIN_S)
+        return (not self.not_held_reason and self.held_until > 0
+                and time.time() < self.held_until - LEASE_MARGIN_S)
 
 
 class ParentRegistry:
@@ -162,14 +173,13 @@ class ParentRegistry:
 
 
 def parent_to_pb(record: ParentRecord, tokenizer) -> router_pb2.Parent:
-    h = record.handoff
     return router_pb2.Parent(
         parent_id=record.parent_id, prompt_token_ids=record.prompt_ids,
         thinking_token_ids=record.thinking_ids,
         thinking_text=tokenizer.decode(record.thinking_ids, skip_special_tokens=False),
         finish_reason=record.finish_reason, held=record.held,
         not_held_reason=record.not_held_reason, prefill_endpoint=record.prefill,
-        lease_expires_at=h.lease_expires_at if h is not None and record.held else 0.0,
+        lease_expires_at=record.held_until if record.held else 0.0,
         stage1_ms=record.stage1_ms, model=record.model)
 
 
@@ -196,11 +206,14 @@ class ParentsMixin:
     async def run_parent(self, plan: Plan) -> AsyncIterator[list[int] | ParentRecord]:
         """Stage 1 of ``plan`` as a parent: yields token batches as P samples them, then
         the finished :class:`ParentRecord` (registered before stage 1 starts, so a
-        continuation can wait for it)."""
+        continuation can wait for it). ``plan.path`` COLOCATED: P holds it for
+        continuations on P; else P exports it to a D and holds the export."""
         t0 = time.perf_counter()
         p = await self._pick_prefill(plan)
+        local = plan.path == common_pb2.PATH_COLOCATED
         record = ParentRecord(plan.request_id, Path(self.config.model).name,
-                              list(plan.prompt_ids), prefill=p.address)
+                              list(plan.prompt_ids), prefill=p.address, prefill_ep=p,
+                              local=local)
         self.parents.add(record)
         try:
             cap = p.capacity
@@ -209,20 +222,22 @@ class ParentsMixin:
                     (len(plan.prompt_ids) + plan.stage1.max_tokens) / cap.block_size)
                 record.not_held_reason = self.parents.may_hold(record.num_blocks,
                                                                cap.num_total_blocks)
-            d = self._parent_target()
-            if d is None and not record.not_held_reason:
+            d = None if local else self._parent_target()
+            if not local and d is None and not record.not_held_reason:
                 record.not_held_reason = "no decode engine in rotation to address it to"
             hold = not record.not_held_reason
             if not hold:
                 logger.info("parent %s not held: %s", record.parent_id, record.not_held_reason)
             if hold:
                 record.decode = d
-                # Counted now (estimate), corrected when the handoff says how many.
+                # Counted now (estimate), corrected when stage 1 says how many.
                 self.parents.hold(record, time.time() + 3600.0)
-            out = Outcome(plan, p.address, d.address if hold else None)
+            export = hold and not local
+            out = Outcome(plan, p.address, d.address if export else None)
             handoff = None
-            async for item in self._stage1(p, d if hold else None, plan, out, export=hold,
-                                           hold=hold, hold_s=self.config.parent_hold_s):
+            async for item in self._stage1(p, d if export else None, plan, out,
+                                           export=export, hold=hold,
+                                           hold_s=self.config.parent_hold_s):
                 if isinstance(item, list):
                     yield item
                 else:
@@ -232,12 +247,21 @@ class ParentsMixin:
             record.stage1_ms = (time.perf_counter() - t0) * 1e3
             if hold:
                 self.parents.unhold(record)
-                if handoff is None:
+                if export and handoff is None:
                     record.not_held_reason = "P exported no handoff"
-                else:
+                elif local and not out.held_until:
+                    record.not_held_reason = "P did not hold it (its beam fork is off)"
+                elif export:
                     record.handoff = handoff
                     record.num_blocks = handoff.num_blocks
-                    self.parents.hold(record, handoff.lease_expires_at)
+                    record.held_until = handoff.lease_expires_at
+                else:
+                    record.num_blocks = math.ceil(
+                        (len(record.prompt_ids) + len(record.thinking_ids) - 1)
+                        / cap.block_size) if cap is not None else record.num_blocks
+                    record.held_until = out.held_until
+                if record.held_until:
+                    self.parents.hold(record, record.held_until)
         except BaseException as e:
             record.error = str(e) or type(e).__name__
             # P's blocks (if it exported before failing) come back at its lease end.
@@ -297,7 +321,12 @@ class ParentsMixin:
         d = None
         why_not = self._why_not_importable(record)
         try:
-            if not why_not:
+            if not why_not and record.local:
+                # P holds it: stage 2 on that P copies from the held blocks.
+                request.held_parent = f"{record.parent_id}-s1"
+                out.decode = record.prefill
+                out.stage2 = await self._stage2(record.prefill_ep, request, plan, out, key)
+            elif not why_not:
                 d = await self._pick_decode(len(request.prompt_token_ids), plan, key,
                                             only=[record.decode])
                 request.handoff.CopyFrom(record.handoff)
@@ -344,8 +373,13 @@ class ParentsMixin:
         return to_response(out, self.tokens.tokenizer, received_at)
 
     async def _stage2_anywhere(self, request, plan: Plan, out: Outcome, key: object) -> None:
-        """Stage 2 from token ids (nothing imported) on the D with the most room; its
-        claim under ``key`` ends with it."""
+        """Stage 2 from token ids (nothing imported) on the D with the most room (on a
+        P, for a router without decode engines); its claim under ``key`` ends with it."""
+        if not self.decode:
+            p = await self._pick_prefill(plan)
+            out.decode = p.address
+            out.stage2 = await self._stage2(p, request, plan, out, key)
+            return
         d = await self._pick_decode(len(request.prompt_token_ids), plan, key)
         out.decode = d.address
         try:
@@ -358,6 +392,10 @@ class ParentsMixin:
             return record.not_held_reason
         if not record.held:
             return "P's lease on its blocks has ended"
+        if record.local:
+            if record.prefill_ep is None or not record.prefill_ep.in_rotation:
+                return "the prefill engine holding it is out of rotation"
+            return ""
         if record.decode is None or not record.decode.in_rotation:
             return "the decode engine it is addressed to is out of rotation"
         return ""
@@ -366,7 +404,15 @@ class ParentsMixin:
                            deadline: float | None) -> Plan:
         suffix = suffix_ids_of(req, self.tokens)
         beam = convert.beam_from_pb(req.beam)
-        cap = next((ep.capacity for ep in self.decode if ep.capacity), None)
+        cap = next((ep.capacity for ep in (*self.decode, *self.prefill) if ep.capacity), None)
+        sampling = None
+        if req.HasField("sampling"):
+            sampling = convert.stage1_from_pb(req.sampling)
+            # What D's blocks are claimed for: one sequence of that many tokens.
+            beam = BeamParams(beam_width=1, max_tokens=sampling.max_tokens)
+            if cap is not None:
+                validate_token_ids(list(sampling.stop_token_ids), vocab_size=cap.vocab_size,
+                                   field_name="sampling.stop_token_ids")
         if cap is not None:
             validate_token_ids(suffix, vocab_size=cap.vocab_size, field_name="suffix")
             validate_prompt(continuation_prompt(record.prompt_ids + record.thinking_ids, suffix,
@@ -377,5 +423,6 @@ class ParentsMixin:
         if len(request_id) > 128:
             raise InvalidRequest("request_id", "longer than 128 characters")
         return Plan(request_id, list(record.prompt_ids), suffix, Stage1Params(max_tokens=1),
-                    beam, common_pb2.PATH_HANDOFF, deadline)
+                    beam, common_pb2.PATH_COLOCATED if record.local else common_pb2.PATH_HANDOFF,
+                    deadline, stage2_sampling=sampling)
 

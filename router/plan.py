@@ -48,6 +48,9 @@ class Plan:
     deadline: float | None  # time.monotonic() by which the request must be done
     #: (P, D) to use instead of choosing (the router's warm-up).
     pinned: tuple[Endpoint, Endpoint] | None = None
+    #: A continuation that samples instead of beam search (``beam`` is then its shape:
+    #: width 1, the sampled tokens, which is what D's blocks are claimed for).
+    stage2_sampling: Stage1Params | None = None
 
 
 @dataclass
@@ -67,6 +70,8 @@ class Outcome:
     failed_decode: str | None = None
     #: Why that handoff failed (the D's status message).
     handoff_failure: str = ""
+    #: P holds the parent itself until then (Unix time; Stage1Request hold, no export).
+    held_until: float = 0.0
 
 
 def _ids_of(tokens: ModelTokens, text: str, field_name: str) -> list[int]:

@@ -47,7 +47,8 @@ async def parent_events(router: Router, request: router_pb2.ParentRequest,
     router.check_model(request.model)
     as_generate = router_pb2.GenerateRequest(
         request_id=request.request_id, stage1=request.stage1, timeout_ms=request.timeout_ms,
-        path=common_pb2.PATH_HANDOFF if router.decode else common_pb2.PATH_COLOCATED)
+        path=(common_pb2.PATH_HANDOFF if router.decode and request.path != common_pb2.PATH_COLOCATED
+              else common_pb2.PATH_COLOCATED))
     if request.WhichOneof("prompt") == "prompt_text":
         as_generate.prompt_text = request.prompt_text
     elif request.WhichOneof("prompt") == "prompt_token_ids":

@@ -15,12 +15,12 @@ from typing import Any
 import grpc
 
 from connector.handoff import ImportRequest
-from decode_engine.engine import DecodeEngine, run_beam_stage
+from decode_engine.engine import DecodeEngine, run_beam_stage, run_sample_stage
 from engine import EngineConfig, VllmEngine
 from kvhandoff.errors import status_for
 from kvhandoff.model import ModelTokens, model_fingerprint
 from kvhandoff.tls import ServerTLS
-from kvhandoff.types import InvalidRequest
+from kvhandoff.types import BeamParams, InvalidRequest
 from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
 from prefill_engine.engine import PrefillEngine
 from server import convert as engine_pb
@@ -80,12 +80,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 async for new, result in self.engine.stream_stage1(
                     list(request.prompt_token_ids), params, request.request_id,
                     export=request.export, target=request.target_engine_id,
-                    hold=request.export and request.hold and (request.hold_s or True),
+                    hold=request.hold and (request.hold_s or True),
                 ):
                     if result is None:
                         yield engine_pb2.Stage1Event(new_token_ids=new)
                         continue
-                    event = engine_pb2.Stage1Event(finish_reason=result.finish_reason)
+                    event = engine_pb2.Stage1Event(finish_reason=result.finish_reason,
+                                                   held_until=result.held_until)
                     if result.handoff_params:
                         event.handoff.CopyFrom(engine_pb.handoff_to_pb(result.handoff_params))
                         self.counts.exports += 1
@@ -96,6 +97,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Stage2(self, request: engine_pb2.Stage2Request, context):
         try:
             beam = engine_pb.beam_from_pb(request.beam)
+            sampling = None
+            if request.HasField("sampling"):
+                # A sampled stage 2: empty stop_token_ids means EOS only.
+                sampling = engine_pb.stage1_from_pb(request.sampling)
+                beam = BeamParams(beam_width=1, max_tokens=sampling.max_tokens)
             prompt = list(request.prompt_token_ids)
             with self._track(request.request_id):
                 if request.HasField("handoff"):
@@ -107,13 +113,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     try:
                         result = await self.engine.run_stage2(
                             prompt, beam, request.request_id, handoff=ImportRequest.for_beams(
-                                engine_pb.handoff_from_pb(request.handoff), beam))
+                                engine_pb.handoff_from_pb(request.handoff), beam),
+                            sampling=sampling)
                     except Exception:
                         self.counts.import_failures += 1
                         raise
                     self.counts.imports += 1
+                elif sampling is not None:
+                    result = await run_sample_stage(self.engine, prompt, sampling,
+                                                    request.request_id,
+                                                    held_parent=request.held_parent)
                 else:
-                    result = await run_beam_stage(self.engine, prompt, beam, request.request_id)
+                    result = await run_beam_stage(self.engine, prompt, beam, request.request_id,
+                                                  held_parent=request.held_parent)
             return engine_pb2.Stage2Response(
                 beams=engine_pb.beams_to_pb(result.beams),
                 num_imported_tokens=result.num_imported_tokens,

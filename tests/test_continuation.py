@@ -84,6 +84,95 @@ def test_without_hold_p_frees_the_parent_after_the_first_read(pair, run, assert_
     assert_pools_clean()
 
 
+def _flush_cache(engine, run) -> None:
+    """Push every free block of ``engine``'s pool out of its prefix cache: distinct
+    prompts (one token sampled each) whose blocks add up to more than the pool. vLLM's
+    own reset refuses while any block is held, so pressure is the flush a held parent
+    meets in service."""
+    import random
+
+    from kvhandoff.types import Stage1Params
+
+    rng = random.Random(f"flush/{time.monotonic()}")
+    length = min(engine.max_model_len - 1, 32 * engine.block_size)
+    rounds = -(-engine.num_total_blocks * engine.block_size // length) + 2
+    for i in range(rounds):
+        prompt = [rng.randrange(6, engine.vocab_size) for _ in range(length)]
+        run(engine.run_stage1(prompt, Stage1Params(max_tokens=1, seed=0), f"flush-{i}",
+                              export=False))
+
+
+def test_a_parent_held_on_its_own_engine_computes_only_the_suffix_after_a_flush(
+        pair, run, assert_pools_clean):
+    """The one-engine path: ``hold`` without export keeps the parent on P (not left to
+    the prefix cache), so its continuation on P computes ``len(suffix) + 1`` tokens even
+    after the cache was flushed. The control: the same parent not held, the same flush,
+    recomputed whole, and both give the same beams."""
+    req = make_request(pair, request_id="local", prompt_len=150)
+    s1 = run(pair.p.run_stage1(req.prompt_token_ids, req.stage1, "local-unheld",
+                               export=False))
+    assert s1.held_until == 0.0
+    prompt = req.prompt_token_ids + s1.token_ids + req.suffix_token_ids
+    _flush_cache(pair.p, run)
+    control = run(run_beam_stage(pair.p, prompt, req.beam, "local-unheld-c",
+                                 held_parent="local-unheld"))
+    assert control.num_computed_tokens_first_step == len(prompt), "the flush left a cache hit"
+
+    held = run(pair.p.run_stage1(req.prompt_token_ids, req.stage1, "local-held",
+                                 export=False, hold=6.0))
+    assert held.token_ids == s1.token_ids
+    assert 5.0 < held.held_until - time.time() <= 6.0
+    _flush_cache(pair.p, run)
+    results = [run(run_beam_stage(pair.p, prompt, req.beam, f"local-held-c{i}",
+                                  held_parent="local-held")) for i in range(2)]
+    for r in results:
+        assert r.num_computed_tokens_first_step == len(req.suffix_token_ids) + 1
+        assert [b.token_ids for b in r.beams] == [b.token_ids for b in control.beams]
+    assert pair.p.pool().num_used_blocks > 0, "P freed the held parent before its hold"
+    # The hold ends: P frees the blocks on its own.
+    snap = run(pair.p.wait_pool_clean(10.0))
+    assert snap.is_clean, snap
+    assert_pools_clean()
+
+
+def test_a_sampled_continuation_equals_vllms_own_sampling_of_the_whole_prompt(
+        pair, run, assert_pools_clean):
+    """A continuation that samples (its own seed and parameters), imported on D and
+    from a parent held on P, equals vLLM's plain ``generate`` of parent + suffix with the
+    same SamplingParams on P (no kvhandoff parameters). Control: another seed differs."""
+    from vllm import SamplingParams
+
+    from decode_engine.engine import run_sample_stage
+    from kvhandoff.types import BeamParams, Stage1Params
+
+    sampling = Stage1Params(max_tokens=12, temperature=1.0, top_k=50, seed=11,
+                            stop_token_ids=(), ignore_eos=True)
+    req, s1, prompt = _parent(pair, run, "sampled", hold=True)
+    shape = BeamParams(beam_width=1, max_tokens=sampling.max_tokens)
+    run(pair.d.empty_prefix_cache())
+    on_d = run(pair.d.run_stage2(prompt, shape, "sampled-d",
+                                 handoff=ImportRequest.for_beams(s1.handoff_params, shape),
+                                 sampling=sampling))
+    assert on_d.num_imported_tokens == len(prompt) - len(req.suffix_token_ids) - 1
+    assert on_d.num_computed_tokens_first_step == len(req.suffix_token_ids) + 1
+    local = run(pair.p.run_stage1(req.prompt_token_ids, req.stage1, "sampled-local",
+                                  export=False, hold=6.0))
+    on_p = run(run_sample_stage(pair.p, prompt, sampling, "sampled-p",
+                                held_parent="sampled-local"))
+    theirs = run(pair.p.generate(prompt, SamplingParams(
+        max_tokens=12, temperature=1.0, top_k=50, seed=11, ignore_eos=True, detokenize=False),
+        "sampled-ref"))
+    ref = list(theirs.outputs[0].token_ids)
+    assert len(ref) == 12 and local.token_ids == s1.token_ids
+    assert on_d.beams[0].token_ids == ref and on_p.beams[0].token_ids == ref
+    assert on_d.beams[0].cum_logprob == pytest.approx(on_p.beams[0].cum_logprob, abs=1e-3)
+    other = run(run_sample_stage(pair.p, prompt, Stage1Params(
+        max_tokens=12, temperature=1.0, top_k=50, seed=12, stop_token_ids=(), ignore_eos=True),
+        "sampled-o"))
+    assert other.beams[0].token_ids != ref, "another seed gave the same tokens"
+    assert_pools_clean()
+
+
 # ---- through the router: StartParent, then Continue ------------------------------------
 
 @pytest.fixture
@@ -224,6 +313,87 @@ def test_a_parent_p_does_not_hold_is_recomputed_or_refused_when_strict(family, f
         _continue(stub, parent.parent_id, strict=True)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "share" in e.value.details()
+
+
+def test_on_one_engine_p_holds_the_parent_and_the_continuation_computes_the_suffix(
+        family, family_clean):
+    """``PATH_COLOCATED`` on the full router, and a router with P alone: P holds the
+    parent itself, the continuation runs on P and computes ``len(suffix) + 1`` tokens
+    (after a flush too: the engine-level test above), with the one-shot's beams."""
+    from kvhandoff.v1 import common_pb2
+    from tools.client import RouterClient, make_request
+
+    preq = _parent_request("fam-local")
+    with RouterClient(family["router"]) as client:
+        ref = client.generate(make_request(prompt=list(preq.prompt_token_ids.ids),
+                                           max_tokens=24, seed=3, beam_width=4,
+                                           path="colocated"))
+    for name, path in (("router", common_pb2.PATH_COLOCATED), ("solo", common_pb2.PATH_AUTO)):
+        stub = _stub(family[name])
+        req = _parent_request(f"fam-local-{name}")
+        req.prompt_token_ids.ids[:] = preq.prompt_token_ids.ids
+        req.path = path
+        _, parent = _start_parent(stub, req)
+        assert parent.held and parent.prefill_endpoint == family["prefill"].address, \
+            parent.not_held_reason
+        assert parent.lease_expires_at > time.time()
+        for _ in range(2):
+            resp = _continue(stub, parent.parent_id)
+            s = resp.stats
+            assert not s.recomputed and s.path == common_pb2.PATH_COLOCATED, s.handoff_failure
+            assert s.decode_endpoint == family["prefill"].address
+            assert s.num_computed_tokens_first_step == len(resp.suffix_token_ids) + 1
+            assert list(resp.thinking_token_ids) == list(ref.thinking_token_ids)
+            assert [list(b.token_ids) for b in resp.beams] == \
+                [list(b.token_ids) for b in ref.beams]
+
+
+def test_sampled_continuations_are_the_same_imported_held_on_p_and_recomputed(
+        family, family_clean):
+    """A continuation with its own sampling parameters and seed: imported on D, from a
+    parent P holds itself, and recomputed (a parent not held) give the same tokens; the
+    HTTP front's sampled continuation (no use_beam_search) too. Another seed differs."""
+    import openai
+
+    from kvhandoff.v1 import common_pb2
+
+    def sampled(stub, parent_id, seed=21):
+        from kvhandoff.v1 import router_pb2
+
+        req = router_pb2.ContinueRequest(parent_id=parent_id)
+        req.sampling.max_tokens, req.sampling.temperature = 10, 1.0
+        req.sampling.seed, req.sampling.ignore_eos = seed, True
+        return stub.Continue(req, timeout=120)
+
+    runs = {}
+    for name, path in (("router", common_pb2.PATH_AUTO), ("router", common_pb2.PATH_COLOCATED),
+                       ("noshare", common_pb2.PATH_AUTO)):
+        stub = _stub(family[name])
+        req = _parent_request(f"fam-sampled-{name}-{path}", seed=5)
+        req.prompt_token_ids.ids[:] = _parent_request("fam-sampled", seed=5).prompt_token_ids.ids
+        req.path = path
+        _, parent = _start_parent(stub, req)
+        resp = sampled(stub, parent.parent_id)
+        assert len(resp.beams) == 1 and len(resp.beams[0].token_ids) == 10
+        runs[(name, path)] = resp
+    imported, local, recomputed = runs.values()
+    assert imported.stats.num_imported_tokens > 0 and not imported.stats.recomputed
+    assert local.stats.path == common_pb2.PATH_COLOCATED and not local.stats.recomputed
+    assert local.stats.num_computed_tokens_first_step == len(local.suffix_token_ids) + 1
+    assert recomputed.stats.recomputed
+    tokens = list(imported.beams[0].token_ids)
+    assert list(local.beams[0].token_ids) == tokens
+    assert list(recomputed.beams[0].token_ids) == tokens
+    client = openai.OpenAI(base_url=f"{family['http']}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    parent = client.completions.create(model=model, prompt=list(_parent_request(
+        "fam-sampled", seed=5).prompt_token_ids.ids), max_tokens=24, temperature=1.0, seed=5)
+    via_http = client.completions.create(
+        model=model, prompt="", max_tokens=10, temperature=1.0, seed=21,
+        extra_body={"continuation_of": parent.id, "ignore_eos": True})
+    assert via_http.choices[0].model_extra["token_ids"] == tokens
+    other = sampled(_stub(family["router"]), parent.id, seed=22)
+    assert list(other.beams[0].token_ids) != tokens, "another seed gave the same tokens"
 
 
 def test_after_the_lease_a_continuation_is_recomputed_with_the_same_beams(family, family_clean):
