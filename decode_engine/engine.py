@@ -99,9 +99,9 @@ async def run_sample_stage(
     """A sampled stage 2 on ``engine``: one sequence of ``params`` over ``parent +
     suffix``, returned as one beam (tokens, the sum of their logprobs, why it ended).
     ``first_step_extra_args`` carry an import (D); ``held_parent`` names a parent held on
-    ``engine`` to copy from (the one-engine path). vLLM's own sampling: with a seed, the
-    tokens equal the same request's on any engine."""
-    from vllm import SamplingParams
+    ``engine`` to copy from (the one-engine path). With a seed the tokens equal the same
+    request's on any engine (vLLM's sampling, or positional sampling)."""
+    from engine.sampling import sampling_params
 
     validate_prompt(prompt_token_ids, vocab_size=engine.vocab_size,
                     max_model_len=engine.max_model_len, num_new_tokens=params.max_tokens)
@@ -112,11 +112,7 @@ async def run_sample_stage(
         extra["kv_transfer_params"] = {
             **(extra.get("kv_transfer_params") or {}),
             BEAM_KEY: {"id": f"{request_id}-c", "fork_from": held_parent, "fork_children": 1}}
-    sampling = SamplingParams(
-        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-        top_k=params.top_k, seed=params.seed, stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, logprobs=0,
-        detokenize=False, extra_args=extra or None)
+    sampling = sampling_params(params, extra, logprobs=0)
     reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, 1,
                                   params.max_tokens, engine.config.beam_fork,
                                   engine.num_total_blocks)

@@ -21,6 +21,8 @@ Role = Literal["prefill", "decode"]
 CONNECTOR_CLASS = "ContinuationConnector"
 CONNECTOR_MODULE = "connector.nixl_continuation"
 DECODE_SCHEDULER = "decode_engine.scheduler.ContinuationScheduler"
+#: The logits processor of positional sampling (``engine.sampling``), in every engine.
+POSITIONAL_SAMPLER = "engine.sampling:PositionalSampler"
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,8 @@ class EngineConfig:
             enable_prefix_caching=True,
             kv_transfer_config=kv_transfer,
             scheduler_cls=DECODE_SCHEDULER if self.role == "decode" else None,
+            # Positional sampling (engine.sampling), for requests that ask for it.
+            logits_processors=[POSITIONAL_SAMPLER],
             disable_log_stats=False,
         )
 

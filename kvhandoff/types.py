@@ -52,6 +52,11 @@ class Stage1Params:
     ignore_eos: bool = False
     #: Neither EOS nor a stop token ends stage 1 before this many tokens.
     min_tokens: int = 0
+    #: Drop tokens whose probability is below min_p x the most likely one's (0 = off).
+    min_p: float = 0.0
+    #: Each token a pure function of (seed, absolute position, logits) (``engine.sampling``):
+    #: the same tokens on any engine, in any batch, after any move. Needs a seed.
+    positional: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -66,6 +71,10 @@ class Stage1Params:
             raise InvalidRequest("stage1.top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequest("stage1.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest("stage1.min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.positional and self.seed is None:
+            raise InvalidRequest("stage1.seed", "positional sampling needs a seed")
 
 
 @dataclass(frozen=True)

@@ -38,20 +38,10 @@ logger = logging.getLogger(__name__)
 def stage1_sampling(params: Stage1Params,
                     transfer_params: dict[str, Any] | None = None) -> SamplingParams:
     """vLLM sampling parameters of a stage 1 (any engine: P, or a colocated reference)."""
-    from vllm import SamplingParams
+    from engine.sampling import sampling_params
 
-    return SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        min_tokens=params.min_tokens,
-        detokenize=False,
-        extra_args={"kv_transfer_params": transfer_params} if transfer_params else None,
-    )
+    return sampling_params(
+        params, {"kv_transfer_params": transfer_params} if transfer_params else None)
 
 
 class PrefillEngine(VllmEngine):

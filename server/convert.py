@@ -51,6 +51,8 @@ def stage1_from_pb(msg: common_pb2.Stage1Sampling, *, default_stop_ids: tuple[in
         stop_token_ids=tuple(msg.stop_token_ids) or default_stop_ids,
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
+        min_p=msg.min_p,
+        positional=msg.positional,
     )
 
 
@@ -58,7 +60,8 @@ def stage1_to_pb(p: Stage1Params) -> common_pb2.Stage1Sampling:
     msg = common_pb2.Stage1Sampling(max_tokens=p.max_tokens, temperature=p.temperature,
                                     top_p=p.top_p, top_k=p.top_k,
                                     stop_token_ids=list(p.stop_token_ids),
-                                    ignore_eos=p.ignore_eos, min_tokens=p.min_tokens)
+                                    ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
+                                    min_p=p.min_p, positional=p.positional)
     if p.seed is not None:
         if p.seed < 0:
             raise InvalidRequest("stage1.seed", "must be >= 0")
