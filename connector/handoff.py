@@ -49,6 +49,11 @@ FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"
 #: lease; a number of seconds: that long, at most P's lease.
 HOLD_KEY = "kvhandoff_hold"
 
+#: ``kv_transfer_params`` key of a one-token request that ends holds early (the engine's
+#: Release): exported parents by their handoff's request id (P's internal one), parents
+#: held on their own engine by their stage-1 request id. Unknown ones are ignored.
+RELEASE_KEY = "kvhandoff_release"
+
 #: Reads are refused this long before the lease ends: the READ itself, the clock
 #: difference between hosts and a stalled step must all fit in it.
 DEFAULT_LEASE_SAFETY_MARGIN_S = 2.0

@@ -45,6 +45,7 @@ from connector.handoff import (
     HOLD_KEY,
     KEY,
     PROTOCOL_VERSION,
+    RELEASE_KEY,
     Handoff,
     token_digest,
 )
@@ -104,6 +105,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._scribble_block_ids: list[int] = []  # P: exported blocks to overwrite
         # P: exports held for their whole lease (HOLD_KEY), for the worker's next step.
         self._holds: list[str] = []
+        # P: held exports to release now (the engine's Release), for the worker's next step.
+        self._unholds: list[str] = []
         # Idle pacing (see _pace_idle_step): seconds of empty steps before pacing, and
         # the pause per empty step after that.
         self._idle_after_s = float(extra.get_from_extra_config("idle_after_ms", 50)) / 1e3
@@ -145,7 +148,22 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         """Each request as it arrives (before scheduling): a beam step may release
         kept requests that got no children."""
         self._fork_on_new_request(beam_params(request))
+        release = (request.kv_transfer_params or {}).get(RELEASE_KEY)
+        if release:
+            self._release_holds([str(r) for r in release])
         super().on_new_request(request)
+
+    def _release_holds(self, names: list[str]) -> None:
+        """End holds early (the engine's Release): parents held here are released with
+        the beam fork's releases; exported ones go to the worker (``kvhandoff_unhold``),
+        which ends their lease now."""
+        for name in names:
+            kept = self._kept.get(name)
+            if kept is not None and kept.held:
+                self._fork_release.add(name)
+            else:
+                self._unholds.append(name)
+        logger.debug("Releasing held parents early: %s", names)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """Once per scheduler step: the stock metadata (READs to post, exports to
@@ -162,6 +180,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._scribble_block_ids = []
         meta.kvhandoff_hold = self._holds
         self._holds = []
+        meta.kvhandoff_unhold = self._unholds
+        self._unholds = []
         return meta
 
     def _pace_idle_step(self, scheduler_output: Any) -> None:

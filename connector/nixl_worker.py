@@ -99,6 +99,10 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
             expires = self._reqs_to_send.get(req_id)
             if expires is not None:
                 self._held[req_id] = expires
+        for req_id in getattr(metadata, "kvhandoff_unhold", None) or ():
+            if req_id in self._held:
+                self._held[req_id] = 0.0  # _reap_expired_send_leases frees it next
+                logger.debug("Held parent %s released early", req_id)
 
     def _get_new_notifs(self) -> set[str]:
         """Exports D has read (P frees them). A held export stays until its lease ends:

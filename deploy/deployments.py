@@ -94,6 +94,10 @@ class EngineServer:
         cap = await self.servicer.GetCapacity(engine_pb2.CapacityRequest(), _CallContext())
         return cap.SerializeToString()
 
+    async def release(self, request: bytes) -> bytes:
+        req = engine_pb2.ReleaseRequest.FromString(request)
+        return (await self.servicer.Release(req, _CallContext())).SerializeToString()
+
     def info(self) -> dict[str, Any]:
         import vllm
 
@@ -118,7 +122,7 @@ class EngineServer:
 
 
 class HandleStub:
-    """``EngineStub``'s three calls over a deployment handle, for :class:`Router`."""
+    """``EngineStub``'s calls over a deployment handle, for :class:`Router`."""
 
     def __init__(self, handle: Any):
         self.handle = handle
@@ -161,6 +165,17 @@ class HandleStub:
             raise
         except Exception as e:
             raise self._error(e) from None
+
+    async def Release(self, request: engine_pb2.ReleaseRequest,  # noqa: N802
+                      timeout: float | None = None) -> engine_pb2.ReleaseResponse:
+        # A held parent is on one P replica; the handle may pick another, which ignores
+        # names it does not hold (that hold then ends at its lease).
+        try:
+            async with asyncio.timeout(timeout):
+                data = await self.handle.release.remote(request.SerializeToString())
+        except Exception as e:
+            raise self._error(e) from None
+        return engine_pb2.ReleaseResponse.FromString(data)
 
     async def GetCapacity(self, request: Any,  # noqa: N802
                           timeout: float | None = None) -> engine_pb2.Capacity:

@@ -53,12 +53,15 @@ def spec_of(*, seed: int, temperature: float, top_k: int = 0, top_p: float = 1.0
 def sampling_params(params: Stage1Params, extra_args: dict[str, Any] | None = None,
                     logprobs: int | None = None) -> SamplingParams:
     """vLLM sampling parameters for ``params`` (stage 1, or a sampled stage 2), with
-    ``extra_args`` (e.g. ``kv_transfer_params``). Positional ones run greedy with their
-    spec under :data:`KEY`; the others are vLLM's own seeded sampling."""
+    ``extra_args`` (e.g. ``kv_transfer_params``) and ``logprobs`` (default: the
+    params'). Positional ones run greedy with their spec under :data:`KEY`; the others
+    are vLLM's own seeded sampling."""
     from vllm import SamplingParams
 
+    if logprobs is None:
+        logprobs = params.logprobs
     extra = dict(extra_args or {})
-    if params.positional:
+    if params.positional and params.temperature > 0:  # greedy is positional already
         extra[KEY] = spec_of(seed=params.seed, temperature=params.temperature,
                              top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
         return SamplingParams(

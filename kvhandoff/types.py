@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 #: vLLM's beam search caps beam width at 64 here too; logprobs = 2 * width.
 MAX_BEAM_WIDTH = 64
+#: Most alternatives a sampled token's logprobs may list (OpenAI's completions limit).
+MAX_LOGPROBS = 20
 
 
 class InvalidRequest(ValueError):
@@ -57,6 +59,9 @@ class Stage1Params:
     #: Each token a pure function of (seed, absolute position, logits) (``engine.sampling``):
     #: the same tokens on any engine, in any batch, after any move. Needs a seed.
     positional: bool = False
+    #: Return each sampled token's logprob and this many most likely alternatives
+    #: (None: no logprobs). vLLM's raw logprobs (the model's, before temperature).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -73,6 +78,9 @@ class Stage1Params:
             raise InvalidRequest("stage1.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise InvalidRequest("stage1.min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest("stage1.logprobs",
+                                 f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.positional and self.seed is None:
             raise InvalidRequest("stage1.seed", "positional sampling needs a seed")
 
@@ -157,6 +165,16 @@ class Beam:
     finish_reason: str  # "length" or "stop" (EOS)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's logprob and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    #: (token id, logprob), most likely first.
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class Stage1Result:
     token_ids: list[int]
@@ -166,6 +184,8 @@ class Stage1Result:
     elapsed_s: float
     #: Held on this engine (``hold`` without export) until then, Unix time; 0: not held.
     held_until: float = 0.0
+    #: Per token, when ``Stage1Params.logprobs`` asked for them.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULT_KEY
-from connector.handoff import BEAM_KEY, HOLD_KEY, KEY
+from connector.handoff import BEAM_KEY, HOLD_KEY, KEY, RELEASE_KEY
 from connector.signing import TARGET_KEY
 from engine import VllmEngine
 from kvhandoff.types import (
     Stage1Params,
     Stage1Result,
     StageError,
+    TokenLogprob,
     validate_prompt,
     validate_token_ids,
 )
@@ -42,6 +44,21 @@ def stage1_sampling(params: Stage1Params,
 
     return sampling_params(
         params, {"kv_transfer_params": transfer_params} if transfer_params else None)
+
+
+def _logprobs_of(token_ids: list[int], logprobs: Any, num_top: int | None
+                 ) -> list[TokenLogprob]:
+    """vLLM's per-token logprob dicts (token id -> Logprob with its rank) of a delta, as
+    :class:`TokenLogprob` with the ``num_top`` most likely alternatives."""
+    if num_top is None or not logprobs:
+        return []
+    out = []
+    for token_id, entries in zip(token_ids, logprobs):
+        top = sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None
+                      and lp.rank <= num_top), key=lambda e: e[1].rank)
+        out.append(TokenLogprob(token_id, float(entries[token_id].logprob),
+                                tuple((t, float(lp.logprob)) for t, lp in top[:num_top])))
+    return out
 
 
 class PrefillEngine(VllmEngine):
@@ -87,9 +104,10 @@ class PrefillEngine(VllmEngine):
         target: str | None = None,
         fault: str | None = None,
         hold: bool | float = False,
-    ) -> AsyncIterator[tuple[list[int], Stage1Result | None]]:
-        """Yield ``(new_token_ids, None)`` as tokens are sampled, then
-        ``([], result)`` once stage 1 has finished. With ``export``, the handoff is
+    ) -> AsyncIterator[tuple[list[int], list[TokenLogprob], Stage1Result | None]]:
+        """Yield ``(new_token_ids, their logprobs, None)`` as tokens are sampled (logprobs
+        when ``params.logprobs`` asks), then ``([], [], result)`` once stage 1 has
+        finished. With ``export``, the handoff is
         addressed to (and, with a secret, signed for) the decode engine ``target``; with
         ``hold`` too, P keeps the exported blocks for the whole lease (or ``hold``
         seconds, at most the lease) however often they are read (a parent for
@@ -101,13 +119,16 @@ class PrefillEngine(VllmEngine):
                                   request_id)
         t0 = time.perf_counter()
         token_ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
         last = None
         async for out in self.stream(prompt_token_ids, sampling, request_id):
             last = out
             new = list(out.outputs[0].token_ids)
             if new:
                 token_ids.extend(new)
-                yield new, None
+                new_logprobs = _logprobs_of(new, out.outputs[0].logprobs, params.logprobs)
+                logprobs.extend(new_logprobs)
+                yield new, new_logprobs, None
         assert last is not None and last.finished, f"{request_id}: no final output"
         reason = last.outputs[0].finish_reason
         if reason not in ("stop", "length"):
@@ -120,13 +141,27 @@ class PrefillEngine(VllmEngine):
         if hold and not export:
             held_until = float(((last.kv_transfer_params or {}).get(KEY) or {})
                                .get("held_until", 0.0))
-        yield [], Stage1Result(
+        yield [], [], Stage1Result(
             token_ids=token_ids,
             finish_reason=reason,
             handoff_params=handoff_params,
             elapsed_s=time.perf_counter() - t0,
             held_until=held_until,
+            logprobs=logprobs,
         )
+
+    async def release(self, names: list[str]) -> None:
+        """End holds early (see ``connector.handoff.RELEASE_KEY``): a one-token request
+        carries the names to the connector's scheduler side; their blocks are freed
+        within a step or two of its return. The caller promises no READ of them is in
+        flight or will come."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                extra_args={"kv_transfer_params": {RELEASE_KEY: names}})
+        await self.generate([self.eos_token_id or 0], params,
+                            f"release-{uuid.uuid4().hex[:12]}")
+        logger.info("released %d held parents early", len(names))
 
     async def run_stage1(
         self,
@@ -140,7 +175,7 @@ class PrefillEngine(VllmEngine):
         hold: bool | float = False,
     ) -> Stage1Result:
         result = None
-        async for _, final in self.stream_stage1(prompt_token_ids, params, request_id,
+        async for _, _, final in self.stream_stage1(prompt_token_ids, params, request_id,
                                                  export=export, target=target, fault=fault,
                                                  hold=hold):
             result = final or result

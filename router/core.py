@@ -88,6 +88,9 @@ class RouterConfig:
     parent_pool_share: float = 0.25
     #: How long P holds a parent's blocks (seconds, at most P's lease); 0: P's lease.
     parent_hold_s: float = 0.0
+    #: Sample positionally (engine.sampling) unless a request says otherwise; False:
+    #: vLLM's own sampling unless a request asks for positional.
+    positional_sampling: bool = True
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -162,7 +165,8 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
             prefill_capacity=next((ep.capacity for ep in self.prefill if ep.capacity), None),
             has_decode=bool(self.decode),
             colocated_below_tokens=self.config.colocated_below_tokens,
-            new_id=lambda: f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}")
+            new_id=lambda: f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+            positional=self.config.positional_sampling)
 
     # ---- running -----------------------------------------------------------------------
     def _timeout(self, plan: Plan) -> float | None:
@@ -233,6 +237,7 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                 out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
                 if event.new_token_ids:
                     out.thinking_ids.extend(event.new_token_ids)
+                    out.thinking_logprobs.extend(event.logprobs)
                     yield list(event.new_token_ids)
                 if event.finish_reason:
                     out.stage1_finish_reason = event.finish_reason

@@ -73,7 +73,10 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
+    min_p: float | None = None
     logprobs: int | None = None
+    #: Positional sampling (the router's default unless started with --sampling vllm).
+    positional: bool | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
@@ -171,8 +174,6 @@ class HttpFront:
     def _parent_plan(self, body: CompletionRequest):
         if body.n != 1:
             raise _bad("n", "sampling returns one sequence; n beams need use_beam_search")
-        if body.logprobs:
-            raise _bad("logprobs", "per-token logprobs are not returned for stage 1")
         req = router_pb2.GenerateRequest(
             request_id="", path=common_pb2.PATH_HANDOFF if self.router.decode
             else common_pb2.PATH_COLOCATED)
@@ -205,6 +206,12 @@ class HttpFront:
             s.seed = body.seed
         if body.min_tokens:
             s.min_tokens = body.min_tokens
+        if body.min_p:
+            s.min_p = body.min_p
+        if body.logprobs is not None:
+            s.logprobs = body.logprobs
+        if body.positional is not None:
+            s.positional = body.positional
         s.ignore_eos = body.ignore_eos
         stop_ids = list(body.stop_token_ids or [])
         for text in [body.stop] if isinstance(body.stop, str) else (body.stop or []):
@@ -226,9 +233,28 @@ class HttpFront:
         text = self.router.tokens.tokenizer.decode(record.thinking_ids,
                                                    skip_special_tokens=False)
         return JSONResponse(self._completion(record.parent_id, [{
-            "index": 0, "text": text, "token_ids": record.thinking_ids, "logprobs": None,
+            "index": 0, "text": text, "token_ids": record.thinking_ids,
+            "logprobs": self._logprobs_json(record.thinking_logprobs, body.logprobs),
             "finish_reason": record.finish_reason, "stop_reason": None}],
             self._parent_usage(record), **self._parent_info(record)))
+
+    def _logprobs_json(self, logprobs: list[Any], asked: int | None) -> dict[str, Any] | None:
+        """OpenAI's completions ``logprobs`` object: tokens, their logprobs, the most
+        likely alternatives at each position, and the tokens' text offsets."""
+        if asked is None:
+            return None
+        decode = self.router.tokens.tokenizer.decode
+        tokens = [decode([lp.token_id], skip_special_tokens=False) for lp in logprobs]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [
+                    {decode([t], skip_special_tokens=False): v
+                     for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+                    for lp in logprobs],
+                "text_offset": offsets}
 
     def _stream_parent(self, body: CompletionRequest, request: Request) -> Response:
         plan = self._parent_plan(body)  # bad input: an error body, not a broken stream
@@ -236,6 +262,7 @@ class HttpFront:
         tokenizer = self.router.tokens.tokenizer
 
         async def events() -> AsyncIterator[str]:
+            sent = 0  # stage-1 tokens streamed so far
             try:
                 async with contextlib.aclosing(self.router.run_parent(plan)) as items:
                     async for item in items:
@@ -250,9 +277,16 @@ class HttpFront:
                                                             self._parent_usage(item)))
                         else:
                             text = tokenizer.decode(item, skip_special_tokens=False)
+                            record = self.router.parents.get(plan.request_id)
+                            logprobs = None
+                            if record is not None and body.logprobs is not None:
+                                logprobs = self._logprobs_json(
+                                    record.thinking_logprobs[sent:sent + len(item)],
+                                    body.logprobs)
+                            sent += len(item)
                             yield _sse(self._completion(plan.request_id, [{
                                 "index": 0, "text": text, "token_ids": item,
-                                "logprobs": None, "finish_reason": None}], None))
+                                "logprobs": logprobs, "finish_reason": None}], None))
             except (Exception, asyncio.CancelledError) as e:
                 if isinstance(e, asyncio.CancelledError):
                     raise  # the client went away: run_parent's cleanup aborts on P
@@ -270,8 +304,9 @@ class HttpFront:
     @staticmethod
     def _parent_info(record: ParentRecord) -> dict[str, Any]:
         return {"held": record.held, "not_held_reason": record.not_held_reason,
-                "lease_expires_at": (record.handoff.lease_expires_at
-                                     if record.held and record.handoff else None)}
+                "lease_expires_at": record.held_until if record.held else None,
+                "seed": record.stage1.seed if record.stage1 else None,
+                "positional": bool(record.stage1 and record.stage1.positional)}
 
     def _completion(self, request_id: str, choices: list, usage: dict | None,
                     **extra: Any) -> dict[str, Any]:

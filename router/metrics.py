@@ -152,9 +152,10 @@ class _EngineCollector:
                                 "parents keep (counted against --parent-pool-share)",
                                 value=reg.held_blocks())
         evictions = CounterMetricFamily("kvhandoff_router_parent_evictions",
-                                        "Parents forgotten, by reason (lru, ttl)",
+                                        "Parents forgotten (lru, ttl) or whose hold on P "
+                                        "ended early for newer ones (released)",
                                         labels=["reason"])
-        for reason in ("lru", "ttl"):
+        for reason in ("lru", "ttl", "released"):
             evictions.add_metric([reason], reg.evictions[reason])
         yield evictions
         conts = CounterMetricFamily("kvhandoff_router_continuations",

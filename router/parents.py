@@ -45,8 +45,8 @@ from kvhandoff.types import (
     validate_prompt,
     validate_token_ids,
 )
-from kvhandoff.v1 import common_pb2, router_pb2
-from router.plan import Outcome, Plan, grpc_error, suffix_ids_of
+from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2
+from router.plan import Outcome, Plan, grpc_error, sampling_of, suffix_ids_of
 from server import convert
 
 if TYPE_CHECKING:
@@ -78,6 +78,10 @@ class ParentRecord:
     #: When P's hold on the blocks ends (Unix time); 0 until known.
     held_until: float = 0.0
     thinking_ids: list[int] = field(default_factory=list)
+    #: Its stage-1 sampling as run (the seed the router picked, if it did).
+    stage1: Stage1Params | None = None
+    #: Per stage-1 token, when asked for (filled as P samples them).
+    thinking_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     finish_reason: str = ""
     handoff: common_pb2.Handoff | None = None
     #: Why P does not hold it ("" while it is held or still running).
@@ -89,6 +93,8 @@ class ParentRecord:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: str = ""
     last_used: float = field(default_factory=time.monotonic)
+    #: Continuations of it running now: a parent in use is never released early.
+    in_use: int = 0
 
     @property
     def held(self) -> bool:
@@ -128,6 +134,26 @@ class ParentRegistry:
             return (f"the share of P's pool for held parents is full ({held} of {share} "
                     f"blocks held, this parent needs up to {num_blocks})")
         return ""
+
+    def to_release(self, num_blocks: int, p_total_blocks: int) -> list[ParentRecord]:
+        """Held parents whose holds, ended now, make room in the share for a parent of
+        ``num_blocks``: those the registry forgot first, then the least recently used;
+        never one in use. Empty when it fits already, or cannot be made to."""
+        share = int(self.pool_share * p_total_blocks)
+        held = self.held_blocks()
+        if held + num_blocks <= share or num_blocks > share:
+            return []
+        live = set(map(id, self._records.values()))
+        idle = sorted({id(r): (r, b) for _, b, r in self._holds
+                       if r.in_use == 0 and r.done.is_set() and r.held}.values(),
+                      key=lambda rb: (id(rb[0]) in live, rb[0].last_used))
+        chosen = []
+        for record, blocks in idle:
+            if held + num_blocks <= share:
+                break
+            chosen.append(record)
+            held -= blocks
+        return chosen if held + num_blocks <= share else []
 
     def hold(self, record: ParentRecord, until: float) -> None:
         """Count ``record``'s blocks against the share until ``until`` (time.time()),
@@ -180,7 +206,10 @@ def parent_to_pb(record: ParentRecord, tokenizer) -> router_pb2.Parent:
         finish_reason=record.finish_reason, held=record.held,
         not_held_reason=record.not_held_reason, prefill_endpoint=record.prefill,
         lease_expires_at=record.held_until if record.held else 0.0,
-        stage1_ms=record.stage1_ms, model=record.model)
+        stage1_ms=record.stage1_ms, model=record.model,
+        stage1_seed=record.stage1.seed or 0 if record.stage1 else 0,
+        stage1_positional=bool(record.stage1 and record.stage1.positional),
+        thinking_logprobs=record.thinking_logprobs)
 
 
 class ParentsMixin:
@@ -213,13 +242,14 @@ class ParentsMixin:
         local = plan.path == common_pb2.PATH_COLOCATED
         record = ParentRecord(plan.request_id, Path(self.config.model).name,
                               list(plan.prompt_ids), prefill=p.address, prefill_ep=p,
-                              local=local)
+                              local=local, stage1=plan.stage1)
         self.parents.add(record)
         try:
             cap = p.capacity
             if cap is not None:
                 record.num_blocks = math.ceil(
                     (len(plan.prompt_ids) + plan.stage1.max_tokens) / cap.block_size)
+                await self._release_for(record.num_blocks, cap.num_total_blocks)
                 record.not_held_reason = self.parents.may_hold(record.num_blocks,
                                                                cap.num_total_blocks)
             d = None if local else self._parent_target()
@@ -234,6 +264,7 @@ class ParentsMixin:
                 self.parents.hold(record, time.time() + 3600.0)
             export = hold and not local
             out = Outcome(plan, p.address, d.address if export else None)
+            record.thinking_logprobs = out.thinking_logprobs  # grows as P samples
             handoff = None
             async for item in self._stage1(p, d if export else None, plan, out,
                                            export=export, hold=hold,
@@ -271,6 +302,31 @@ class ParentsMixin:
         finally:
             record.done.set()
         yield record
+
+    async def _release_for(self, num_blocks: int, p_total_blocks: int) -> None:
+        """End the holds of idle parents (least recently used first) when a new parent
+        of ``num_blocks`` would not fit in the share: they are marked not held before P
+        is told (a continuation starting meanwhile recomputes, never reads blocks being
+        freed); a failed Release leaves their blocks to their lease end."""
+        records = self.parents.to_release(num_blocks, p_total_blocks)
+        if not records:
+            return
+        by_prefill: dict[int, tuple[Endpoint, list[str]]] = {}
+        for r in records:
+            r.not_held_reason = "released early: P's share for held parents was needed"
+            self.parents.unhold(r)
+            self.parents.evictions["released"] += 1
+            name = f"{r.parent_id}-s1" if r.local else r.handoff.request_id
+            by_prefill.setdefault(id(r.prefill_ep), (r.prefill_ep, []))[1].append(name)
+        logger.info("releasing %d held parents early for a new one: %s", len(records),
+                    ", ".join(r.parent_id for r in records))
+        for ep, names in by_prefill.values():
+            try:
+                await ep.stub.Release(engine_pb2.ReleaseRequest(request_ids=names),
+                                      timeout=self.config.capacity_timeout_s)
+            except Exception as e:  # their blocks come back at their leases' end
+                logger.warning("Release on %s failed (%s): %d held parents kept until "
+                               "their leases end", ep.address, e, len(names))
 
     def _parent_target(self) -> Endpoint | None:
         """The D a parent's handoff is addressed to: the one in rotation with the most
@@ -319,6 +375,8 @@ class ParentsMixin:
         request = self._stage2_request(plan, out)
         key = object()
         d = None
+        # In use from here: never released early while this continuation may read it.
+        record.in_use += 1
         why_not = self._why_not_importable(record)
         try:
             if not why_not and record.local:
@@ -342,10 +400,14 @@ class ParentsMixin:
                 out.failed_decode, out.handoff_failure = "", f"parent not held: {why_not}"
                 await self._stage2_anywhere(request, plan, out, key)
         finally:
+            record.in_use -= 1
             self._release(d, key)
         out.total_ms = (time.perf_counter() - t0) * 1e3
         resp = to_response(out, self.tokens.tokenizer, received_at)
         resp.parent_id = record.parent_id
+        if record.stage1 is not None:
+            resp.stage1_seed = record.stage1.seed or 0
+            resp.stage1_positional = record.stage1.positional
         resp.stats.num_parent_tokens = len(parent)
         self.parents.continuations["recomputed" if resp.stats.recomputed else "imported"] += 1
         return resp
@@ -407,7 +469,7 @@ class ParentsMixin:
         cap = next((ep.capacity for ep in (*self.decode, *self.prefill) if ep.capacity), None)
         sampling = None
         if req.HasField("sampling"):
-            sampling = convert.stage1_from_pb(req.sampling)
+            sampling = sampling_of(req.sampling, self.config.positional_sampling)
             # What D's blocks are claimed for: one sequence of that many tokens.
             beam = BeamParams(beam_width=1, max_tokens=sampling.max_tokens)
             if cap is not None:

@@ -5,6 +5,7 @@ validated against the engines' vocabulary and context); an :class:`Outcome` beco
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ class Outcome:
     handoff_failure: str = ""
     #: P holds the parent itself until then (Unix time; Stage1Request hold, no export).
     held_until: float = 0.0
+    #: Per stage-1 token, when its sampling asked for logprobs.
+    thinking_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
 
 
 def _ids_of(tokens: ModelTokens, text: str, field_name: str) -> list[int]:
@@ -92,11 +95,23 @@ def suffix_ids_of(req: router_pb2.GenerateRequest | router_pb2.ContinueRequest,
     return list(tokens.default_suffix_ids)
 
 
+def sampling_of(msg: common_pb2.Stage1Sampling, positional: bool,
+                default_stop_ids: tuple[int, ...] = ()) -> Stage1Params:
+    """A request's sampling as the router runs it: positional unless it says otherwise
+    (``positional`` is the router's default); positional without a seed gets one here
+    (returned to the client, so the request can be replayed or continued anywhere)."""
+    on = msg.positional if msg.HasField("positional") else positional
+    seed = secrets.randbits(63) if on and not msg.HasField("seed") else None
+    return convert.stage1_from_pb(msg, default_stop_ids=default_stop_ids,
+                                  default_positional=positional, default_seed=seed)
+
+
 def plan_request(req: router_pb2.GenerateRequest, deadline: float | None, *,
                  tokens: ModelTokens, prefill_capacity: engine_pb2.Capacity | None,
                  has_decode: bool, colocated_below_tokens: int,
-                 new_id: Callable[[], str]) -> Plan:
-    """Validate ``req`` (with P's capacity when one answered) and make it a Plan."""
+                 new_id: Callable[[], str], positional: bool = True) -> Plan:
+    """Validate ``req`` (with P's capacity when one answered) and make it a Plan;
+    stage 1 samples positionally unless it (or the router, ``positional``) says not."""
     which = req.WhichOneof("prompt")
     if which == "prompt_text":
         prompt = _ids_of(tokens, req.prompt_text, "prompt_text")
@@ -106,8 +121,8 @@ def plan_request(req: router_pb2.GenerateRequest, deadline: float | None, *,
         raise InvalidRequest("prompt", "set prompt_text or prompt_token_ids")
     suffix = suffix_ids_of(req, tokens)
     think_end = tokens.think_end_id
-    stage1 = convert.stage1_from_pb(
-        req.stage1, default_stop_ids=(think_end,) if think_end is not None else ())
+    stage1 = sampling_of(req.stage1, positional,
+                         default_stop_ids=(think_end,) if think_end is not None else ())
     beam = convert.beam_from_pb(req.beam)
     cap = prefill_capacity
     if cap is not None:
@@ -161,6 +176,8 @@ def to_response(out: Outcome, tokenizer: Any,
             stage2_ms=s2.total_ms, total_ms=out.total_ms,
             router_overhead_ms=0.0 if received_at is None else max(
                 (time.perf_counter() - received_at) * 1e3 - out.engine_ms, 0.0)),
+        stage1_seed=out.plan.stage1.seed or 0,
+        stage1_positional=out.plan.stage1.positional,
         stats=router_pb2.HandoffStats(
             path=out.plan.path, prefill_endpoint=out.prefill, decode_endpoint=out.decode or "",
             num_parent_tokens=len(out.plan.prompt_ids) + len(out.thinking_ids),

@@ -77,13 +77,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             params = engine_pb.stage1_from_pb(request.sampling,
                                               default_stop_ids=self.default_stop_ids)
             with self._track(request.request_id):
-                async for new, result in self.engine.stream_stage1(
+                async for new, logprobs, result in self.engine.stream_stage1(
                     list(request.prompt_token_ids), params, request.request_id,
                     export=request.export, target=request.target_engine_id,
                     hold=request.hold and (request.hold_s or True),
                 ):
                     if result is None:
-                        yield engine_pb2.Stage1Event(new_token_ids=new)
+                        yield engine_pb2.Stage1Event(
+                            new_token_ids=new, logprobs=engine_pb.logprobs_to_pb(logprobs))
                         continue
                     event = engine_pb2.Stage1Event(finish_reason=result.finish_reason,
                                                    held_until=result.held_until)
@@ -159,6 +160,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             num_reserved_blocks=self.engine.num_reserved_blocks,
             beam_fork=self.engine.config.beam_fork,
         )
+
+    async def Release(self, request: engine_pb2.ReleaseRequest, context):
+        try:
+            if self.role != "prefill":
+                raise InvalidRequest("role", "holds are kept by a prefill engine")
+            if self.engine is None:
+                raise EngineStarting()
+            if request.request_ids:
+                await self.engine.release(list(request.request_ids))
+            return engine_pb2.ReleaseResponse()
+        except Exception as e:
+            await abort_with(context, e)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         task = self._tasks.get(request.request_id)

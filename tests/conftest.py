@@ -180,7 +180,8 @@ def family(model_dir, tmp_path_factory):
     """P, D and three routers over them (tests/test_continuation.py, tests/test_http.py):
     ``router`` with defaults and the HTTP front (``http``: its base URL); ``noshare``, no
     share of P's pool for held parents; ``small``, a registry of two parents that live
-    3 s; ``solo``, P alone (a deployment with a single engine)."""
+    3 s; ``solo``, P alone (a deployment with a single engine); ``tight``, a share of
+    P's pool that holds one parent."""
 
     def start():
         from kvhandoff.ports import free_port
@@ -198,7 +199,9 @@ def family(model_dir, tmp_path_factory):
                  spawn("router", free_port(), [*engines, "--max-parents", "2",
                                                "--parent-ttl-s", "3"], log_dir, "router-small"),
                  spawn("router", free_port(), engines[:4] + ["--no-warm-up"], log_dir,
-                       "router-solo")]
+                       "router-solo"),
+                 spawn("router", free_port(), [*engines, "--parent-pool-share", "0.012"],
+                       log_dir, "router-tight")]
 
         def close():
             stop(extra)
@@ -212,7 +215,8 @@ def family(model_dir, tmp_path_factory):
             raise
         return ({**cluster, "http": f"http://127.0.0.1:{http_port}",
                  "noshare": extra[0].address, "small": extra[1].address,
-                 "solo": extra[2].address,
+                 "solo": extra[2].address, "tight": extra[3].address,
+                 "tight_metrics": extra[3].metrics_url,
                  "small_metrics": extra[1].metrics_url}, close)
 
     return _GROUPS["family"].get(start)

@@ -455,29 +455,74 @@ def test_a_burst_of_continuations_of_one_parent_is_served_from_its_blocks(family
                for r in results)
 
 
-def test_held_parents_fill_ps_share_and_the_next_one_says_why(family, family_clean):
-    """The default router may hold a quarter of P's pool: parents beyond it are served
-    without a hold (their continuations recompute, flagged); once the leases end, holds
-    are granted again."""
-    from tests.utils import metric_sum
+def test_a_new_parent_ends_the_hold_of_the_least_recently_used_idle_one(family, family_clean):
+    """``tight`` may hold one parent (6 of P's 512 blocks). A second parent ends the
+    first one's hold on P at once (P's pool holds only the second's blocks well before
+    the first one's lease would end), and a continuation of the first is recomputed and
+    says why (strict: refused). A parent bigger than the whole share is not held and says
+    so (the control: no release makes room for it, and nothing is released)."""
+    import grpc
 
-    stub = _stub(family["router"])
-    parents = []
-    for i in range(200):
-        _, p = _start_parent(stub, _parent_request(f"fam-share-{i}", max_tokens=4,
-                                                   prompt_len=120))
-        parents.append(p)
-        if not p.held:
+    from tests.utils import metric_sum
+    from tools.launch import pool_state
+
+    stub = _stub(family["tight"])
+    _, a = _start_parent(stub, _parent_request("fam-tight-a", max_tokens=4))
+    assert a.held, a.not_held_reason
+    _, b = _start_parent(stub, _parent_request("fam-tight-b", max_tokens=4))
+    assert b.held, b.not_held_reason
+    released_at = time.time()
+    while True:
+        _, cap = pool_state(family["prefill"].address)
+        if cap.num_total_blocks - cap.num_free_blocks <= 4 or time.time() > released_at + 5:
             break
-    refused = parents[-1]
-    assert not refused.held and "share of P's pool for held parents is full" in \
-        refused.not_held_reason, refused.not_held_reason
-    held = [p for p in parents if p.held]
-    assert held, "no parent was held"
-    blocks = metric_sum(family["router_metrics"], "kvhandoff_router_parent_blocks_held")
-    assert blocks > 0
-    resp = _continue(stub, refused.parent_id)
-    assert resp.stats.recomputed and "share" in resp.stats.handoff_failure
-    time.sleep(max(0.0, max(p.lease_expires_at for p in held) - time.time()) + 0.5)
-    _, again = _start_parent(stub, _parent_request("fam-share-after", max_tokens=4))
-    assert again.held, again.not_held_reason
+        time.sleep(0.1)
+    assert cap.num_total_blocks - cap.num_free_blocks <= 4, \
+        f"P still holds both parents: {cap.num_total_blocks - cap.num_free_blocks} blocks used"
+    assert time.time() < a.lease_expires_at - 3, "the hold ended at its lease, not early"
+    released = metric_sum(family["tight_metrics"], "kvhandoff_router_parent_evictions_total",
+                          reason="released")
+    assert released == 1.0
+    resp = _continue(stub, a.parent_id)
+    assert resp.stats.recomputed and "released early" in resp.stats.handoff_failure
+    with pytest.raises(grpc.RpcError) as e:
+        _continue(stub, a.parent_id, strict=True)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert not _continue(stub, b.parent_id).stats.recomputed
+    _, big = _start_parent(stub, _parent_request("fam-tight-big", max_tokens=200,
+                                                  min_tokens=200))
+    assert not big.held and "share of P's pool for held parents is full" in \
+        big.not_held_reason, big.not_held_reason
+    assert metric_sum(family["tight_metrics"], "kvhandoff_router_parent_evictions_total",
+                      reason="released") == 1.0
+
+
+def test_the_router_seeds_unseeded_requests_and_the_seed_replays_them(family, family_clean):
+    """Stage 1 samples positionally by default: an unseeded request gets a seed from the
+    router, returned in the response (Generate and StartParent), and sending it again
+    with that seed replays its stage 1 exactly, on either path; two unseeded requests
+    get different seeds."""
+    from kvhandoff.v1 import router_pb2
+    from tools.client import RouterClient, make_request
+
+    prompt = list(_parent_request("fam-seed").prompt_token_ids.ids)
+    with RouterClient(family["router"]) as client:
+        first = client.generate(make_request(prompt=prompt, max_tokens=24, seed=None,
+                                             beam_width=2))
+        other = client.generate(make_request(prompt=prompt, max_tokens=24, seed=None,
+                                             beam_width=2))
+        assert first.stage1_positional and first.stage1_seed and other.stage1_seed
+        assert first.stage1_seed != other.stage1_seed
+        replay = client.generate(make_request(prompt=prompt, max_tokens=24,
+                                              seed=first.stage1_seed, beam_width=2,
+                                              path="colocated"))
+    assert list(replay.thinking_token_ids) == list(first.thinking_token_ids)
+    assert replay.stage1_seed == first.stage1_seed
+    stub = _stub(family["router"])
+    req = router_pb2.ParentRequest(request_id="fam-seed-parent")
+    req.prompt_token_ids.ids.extend(prompt)
+    req.stage1.max_tokens = 24
+    _, parent = _start_parent(stub, req)
+    assert parent.stage1_positional and parent.stage1_seed
+    resp = _continue(stub, parent.parent_id)
+    assert resp.stage1_seed == parent.stage1_seed

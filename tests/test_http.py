@@ -108,6 +108,46 @@ def test_streaming_and_async_clients_get_the_same_tokens(family, family_clean):
     assert len(s2.choices) == 2 and s2.model_extra["kvhandoff"]["parent_id"] == s1.id
 
 
+def test_stage1_logprobs_in_openais_shape_streamed_or_not_and_over_grpc(family, family_clean):
+    """``logprobs: k``: each token's logprob and its k most likely alternatives, the same
+    in one response, in the stream's chunks and in gRPC's Parent (same seed); the sampled
+    token's logprob is among the alternatives when it is one of the k most likely."""
+    import math
+
+    from kvhandoff.v1 import router_pb2, router_pb2_grpc
+
+    client = _client(family)
+    model = _model(family)
+    prompt = _prompt(3)
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=12, seed=4,
+                                      logprobs=3)
+    lp = plain.choices[0].logprobs
+    ids = plain.choices[0].model_extra["token_ids"]
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == len(ids) > 0
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and value <= 0 and sum(math.exp(v) for v in top.values()) <= 1.001
+        ranked = sorted(top.values(), reverse=True)
+        if value >= ranked[-1] and token in top:
+            assert top[token] == pytest.approx(value)
+    assert lp.text_offset[0] == 0
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=12, seed=4,
+                                            logprobs=3, stream=True))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs)
+    import grpc
+
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(family["router"]))
+    req = router_pb2.ParentRequest()
+    req.prompt_token_ids.ids.extend(prompt)
+    req.stage1.max_tokens, req.stage1.seed, req.stage1.logprobs = 12, 4, 3
+    parent = [e for e in stub.StartParent(req, timeout=120)][-1].parent
+    assert list(parent.thinking_token_ids) == ids
+    assert [t.logprob for t in parent.thinking_logprobs] == pytest.approx(lp.token_logprobs)
+    assert client.completions.create(model=model, prompt=prompt, max_tokens=4,
+                                     seed=4).choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("body,status,words", [
     ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": [1, 10**9]}, 400, "vocabulary"),
@@ -115,6 +155,7 @@ def test_streaming_and_async_clients_get_the_same_tokens(family, family_clean):
     ({"prompt": "", "continuation_of": "nobody", "use_beam_search": True}, 404, "nobody"),
     ({"prompt": "hi", "model": "another-model"}, 400, "another-model"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
 ])
 def test_errors_are_openai_error_bodies_with_the_matching_status(family, family_clean, body,
                                                                  status, words):

@@ -287,3 +287,31 @@ def test_the_parent_registry_is_bounded_by_count_time_and_ps_share():
     assert reg.held_blocks() == 10 and reg.may_hold(10, 100) == ""
     reg.unhold(a)
     assert reg.held_blocks() == 0
+
+
+def test_the_holds_released_for_a_new_parent_are_idle_forgotten_first_then_lru():
+    """``ParentRegistry.to_release``: nothing when the new parent fits or could never
+    fit; else parents the registry forgot, then the least recently used, never one whose
+    continuation is running."""
+    from router.parents import ParentRecord, ParentRegistry
+
+    reg = ParentRegistry(max_parents=2, ttl_s=60, pool_share=0.3)  # 30 of 100 blocks
+    records = {}
+    for pid in ("old", "mid", "new"):
+        r = records[pid] = ParentRecord(pid, "m", [1], num_blocks=10)
+        r.done.set()
+        r.held_until = time.time() + 60
+        reg.add(r)
+        reg.hold(r, r.held_until)
+        time.sleep(0.01)
+    # "old" was forgotten (LRU, 2 parents at most) but its hold still counts.
+    assert reg.get("old") is None and reg.held_blocks() == 30
+    assert reg.to_release(10, 200) == []  # 60 blocks of share: it fits
+    assert reg.to_release(40, 100) == []  # bigger than the share: nothing helps
+    assert reg.to_release(10, 100) == [records["old"]]
+    reg.get("mid")  # used: now "new" is the least recently used
+    assert reg.to_release(20, 100) == [records["old"], records["new"]]
+    records["new"].in_use = 1  # a continuation reads it: never released
+    assert reg.to_release(20, 100) == [records["old"], records["mid"]]
+    records["mid"].in_use = 1
+    assert reg.to_release(20, 100) == []  # only "old" is idle: not enough

@@ -162,3 +162,29 @@ def test_continued_on_the_other_engine_from_token_t_the_tokens_are_unchanged(pai
     theirs_rest = _sample(pair.d, run, prompt + theirs[:t], _params(False, max_tokens=40 - t),
                           f"vllm-rest-{t}")
     assert theirs[:t] + theirs_rest != theirs, "vLLM's sampling continued unchanged"
+
+
+@pytest.mark.engines
+@pytest.mark.parametrize("t", [1, 31, 32, 33, 23])
+def test_handed_off_at_token_t_d_continues_the_same_sampled_tokens(pair, run, t):
+    """A handoff mid-decode: P stops at token t and exports the request's tokens so far
+    (N - 1 of them have KV, the partial last block included), D imports them and samples
+    the rest: the tokens equal the run that never moved, and D computed one token (the
+    t-th) for its first step. B = 32 here: t = B-1, B, B+1 straddle a block edge."""
+    from connector.handoff import ImportRequest
+    from kvhandoff.types import BeamParams
+
+    prompt = [random.Random(8).randrange(10, 1000) for _ in range(70)]
+    whole = _sample(pair.p, run, prompt, _params(True), f"move-whole-{t}")
+    head = run(pair.p.run_stage1(prompt, _params(True, max_tokens=t), f"move-head-{t}",
+                                 export=True))
+    assert head.token_ids == whole[:t]
+    rest_params = _params(True, max_tokens=40 - t)
+    shape = BeamParams(beam_width=1, max_tokens=rest_params.max_tokens)
+    run(pair.d.empty_prefix_cache())
+    rest = run(pair.d.run_stage2(prompt + head.token_ids, shape, f"move-rest-{t}",
+                                 handoff=ImportRequest.for_beams(head.handoff_params, shape),
+                                 sampling=rest_params))
+    assert rest.num_imported_tokens == len(prompt) + t - 1
+    assert rest.num_computed_tokens_first_step == 1
+    assert head.token_ids + rest.beams[0].token_ids == whole

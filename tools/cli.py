@@ -70,6 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
             parent_ttl_s=args.parent_ttl_s,
             parent_pool_share=args.parent_pool_share,
             parent_hold_s=args.parent_hold_s,
+            positional_sampling=args.sampling == "positional",
             on_handoff_failure=args.on_handoff_failure,
             warm_up=not args.no_warm_up,
             channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
@@ -198,6 +199,10 @@ def _add_router_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--parent-hold-s", type=float, default=0.0,
                        help="router: how long P holds a parent's blocks for continuations "
                             "(seconds, at most P's --lease-s; 0 = P's lease)")
+    serve.add_argument("--sampling", choices=["positional", "vllm"], default="positional",
+                       help="router: how stage 1 samples unless a request says: positional "
+                            "(each token a function of seed, position and logits: the same "
+                            "on any engine; unseeded requests get a seed) or vLLM's own")
     serve.add_argument("--on-handoff-failure", choices=["recompute", "fail"],
                        default="recompute",
                        help="router: when D cannot complete a handoff (UNAVAILABLE, or "

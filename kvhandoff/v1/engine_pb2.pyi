@@ -26,16 +26,18 @@ class Stage1Request(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ...) -> None: ...
 
 class Stage1Event(_message.Message):
-    __slots__ = ("new_token_ids", "finish_reason", "handoff", "held_until")
+    __slots__ = ("new_token_ids", "finish_reason", "handoff", "held_until", "logprobs")
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     HELD_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     handoff: _common_pb2.Handoff
     held_until: float
-    def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_until: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_until: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Stage2Request(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "beam", "handoff", "held_parent", "sampling")
@@ -116,5 +118,15 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

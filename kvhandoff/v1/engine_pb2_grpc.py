@@ -54,6 +54,11 @@ class EngineStub:
                 request_serializer=kvhandoff_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvhandoff_dot_v1_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvhandoff.v1.Engine/Release',
+                request_serializer=kvhandoff_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_engine__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -89,6 +94,14 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """End holds (Stage1Request hold) before their time; their blocks are freed within a
+        step or two. The caller promises no READ of them is in flight or will come.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvhandoff_dot_v1_dot_engine__pb2.AbortRequest.FromString,
                     response_serializer=kvhandoff_dot_v1_dot_engine__pb2.AbortResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvhandoff_dot_v1_dot_engine__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_engine__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +239,33 @@ class Engine:
             '/kvhandoff.v1.Engine/Abort',
             kvhandoff_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
             kvhandoff_dot_v1_dot_engine__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.v1.Engine/Release',
+            kvhandoff_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_engine__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

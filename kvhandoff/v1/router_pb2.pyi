@@ -26,7 +26,7 @@ class ParentRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ...) -> None: ...
 
 class Parent(_message.Message):
-    __slots__ = ("parent_id", "prompt_token_ids", "thinking_token_ids", "thinking_text", "finish_reason", "held", "not_held_reason", "prefill_endpoint", "lease_expires_at", "stage1_ms", "model")
+    __slots__ = ("parent_id", "prompt_token_ids", "thinking_token_ids", "thinking_text", "finish_reason", "held", "not_held_reason", "prefill_endpoint", "lease_expires_at", "stage1_ms", "model", "thinking_logprobs", "stage1_seed", "stage1_positional")
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,9 @@ class Parent(_message.Message):
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     STAGE1_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    THINKING_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STAGE1_SEED_FIELD_NUMBER: _ClassVar[int]
+    STAGE1_POSITIONAL_FIELD_NUMBER: _ClassVar[int]
     parent_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     thinking_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -49,7 +52,10 @@ class Parent(_message.Message):
     lease_expires_at: float
     stage1_ms: float
     model: str
-    def __init__(self, parent_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., held: _Optional[bool] = ..., not_held_reason: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., stage1_ms: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
+    thinking_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    stage1_seed: int
+    stage1_positional: bool
+    def __init__(self, parent_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., held: _Optional[bool] = ..., not_held_reason: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., stage1_ms: _Optional[float] = ..., model: _Optional[str] = ..., thinking_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., stage1_seed: _Optional[int] = ..., stage1_positional: _Optional[bool] = ...) -> None: ...
 
 class ParentEvent(_message.Message):
     __slots__ = ("stage1_tokens", "parent")
@@ -148,7 +154,7 @@ class HandoffStats(_message.Message):
     def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., handoff_failure: _Optional[str] = ..., num_found_on_d_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids", "parent_id")
+    __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids", "parent_id", "stage1_seed", "stage1_positional")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THINKING_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +165,8 @@ class GenerateResponse(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE1_SEED_FIELD_NUMBER: _ClassVar[int]
+    STAGE1_POSITIONAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     thinking_token_ids: _containers.RepeatedScalarFieldContainer[int]
     thinking_text: str
@@ -169,7 +177,9 @@ class GenerateResponse(_message.Message):
     stats: HandoffStats
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     parent_id: str
-    def __init__(self, request_id: _Optional[str] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., stage1_finish_reason: _Optional[str] = ..., suffix_token_ids: _Optional[_Iterable[int]] = ..., beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stats: _Optional[_Union[HandoffStats, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., parent_id: _Optional[str] = ...) -> None: ...
+    stage1_seed: int
+    stage1_positional: bool
+    def __init__(self, request_id: _Optional[str] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., stage1_finish_reason: _Optional[str] = ..., suffix_token_ids: _Optional[_Iterable[int]] = ..., beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stats: _Optional[_Union[HandoffStats, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., parent_id: _Optional[str] = ..., stage1_seed: _Optional[int] = ..., stage1_positional: _Optional[bool] = ...) -> None: ...
 
 class GenerateStreamEvent(_message.Message):
     __slots__ = ("stage1_tokens", "result")
