@@ -54,6 +54,10 @@ HOLD_KEY = "kvhandoff_hold"
 #: held on their own engine by their stage-1 request id. Unknown ones are ignored.
 RELEASE_KEY = "kvhandoff_release"
 
+#: ``kv_transfer_params`` key of a one-token request that stops running requests after
+#: their next token (the engine's ``stop``; a move): client request ids.
+STOP_KEY = "kvhandoff_stop"
+
 #: Reads are refused this long before the lease ends: the READ itself, the clock
 #: difference between hosts and a stalled step must all fit in it.
 DEFAULT_LEASE_SAFETY_MARGIN_S = 2.0

@@ -46,6 +46,7 @@ from connector.handoff import (
     KEY,
     PROTOCOL_VERSION,
     RELEASE_KEY,
+    STOP_KEY,
     Handoff,
     token_digest,
 )
@@ -107,6 +108,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._holds: list[str] = []
         # P: held exports to release now (the engine's Release), for the worker's next step.
         self._unholds: list[str] = []
+        # P: running requests to stop after their next token (the engine's stop).
+        self._stops: set[str] = set()
         # Idle pacing (see _pace_idle_step): seconds of empty steps before pacing, and
         # the pause per empty step after that.
         self._idle_after_s = float(extra.get_from_extra_config("idle_after_ms", 50)) / 1e3
@@ -148,10 +151,18 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         """Each request as it arrives (before scheduling): a beam step may release
         kept requests that got no children."""
         self._fork_on_new_request(beam_params(request))
-        release = (request.kv_transfer_params or {}).get(RELEASE_KEY)
-        if release:
-            self._release_holds([str(r) for r in release])
+        params = request.kv_transfer_params or {}
+        if params.get(RELEASE_KEY):
+            self._release_holds([str(r) for r in params[RELEASE_KEY]])
+        if params.get(STOP_KEY):
+            self._stops.update(str(r) for r in params[STOP_KEY])
         super().on_new_request(request)
+
+    def take_stops(self) -> set[str]:
+        """P's scheduler (``prefill_engine.scheduler``), each step: the requests to stop
+        after their next token, asked for since the last step."""
+        stops, self._stops = self._stops, set()
+        return stops
 
     def _release_holds(self, names: list[str]) -> None:
         """End holds early (the engine's Release): parents held here are released with

@@ -21,6 +21,7 @@ Role = Literal["prefill", "decode"]
 CONNECTOR_CLASS = "ContinuationConnector"
 CONNECTOR_MODULE = "connector.nixl_continuation"
 DECODE_SCHEDULER = "decode_engine.scheduler.ContinuationScheduler"
+PREFILL_SCHEDULER = "prefill_engine.scheduler.PrefillScheduler"
 #: The logits processor of positional sampling (``engine.sampling``), in every engine.
 POSITIONAL_SAMPLER = "engine.sampling:PositionalSampler"
 
@@ -159,7 +160,7 @@ class EngineConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             enable_prefix_caching=True,
             kv_transfer_config=kv_transfer,
-            scheduler_cls=DECODE_SCHEDULER if self.role == "decode" else None,
+            scheduler_cls=DECODE_SCHEDULER if self.role == "decode" else PREFILL_SCHEDULER,
             # Positional sampling (engine.sampling), for requests that ask for it.
             logits_processors=[POSITIONAL_SAMPLER],
             disable_log_stats=False,

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULT_KEY
-from connector.handoff import BEAM_KEY, HOLD_KEY, KEY, RELEASE_KEY
+from connector.handoff import BEAM_KEY, HOLD_KEY, KEY, RELEASE_KEY, STOP_KEY
 from connector.signing import TARGET_KEY
 from engine import VllmEngine
 from kvhandoff.types import (
@@ -162,6 +162,16 @@ class PrefillEngine(VllmEngine):
         await self.generate([self.eos_token_id or 0], params,
                             f"release-{uuid.uuid4().hex[:12]}")
         logger.info("released %d held parents early", len(names))
+
+    async def stop(self, request_ids: list[str]) -> None:
+        """Stop running stage 1s after their next token (a move): each ends as if it had
+        asked for that many tokens, with its handoff when it was started with
+        ``export``. Unknown or finished ids are ignored."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                extra_args={"kv_transfer_params": {STOP_KEY: request_ids}})
+        await self.generate([self.eos_token_id or 0], params, f"stop-{uuid.uuid4().hex[:12]}")
 
     async def run_stage1(
         self,

@@ -188,3 +188,41 @@ def test_handed_off_at_token_t_d_continues_the_same_sampled_tokens(pair, run, t)
     assert rest.num_imported_tokens == len(prompt) + t - 1
     assert rest.num_computed_tokens_first_step == 1
     assert head.token_ids + rest.beams[0].token_ids == whole
+
+
+@pytest.mark.engines
+def test_a_running_stage1_stopped_mid_decode_and_moved_to_d_gives_the_same_tokens(pair, run):
+    """A live move: P is told to stop a running stage 1 (``stop``) after 10 tokens were
+    streamed; it ends after its next token with a handoff of what it has (the partial
+    block included), D imports it and samples the rest: the tokens equal the run that
+    never moved. The control: without the stop it runs to its max_tokens."""
+    from connector.handoff import ImportRequest
+    from kvhandoff.types import BeamParams
+
+    prompt = [random.Random(9).randrange(10, 1000) for _ in range(50)]
+    total = 200
+    whole = _sample(pair.p, run, prompt, _params(True, max_tokens=total), "live-whole")
+    assert len(whole) == total
+
+    async def stopped():
+        got, result, asked = [], None, False
+        async for new, _, final in pair.p.stream_stage1(
+                prompt, _params(True, max_tokens=total), "live-move", export=True):
+            got.extend(new)
+            if len(got) >= 10 and not asked:
+                asked = True
+                await pair.p.stop(["live-move"])
+            result = final or result
+        return result
+
+    head = run(stopped())
+    t = len(head.token_ids)
+    assert 10 <= t < total and head.finish_reason == "length" and head.handoff_params
+    assert head.token_ids == whole[:t]
+    rest_params = _params(True, max_tokens=total - t)
+    shape = BeamParams(beam_width=1, max_tokens=rest_params.max_tokens)
+    rest = run(pair.d.run_stage2(prompt + head.token_ids, shape, "live-rest",
+                                 handoff=ImportRequest.for_beams(head.handoff_params, shape),
+                                 sampling=rest_params))
+    assert rest.num_imported_tokens == len(prompt) + t - 1
+    assert head.token_ids + rest.beams[0].token_ids == whole
