@@ -94,6 +94,10 @@ class EngineServer:
         cap = await self.servicer.GetCapacity(engine_pb2.CapacityRequest(), _CallContext())
         return cap.SerializeToString()
 
+    async def stop(self, request: bytes) -> bytes:
+        req = engine_pb2.StopRequest.FromString(request)
+        return (await self.servicer.Stop(req, _CallContext())).SerializeToString()
+
     async def release(self, request: bytes) -> bytes:
         req = engine_pb2.ReleaseRequest.FromString(request)
         return (await self.servicer.Release(req, _CallContext())).SerializeToString()
@@ -176,6 +180,15 @@ class HandleStub:
         except Exception as e:
             raise self._error(e) from None
         return engine_pb2.ReleaseResponse.FromString(data)
+
+    async def Stop(self, request: engine_pb2.StopRequest,  # noqa: N802
+                   timeout: float | None = None) -> engine_pb2.StopResponse:
+        try:
+            async with asyncio.timeout(timeout):
+                data = await self.handle.stop.remote(request.SerializeToString())
+        except Exception as e:
+            raise self._error(e) from None
+        return engine_pb2.StopResponse.FromString(data)
 
     async def GetCapacity(self, request: Any,  # noqa: N802
                           timeout: float | None = None) -> engine_pb2.Capacity:
@@ -276,6 +289,15 @@ class RouterServer:
                     yield event
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
+
+    async def Move(self, request: router_pb2.MoveRequest,  # noqa: N802
+                   grpc_context: Any = None) -> router_pb2.MoveResponse:
+        """Move a running request (this replica's: requests on another get NOT_FOUND)."""
+        try:
+            return await self.router.move(request.request_id)
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+        raise AssertionError("unreachable")
 
     async def Continue(self, request: router_pb2.ContinueRequest,  # noqa: N802
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -43,6 +44,16 @@ CHANNEL_OPTIONS = [
 ]
 
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class _Running:
+    """A two-stage request in stage 1, for Router.Move."""
+
+    plan: Plan
+    p: Endpoint
+    d: Endpoint | None
+    move_asked: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,8 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         self._warming: set[asyncio.Task] = set()
         #: Told of engine state changes and capacity answers (RouterMetrics.track_engines).
         self.observer = EngineObserver()
+        #: Requests in stage 1, by request id (Router.Move).
+        self._running: dict[str, _Running] = {}
         #: Parents served by StartParent, for continuations (router.parents).
         self.parents = ParentRegistry(config.max_parents, config.parent_ttl_s,
                                       config.parent_pool_share)
@@ -193,16 +206,29 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
             longest = len(plan.prompt_ids) + plan.stage1.max_tokens + len(plan.suffix_ids) + 1
             d = await self._pick_decode(longest, plan, key)
         out.decode = d.address if d is not None else None
+        running = _Running(plan, p, d)
+        self._running.setdefault(plan.request_id, running)
         try:
             handoff_msg = None
-            async for item in self._stage1(p, d, plan, out, export=handoff):
-                if isinstance(item, list):
-                    yield item
-                else:
-                    handoff_msg = item
+            try:
+                async for item in self._stage1(p, d, plan, out, export=handoff):
+                    if isinstance(item, list):
+                        yield item
+                    else:
+                        handoff_msg = item
+            finally:
+                if self._running.get(plan.request_id) is running:
+                    del self._running[plan.request_id]
+            if (running.move_asked and handoff_msg is not None
+                    and out.stage1_finish_reason == "length"
+                    and len(out.thinking_ids) < plan.stage1.max_tokens):
+                rest = await self._finish_stage1_on(d, handoff_msg, plan, out, key)
+                if rest:
+                    yield rest
+                handoff_msg = None  # D holds the parent now: stage 2 reads its cache
             out.stage1_ms = (time.perf_counter() - t0) * 1e3
             request = self._stage2_request(plan, out)
-            if handoff:
+            if handoff and not out.moves:
                 if handoff_msg is None:
                     raise grpc_error(grpc.StatusCode.INTERNAL, "prefill engine exported no handoff")
                 request.handoff.CopyFrom(handoff_msg)
@@ -212,11 +238,62 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                              handoff_msg.lease_expires_at - time.time())
             else:
                 d = p
-            d = await self._stage2_or_recompute(d, request, plan, out, key, handoff)
+            d = await self._stage2_or_recompute(d, request, plan, out, key,
+                                                handoff and not out.moves)
         finally:
             self._release(d, key)
         out.total_ms = (time.perf_counter() - t0) * 1e3
         yield out
+
+    async def move(self, request_id: str) -> router_pb2.MoveResponse:
+        """Router.Move: ask P to stop ``request_id``'s stage 1 after its next token; its
+        ``run`` then finishes stage 1 on the D it is planned for (``_finish_stage1_on``)."""
+        running = self._running.get(request_id)
+        if running is None:
+            raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                             f"request {request_id!r} is not in stage 1 here")
+        if running.d is None:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"request {request_id!r} runs colocated: no D to move it to")
+        stage1 = running.plan.stage1
+        if not (stage1.positional or stage1.temperature == 0):  # greedy is positional too
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"request {request_id!r} samples with vLLM's own sampling: "
+                             "moved, its tokens would change (use positional sampling)")
+        if running.move_asked:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"request {request_id!r} is already being moved")
+        running.move_asked = True
+        await running.p.stub.Stop(engine_pb2.StopRequest(
+            request_ids=[f"{request_id}-s1"]), timeout=self.config.capacity_timeout_s)
+        logger.info("%s: moving stage 1 from %s to %s", request_id, running.p.address,
+                    running.d.address)
+        return router_pb2.MoveResponse(from_endpoint=running.p.address,
+                                       to_endpoint=running.d.address)
+
+    async def _finish_stage1_on(self, d: Endpoint, handoff: common_pb2.Handoff, plan: Plan,
+                                out: Outcome, key: object) -> list[int]:
+        """Stage 1, stopped on P by a move, finished on ``d``: D imports what P has and
+        samples the rest with the same (positional) sampling; returns the new tokens."""
+        t = len(out.thinking_ids)
+        params = plan.stage1
+        rest = dataclasses.replace(params, max_tokens=params.max_tokens - t,
+                                   min_tokens=max(0, params.min_tokens - t))
+        request = engine_pb2.Stage2Request(
+            request_id=f"{plan.request_id}-s1m", prompt_token_ids=plan.prompt_ids
+            + out.thinking_ids, sampling=convert.stage1_to_pb(rest))
+        request.handoff.CopyFrom(handoff)
+        resp = await self._stage2(d, request, plan, out, key)
+        new = list(resp.beams[0].token_ids) if resp.beams else []
+        out.thinking_ids.extend(new)
+        out.stage1_finish_reason = resp.beams[0].finish_reason if resp.beams else "length"
+        out.moves.append(router_pb2.Move(
+            from_endpoint=out.prefill, to_endpoint=d.address, at_token=t,
+            num_imported_tokens=resp.num_imported_tokens,
+            num_computed_tokens=resp.num_computed_tokens_total))
+        logger.info("%s: moved at token %d to %s (%d imported, %d sampled there)",
+                    plan.request_id, t, d.address, resp.num_imported_tokens, len(new))
+        return new
 
     async def _stage1(self, p: Endpoint, d: Endpoint | None, plan: Plan, out: Outcome, *,
                       export: bool, hold: bool = False, hold_s: float = 0.0

@@ -75,6 +75,8 @@ class Outcome:
     held_until: float = 0.0
     #: Per stage-1 token, when its sampling asked for logprobs.
     thinking_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    #: Moves of stage 1 (Router.Move), as they happened.
+    moves: list[router_pb2.Move] = field(default_factory=list)
 
 
 def _ids_of(tokens: ModelTokens, text: str, field_name: str) -> list[int]:
@@ -176,6 +178,7 @@ def to_response(out: Outcome, tokenizer: Any,
             stage2_ms=s2.total_ms, total_ms=out.total_ms,
             router_overhead_ms=0.0 if received_at is None else max(
                 (time.perf_counter() - received_at) * 1e3 - out.engine_ms, 0.0)),
+        moves=out.moves,
         stage1_seed=out.plan.stage1.seed or 0,
         stage1_positional=out.plan.stage1.positional,
         stats=router_pb2.HandoffStats(

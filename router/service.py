@@ -142,6 +142,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 
+    async def Move(self, request, context):
+        try:
+            return await self.router.move(request.request_id)
+        except (Exception, asyncio.CancelledError) as e:
+            await self._abort(context, e)
+
     async def Continue(self, request, context):
         try:
             with self._admit():

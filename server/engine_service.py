@@ -173,6 +173,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except Exception as e:
             await abort_with(context, e)
 
+    async def Stop(self, request: engine_pb2.StopRequest, context):
+        try:
+            if self.role != "prefill":
+                raise InvalidRequest("role", "stage 1 runs on a prefill engine")
+            if self.engine is None:
+                raise EngineStarting()
+            if request.request_ids:
+                await self.engine.stop(list(request.request_ids))
+            return engine_pb2.StopResponse()
+        except Exception as e:
+            await abort_with(context, e)
+
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         task = self._tasks.get(request.request_id)
         if task is not None:

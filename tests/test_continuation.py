@@ -526,3 +526,56 @@ def test_the_router_seeds_unseeded_requests_and_the_seed_replays_them(family, fa
     assert parent.stage1_positional and parent.stage1_seed
     resp = _continue(stub, parent.parent_id)
     assert resp.stage1_seed == parent.stage1_seed
+
+
+def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family,
+                                                                        family_clean):
+    """Router.Move after 10 streamed stage-1 tokens: P stops after its next token, D
+    imports what P had and samples the rest, then runs stage 2. The stream has every
+    token once, stage 1 and the beams equal the same request never moved (colocated), and
+    the response reports the move. Refused: an unknown request (NOT_FOUND), a request
+    with vLLM's own sampling and one past stage 1 (FAILED_PRECONDITION)."""
+    import grpc
+
+    from kvhandoff.v1 import router_pb2
+    from tools.client import RouterClient, make_request
+
+    stub = _stub(family["router"])
+    prompt = list(_parent_request("fam-move").prompt_token_ids.ids)
+
+    def request(request_id, **kw):
+        req = make_request(prompt=prompt, max_tokens=150, seed=17, beam_width=4,
+                           request_id=request_id, **kw)
+        req.stage1.min_tokens = 150
+        return req
+
+    streamed, result, moved = [], None, None
+    for event in stub.GenerateStream(request("fam-move"), timeout=120):
+        if event.HasField("stage1_tokens"):
+            streamed.extend(event.stage1_tokens.ids)
+            if len(streamed) >= 10 and moved is None:
+                moved = stub.Move(router_pb2.MoveRequest(request_id="fam-move"), timeout=30)
+        else:
+            result = event.result
+    assert moved.from_endpoint == family["prefill"].address
+    assert moved.to_endpoint == family["decode"][0].address
+    with RouterClient(family["router"]) as client:
+        ref = client.generate(request("fam-move-ref", path="colocated"))
+    assert streamed == list(result.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert len(result.moves) == 1, "the request was not moved"
+    move = result.moves[0]
+    assert 10 <= move.at_token < 150 and move.to_endpoint == moved.to_endpoint
+    assert move.num_imported_tokens == len(prompt) + move.at_token - 1
+    assert [list(b.token_ids) for b in result.beams] == [list(b.token_ids) for b in ref.beams]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Move(router_pb2.MoveRequest(request_id="fam-move"), timeout=30)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    unpositional = request("fam-move-vllm")
+    unpositional.stage1.positional = False
+    call = stub.GenerateStream(unpositional, timeout=120)
+    next(iter(call))  # stage 1 is running
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Move(router_pb2.MoveRequest(request_id="fam-move-vllm"), timeout=30)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "positional" in e.value.details()
+    assert [ev for ev in call][-1].result.moves == []

@@ -130,3 +130,13 @@ class ReleaseRequest(_message.Message):
 class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class StopRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StopResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

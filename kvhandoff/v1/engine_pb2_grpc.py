@@ -59,6 +59,11 @@ class EngineStub:
                 request_serializer=kvhandoff_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvhandoff_dot_v1_dot_engine__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Stop = channel.unary_unary(
+                '/kvhandoff.v1.Engine/Stop',
+                request_serializer=kvhandoff_dot_v1_dot_engine__pb2.StopRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_engine__pb2.StopResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -102,6 +107,15 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stop(self, request, context):
+        """Stop running stage 1s after their next token (a move): each ends as a finished
+        stage 1 (finish_reason "length"), with its handoff when it was exported. Unknown or
+        finished ids are ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +143,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvhandoff_dot_v1_dot_engine__pb2.ReleaseRequest.FromString,
                     response_serializer=kvhandoff_dot_v1_dot_engine__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Stop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stop,
+                    request_deserializer=kvhandoff_dot_v1_dot_engine__pb2.StopRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_engine__pb2.StopResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +285,33 @@ class Engine:
             '/kvhandoff.v1.Engine/Release',
             kvhandoff_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
             kvhandoff_dot_v1_dot_engine__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.v1.Engine/Stop',
+            kvhandoff_dot_v1_dot_engine__pb2.StopRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_engine__pb2.StopResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MoveRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class MoveResponse(_message.Message):
+    __slots__ = ("from_endpoint", "to_endpoint")
+    FROM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TO_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    from_endpoint: str
+    to_endpoint: str
+    def __init__(self, from_endpoint: _Optional[str] = ..., to_endpoint: _Optional[str] = ...) -> None: ...
+
+class Move(_message.Message):
+    __slots__ = ("from_endpoint", "to_endpoint", "at_token", "num_imported_tokens", "num_computed_tokens")
+    FROM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TO_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    AT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    from_endpoint: str
+    to_endpoint: str
+    at_token: int
+    num_imported_tokens: int
+    num_computed_tokens: int
+    def __init__(self, from_endpoint: _Optional[str] = ..., to_endpoint: _Optional[str] = ..., at_token: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+
 class ParentRequest(_message.Message):
     __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "timeout_ms", "model", "path")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -154,7 +182,7 @@ class HandoffStats(_message.Message):
     def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., handoff_failure: _Optional[str] = ..., num_found_on_d_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids", "parent_id", "stage1_seed", "stage1_positional")
+    __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids", "parent_id", "stage1_seed", "stage1_positional", "moves")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THINKING_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +195,7 @@ class GenerateResponse(_message.Message):
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE1_SEED_FIELD_NUMBER: _ClassVar[int]
     STAGE1_POSITIONAL_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     thinking_token_ids: _containers.RepeatedScalarFieldContainer[int]
     thinking_text: str
@@ -179,7 +208,8 @@ class GenerateResponse(_message.Message):
     parent_id: str
     stage1_seed: int
     stage1_positional: bool
-    def __init__(self, request_id: _Optional[str] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., stage1_finish_reason: _Optional[str] = ..., suffix_token_ids: _Optional[_Iterable[int]] = ..., beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stats: _Optional[_Union[HandoffStats, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., parent_id: _Optional[str] = ..., stage1_seed: _Optional[int] = ..., stage1_positional: _Optional[bool] = ...) -> None: ...
+    moves: _containers.RepeatedCompositeFieldContainer[Move]
+    def __init__(self, request_id: _Optional[str] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., stage1_finish_reason: _Optional[str] = ..., suffix_token_ids: _Optional[_Iterable[int]] = ..., beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stats: _Optional[_Union[HandoffStats, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., parent_id: _Optional[str] = ..., stage1_seed: _Optional[int] = ..., stage1_positional: _Optional[bool] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamEvent(_message.Message):
     __slots__ = ("stage1_tokens", "result")

@@ -54,6 +54,11 @@ class RouterStub:
                 request_serializer=kvhandoff_dot_v1_dot_router__pb2.ContinueRequest.SerializeToString,
                 response_deserializer=kvhandoff_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Move = channel.unary_unary(
+                '/kvhandoff.v1.Router/Move',
+                request_serializer=kvhandoff_dot_v1_dot_router__pb2.MoveRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_router__pb2.MoveResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -94,6 +99,18 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Move(self, request, context):
+        """Move a running request's stage 1 from its P to the D it is planned for: P stops it
+        after its next token and exports what it has (the partial last block included), D
+        imports that and samples the rest of stage 1 (positional sampling: the same tokens
+        as not moving), then runs stage 2. The stream goes on with neither repeated nor
+        lost tokens; the response lists the move. NOT_FOUND: not running here;
+        FAILED_PRECONDITION: not positional, not on the handoff path, or past stage 1.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +133,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Continue,
                     request_deserializer=kvhandoff_dot_v1_dot_router__pb2.ContinueRequest.FromString,
                     response_serializer=kvhandoff_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Move': grpc.unary_unary_rpc_method_handler(
+                    servicer.Move,
+                    request_deserializer=kvhandoff_dot_v1_dot_router__pb2.MoveRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_router__pb2.MoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +248,33 @@ class Router:
             '/kvhandoff.v1.Router/Continue',
             kvhandoff_dot_v1_dot_router__pb2.ContinueRequest.SerializeToString,
             kvhandoff_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Move(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.v1.Router/Move',
+            kvhandoff_dot_v1_dot_router__pb2.MoveRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_router__pb2.MoveResponse.FromString,
             options,
             channel_credentials,
             insecure,
