@@ -528,6 +528,7 @@ def test_the_router_seeds_unseeded_requests_and_the_seed_replays_them(family, fa
     assert resp.stage1_seed == parent.stage1_seed
 
 
+@pytest.mark.migration
 def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family,
                                                                         family_clean):
     """Router.Move after 10 streamed stage-1 tokens: P stops after its next token, D

@@ -13,6 +13,8 @@ import pytest
 
 from kvhandoff.types import Stage1Params
 
+pytestmark = pytest.mark.migration
+
 
 def test_the_noise_is_a_pure_function_of_seed_and_position():
     from engine.sampling import uniform_reference, uniforms
