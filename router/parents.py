@@ -246,10 +246,13 @@ class ParentsMixin:
         self.parents.add(record)
         try:
             cap = p.capacity
+            releases: list[tuple[Endpoint, list[str]]] = []
             if cap is not None:
                 record.num_blocks = math.ceil(
                     (len(plan.prompt_ids) + plan.stage1.max_tokens) / cap.block_size)
-                await self._release_for(record.num_blocks, cap.num_total_blocks)
+                # Chosen, marked and counted now, with this parent's reservation below
+                # and no await between: concurrent parents cannot take the room first.
+                releases = self._release_for(record.num_blocks, cap.num_total_blocks)
                 record.not_held_reason = self.parents.may_hold(record.num_blocks,
                                                                cap.num_total_blocks)
             d = None if local else self._parent_target()
@@ -262,6 +265,7 @@ class ParentsMixin:
                 record.decode = d
                 # Counted now (estimate), corrected when stage 1 says how many.
                 self.parents.hold(record, time.time() + 3600.0)
+            await self._send_releases(releases)
             export = hold and not local
             out = Outcome(plan, p.address, d.address if export else None)
             record.thinking_logprobs = out.thinking_logprobs  # grows as P samples
@@ -303,14 +307,15 @@ class ParentsMixin:
             record.done.set()
         yield record
 
-    async def _release_for(self, num_blocks: int, p_total_blocks: int) -> None:
+    def _release_for(self, num_blocks: int, p_total_blocks: int
+                     ) -> list[tuple[Endpoint, list[str]]]:
         """End the holds of idle parents (least recently used first) when a new parent
-        of ``num_blocks`` would not fit in the share: they are marked not held before P
-        is told (a continuation starting meanwhile recomputes, never reads blocks being
-        freed); a failed Release leaves their blocks to their lease end."""
+        of ``num_blocks`` would not fit in the share: they are marked not held and their
+        blocks uncounted now (a continuation starting meanwhile recomputes, never reads
+        blocks being freed); returns what to tell each P (``_send_releases``)."""
         records = self.parents.to_release(num_blocks, p_total_blocks)
         if not records:
-            return
+            return []
         by_prefill: dict[int, tuple[Endpoint, list[str]]] = {}
         for r in records:
             r.not_held_reason = "released early: P's share for held parents was needed"
@@ -320,7 +325,12 @@ class ParentsMixin:
             by_prefill.setdefault(id(r.prefill_ep), (r.prefill_ep, []))[1].append(name)
         logger.info("releasing %d held parents early for a new one: %s", len(records),
                     ", ".join(r.parent_id for r in records))
-        for ep, names in by_prefill.values():
+        return list(by_prefill.values())
+
+    async def _send_releases(self, releases: list[tuple[Endpoint, list[str]]]) -> None:
+        """Tell each P which holds end now; a failed Release leaves their blocks to
+        their lease end (already uncounted: the share may exceed by that, briefly)."""
+        for ep, names in releases:
             try:
                 await ep.stub.Release(engine_pb2.ReleaseRequest(request_ids=names),
                                       timeout=self.config.capacity_timeout_s)
