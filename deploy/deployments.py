@@ -281,8 +281,12 @@ class RouterServer:
         replica for continuations (a continuation that lands on another gets NOT_FOUND)."""
         try:
             await self._check_engines()
-            if not any(ep.capacity for ep in self.router.prefill + self.router.decode):
-                await self.router.refresh_capacity(self.router.prefill + self.router.decode)
+            # No poller here: an engine without a snapshot (never asked, or out after an
+            # error) is asked now, or the parent would not be held for want of a D.
+            missing = [ep for ep in self.router.prefill + self.router.decode
+                       if ep.capacity is None]
+            if missing:
+                await self.router.refresh_capacity(missing)
             async with contextlib.aclosing(
                     parent_events(self.router, request, None)) as events:
                 async for event in events:

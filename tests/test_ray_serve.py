@@ -137,7 +137,7 @@ def test_two_calls_through_the_proxy(proxy, router_client):
     for event in proxy.StartParent(req, metadata=METADATA, timeout=300):
         if event.HasField("parent"):
             parent = event.parent
-    assert parent is not None and parent.held, parent
+    assert parent is not None and parent.held, parent.not_held_reason
     cont = router_pb2.ContinueRequest(parent_id=parent.parent_id)
     cont.beam.beam_width, cont.beam.max_tokens = 4, 3
     got = proxy.Continue(cont, metadata=METADATA, timeout=300)
