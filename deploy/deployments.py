@@ -303,6 +303,18 @@ class RouterServer:
             self._fail(grpc_context, e)
         raise AssertionError("unreachable")
 
+    async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
+                    grpc_context: Any = None) -> router_pb2.DrainResponse:
+        """Drain an engine for this replica's requests (run one Router replica, or drain
+        through each)."""
+        try:
+            return await self.router.drain(request.endpoint,
+                                           (request.timeout_ms or 300_000) / 1e3,
+                                           undo=request.undo)
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+        raise AssertionError("unreachable")
+
     async def Continue(self, request: router_pb2.ContinueRequest,  # noqa: N802
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:
         try:

@@ -56,6 +56,12 @@ class Endpoint:
     out_reason: str | None = "never answered"
     #: GetCapacity calls in a row that timed out.
     num_late_answers: int = 0
+    #: Drained (Router.Drain): in rotation or not, no new work is routed here.
+    draining: bool = False
+
+    @property
+    def takes_work(self) -> bool:
+        return self.in_rotation and not self.draining
 
     @property
     def in_rotation(self) -> bool:
@@ -218,24 +224,25 @@ class CapacityMixin:
                 self._refresh_soon(ep)
             await asyncio.sleep(self.config.capacity_poll_s)
 
-    async def _pick_prefill(self, plan: Plan) -> Endpoint:
-        """The P in rotation with the fewest requests outstanding. With none in rotation
-        the request waits for one (``decode_wait_s``, its deadline) while some P
-        answered lately; UNAVAILABLE if none did."""
+    async def _pick_prefill(self, plan: Plan, exclude: Endpoint | None = None) -> Endpoint:
+        """The P taking work (in rotation, not drained; not ``exclude``) with the fewest
+        requests outstanding. With none the request waits for one (``decode_wait_s``, its
+        deadline) while some P answered lately; UNAVAILABLE if none did."""
         wait_until = time.monotonic() + self.config.decode_wait_s
         if plan.deadline is not None:
             wait_until = min(wait_until, plan.deadline)
         while True:
             changed = self._decode_changed
-            live = [ep for ep in self.prefill if ep.in_rotation]
+            candidates = [ep for ep in self.prefill if ep is not exclude]
+            live = [ep for ep in candidates if ep.takes_work]
             if live:
                 return min(live, key=lambda ep: ep.outstanding)
-            _unavailable_unless_recent(self, self.prefill, "prefill")
+            _unavailable_unless_recent(self, candidates, "prefill")
             left = wait_until - time.monotonic()
             if left <= 0:
                 if plan.deadline is not None and wait_until >= plan.deadline:
                     raise TimeoutError()
-                raise _none_in_rotation(self.prefill, "prefill", self.config.decode_wait_s)
+                raise _none_in_rotation(candidates, "prefill", self.config.decode_wait_s)
             for ep in self.prefill:
                 self._refresh_soon(ep)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -278,7 +285,7 @@ class CapacityMixin:
                     # its last snapshot (or none) is used and the call goes on.
                     await asyncio.wait([self._refresh_soon(ep) for ep in stale],
                                        timeout=cfg.capacity_poll_s)
-                live = [ep for ep in decode if ep.in_rotation]
+                live = [ep for ep in decode if ep.takes_work]
                 if not live:
                     _unavailable_unless_recent(self, decode, "decode")
                 holding = [ep for ep in live if can_hold(ep)]
@@ -332,7 +339,8 @@ def _unavailable_unless_recent(router: CapacityMixin, endpoints: list[Endpoint],
 
 
 def _none_in_rotation(endpoints: list[Endpoint], role: str, waited_s: float) -> RouterError:
-    why = "; ".join(f"{ep.address}: {ep.out_reason}" for ep in endpoints) or "none configured"
+    why = "; ".join(f"{ep.address}: {ep.out_reason or 'drained'}"
+                    for ep in endpoints) or "none configured"
     return grpc_error(grpc.StatusCode.UNAVAILABLE,
                       f"no {role} engine is reachable (none in rotation for {waited_s:g} s: "
                       f"{why})")

@@ -48,12 +48,27 @@ HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
 
 @dataclass
 class _Running:
-    """A two-stage request in stage 1, for Router.Move."""
+    """A two-stage request from its start to its end (Router.Move, Router.Drain)."""
 
     plan: Plan
+    #: The P running stage 1 (another one after a resume).
     p: Endpoint
     d: Endpoint | None
-    move_asked: bool = False
+    #: Stage 1's request id on ``p`` (what P's Stop names).
+    s1_id: str = ""
+    stage: int = 1
+    #: "move" or "drain" once a move was asked for.
+    move_reason: str = ""
+    #: Set when the request ended; ``error`` then says how it ended.
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    error: BaseException | None = None
+
+    @property
+    def move_asked(self) -> bool:
+        return bool(self.move_reason)
+
+    def uses(self, ep: Endpoint) -> bool:
+        return ep is self.p if self.stage == 1 else ep is self.d
 
 
 @dataclass(frozen=True)
@@ -198,37 +213,39 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         out = Outcome(plan, p.address, None)
         d = None
         key = object()  # this request's claim on D's blocks
-        if handoff and plan.pinned:
-            d = plan.pinned[1]
-        elif handoff:
-            # D is chosen first: P addresses (and signs) the handoff to it. The longest
-            # stage-2 prompt the request can make is what must fit.
-            longest = len(plan.prompt_ids) + plan.stage1.max_tokens + len(plan.suffix_ids) + 1
-            d = await self._pick_decode(longest, plan, key)
-        out.decode = d.address if d is not None else None
-        running = _Running(plan, p, d)
-        self._running.setdefault(plan.request_id, running)
+        running = _Running(plan, p, None, s1_id=f"{plan.request_id}-s1")
+        tracked = self._running.setdefault(plan.request_id, running) is running
         try:
+            if handoff and plan.pinned:
+                d = plan.pinned[1]
+            elif handoff:
+                # D is chosen first: P addresses (and signs) the handoff to it. The longest
+                # stage-2 prompt the request can make is what must fit.
+                longest = (len(plan.prompt_ids) + plan.stage1.max_tokens
+                           + len(plan.suffix_ids) + 1)
+                d = await self._pick_decode(longest, plan, key)
+            out.decode = d.address if d is not None else None
+            running.d = d
             handoff_msg = None
-            try:
-                async for item in self._stage1(p, d, plan, out, export=handoff):
-                    if isinstance(item, list):
-                        yield item
-                    else:
-                        handoff_msg = item
-            finally:
-                if self._running.get(plan.request_id) is running:
-                    del self._running[plan.request_id]
+            async for item in self._stage1_resuming(running, plan, out, export=handoff):
+                if isinstance(item, list):
+                    yield item
+                else:
+                    handoff_msg = item
+            on_d = False  # stage 1 finished on D: D holds the parent, stage 2 reads its cache
             if (running.move_asked and handoff_msg is not None
                     and out.stage1_finish_reason == "length"
                     and len(out.thinking_ids) < plan.stage1.max_tokens):
-                rest = await self._finish_stage1_on(d, handoff_msg, plan, out, key)
+                running.stage = 2
+                rest = await self._finish_stage1_on(d, handoff_msg, plan, out, key,
+                                                    running.move_reason)
                 if rest:
                     yield rest
-                handoff_msg = None  # D holds the parent now: stage 2 reads its cache
+                on_d = True
+            running.stage = 2
             out.stage1_ms = (time.perf_counter() - t0) * 1e3
             request = self._stage2_request(plan, out)
-            if handoff and not out.moves:
+            if handoff and not on_d:
                 if handoff_msg is None:
                     raise grpc_error(grpc.StatusCode.INTERNAL, "prefill engine exported no handoff")
                 request.handoff.CopyFrom(handoff_msg)
@@ -236,43 +253,133 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                              "lease ends in %.2fs", plan.request_id, out.stage1_ms,
                              len(out.thinking_ids), d.address,
                              handoff_msg.lease_expires_at - time.time())
-            else:
-                d = p
+            elif not handoff:
+                d = running.d = running.p
             d = await self._stage2_or_recompute(d, request, plan, out, key,
-                                                handoff and not out.moves)
+                                                handoff and not on_d)
+            running.d = d
+        except BaseException as e:
+            running.error = e
+            raise
         finally:
             self._release(d, key)
+            if tracked:
+                del self._running[plan.request_id]
+            running.done.set()
         out.total_ms = (time.perf_counter() - t0) * 1e3
         yield out
 
-    async def move(self, request_id: str) -> router_pb2.MoveResponse:
+    async def _stage1_resuming(self, running: _Running, plan: Plan, out: Outcome, *,
+                               export: bool) -> AsyncIterator[list[int] | common_pb2.Handoff]:
+        """Stage 1 on ``running.p``; when that P fails mid-stream (UNAVAILABLE) and the
+        request's tokens are positional, it resumes on another P in rotation from the
+        prompt and the tokens streamed so far (their KV recomputed there, the move
+        flagged "resume: ..."). The last streamed token is sampled again and must match:
+        the new P's stream goes on from the next one."""
+        resume_at = None
+        while True:
+            try:
+                async for item in self._stage1(running.p, running.d, plan, out,
+                                               export=export, resume_at=resume_at,
+                                               request_id=running.s1_id):
+                    yield item
+                return
+            except grpc.aio.AioRpcError as e:
+                if not self._resumable(e, plan):
+                    raise
+                failed, t = running.p, len(out.thinking_ids)
+                reason = f"resume: {e.code().name}: {e.details()}"
+                logger.warning("%s: P %s failed after %d stage-1 tokens (%s); resuming on "
+                               "another P", plan.request_id, failed.address, t, e.details())
+                running.p = await self._pick_prefill(plan, exclude=failed)
+                resume_at = max(0, t - 1)
+                running.s1_id = f"{plan.request_id}-s1r{len(out.moves)}"
+                out.prefill = running.p.address
+                out.moves.append(router_pb2.Move(
+                    from_endpoint=failed.address, to_endpoint=running.p.address, at_token=t,
+                    num_imported_tokens=0,
+                    num_computed_tokens=len(plan.prompt_ids) + resume_at, reason=reason))
+
+    def _resumable(self, e: grpc.aio.AioRpcError, plan: Plan) -> bool:
+        """P failed and stage 1 can go on elsewhere with the same tokens: P is gone
+        (UNAVAILABLE), the policy is "recompute", the tokens are positional (or greedy)
+        and there is another P."""
+        stage1 = plan.stage1
+        return (e.code() == grpc.StatusCode.UNAVAILABLE
+                and self.config.on_handoff_failure == "recompute"
+                and (stage1.positional or stage1.temperature == 0)
+                and len(self.prefill) > 1 and not plan.pinned)
+
+    async def move(self, request_id: str, reason: str = "move") -> router_pb2.MoveResponse:
         """Router.Move: ask P to stop ``request_id``'s stage 1 after its next token; its
         ``run`` then finishes stage 1 on the D it is planned for (``_finish_stage1_on``)."""
         running = self._running.get(request_id)
         if running is None:
             raise grpc_error(grpc.StatusCode.NOT_FOUND,
-                             f"request {request_id!r} is not in stage 1 here")
-        if running.d is None:
+                             f"request {request_id!r} is not running here")
+        why_not = _why_not_movable(running)
+        if why_not:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"request {request_id!r} runs colocated: no D to move it to")
-        stage1 = running.plan.stage1
-        if not (stage1.positional or stage1.temperature == 0):  # greedy is positional too
-            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"request {request_id!r} samples with vLLM's own sampling: "
-                             "moved, its tokens would change (use positional sampling)")
-        if running.move_asked:
-            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"request {request_id!r} is already being moved")
-        running.move_asked = True
+                             f"request {request_id!r} {why_not}")
+        running.move_reason = reason
         await running.p.stub.Stop(engine_pb2.StopRequest(
-            request_ids=[f"{request_id}-s1"]), timeout=self.config.capacity_timeout_s)
-        logger.info("%s: moving stage 1 from %s to %s", request_id, running.p.address,
-                    running.d.address)
+            request_ids=[running.s1_id]), timeout=self.config.capacity_timeout_s)
+        logger.info("%s: moving stage 1 from %s to %s (%s)", request_id, running.p.address,
+                    running.d.address, reason)
         return router_pb2.MoveResponse(from_endpoint=running.p.address,
                                        to_endpoint=running.d.address)
 
+    async def drain(self, address: str, timeout_s: float = 300.0,
+                    undo: bool = False) -> router_pb2.DrainResponse:
+        """Router.Drain: no new work goes to the engine at ``address``; its running stage
+        1s that can move go to their D (reason "drain"), the rest finish where they are.
+        Returns once none of this router's requests use the engine (parents and
+        continuations included), or after ``timeout_s``. ``undo``: back into rotation."""
+        ep = next((e for e in (*self.prefill, *self.decode) if e.address == address), None)
+        if ep is None:
+            known = ", ".join(e.address for e in (*self.prefill, *self.decode))
+            raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                             f"engine {address!r} is not one of this router's ({known})")
+        t0 = time.monotonic()
+        if undo:
+            ep.draining = False
+            logger.info("%s takes new work again (drain undone)", address)
+            self._decode_room_changed()
+            return router_pb2.DrainResponse(endpoint=address, empty=True)
+        ep.draining = True
+        affected = [r for r in self._running.values() if r.uses(ep) or r.d is ep]
+        logger.info("draining %s: %d running requests use it", address, len(affected))
+        moved, in_place = 0, 0
+        for r in affected:
+            if r.stage == 1 and r.p is ep and not _why_not_movable(r):
+                try:
+                    await self.move(r.plan.request_id, reason="drain")
+                    moved += 1
+                    continue
+                except (RouterError, grpc.aio.AioRpcError) as e:
+                    logger.warning("drain of %s: %s not moved (%s)", address,
+                                   r.plan.request_id, e)
+            in_place += 1
+
+        def busy() -> bool:
+            return ep.outstanding > 0 or any(
+                not r.done.is_set() and (r.uses(ep) or (r.stage == 1 and r.d is ep))
+                for r in affected)
+
+        deadline = t0 + timeout_s
+        while busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        failed = sum(1 for r in affected if r.done.is_set() and r.error is not None)
+        summary = router_pb2.DrainResponse(
+            endpoint=address, moved=moved, finished_in_place=in_place, failed=failed,
+            empty=not busy(), seconds=time.monotonic() - t0)
+        logger.info("drained %s in %.2f s: %d moved, %d finished in place, %d failed%s",
+                    address, summary.seconds, moved, in_place, failed,
+                    "" if summary.empty else " (NOT empty at the timeout)")
+        return summary
+
     async def _finish_stage1_on(self, d: Endpoint, handoff: common_pb2.Handoff, plan: Plan,
-                                out: Outcome, key: object) -> list[int]:
+                                out: Outcome, key: object, reason: str) -> list[int]:
         """Stage 1, stopped on P by a move, finished on ``d``: D imports what P has and
         samples the rest with the same (positional) sampling; returns the new tokens."""
         t = len(out.thinking_ids)
@@ -283,39 +390,65 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
             request_id=f"{plan.request_id}-s1m", prompt_token_ids=plan.prompt_ids
             + out.thinking_ids, sampling=convert.stage1_to_pb(rest))
         request.handoff.CopyFrom(handoff)
+        sent_at = time.perf_counter()
         resp = await self._stage2(d, request, plan, out, key)
+        pause_ms = (sent_at - out.last_token_at) * 1e3 + resp.first_step_ms
         new = list(resp.beams[0].token_ids) if resp.beams else []
         out.thinking_ids.extend(new)
         out.stage1_finish_reason = resp.beams[0].finish_reason if resp.beams else "length"
         out.moves.append(router_pb2.Move(
             from_endpoint=out.prefill, to_endpoint=d.address, at_token=t,
             num_imported_tokens=resp.num_imported_tokens,
-            num_computed_tokens=resp.num_computed_tokens_total))
-        logger.info("%s: moved at token %d to %s (%d imported, %d sampled there)",
-                    plan.request_id, t, d.address, resp.num_imported_tokens, len(new))
+            num_computed_tokens=resp.num_computed_tokens_first_step, reason=reason,
+            pause_ms=pause_ms, num_bytes_moved=resp.num_imported_bytes))
+        logger.info("%s: moved at token %d to %s (%d imported, paused %.1f ms, %d sampled "
+                    "there)", plan.request_id, t, d.address, resp.num_imported_tokens,
+                    pause_ms, len(new))
         return new
 
     async def _stage1(self, p: Endpoint, d: Endpoint | None, plan: Plan, out: Outcome, *,
-                      export: bool, hold: bool = False, hold_s: float = 0.0
+                      export: bool, hold: bool = False, hold_s: float = 0.0,
+                      resume_at: int | None = None, request_id: str = ""
                       ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
         """Stage 1 on P: yields token batches, then P's handoff (with ``export``; with
         ``hold`` P keeps the blocks for the whole lease, or ``hold_s``: a parent). ``hold``
-        without ``export``: P holds the parent for continuations on P (``out.held_until``)."""
+        without ``export``: P holds the parent for continuations on P (``out.held_until``).
+        ``resume_at``: P starts after the first ``resume_at`` tokens of ``out.thinking_ids``
+        (their KV recomputed); the tokens it samples again must equal those already
+        there, and only the ones after them are yielded."""
+        prompt, params, replay = plan.prompt_ids, plan.stage1, 0
+        if resume_at is not None:
+            prompt = plan.prompt_ids + out.thinking_ids[:resume_at]
+            params = dataclasses.replace(
+                params, max_tokens=params.max_tokens - resume_at,
+                min_tokens=max(0, params.min_tokens - resume_at))
+            replay = len(out.thinking_ids) - resume_at
         p.outstanding += 1
         try:
             call = p.stub.Stage1(engine_pb2.Stage1Request(
-                request_id=f"{plan.request_id}-s1", prompt_token_ids=plan.prompt_ids,
-                sampling=convert.stage1_to_pb(plan.stage1), export=export, hold=hold,
+                request_id=request_id or f"{plan.request_id}-s1", prompt_token_ids=prompt,
+                sampling=convert.stage1_to_pb(params), export=export, hold=hold,
                 hold_s=hold_s,
                 target_engine_id=_handoff_target(d)),
                 timeout=self._timeout(plan))
             waiting_since = time.perf_counter()
             async for event in call:
                 out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
-                if event.new_token_ids:
-                    out.thinking_ids.extend(event.new_token_ids)
-                    out.thinking_logprobs.extend(event.logprobs)
-                    yield list(event.new_token_ids)
+                new, logprobs = list(event.new_token_ids), list(event.logprobs)
+                if replay and new:
+                    k = min(replay, len(new))
+                    again = out.thinking_ids[len(out.thinking_ids) - replay:][:k]
+                    if new[:k] != again:
+                        call.cancel()
+                        raise grpc_error(grpc.StatusCode.INTERNAL,
+                                         f"stage 1 resumed on {p.address} sampled {new[:k]} "
+                                         f"where {again} was streamed")
+                    new, logprobs, replay = new[k:], logprobs[k:], replay - k
+                if new:
+                    out.last_token_at = time.perf_counter()
+                    out.thinking_ids.extend(new)
+                    out.thinking_logprobs.extend(logprobs)
+                    yield new
                 if event.finish_reason:
                     out.stage1_finish_reason = event.finish_reason
                     out.held_until = event.held_until
@@ -388,6 +521,22 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         finally:
             out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
             d.outstanding -= 1
+
+
+def _why_not_movable(running: _Running) -> str:
+    """Why a running request cannot move to its D ("" when it can)."""
+    if running.stage != 1:
+        return "is past stage 1"
+    if running.d is None:
+        return ("has no D yet" if running.plan.path == common_pb2.PATH_HANDOFF
+                else "runs colocated: no D to move it to")
+    stage1 = running.plan.stage1
+    if not (stage1.positional or stage1.temperature == 0):  # greedy is positional too
+        return ("samples with vLLM's own sampling: moved, its tokens would change (use "
+                "positional sampling)")
+    if running.move_asked:
+        return "is already being moved"
+    return ""
 
 
 def _handoff_target(d: Endpoint | None) -> str:

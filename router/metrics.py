@@ -53,6 +53,10 @@ class RouterMetrics:
             "kvhandoff_router_overhead_seconds",
             "The router's own time per request (excluding waiting on the engines)",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r)
+        self.moves = Counter(
+            "kvhandoff_router_moves",
+            "Running requests' stage 1 moved to another engine, by reason (move, drain; "
+            "resume: the source P failed)", ["reason"], registry=r)
         self.expired_leases = Counter(
             "kvhandoff_router_expired_leases",
             "Handoffs refused or discarded because P's lease on the blocks ended", registry=r)
@@ -108,6 +112,8 @@ class RouterMetrics:
             self.recomputed.inc()
             if "lease" in s.handoff_failure:
                 self.expired_leases.inc()
+        for move in resp.moves:
+            self.moves.labels(move.reason.split(":")[0] or "move").inc()
         self.tokens_computed_d.inc(s.num_computed_tokens_first_step)
         self.beam_tokens_recomputed.inc(s.num_recomputed_beam_tokens)
         if s.path == common_pb2.PATH_HANDOFF:
@@ -143,6 +149,14 @@ class _EngineCollector:
             for ep in endpoints:
                 up.add_metric([role, ep.address], 0 if ep.capacity is None else 1)
         yield up
+        draining = GaugeMetricFamily("kvhandoff_router_engine_draining",
+                                     "1 while the engine is drained (Router.Drain): no new "
+                                     "work goes to it", labels=["role", "endpoint"])
+        for role, endpoints in (("prefill", self.router.prefill),
+                                ("decode", self.router.decode)):
+            for ep in endpoints:
+                draining.add_metric([role, ep.address], int(ep.draining))
+        yield draining
         reg = self.router.parents
         yield GaugeMetricFamily("kvhandoff_router_parents", "Parents the registry keeps for "
                                 "continuations", value=len(reg))

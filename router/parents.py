@@ -341,7 +341,7 @@ class ParentsMixin:
     def _parent_target(self) -> Endpoint | None:
         """The D a parent's handoff is addressed to: the one in rotation with the most
         room (its continuations run there while P holds the parent)."""
-        live = [ep for ep in self.decode if ep.in_rotation]
+        live = [ep for ep in self.decode if ep.takes_work]
         return max(live, key=lambda ep: (ep.num_unclaimed_blocks, -ep.outstanding),
                    default=None)
 
@@ -465,11 +465,11 @@ class ParentsMixin:
         if not record.held:
             return "P's lease on its blocks has ended"
         if record.local:
-            if record.prefill_ep is None or not record.prefill_ep.in_rotation:
-                return "the prefill engine holding it is out of rotation"
+            if record.prefill_ep is None or not record.prefill_ep.takes_work:
+                return "the prefill engine holding it is out of rotation or drained"
             return ""
-        if record.decode is None or not record.decode.in_rotation:
-            return "the decode engine it is addressed to is out of rotation"
+        if record.decode is None or not record.decode.takes_work:
+            return "the decode engine it is addressed to is out of rotation or drained"
         return ""
 
     def _continuation_plan(self, req: router_pb2.ContinueRequest, record: ParentRecord,

@@ -75,8 +75,10 @@ class Outcome:
     held_until: float = 0.0
     #: Per stage-1 token, when its sampling asked for logprobs.
     thinking_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
-    #: Moves of stage 1 (Router.Move), as they happened.
+    #: Moves of stage 1 (Router.Move, Router.Drain, a resume), as they happened.
     moves: list[router_pb2.Move] = field(default_factory=list)
+    #: time.perf_counter() when the last stage-1 token came from P.
+    last_token_at: float = 0.0
 
 
 def _ids_of(tokens: ModelTokens, text: str, field_name: str) -> list[int]:

@@ -148,6 +148,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 
+    async def Drain(self, request, context):
+        try:
+            return await self.router.drain(request.endpoint,
+                                           (request.timeout_ms or 300_000) / 1e3,
+                                           undo=request.undo)
+        except (Exception, asyncio.CancelledError) as e:
+            await self._abort(context, e)
+
     async def Continue(self, request, context):
         try:
             with self._admit():

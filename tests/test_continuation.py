@@ -566,6 +566,7 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
     assert len(result.moves) == 1, "the request was not moved"
     move = result.moves[0]
     assert 10 <= move.at_token < 150 and move.to_endpoint == moved.to_endpoint
+    assert move.reason == "move"
     assert move.num_imported_tokens == len(prompt) + move.at_token - 1
     assert [list(b.token_ids) for b in result.beams] == [list(b.token_ids) for b in ref.beams]
     with pytest.raises(grpc.RpcError) as e:
@@ -580,3 +581,90 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "positional" in e.value.details()
     assert [ev for ev in call][-1].result.moves == []
+
+
+@pytest.mark.migration
+def test_drain_moves_ps_running_stage1s_to_d_and_their_output_is_unchanged(family,
+                                                                         family_clean):
+    """`kvhandoff drain` on P while four stage 1s stream: the three positional ones move to
+    their D (reason "drain"), the one with vLLM's own sampling finishes on P; the command
+    returns once P is empty. Every stream has each token once and every output equals the
+    same request never moved (colocated). While P is drained a new request waits (this
+    router has no other P) and is served after `drain --undo`; an engine the router does
+    not know is NOT_FOUND."""
+    import concurrent.futures
+    import subprocess
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    import grpc
+
+    from kvhandoff.v1 import engine_pb2
+    from tests.conftest import engine_stub
+    from tools.client import RouterClient, make_request
+
+    kvhandoff = str(Path(sys.executable).parent / "kvhandoff")
+    stub = _stub(family["router"])
+    p_address = family["prefill"].address
+
+    def request(i, path="handoff"):
+        prompt = list(_parent_request(f"fam-drain-{i}").prompt_token_ids.ids)
+        req = make_request(prompt=prompt, max_tokens=300, seed=40 + i, beam_width=4,
+                           request_id=f"fam-drain-{i}-{path}", path=path)
+        req.stage1.min_tokens = 300
+        req.stage1.positional = i != 3
+        return req
+
+    started = [threading.Event() for _ in range(4)]
+
+    def stream(i):
+        streamed, result = [], None
+        for event in stub.GenerateStream(request(i), timeout=300):
+            if event.HasField("stage1_tokens"):
+                streamed.extend(event.stage1_tokens.ids)
+                if len(streamed) >= 5:
+                    started[i].set()
+            else:
+                result = event.result
+        return streamed, result
+
+    def drain(*flags):
+        return subprocess.run([kvhandoff, "drain", "--router", family["router"], "--engine",
+                               p_address, *flags], capture_output=True, text=True,
+                              timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(stream, i) for i in range(4)]
+        for event in started:
+            assert event.wait(120), "a stage 1 did not start"
+        try:
+            drained = drain()
+            assert drained.returncode == 0, drained.stderr
+            assert "3 moved, 1 finished in place, 0 failed" in drained.stdout, drained.stdout
+            cap = engine_stub(p_address).GetCapacity(engine_pb2.CapacityRequest(), timeout=10)
+            assert cap.num_running_reqs == 0, "drain returned before P was empty"
+            late = pool.submit(stub.Generate, request(4), timeout=120)
+            time.sleep(1.5)
+            assert not late.done(), "a request went to the drained P"
+        finally:
+            undone = drain("--undo")
+        assert undone.returncode == 0, undone.stderr
+        assert not late.result().moves
+        got = [f.result() for f in futures]
+        refs = list(pool.map(lambda i: stub.Generate(request(i, "colocated"), timeout=300),
+                             range(4)))
+    for i, ((streamed, result), ref) in enumerate(zip(got, refs)):
+        assert streamed == list(result.thinking_token_ids) == list(ref.thinking_token_ids), i
+        assert ([list(b.token_ids) for b in result.beams]
+                == [list(b.token_ids) for b in ref.beams]), i
+        if i == 3:
+            assert not result.moves, "a request with vLLM's own sampling was moved"
+        else:
+            assert [(m.reason, m.from_endpoint, m.to_endpoint) for m in result.moves] == [
+                ("drain", p_address, family["decode"][0].address)], i
+            assert 5 <= result.moves[0].at_token < 300
+    with RouterClient(family["router"]) as client, pytest.raises(grpc.RpcError) as e:
+        client.drain("127.0.0.1:1")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and p_address in e.value.details()

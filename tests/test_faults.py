@@ -1,5 +1,6 @@
-"""Faults with real processes: a P, two Ds (signed handoffs) and two routers (policy
-"recompute", the default, over both Ds; policy "fail" over D1 only). Each test ends with
+"""Faults with real processes: two Ps, two Ds (signed handoffs) and three routers (policy
+"recompute", the default, over P and both Ds; policy "fail" over P and D1 only; "resume"
+over P2 then P, and both Ds). Each test ends with
 the surviving pools clean. The tests run in file order and share the processes."""
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ def fleet(model_dir, tmp_path_factory):
         # D0 has the bigger pool, so both routers' first choice is D0 while it is up.
         d0 = spawn("decode", free_port(), [*engine, "--kv-cache-mib", "40"], log_dir, "decode0")
         d1 = spawn("decode", free_port(), [*engine, "--kv-cache-mib", "24"], log_dir, "decode1")
-        servers += [p, d0, d1]
+        p2 = spawn("prefill", free_port(), [*engine, "--kv-cache-mib", "32"], log_dir,
+                   "prefill2")
+        servers += [p, d0, d1, p2]
         # Every engine serves before the routers start (their warm-up covers every pair,
         # and no test starts while an engine is still starting).
-        for engine_server in (p, d0, d1):
+        for engine_server in (p, d0, d1, p2):
             wait_serving(engine_server.address, servers)
         router = spawn("router", free_port(), ["--model", model_dir, "--prefill", p.address,
                                                 "--decode", f"{d0.address},{d1.address}"],
@@ -51,10 +54,16 @@ def fleet(model_dir, tmp_path_factory):
                                                 "--decode", d1.address,
                                                 "--on-handoff-failure", "fail"],
                         log_dir, "router-fail")
-        servers += [router, strict]
-        wait_serving(router.address, servers)
-        wait_serving(strict.address, servers)
-        fleet = {"p": p, "d0": d0, "d1": d1, "router": router, "strict": strict,
+        # P2 first: with nothing outstanding, this router's stage 1s start on P2.
+        resume = spawn("router", free_port(), ["--model", model_dir, "--prefill",
+                                                f"{p2.address},{p.address}", "--decode",
+                                                f"{d0.address},{d1.address}"],
+                        log_dir, "router-resume")
+        servers += [router, strict, resume]
+        for router_server in (router, strict, resume):
+            wait_serving(router_server.address, servers)
+        fleet = {"p": p, "p2": p2, "d0": d0, "d1": d1, "router": router, "strict": strict,
+                 "resume": resume,
                  "engine_args": engine, "log_dir": log_dir, "servers": servers}
         yield fleet
     finally:
@@ -263,6 +272,40 @@ def _wait_for_export(p, timeout_s: float = 120.0) -> None:
             return
         time.sleep(0.1)
     pytest.fail("stage 1 did not finish")
+
+
+@pytest.mark.migration
+def test_p_killed_mid_stage1_is_resumed_on_the_other_p_with_the_same_tokens(fleet):
+    """P2 dies after 20 streamed stage-1 tokens: the router resumes the request on P from
+    the prompt and the tokens it streamed (their KV recomputed there, the move flagged
+    "resume: UNAVAILABLE ..."). The stream has each token once, and stage 1 and the beams
+    equal the same request with no crash (colocated on P)."""
+    p, p2 = fleet["p"], fleet["p2"]
+    with RouterClient(fleet["router"].address) as client:
+        ref = client.generate(_long_request(5, "colocated"), timeout=300)
+    streamed, got, killed = [], None, False
+    with RouterClient(fleet["resume"].address) as client:
+        for event in client.generate_stream(_long_request(5), timeout=300):
+            if event.HasField("stage1_tokens"):
+                streamed.extend(event.stage1_tokens.ids)
+                if len(streamed) >= 20 and not killed:
+                    _kill(p2)
+                    killed = True
+            else:
+                got = event.result
+    assert killed, "stage 1 ended before the kill"
+    assert len(ref.thinking_token_ids) == LONG_STAGE1_TOKENS
+    assert streamed == list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    (move,) = got.moves
+    assert move.reason.startswith("resume: UNAVAILABLE"), move.reason
+    assert (move.from_endpoint, move.to_endpoint) == (p2.address, p.address)
+    assert 20 <= move.at_token < LONG_STAGE1_TOKENS and move.num_imported_tokens == 0
+    assert move.num_computed_tokens == 80 + move.at_token - 1  # the last token sampled again
+    assert got.stats.prefill_endpoint == p.address and not got.stats.recomputed
+    assert metric_sum(fleet["resume"].metrics_url, "kvhandoff_router_moves_total",
+                      reason="resume") == 1
+    _assert_clean(p, fleet["d0"])
 
 
 def test_p_killed_before_d_reads_is_recomputed_on_d(fleet):

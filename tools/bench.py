@@ -559,6 +559,19 @@ def main_bench(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         return 0
 
+    if args.moves:
+        from tools.bench_moves import format_moves, measure_moves
+
+        kw = {"drain_requests": args.requests or 8}
+        if args.seed is not None:
+            kw["seed"] = args.seed
+        result = measure_moves(args.model, **kw)
+        print(format_moves(result))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
+
     if args.router_only:
         result = {"router_cluster": measure_router_overhead_on_cluster(
             args.model, args.requests or 12)}

@@ -93,6 +93,12 @@ def _client(args: argparse.Namespace) -> int:
     return main_client(args)
 
 
+def _drain(args: argparse.Namespace) -> int:
+    from tools.client import main_drain
+
+    return main_drain(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tools.bench import main_bench
 
@@ -229,6 +235,21 @@ def _add_client(sub: Any) -> None:
     client.set_defaults(func=_client)
 
 
+def _add_drain(sub: Any) -> None:
+    drain = sub.add_parser(
+        "drain", help="drain an engine through the router: no new work goes to it, its "
+                      "running stage 1s move to their D, the rest finish; returns when empty")
+    drain.add_argument("--router", default="127.0.0.1:50051")
+    drain.add_argument("--engine", required=True, metavar="HOST:PORT",
+                       help="the engine's address as the router knows it")
+    drain.add_argument("--undo", action="store_true",
+                       help="put a drained engine back into rotation")
+    drain.add_argument("--timeout", type=float, default=300.0,
+                       help="seconds to wait for the engine to empty (exit 1 if it does not)")
+    tls_channel_args(drain, "")
+    drain.set_defaults(func=_drain)
+
+
 def _add_bench(sub: Any) -> None:
     bench = sub.add_parser("bench", help="measure the handoff against the alternatives")
     bench.add_argument("--model", default=None,
@@ -252,6 +273,10 @@ def _add_bench(sub: Any) -> None:
                             "text round trip vs as a continuation (built-in model unless "
                             "--model; --requests, --concurrency, --prompt-tokens, "
                             "--stage1-tokens, --beam-width)")
+    bench.add_argument("--moves", action="store_true",
+                       help="the cost of moving a running request P -> D by parent length "
+                            "(256 to 3968 tokens), and a drain of --requests (8) running "
+                            "requests against waiting for them (built-in model unless --model)")
     bench.set_defaults(func=_bench)
 
 
@@ -270,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     from tools.soak import add_soak_parser
 
-    for add in (_add_verify, _add_serve, _add_client, _add_bench, _add_demo, add_soak_parser):
+    for add in (_add_verify, _add_serve, _add_client, _add_drain, _add_bench, _add_demo, add_soak_parser):
         add(sub)
     return parser
 

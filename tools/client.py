@@ -49,6 +49,12 @@ class RouterClient:
     def generate_stream(self, req: router_pb2.GenerateRequest, timeout: float | None = 120.0):
         return self.stub.GenerateStream(req, timeout=timeout)
 
+    def drain(self, endpoint: str, *, undo: bool = False, timeout_s: float = 300.0
+              ) -> router_pb2.DrainResponse:
+        return self.stub.Drain(router_pb2.DrainRequest(
+            endpoint=endpoint, undo=undo, timeout_ms=int(timeout_s * 1e3)),
+            timeout=timeout_s + 30)
+
     def close(self) -> None:
         self.channel.close()
 
@@ -105,3 +111,21 @@ def main_client(args: argparse.Namespace) -> int:
             return 1
     print(format_response(resp))
     return 0
+
+
+def main_drain(args: argparse.Namespace) -> int:
+    """``kvhandoff drain``: drain an engine through the router (or undo a drain)."""
+    tls = channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    with RouterClient(args.router, tls) as client:
+        try:
+            resp = client.drain(args.engine, undo=args.undo, timeout_s=args.timeout)
+        except grpc.RpcError as e:
+            print(f"kvhandoff drain: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.undo:
+        print(f"{resp.endpoint} takes new work again")
+        return 0
+    print(f"drained {resp.endpoint} in {resp.seconds:.2f} s: {resp.moved} moved, "
+          f"{resp.finished_in_place} finished in place, {resp.failed} failed"
+          + ("" if resp.empty else "; NOT empty at the timeout"))
+    return 0 if resp.empty else 1

@@ -22,18 +22,50 @@ class MoveResponse(_message.Message):
     def __init__(self, from_endpoint: _Optional[str] = ..., to_endpoint: _Optional[str] = ...) -> None: ...
 
 class Move(_message.Message):
-    __slots__ = ("from_endpoint", "to_endpoint", "at_token", "num_imported_tokens", "num_computed_tokens")
+    __slots__ = ("from_endpoint", "to_endpoint", "at_token", "num_imported_tokens", "num_computed_tokens", "reason", "pause_ms", "num_bytes_moved")
     FROM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TO_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     AT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     from_endpoint: str
     to_endpoint: str
     at_token: int
     num_imported_tokens: int
     num_computed_tokens: int
-    def __init__(self, from_endpoint: _Optional[str] = ..., to_endpoint: _Optional[str] = ..., at_token: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    reason: str
+    pause_ms: float
+    num_bytes_moved: int
+    def __init__(self, from_endpoint: _Optional[str] = ..., to_endpoint: _Optional[str] = ..., at_token: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., pause_ms: _Optional[float] = ..., num_bytes_moved: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("endpoint", "timeout_ms", "undo")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    UNDO_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    timeout_ms: int
+    undo: bool
+    def __init__(self, endpoint: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., undo: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("endpoint", "moved", "finished_in_place", "failed", "empty", "seconds")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    moved: int
+    finished_in_place: int
+    failed: int
+    empty: bool
+    seconds: float
+    def __init__(self, endpoint: _Optional[str] = ..., moved: _Optional[int] = ..., finished_in_place: _Optional[int] = ..., failed: _Optional[int] = ..., empty: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ParentRequest(_message.Message):
     __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "timeout_ms", "model", "path")

@@ -59,6 +59,11 @@ class RouterStub:
                 request_serializer=kvhandoff_dot_v1_dot_router__pb2.MoveRequest.SerializeToString,
                 response_deserializer=kvhandoff_dot_v1_dot_router__pb2.MoveResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvhandoff.v1.Router/Drain',
+                request_serializer=kvhandoff_dot_v1_dot_router__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_router__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -111,6 +116,17 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drain an engine: no new work goes to it, every running stage 1 on it that can move
+        (positional or greedy sampling, on the handoff path) moves to its D, the rest finish
+        where they are; answers when none of this router's requests use the engine any more
+        (or at the timeout), with a summary. With undo, the engine takes new work again.
+        NOT_FOUND: not one of this router's engines.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +154,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Move,
                     request_deserializer=kvhandoff_dot_v1_dot_router__pb2.MoveRequest.FromString,
                     response_serializer=kvhandoff_dot_v1_dot_router__pb2.MoveResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvhandoff_dot_v1_dot_router__pb2.DrainRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_router__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +296,33 @@ class Router:
             '/kvhandoff.v1.Router/Move',
             kvhandoff_dot_v1_dot_router__pb2.MoveRequest.SerializeToString,
             kvhandoff_dot_v1_dot_router__pb2.MoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.v1.Router/Drain',
+            kvhandoff_dot_v1_dot_router__pb2.DrainRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_router__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

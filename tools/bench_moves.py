@@ -1,0 +1,165 @@
+"""``kvhandoff bench --moves``: what moving a running request costs, and what a drain
+saves.
+
+P, D and the router run as processes (``local_cluster``). Two measurements:
+
+- **Move cost by parent length.** For each length L, a request with a prompt of
+  ``L - MOVE_AT`` tokens samples stage 1 positionally on P; after ``MOVE_AT`` streamed
+  tokens the client calls ``Router.Move`` and D imports the parent (L tokens, the partial
+  last block included) and samples the rest. Reported from the response's ``Move``: the
+  pause (from P's last token to D's first: the router's hop, the READ, the tail's
+  compute), bytes read, tokens imported and computed; and whether stage 1 and the beams
+  equal the same request never moved. Cache state: the unmoved twin runs first,
+  colocated on P, so P's prefix cache holds the prompt and D's holds nothing of it.
+- **Drain of N running requests.** N requests with fresh prompts stream stage 1 on P; once
+  each has streamed a few tokens, either ``Router.Drain`` moves them to D, or nothing is
+  done (the baseline, run first). Reported: seconds from that moment until P runs no
+  request (``GetCapacity`` polled every 20 ms), and until every request is answered.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvhandoff.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from tools.client import make_request
+from tools.launch import local_cluster
+
+#: Stage-1 tokens streamed on P before the move.
+MOVE_AT = 32
+#: Parent lengths at the move (the model's max_model_len is 4096: stage 1's rest, the
+#: suffix and the beams must fit after the longest).
+LENGTHS = (256, 1024, 2048, 3968)
+
+
+def _request(prompt: list[int], request_id: str, stage1_tokens: int, *, seed: int,
+             path: str = "handoff") -> router_pb2.GenerateRequest:
+    req = make_request(prompt=prompt, max_tokens=stage1_tokens, seed=seed, beam_width=4,
+                       request_id=request_id, path=path)
+    req.stage1.min_tokens = stage1_tokens
+    req.stage1.positional = True
+    return req
+
+
+def _stream(stub, req, started: threading.Event | None = None, at: int = 4,
+            on_tokens=None) -> tuple[list[int], router_pb2.GenerateResponse]:
+    streamed, result = [], None
+    for event in stub.GenerateStream(req, timeout=600):
+        if event.HasField("stage1_tokens"):
+            streamed.extend(event.stage1_tokens.ids)
+            if on_tokens is not None:
+                on_tokens(len(streamed))
+            if started is not None and len(streamed) >= at:
+                started.set()
+        else:
+            result = event.result
+    return streamed, result
+
+
+def measure_move_cost(stub, lengths: tuple[int, ...], stage1_tokens: int, rng: random.Random
+                      ) -> list[dict[str, Any]]:
+    rows = []
+    for n, length in enumerate(lengths):
+        prompt = [rng.randrange(10, 1000) for _ in range(length - MOVE_AT)]
+        twin = stub.Generate(_request(prompt, f"bm-twin-{n}", stage1_tokens, seed=n,
+                                      path="colocated"), timeout=600)
+        moved = []
+        rid = f"bm-move-{n}"
+
+        def maybe_move(count: int, rid=rid, moved=moved) -> None:
+            if count >= MOVE_AT and not moved:
+                moved.append(stub.Move(router_pb2.MoveRequest(request_id=rid), timeout=60))
+
+        streamed, result = _stream(stub, _request(prompt, rid, stage1_tokens, seed=n),
+                                   on_tokens=maybe_move)
+        move = result.moves[0] if result.moves else None
+        rows.append({
+            "parent_tokens": len(prompt) + (move.at_token if move else 0),
+            "at_token": move.at_token if move else None,
+            "pause_ms": round(move.pause_ms, 1) if move else None,
+            "bytes_moved": move.num_bytes_moved if move else 0,
+            "tokens_imported": move.num_imported_tokens if move else 0,
+            "tokens_computed": move.num_computed_tokens if move else 0,
+            "identical": (streamed == list(result.thinking_token_ids)
+                          == list(twin.thinking_token_ids)
+                          and [list(b.token_ids) for b in result.beams]
+                          == [list(b.token_ids) for b in twin.beams]),
+        })
+    return rows
+
+
+def measure_drain(stub, p_address: str, *, requests: int, prompt_tokens: int,
+                  stage1_tokens: int, rng: random.Random, drain: bool) -> dict[str, Any]:
+    p_stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(p_address))
+    prompts = [[rng.randrange(10, 1000) for _ in range(prompt_tokens)]
+               for _ in range(requests)]
+    started = [threading.Event() for _ in range(requests)]
+    tag = "drain" if drain else "wait"
+    with ThreadPoolExecutor(requests) as pool:
+        futures = [pool.submit(_stream, stub, _request(prompt, f"bm-{tag}-{i}", stage1_tokens,
+                                                       seed=100 + i), started[i])
+                   for i, prompt in enumerate(prompts)]
+        for event in started:
+            event.wait(600)
+        t0 = time.perf_counter()
+        summary = None
+        if drain:
+            summary = stub.Drain(router_pb2.DrainRequest(endpoint=p_address), timeout=600)
+        while p_stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=10).num_running_reqs:
+            time.sleep(0.02)
+        empty_s = time.perf_counter() - t0
+        results = [f.result()[1] for f in futures]
+        answered_s = time.perf_counter() - t0
+    if drain:
+        stub.Drain(router_pb2.DrainRequest(endpoint=p_address, undo=True), timeout=60)
+    return {"mode": tag, "p_empty_s": round(empty_s, 2), "all_answered_s": round(answered_s, 2),
+            "moved": sum(1 for r in results if r.moves),
+            "drain_call_s": round(summary.seconds, 2) if summary else None}
+
+
+def run_moves(router: str, p_address: str, *, lengths: tuple[int, ...] = LENGTHS,
+              stage1_tokens: int = 96, drain_requests: int = 8, drain_prompt_tokens: int = 256,
+              drain_stage1_tokens: int = 256, seed: int = 0) -> dict[str, Any]:
+    rng = random.Random(seed)
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(router))
+    moves = measure_move_cost(stub, lengths, stage1_tokens, rng)
+    kw = {"requests": drain_requests, "prompt_tokens": drain_prompt_tokens,
+          "stage1_tokens": drain_stage1_tokens, "rng": rng}
+    drains = [measure_drain(stub, p_address, drain=False, **kw),
+              measure_drain(stub, p_address, drain=True, **kw)]
+    return {"moves": moves, "drain": drains,
+            "config": {"move_at": MOVE_AT, "stage1_tokens": stage1_tokens,
+                       "drain_requests": drain_requests,
+                       "drain_prompt_tokens": drain_prompt_tokens,
+                       "drain_stage1_tokens": drain_stage1_tokens, "seed": seed}}
+
+
+def measure_moves(model: str | None, **kw: Any) -> dict[str, Any]:
+    """``run_moves`` on P (256 MiB pool), D (256 MiB) and a router started here."""
+    with local_cluster(model, Path("out") / "bench-moves-logs", prefill_mib=256,
+                       decode_mib=256) as cluster:
+        return run_moves(cluster["router"].address, cluster["prefill"].address, **kw)
+
+
+def format_moves(result: dict[str, Any]) -> str:
+    lines = [f"move after {result['config']['move_at']} stage-1 tokens (P -> D):",
+             f"{'parent':>7} {'pause ms':>9} {'KiB read':>9} {'imported':>9} "
+             f"{'computed':>9}  identical"]
+    for row in result["moves"]:
+        lines.append(f"{row['parent_tokens']:>7} {row['pause_ms']!s:>9} "
+                     f"{row['bytes_moved'] / 1024:>9.0f} {row['tokens_imported']:>9} "
+                     f"{row['tokens_computed']:>9}  {row['identical']}")
+    cfg = result["config"]
+    lines.append(f"{cfg['drain_requests']} running requests ({cfg['drain_prompt_tokens']}-token "
+                 f"prompts, {cfg['drain_stage1_tokens']} stage-1 tokens) on P:")
+    for row in result["drain"]:
+        lines.append(f"  {row['mode']:>5}: P empty after {row['p_empty_s']} s, all answered "
+                     f"after {row['all_answered_s']} s, {row['moved']} moved")
+    return "\n".join(lines)
