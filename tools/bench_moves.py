@@ -20,6 +20,7 @@ P, D and the router run as processes (``local_cluster``). Two measurements:
 from __future__ import annotations
 
 import random
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,10 +50,13 @@ def _request(prompt: list[int], request_id: str, stage1_tokens: int, *, seed: in
 
 
 def _stream(stub, req, started: threading.Event | None = None, at: int = 4,
-            on_tokens=None) -> tuple[list[int], router_pb2.GenerateResponse]:
+            on_tokens=None, arrivals: list[float] | None = None
+            ) -> tuple[list[int], router_pb2.GenerateResponse]:
     streamed, result = [], None
     for event in stub.GenerateStream(req, timeout=600):
         if event.HasField("stage1_tokens"):
+            if arrivals is not None:
+                arrivals.append(time.perf_counter())
             streamed.extend(event.stage1_tokens.ids)
             if on_tokens is not None:
                 on_tokens(len(streamed))
@@ -77,13 +81,17 @@ def measure_move_cost(stub, lengths: tuple[int, ...], stage1_tokens: int, rng: r
             if count >= MOVE_AT and not moved:
                 moved.append(stub.Move(router_pb2.MoveRequest(request_id=rid), timeout=60))
 
+        arrivals: list[float] = []
         streamed, result = _stream(stub, _request(prompt, rid, stage1_tokens, seed=n),
-                                   on_tokens=maybe_move)
+                                   on_tokens=maybe_move, arrivals=arrivals)
         move = result.moves[0] if result.moves else None
+        gaps = [b - a for a, b in zip(arrivals[1:MOVE_AT], arrivals[2:MOVE_AT])]
         rows.append({
             "parent_tokens": len(prompt) + (move.at_token if move else 0),
             "at_token": move.at_token if move else None,
             "pause_ms": round(move.pause_ms, 1) if move else None,
+            # The client's median gap between stream events before the move (the first left out).
+            "token_gap_ms": round(statistics.median(gaps) * 1e3, 1) if gaps else None,
             "bytes_moved": move.num_bytes_moved if move else 0,
             "tokens_imported": move.num_imported_tokens if move else 0,
             "tokens_computed": move.num_computed_tokens if move else 0,
@@ -145,16 +153,17 @@ def measure_moves(model: str | None, **kw: Any) -> dict[str, Any]:
     """``run_moves`` on P (256 MiB pool), D (256 MiB) and a router started here."""
     with local_cluster(model, Path("out") / "bench-moves-logs", prefill_mib=256,
                        decode_mib=256) as cluster:
-        return run_moves(cluster["router"].address, cluster["prefill"].address, **kw)
+        return run_moves(cluster["router"], cluster["prefill"].address, **kw)
 
 
 def format_moves(result: dict[str, Any]) -> str:
     lines = [f"move after {result['config']['move_at']} stage-1 tokens (P -> D):",
-             f"{'parent':>7} {'pause ms':>9} {'KiB read':>9} {'imported':>9} "
-             f"{'computed':>9}  identical"]
+             f"{'parent':>7} {'pause ms':>9} {'gap ms':>10} {'KiB read':>9} "
+             f"{'imported':>9} {'computed':>9}  identical"]
     for row in result["moves"]:
         lines.append(f"{row['parent_tokens']:>7} {row['pause_ms']!s:>9} "
-                     f"{row['bytes_moved'] / 1024:>9.0f} {row['tokens_imported']:>9} "
+                     f"{row['token_gap_ms']!s:>10} {row['bytes_moved'] / 1024:>9.0f} "
+                     f"{row['tokens_imported']:>9} "
                      f"{row['tokens_computed']:>9}  {row['identical']}")
     cfg = result["config"]
     lines.append(f"{cfg['drain_requests']} running requests ({cfg['drain_prompt_tokens']}-token "
