@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -95,9 +96,11 @@ async def run_sample_stage(
     request_id: str,
     first_step_extra_args: dict[str, Any] | None = None,
     held_parent: str | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> Stage2Result:
     """A sampled stage 2 on ``engine``: one sequence of ``params`` over ``parent +
-    suffix``, returned as one beam (tokens, the sum of their logprobs, why it ended).
+    suffix``, returned as one beam (tokens, the sum of their logprobs, why it ended);
+    ``on_tokens`` is called with each batch of new tokens as they are sampled.
     ``first_step_extra_args`` carry an import (D); ``held_parent`` names a parent held on
     ``engine`` to copy from (the one-engine path). With a seed the tokens equal the same
     request's on any engine (vLLM's sampling, or positional sampling)."""
@@ -125,6 +128,8 @@ async def run_sample_stage(
             if first is None:
                 first, first_step_s = out, time.perf_counter() - t0
             token_ids.extend(out.outputs[0].token_ids)
+            if on_tokens is not None and out.outputs[0].token_ids:
+                on_tokens(list(out.outputs[0].token_ids))
             last = out
     finally:
         engine.num_reserved_blocks -= reserved
@@ -162,6 +167,7 @@ class DecodeEngine(VllmEngine):
         *,
         handoff: ImportRequest,
         sampling: Stage1Params | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Stage2Result:
         """Stage 2 importing P's export (``handoff``, built for ``beam``; with
         ``sampling``, a sampled stage 2 whose ``beam`` is its shape: width 1, its
@@ -176,7 +182,7 @@ class DecodeEngine(VllmEngine):
         if sampling is not None:
             result = await run_sample_stage(
                 self, prompt_token_ids, sampling, request_id,
-                first_step_extra_args={"kv_transfer_params": params})
+                first_step_extra_args={"kv_transfer_params": params}, on_tokens=on_tokens)
         else:
             result = await run_beam_stage(
                 self, prompt_token_ids, beam, request_id,

@@ -90,6 +90,12 @@ class EngineServer:
         req = engine_pb2.Stage2Request.FromString(request)
         return (await self.servicer.Stage2(req, _CallContext())).SerializeToString()
 
+    async def stage2_stream(self, request: bytes, blocks_needed: int = 0
+                            ) -> AsyncIterator[bytes]:
+        req = engine_pb2.Stage2Request.FromString(request)
+        async for event in self.servicer.Stage2Stream(req, _CallContext()):
+            yield event.SerializeToString()
+
     async def capacity(self) -> bytes:
         cap = await self.servicer.GetCapacity(engine_pb2.CapacityRequest(), _CallContext())
         return cap.SerializeToString()
@@ -166,6 +172,25 @@ class HandleStub:
                 return engine_pb2.Stage2Response.FromString(await response)
         except (asyncio.CancelledError, TimeoutError):
             response.cancel()
+            raise
+        except Exception as e:
+            raise self._error(e) from None
+
+    async def Stage2Stream(self, request: engine_pb2.Stage2Request,  # noqa: N802
+                           timeout: float | None = None
+                           ) -> AsyncIterator[engine_pb2.Stage2Event]:
+        need = 0
+        if request.HasField("handoff") and self.block_size:
+            need = blocks_needed(len(request.prompt_token_ids), self.block_size,
+                                 request.beam.beam_width, request.beam.max_tokens, True)
+        stream = self.handle.options(stream=True).stage2_stream.remote(
+            request.SerializeToString(), blocks_needed=need)
+        try:
+            async with asyncio.timeout(timeout):
+                async for data in stream:
+                    yield engine_pb2.Stage2Event.FromString(data)
+        except (asyncio.CancelledError, TimeoutError):
+            stream.cancel()
             raise
         except Exception as e:
             raise self._error(e) from None

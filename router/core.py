@@ -237,9 +237,8 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                     and out.stage1_finish_reason == "length"
                     and len(out.thinking_ids) < plan.stage1.max_tokens):
                 running.stage = 2
-                rest = await self._finish_stage1_on(d, handoff_msg, plan, out, key,
-                                                    running.move_reason)
-                if rest:
+                async for rest in self._finish_stage1_on(d, handoff_msg, plan, out, key,
+                                                         running.move_reason):
                     yield rest
                 on_d = True
             running.stage = 2
@@ -379,9 +378,11 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         return summary
 
     async def _finish_stage1_on(self, d: Endpoint, handoff: common_pb2.Handoff, plan: Plan,
-                                out: Outcome, key: object, reason: str) -> list[int]:
+                                out: Outcome, key: object, reason: str
+                                ) -> AsyncIterator[list[int]]:
         """Stage 1, stopped on P by a move, finished on ``d``: D imports what P has and
-        samples the rest with the same (positional) sampling; returns the new tokens."""
+        samples the rest with the same (positional) sampling; yields the new tokens as D
+        streams them."""
         t = len(out.thinking_ids)
         params = plan.stage1
         rest = dataclasses.replace(params, max_tokens=params.max_tokens - t,
@@ -390,12 +391,28 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
             request_id=f"{plan.request_id}-s1m", prompt_token_ids=plan.prompt_ids
             + out.thinking_ids, sampling=convert.stage1_to_pb(rest))
         request.handoff.CopyFrom(handoff)
-        sent_at = time.perf_counter()
-        resp = await self._stage2(d, request, plan, out, key)
-        pause_ms = (sent_at - out.last_token_at) * 1e3 + resp.first_step_ms
-        new = list(resp.beams[0].token_ids) if resp.beams else []
-        out.thinking_ids.extend(new)
+        first_at, resp = None, None
+        if key in d.claims:
+            d.claims[key].sent_at = time.monotonic()
+        d.outstanding += 1
+        waiting_since = time.perf_counter()
+        try:
+            async for event in d.stub.Stage2Stream(request, timeout=self._timeout(plan)):
+                if event.new_token_ids:
+                    first_at = first_at or time.perf_counter()
+                    out.thinking_ids.extend(event.new_token_ids)
+                    yield list(event.new_token_ids)
+                if event.HasField("result"):
+                    resp = event.result
+        finally:
+            out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
+            d.outstanding -= 1
+        if resp is None:
+            raise grpc_error(grpc.StatusCode.INTERNAL, f"{d.address} ended the moved stage 1 "
+                             "without a result")
+        new = len(out.thinking_ids) - t
         out.stage1_finish_reason = resp.beams[0].finish_reason if resp.beams else "length"
+        pause_ms = ((first_at or time.perf_counter()) - out.last_token_at) * 1e3
         out.moves.append(router_pb2.Move(
             from_endpoint=out.prefill, to_endpoint=d.address, at_token=t,
             num_imported_tokens=resp.num_imported_tokens,
@@ -403,8 +420,7 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
             pause_ms=pause_ms, num_bytes_moved=resp.num_imported_bytes))
         logger.info("%s: moved at token %d to %s (%d imported, paused %.1f ms, %d sampled "
                     "there)", plan.request_id, t, d.address, resp.num_imported_tokens,
-                    pause_ms, len(new))
-        return new
+                    pause_ms, new)
 
     async def _stage1(self, p: Endpoint, d: Endpoint | None, plan: Plan, out: Outcome, *,
                       export: bool, hold: bool = False, hold_s: float = 0.0,

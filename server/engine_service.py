@@ -97,48 +97,79 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Stage2(self, request: engine_pb2.Stage2Request, context):
         try:
-            beam = engine_pb.beam_from_pb(request.beam)
-            sampling = None
-            if request.HasField("sampling"):
-                # A sampled stage 2: empty stop_token_ids means EOS only.
-                sampling = engine_pb.stage1_from_pb(request.sampling)
-                beam = BeamParams(beam_width=1, max_tokens=sampling.max_tokens)
-            prompt = list(request.prompt_token_ids)
-            with self._track(request.request_id):
-                if request.HasField("handoff"):
-                    if self.role != "decode":
-                        raise InvalidRequest("handoff", "imports run on a decode engine")
-                    logger.debug("%s: stage 2 received, P's lease ends in %.2fs",
-                                 request.request_id,
-                                 request.handoff.lease_expires_at - time.time())
-                    try:
-                        result = await self.engine.run_stage2(
-                            prompt, beam, request.request_id, handoff=ImportRequest.for_beams(
-                                engine_pb.handoff_from_pb(request.handoff), beam),
-                            sampling=sampling)
-                    except Exception:
-                        self.counts.import_failures += 1
-                        raise
-                    self.counts.imports += 1
-                elif sampling is not None:
-                    result = await run_sample_stage(self.engine, prompt, sampling,
-                                                    request.request_id,
-                                                    held_parent=request.held_parent)
-                else:
-                    result = await run_beam_stage(self.engine, prompt, beam, request.request_id,
-                                                  held_parent=request.held_parent)
-            return engine_pb2.Stage2Response(
-                beams=engine_pb.beams_to_pb(result.beams),
-                num_imported_tokens=result.num_imported_tokens,
-                num_imported_bytes=result.num_imported_bytes,
-                num_computed_tokens_first_step=result.num_computed_tokens_first_step,
-                num_computed_tokens_total=result.num_computed_tokens_total,
-                num_recomputed_beam_tokens=result.num_recomputed_beam_tokens,
-                first_step_ms=result.first_step_s * 1e3,
-                total_ms=result.elapsed_s * 1e3,
-            )
+            return await self._stage2(request)
         except Exception as e:
             await abort_with(context, e)
+
+    async def Stage2Stream(self, request: engine_pb2.Stage2Request, context):
+        """Stage2 with its sampled tokens streamed. The stage runs in its own task (the
+        one Abort cancels); a client that goes away cancels it too."""
+        try:
+            if not request.HasField("sampling"):
+                raise InvalidRequest("sampling", "Stage2Stream streams a sampled stage 2")
+            batches: asyncio.Queue[list[int]] = asyncio.Queue()
+            task = asyncio.create_task(self._stage2(request, batches.put_nowait))
+            try:
+                while not task.done() or not batches.empty():
+                    getter = asyncio.ensure_future(batches.get())
+                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                    if getter.done():
+                        yield engine_pb2.Stage2Event(new_token_ids=getter.result())
+                    else:
+                        getter.cancel()
+                yield engine_pb2.Stage2Event(result=task.result())
+            finally:
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+        except Exception as e:
+            await abort_with(context, e)
+
+    async def _stage2(self, request: engine_pb2.Stage2Request,
+                      on_tokens=None) -> engine_pb2.Stage2Response:
+        """Stage 2 (beam search, or sampled with ``on_tokens`` told of each batch)."""
+        beam = engine_pb.beam_from_pb(request.beam)
+        sampling = None
+        if request.HasField("sampling"):
+            # A sampled stage 2: empty stop_token_ids means EOS only.
+            sampling = engine_pb.stage1_from_pb(request.sampling)
+            beam = BeamParams(beam_width=1, max_tokens=sampling.max_tokens)
+        prompt = list(request.prompt_token_ids)
+        with self._track(request.request_id):
+            if request.HasField("handoff"):
+                if self.role != "decode":
+                    raise InvalidRequest("handoff", "imports run on a decode engine")
+                logger.debug("%s: stage 2 received, P's lease ends in %.2fs",
+                             request.request_id,
+                             request.handoff.lease_expires_at - time.time())
+                try:
+                    result = await self.engine.run_stage2(
+                        prompt, beam, request.request_id, handoff=ImportRequest.for_beams(
+                            engine_pb.handoff_from_pb(request.handoff), beam),
+                        sampling=sampling, on_tokens=on_tokens)
+                except Exception:
+                    self.counts.import_failures += 1
+                    raise
+                self.counts.imports += 1
+            elif sampling is not None:
+                result = await run_sample_stage(self.engine, prompt, sampling,
+                                                request.request_id,
+                                                held_parent=request.held_parent,
+                                                on_tokens=on_tokens)
+            else:
+                result = await run_beam_stage(self.engine, prompt, beam, request.request_id,
+                                              held_parent=request.held_parent)
+        return engine_pb2.Stage2Response(
+            beams=engine_pb.beams_to_pb(result.beams),
+            num_imported_tokens=result.num_imported_tokens,
+            num_imported_bytes=result.num_imported_bytes,
+            num_computed_tokens_first_step=result.num_computed_tokens_first_step,
+            num_computed_tokens_total=result.num_computed_tokens_total,
+            num_recomputed_beam_tokens=result.num_recomputed_beam_tokens,
+            first_step_ms=result.first_step_s * 1e3,
+            total_ms=result.elapsed_s * 1e3,
+        )
 
     async def GetCapacity(self, request, context) -> engine_pb2.Capacity:
         if self.engine is None:

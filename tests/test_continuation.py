@@ -533,8 +533,9 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
                                                                         family_clean):
     """Router.Move after 10 streamed stage-1 tokens: P stops after its next token, D
     imports what P had and samples the rest, then runs stage 2. The stream has every
-    token once, stage 1 and the beams equal the same request never moved (colocated), and
-    the response reports the move. Refused: an unknown request (NOT_FOUND), a request
+    token once, D's part arrives as D samples it (many events, not one batch), stage 1
+    and the beams equal the same request never moved (colocated), and the response
+    reports the move (reason, bytes read, pause). Refused: an unknown request (NOT_FOUND), a request
     with vLLM's own sampling and one past stage 1 (FAILED_PRECONDITION)."""
     import grpc
 
@@ -550,10 +551,11 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
         req.stage1.min_tokens = 150
         return req
 
-    streamed, result, moved = [], None, None
+    streamed, batches, result, moved = [], [], None, None
     for event in stub.GenerateStream(request("fam-move"), timeout=120):
         if event.HasField("stage1_tokens"):
             streamed.extend(event.stage1_tokens.ids)
+            batches.append(len(streamed))
             if len(streamed) >= 10 and moved is None:
                 moved = stub.Move(router_pb2.MoveRequest(request_id="fam-move"), timeout=30)
         else:
@@ -567,6 +569,9 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
     move = result.moves[0]
     assert 10 <= move.at_token < 150 and move.to_endpoint == moved.to_endpoint
     assert move.reason == "move"
+    assert move.num_bytes_moved > 0 and move.pause_ms > 0
+    # D's part streams as D samples it (not as one batch at its end).
+    assert sum(1 for n in batches if n > move.at_token) > 10, batches
     assert move.num_imported_tokens == len(prompt) + move.at_token - 1
     assert [list(b.token_ids) for b in result.beams] == [list(b.token_ids) for b in ref.beams]
     with pytest.raises(grpc.RpcError) as e:
@@ -581,6 +586,15 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "positional" in e.value.details()
     assert [ev for ev in call][-1].result.moves == []
+    # Stage2Stream streams a sampled stage 2 only; the engine says so and keeps serving.
+    from kvhandoff.v1 import engine_pb2
+    from tests.conftest import engine_stub
+
+    d = engine_stub(family["decode"][0].address)
+    with pytest.raises(grpc.RpcError) as e:
+        list(d.Stage2Stream(engine_pb2.Stage2Request(request_id="fam-move-beam",
+                                                     prompt_token_ids=prompt), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling" in e.value.details()
 
 
 @pytest.mark.migration

@@ -55,6 +55,14 @@ class Stage2Request(_message.Message):
     sampling: _common_pb2.Stage1Sampling
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_parent: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ...) -> None: ...
 
+class Stage2Event(_message.Message):
+    __slots__ = ("new_token_ids", "result")
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    result: Stage2Response
+    def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., result: _Optional[_Union[Stage2Response, _Mapping]] = ...) -> None: ...
+
 class Stage2Response(_message.Message):
     __slots__ = ("beams", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens_first_step", "num_computed_tokens_total", "first_step_ms", "total_ms", "num_recomputed_beam_tokens")
     BEAMS_FIELD_NUMBER: _ClassVar[int]

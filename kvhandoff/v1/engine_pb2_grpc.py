@@ -44,6 +44,11 @@ class EngineStub:
                 request_serializer=kvhandoff_dot_v1_dot_engine__pb2.Stage2Request.SerializeToString,
                 response_deserializer=kvhandoff_dot_v1_dot_engine__pb2.Stage2Response.FromString,
                 _registered_method=True)
+        self.Stage2Stream = channel.unary_stream(
+                '/kvhandoff.v1.Engine/Stage2Stream',
+                request_serializer=kvhandoff_dot_v1_dot_engine__pb2.Stage2Request.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_engine__pb2.Stage2Event.FromString,
+                _registered_method=True)
         self.GetCapacity = channel.unary_unary(
                 '/kvhandoff.v1.Engine/GetCapacity',
                 request_serializer=kvhandoff_dot_v1_dot_engine__pb2.CapacityRequest.SerializeToString,
@@ -80,6 +85,15 @@ class EngineServicer:
     def Stage2(self, request, context):
         """Run stage 2 (beam search) over prompt_token_ids; with a handoff, the first step
         imports the parent's KV from P. Without one it computes from the prefix cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stage2Stream(self, request, context):
+        """A sampled stage 2 (Stage2Request.sampling set; INVALID_ARGUMENT otherwise) streamed:
+        token batches as they are sampled, then the response (as Stage2's) as the last event.
+        The router finishes a moved stage 1 with it, so the client's stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,6 +142,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Stage2,
                     request_deserializer=kvhandoff_dot_v1_dot_engine__pb2.Stage2Request.FromString,
                     response_serializer=kvhandoff_dot_v1_dot_engine__pb2.Stage2Response.SerializeToString,
+            ),
+            'Stage2Stream': grpc.unary_stream_rpc_method_handler(
+                    servicer.Stage2Stream,
+                    request_deserializer=kvhandoff_dot_v1_dot_engine__pb2.Stage2Request.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_engine__pb2.Stage2Event.SerializeToString,
             ),
             'GetCapacity': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCapacity,
@@ -204,6 +223,33 @@ class Engine:
             '/kvhandoff.v1.Engine/Stage2',
             kvhandoff_dot_v1_dot_engine__pb2.Stage2Request.SerializeToString,
             kvhandoff_dot_v1_dot_engine__pb2.Stage2Response.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stage2Stream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvhandoff.v1.Engine/Stage2Stream',
+            kvhandoff_dot_v1_dot_engine__pb2.Stage2Request.SerializeToString,
+            kvhandoff_dot_v1_dot_engine__pb2.Stage2Event.FromString,
             options,
             channel_credentials,
             insecure,
