@@ -39,9 +39,18 @@ def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_pat
     assert any(b["token_ids"][-1] == eos for c in report.cases for b in c.handoff_beams)
     by_name = {c.name: c for c in report.cases}
     for c in report.cases:
+        assert c.num_bytes_moved > 0
+        if c.move_at is not None:
+            continue
         assert c.num_computed_tokens_d_first_step == len(c.suffix_token_ids) + 1
         assert c.num_imported_tokens + c.num_found_on_d_tokens == c.num_parent_tokens - 1
-        assert c.num_bytes_moved > 0
+    # Moves P -> D at t = 1, B - 1, B, B + 1 and a random t: D imported what P had KV for
+    # (the prompt and t - 1 tokens) and computed one token; seeded and greedy.
+    moves = [c for c in report.cases if c.move_at is not None]
+    assert {c.move_at for c in moves} >= {1, 31, 32, 33}
+    for c in moves:
+        assert c.num_imported_tokens == len(c.prompt_token_ids) + c.move_at - 1
+        assert c.num_computed_tokens_d_first_step == 1
     # Parent edges: N - 1 = kB - 1, kB, kB + 1 for k = 2 and 8.
     b = report.block_size
     edges = {(c.num_parent_tokens - 1) - (c.num_parent_tokens - 1) // b * b
@@ -68,6 +77,22 @@ def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_pat
                 "num_found_on_d_tokens", "num_computed_tokens_d_first_step",
                 "num_bytes_moved", "beams_identical"):
         assert key in case
+
+
+@pytest.mark.migration
+def test_a_move_with_vllms_own_sampling_fails_the_harness(harness, pair, run):
+    """The negative control of the move cases: the same move with vLLM's own seeded
+    sampling (its generator's state is not a function of the position) changes stage 1's
+    tokens, and the harness says so."""
+    from tools.harness_cases import Case
+
+    case = Case("move-at-21-vllm-sampling", 40, "length", 4, stage1_max_tokens=48,
+                move_at=21, positional=False)
+    report = run(harness.run([case], model_dir=str(pair.model_dir)), timeout=300)
+    print(format_table(report))
+    (c,) = report.cases
+    assert not c.ok and "stage-1 tokens differ" in c.failures
+    assert report.pools_clean, report.pool_details
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))

@@ -29,7 +29,7 @@ from connector.faults import FAULTS, applies
 from decode_engine.beam import vllm_beam_search
 from kvhandoff.budget import stage2_reservation
 from kvhandoff.model import kv_bytes_per_block, resolve_model
-from kvhandoff.types import Beam, BeamParams, Stage1Params
+from kvhandoff.types import Beam, BeamParams, Stage1Params, Stage2Result
 from prefill_engine.engine import stage1_sampling
 from tools.harness_cases import Case, default_cases, history_prompt
 from tools.harness_report import (
@@ -46,6 +46,7 @@ from tools.pipeline import (
     TwoStageResult,
     run_colocated,
     run_handoff,
+    run_moved,
     stage2_prompt,
 )
 
@@ -109,10 +110,10 @@ class Harness:
                 return n
         raise RuntimeError("no prompt fits D's pool")
 
-    async def _find_seed(self, case: Case, prompt: list[int], stage1: Stage1Params) -> int:
+    async def _find_seed(self, case: Case, prompt: list[int]) -> int:
         """A stage-1 seed for which stage 1 ends the way the case asks."""
         for seed in range(case.seed * 1000, case.seed * 1000 + 400):
-            probe = Stage1Params(**{**asdict(stage1), "seed": seed})
+            probe = self._stage1_params(case, seed)
             out = await self.p.run_stage1(prompt, probe, f"probe-{case.name}-{seed}", export=False)
             last = out.token_ids[-1]
             ended = ("length" if out.finish_reason == "length"
@@ -122,6 +123,17 @@ class Harness:
                 return seed
         raise RuntimeError(f"{case.name}: no seed in 400 makes stage 1 end by {case.ending}")
 
+    def _stage1_params(self, case: Case, seed: int) -> Stage1Params:
+        if case.move_at is None:
+            return Stage1Params(max_tokens=case.stage1_max_tokens, temperature=1.0,
+                                seed=seed, stop_token_ids=(self.think_end_id,))
+        # A move: positional sampling (the same tokens on any engine), a fixed length.
+        return Stage1Params(max_tokens=case.stage1_max_tokens,
+                            temperature=0.0 if case.greedy else 1.0, seed=seed,
+                            stop_token_ids=(self.think_end_id,),
+                            min_tokens=case.stage1_max_tokens,
+                            positional=case.positional and not case.greedy)
+
     def build_request(self, case: Case, seed: int, prompt: list[int]) -> TwoStageRequest:
         rng = random.Random(f"{case.name}/suffix")
         extra = [rng.choice(self.normal_ids) for _ in range(case.extra_suffix_len)]
@@ -129,8 +141,7 @@ class Harness:
             request_id=f"verify-{case.name}",
             prompt_token_ids=prompt,
             suffix_token_ids=self.suffix_ids + extra,
-            stage1=Stage1Params(max_tokens=case.stage1_max_tokens, temperature=1.0,
-                                seed=seed, stop_token_ids=(self.think_end_id,)),
+            stage1=self._stage1_params(case, seed),
             beam=BeamParams(beam_width=case.beam_width, max_tokens=case.beam_max_tokens),
             think_end_id=self.think_end_id,
         )
@@ -140,9 +151,7 @@ class Harness:
         if case.name in self._references:
             return self._references[case.name]
         prompt = history_prompt(self._prompt_len(case), case.name, self.tokenizer)
-        base = Stage1Params(max_tokens=case.stage1_max_tokens, temperature=1.0,
-                            stop_token_ids=(self.think_end_id,))
-        seed = await self._find_seed(case, prompt, base)
+        seed = await self._find_seed(case, prompt)
         req = self.build_request(case, seed, prompt)
         colocated = await run_colocated(self.p, req)
         # The same stage 1 on another engine: seeded sampling gives the same tokens.
@@ -157,6 +166,10 @@ class Harness:
 
     async def run_case(self, case: Case, fault: str | None = None) -> CaseReport:
         ref = await self.reference(case)
+        if case.move_at is not None:
+            await self.d.empty_prefix_cache()
+            got, move = await run_moved(self.p, self.d, ref.request, case.move_at)
+            return self.compare(case, ref, got, fault, move=move)
         if case.d_state == "warm":
             # D ran this stage 1 itself (the reference): it holds the parent's full blocks.
             await self.d.generate(ref.prompt, stage1_sampling(ref.request.stage1),
@@ -193,8 +206,29 @@ class Harness:
         text = self.tokenizer.decode(parent + suffix, skip_special_tokens=False)
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def _move_failures(self, case: Case, got: TwoStageResult, move: Stage2Result
+                       ) -> list[str]:
+        """A move at t: D imported the prompt and t - 1 tokens (all P had KV for) and
+        computed one; stage 2 then found the parent's full blocks in D's prefix cache."""
+        failures = []
+        expected = len(got.prompt_token_ids) + case.move_at - 1
+        if move.num_imported_tokens != expected:
+            failures.append(f"D imported {move.num_imported_tokens} tokens at the move, "
+                            f"expected len(prompt) + t - 1 = {expected}")
+        if move.num_computed_tokens_first_step != 1:
+            failures.append(f"D computed {move.num_computed_tokens_first_step} tokens at the "
+                            "move, expected 1")
+        b = self.d.block_size
+        cached = (len(got.parent_token_ids) - 1) // b * b
+        stage2_computed = len(got.parent_token_ids) + len(got.suffix_token_ids) - cached
+        if got.stage2.num_computed_tokens_first_step != stage2_computed:
+            failures.append(f"stage 2 on D computed {got.stage2.num_computed_tokens_first_step} "
+                            f"tokens, expected {stage2_computed} (the parent's full blocks "
+                            "from D's prefix cache)")
+        return failures
+
     def compare(self, case: Case, ref: _Reference, got: TwoStageResult,
-                fault: str | None = None) -> CaseReport:
+                fault: str | None = None, move: Stage2Result | None = None) -> CaseReport:
         failures = []
         stage1_same = ref.colocated.stage1.token_ids == got.stage1.token_ids
         if not stage1_same:
@@ -218,12 +252,18 @@ class Harness:
         s2 = got.stage2
         parent_len = len(got.parent_token_ids)
         found = parent_len - 1 - s2.num_imported_tokens if case.d_state == "warm" else 0
-        expected_computed = len(got.suffix_token_ids) + 1
-        computed_ok = s2.num_computed_tokens_first_step == expected_computed
-        if not computed_ok:
-            failures.append(f"D computed {s2.num_computed_tokens_first_step} tokens for the "
-                            f"import step, expected len(suffix)+1 = {expected_computed}")
-        failures += self._import_failures(case, got, found)
+        if move is not None:
+            moved = self._move_failures(case, got, move)
+            computed_ok = not moved
+            failures += moved
+            s2 = move  # the import step is the move's: report its figures
+        else:
+            expected_computed = len(got.suffix_token_ids) + 1
+            computed_ok = s2.num_computed_tokens_first_step == expected_computed
+            if not computed_ok:
+                failures.append(f"D computed {s2.num_computed_tokens_first_step} tokens for "
+                                f"the import step, expected len(suffix)+1 = {expected_computed}")
+            failures += self._import_failures(case, got, found)
 
         return CaseReport(
             name=case.name,
@@ -233,7 +273,7 @@ class Harness:
             stage1_finish_reason=got.stage1.finish_reason,
             suffix_token_ids=got.suffix_token_ids,
             beam=asdict(ref.request.beam),
-            d_state=case.d_state,
+            d_state=case.d_state if case.move_at is None else f"@{case.move_at}",
             colocated_beams=_beam_dicts(ref.colocated.stage2.beams),
             handoff_beams=_beam_dicts(got.stage2.beams),
             vllm_beams=_beam_dicts(ref.vllm_beams),
@@ -250,6 +290,7 @@ class Harness:
             beams_match_vllm=vllm_ok,
             max_logprob_diff=max_diff,
             computed_as_expected=computed_ok,
+            move_at=case.move_at,
             fault=fault,
             fault_applies=fault is None or applies(FAULTS[fault], parent_len, self.d.block_size),
             failures=failures,

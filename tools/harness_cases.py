@@ -32,6 +32,14 @@ class Case:
     extra_suffix_len: int = 0
     seed: int = 0
     d_state: DState = "cold"
+    #: Move stage 1 from P to D after this many tokens (``run_moved``): positional
+    #: sampling, exactly ``stage1_max_tokens`` stage-1 tokens (min_tokens = max_tokens).
+    move_at: int | None = None
+    #: Greedy stage 1 (temperature 0) instead of seeded sampling.
+    greedy: bool = False
+    #: False: a move case samples with vLLM's own seeded sampling (a negative control:
+    #: its tokens change when moved, and the case must fail).
+    positional: bool = True
 
 
 def default_cases(quick: bool = False) -> list[Case]:
@@ -51,10 +59,16 @@ def default_cases(quick: bool = False) -> list[Case]:
         Case("p690-think-w32", 690, "think_end", 32, seed=2),
         Case("warm-d-p200-w4", 200, "think_end", 4, d_state="warm"),
         Case("fill-d-pool-w1", 0, "length", 1, stage1_max_tokens=4, d_state="fill"),
+        # Moves P -> D at t = 1, B - 1, B, B + 1 and a random t (B = 32), seeded and greedy.
+        *(Case(f"move-at-{t}-w4", 40, "length", 4, stage1_max_tokens=48, move_at=t)
+          for t in (1, 31, 32, 33, random.Random("move-at").randrange(2, 47))),
+        Case("move-at-33-greedy-w4", 40, "length", 4, stage1_max_tokens=48, move_at=33,
+             greedy=True),
     ]
     if quick:
         keep = {"n65-edge-w1", "n66-edge-w32", "p33-eos-w4", "p50-think-w4-t5",
-                "p64-think-longsuffix-w4", "p690-think-w32", "warm-d-p200-w4"}
+                "p64-think-longsuffix-w4", "p690-think-w32", "warm-d-p200-w4",
+                "move-at-32-w4", "move-at-33-greedy-w4"}
         cases = [c for c in cases if c.name in keep]
     return cases
 

@@ -41,6 +41,9 @@ class CaseReport:
     beams_match_vllm: bool
     max_logprob_diff: float
     computed_as_expected: bool
+    #: Stage 1 moved from P to D after this many tokens (then ``num_imported_tokens`` and
+    #: ``num_computed_tokens_d_first_step`` are the move's, ``num_bytes_moved`` its READ).
+    move_at: int | None = None
     fault: str | None = None
     #: False: the injected fault cannot corrupt this parent (e.g. no partial block).
     fault_applies: bool = True

@@ -6,7 +6,7 @@ disaggregating: stage 2 reuses stage 1's KV through the engine's own prefix cach
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from connector.faults import FAULTS
@@ -103,6 +103,35 @@ async def run_handoff(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest, *
             stage1.handoff_params, req.beam,
             fault=fault if side not in (None, "prefill") else None))
     return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2)
+
+
+async def run_moved(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest, at: int
+                    ) -> tuple[TwoStageResult, Stage2Result]:
+    """Stage 1 moved from P to D at token ``at``: P samples ``at`` tokens and exports them
+    (the partial last block included: the export a live stop makes), D imports them and
+    samples the rest of stage 1 with the same (positional or greedy) sampling, then runs
+    stage 2 from its prefix cache. Returns the result and D's move step (the rest)."""
+    check_request(req, p, d)
+    s1 = req.stage1
+    head = await p.run_stage1(
+        req.prompt_token_ids, replace(s1, max_tokens=at, min_tokens=min(s1.min_tokens, at)),
+        f"{req.request_id}-m1", export=True, target=d.handoff_target)
+    if head.finish_reason != "length" or head.handoff_params is None:
+        raise RuntimeError(f"{req.request_id}: stage 1 ended by {head.finish_reason} before "
+                           f"token {at}: nothing to move")
+    rest_params = replace(s1, max_tokens=s1.max_tokens - at,
+                          min_tokens=max(0, s1.min_tokens - at))
+    shape = BeamParams(beam_width=1, max_tokens=rest_params.max_tokens)
+    move = await d.run_stage2(
+        req.prompt_token_ids + head.token_ids, shape, f"{req.request_id}-m2",
+        handoff=ImportRequest.for_beams(head.handoff_params, shape), sampling=rest_params)
+    rest = move.beams[0]
+    stage1 = Stage1Result(token_ids=head.token_ids + rest.token_ids,
+                          finish_reason=rest.finish_reason, handoff_params=None,
+                          elapsed_s=head.elapsed_s + move.elapsed_s)
+    prompt, suffix = stage2_prompt(req, stage1)
+    stage2 = await run_beam_stage(d, prompt, req.beam, f"{req.request_id}-m3")
+    return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2), move
 
 
 async def run_colocated(engine: PrefillEngine, req: TwoStageRequest) -> TwoStageResult:
