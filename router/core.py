@@ -237,10 +237,22 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                     and out.stage1_finish_reason == "length"
                     and len(out.thinking_ids) < plan.stage1.max_tokens):
                 running.stage = 2
-                async for rest in self._finish_stage1_on(d, handoff_msg, plan, out, key,
-                                                         running.move_reason):
-                    yield rest
-                on_d = True
+                try:
+                    async for rest in self._finish_stage1_on(d, handoff_msg, plan, out, key,
+                                                             running.move_reason):
+                        yield rest
+                    on_d = True
+                except (RouterError, grpc.aio.AioRpcError) as e:
+                    if not self._move_resumable(e):
+                        raise
+                    handoff_msg = None
+                    async for item in self._resume_after_failed_move(running, plan, out,
+                                                                     key, e):
+                        if isinstance(item, list):
+                            yield item
+                        else:
+                            handoff_msg = item
+                    d = running.d
             running.stage = 2
             out.stage1_ms = (time.perf_counter() - t0) * 1e3
             request = self._stage2_request(plan, out)
@@ -262,6 +274,8 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
             raise
         finally:
             self._release(d, key)
+            if running.d is not d:  # a move that failed chose another D
+                self._release(running.d, key)
             if tracked:
                 del self._running[plan.request_id]
             running.done.set()
@@ -269,13 +283,14 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         yield out
 
     async def _stage1_resuming(self, running: _Running, plan: Plan, out: Outcome, *,
-                               export: bool) -> AsyncIterator[list[int] | common_pb2.Handoff]:
+                               export: bool, resume_at: int | None = None
+                               ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
         """Stage 1 on ``running.p``; when that P fails mid-stream (UNAVAILABLE) and the
         request's tokens are positional, it resumes on another P in rotation from the
         prompt and the tokens streamed so far (their KV recomputed there, the move
         flagged "resume: ..."). The last streamed token is sampled again and must match:
-        the new P's stream goes on from the next one."""
-        resume_at = None
+        the new P's stream goes on from the next one. ``resume_at``: the first P starts
+        that way too (a move whose destination failed)."""
         while True:
             try:
                 async for item in self._stage1(running.p, running.d, plan, out,
@@ -298,6 +313,44 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                     from_endpoint=failed.address, to_endpoint=running.p.address, at_token=t,
                     num_imported_tokens=0,
                     num_computed_tokens=len(plan.prompt_ids) + resume_at, reason=reason))
+
+    async def _resume_after_failed_move(self, running: _Running, plan: Plan, out: Outcome,
+                                        key: object, e: Exception
+                                        ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
+        """The D a stage 1 was moving to failed (gone, or refused the import): the request
+        resumes on a P from its prompt and every token streamed so far (P's and D's), the
+        last sampled again and checked, exporting to a D chosen again (the failed one's
+        claim released). Listed as a move "resume: <status>" from the failed D."""
+        failed, t = running.d, len(out.thinking_ids)
+        code = e.code if isinstance(e, RouterError) else e.code()
+        details = str(e) if isinstance(e, RouterError) else e.details()
+        logger.warning("%s: moving stage 1 to %s failed after %d tokens (%s: %s); resuming "
+                       "on a P", plan.request_id, failed.address, t, code.name, details)
+        self._release(failed, key)
+        longest = len(plan.prompt_ids) + plan.stage1.max_tokens + len(plan.suffix_ids) + 1
+        running.d = await self._pick_decode(longest, plan, key, fresh=True)
+        out.decode = running.d.address
+        running.p = await self._pick_prefill(plan)
+        running.stage, running.move_reason = 1, ""
+        running.s1_id = f"{plan.request_id}-s1r{len(out.moves)}"
+        out.prefill = running.p.address
+        resume_at = max(0, t - 1)
+        out.moves.append(router_pb2.Move(
+            from_endpoint=failed.address, to_endpoint=running.p.address, at_token=t,
+            num_imported_tokens=0, num_computed_tokens=len(plan.prompt_ids) + resume_at,
+            reason=f"resume: {code.name}: {details}"))
+        async for item in self._stage1_resuming(running, plan, out, export=True,
+                                                resume_at=resume_at):
+            yield item
+
+    def _move_resumable(self, e: Exception) -> bool:
+        """A move's destination failed in a way stage 1 can resume from elsewhere: gone
+        (UNAVAILABLE), no room (RESOURCE_EXHAUSTED), P's lease over (FAILED_PRECONDITION),
+        under the "recompute" policy."""
+        code = e.code if isinstance(e, RouterError) else e.code()
+        return (self.config.on_handoff_failure == "recompute"
+                and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             grpc.StatusCode.FAILED_PRECONDITION))
 
     def _resumable(self, e: grpc.aio.AioRpcError, plan: Plan) -> bool:
         """P failed and stage 1 can go on elsewhere with the same tokens: P is gone
@@ -392,6 +445,10 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
             + out.thinking_ids, sampling=convert.stage1_to_pb(rest))
         request.handoff.CopyFrom(handoff)
         first_at, resp = None, None
+        # Listed from the start: a move whose destination fails stays in the record.
+        move = router_pb2.Move(from_endpoint=out.prefill, to_endpoint=d.address, at_token=t,
+                               reason=reason)
+        out.moves.append(move)
         if key in d.claims:
             d.claims[key].sent_at = time.monotonic()
         d.outstanding += 1
@@ -413,11 +470,9 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         new = len(out.thinking_ids) - t
         out.stage1_finish_reason = resp.beams[0].finish_reason if resp.beams else "length"
         pause_ms = ((first_at or time.perf_counter()) - out.last_token_at) * 1e3
-        out.moves.append(router_pb2.Move(
-            from_endpoint=out.prefill, to_endpoint=d.address, at_token=t,
-            num_imported_tokens=resp.num_imported_tokens,
-            num_computed_tokens=resp.num_computed_tokens_first_step, reason=reason,
-            pause_ms=pause_ms, num_bytes_moved=resp.num_imported_bytes))
+        move.num_imported_tokens = resp.num_imported_tokens
+        move.num_computed_tokens = resp.num_computed_tokens_first_step
+        move.pause_ms, move.num_bytes_moved = pause_ms, resp.num_imported_bytes
         logger.info("%s: moved at token %d to %s (%d imported, paused %.1f ms, %d sampled "
                     "there)", plan.request_id, t, d.address, resp.num_imported_tokens,
                     pause_ms, new)

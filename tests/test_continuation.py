@@ -682,3 +682,30 @@ def test_drain_moves_ps_running_stage1s_to_d_and_their_output_is_unchanged(famil
     with RouterClient(family["router"]) as client, pytest.raises(grpc.RpcError) as e:
         client.drain("127.0.0.1:1")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and p_address in e.value.details()
+
+
+@pytest.mark.migration
+def test_a_request_cancelled_during_its_move_frees_both_pools(family, family_clean):
+    """The client cancels right after Router.Move (P stopping, or D importing): both
+    pools come back clean (the fixture checks) and the router serves the next request."""
+    from kvhandoff.v1 import router_pb2
+    from tools.client import RouterClient, make_request
+
+    stub = _stub(family["router"])
+    prompt = list(_parent_request("fam-move-cancel").prompt_token_ids.ids)
+    req = make_request(prompt=prompt, max_tokens=300, seed=5, beam_width=4,
+                       request_id="fam-move-cancel")
+    req.stage1.min_tokens = 300
+    call = stub.GenerateStream(req, timeout=120)
+    n = 0
+    for event in call:
+        n += len(event.stage1_tokens.ids)
+        if n >= 10:
+            moved = stub.Move(router_pb2.MoveRequest(request_id="fam-move-cancel"), timeout=30)
+            break
+    call.cancel()
+    assert moved.to_endpoint == family["decode"][0].address
+    with RouterClient(family["router"]) as client:
+        after = client.generate(make_request(prompt=prompt[:40], max_tokens=8, seed=1,
+                                             beam_width=4))
+    assert after.beams

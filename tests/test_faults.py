@@ -182,6 +182,60 @@ def test_a_restarted_d_is_noticed_and_used_again(fleet):
     _assert_clean(fleet["p"], fleet["d0"], fleet["d1"])
 
 
+def _restart(fleet, name: str, mib: int) -> None:
+    """Start a killed engine again on its port; the router sees it up."""
+    from tools.launch import spawn, wait_serving
+
+    old = fleet[name]
+    port = int(old.address.rsplit(":", 1)[1])
+    server = spawn(old.role, port, [*fleet["engine_args"], "--kv-cache-mib", str(mib)],
+                   fleet["log_dir"], f"{name}-restarted-again")
+    fleet["servers"].append(server)
+    fleet[name] = server
+    wait_serving(server.address, [server])
+    _router_sees(fleet, server, up=True)
+
+
+@pytest.mark.migration
+def test_d_killed_during_a_move_resumes_stage1_on_p_with_the_same_tokens(fleet):
+    """Router.Move after 20 streamed tokens; once the destination D has streamed 20 more,
+    it is SIGKILLed: the router resumes stage 1 on P from every token streamed so far
+    (P's and D's; the last sampled again and checked), exporting to the other D. The
+    stream has each token once, and stage 1 and the beams equal the run that never moved;
+    the response lists the move and the resume."""
+    from kvhandoff.v1 import router_pb2
+
+    with RouterClient(fleet["router"].address) as client:
+        ref = client.generate(_long_request(6, "colocated"), timeout=300)
+        streamed, got, moved, at_move = [], None, None, None
+        by_address = {fleet[n].address: n for n in ("d0", "d1")}
+        for event in client.generate_stream(_long_request(6), timeout=300):
+            if event.HasField("stage1_tokens"):
+                streamed.extend(event.stage1_tokens.ids)
+                if len(streamed) >= 20 and moved is None:
+                    moved = client.stub.Move(router_pb2.MoveRequest(
+                        request_id="fault-handoff-6"), timeout=30)
+                    at_move = len(streamed)
+                elif moved is not None and at_move is not None \
+                        and len(streamed) >= at_move + 20:
+                    victim = by_address[moved.to_endpoint]
+                    _kill(fleet[victim])
+                    at_move = None
+            else:
+                got = event.result
+    assert at_move is None, "stage 1 ended before the kill"
+    assert streamed == list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    assert [m.reason.split(":")[0] for m in got.moves] == ["move", "resume"], got.moves
+    resume = got.moves[1]
+    assert resume.from_endpoint == moved.to_endpoint and "UNAVAILABLE" in resume.reason
+    assert resume.to_endpoint == fleet["p"].address and resume.at_token > got.moves[0].at_token
+    survivor = "d1" if victim == "d0" else "d0"
+    assert got.stats.decode_endpoint == fleet[survivor].address
+    _assert_clean(fleet["p"], fleet[survivor])
+    _restart(fleet, victim, 40 if victim == "d0" else 24)
+
+
 def test_fail_policy_answers_unavailable_and_keeps_serving(fleet):
     # This time only D1's engine core dies; its server notices (next test).
     with pytest.raises(grpc.RpcError) as err:
