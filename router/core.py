@@ -607,6 +607,9 @@ def _why_not_movable(running: _Running) -> str:
                 "positional sampling)")
     if running.move_asked:
         return "is already being moved"
+    if not running.d.takes_work:
+        return (f"cannot move: its D {running.d.address} is "
+                f"{'drained' if running.d.draining else 'out of rotation'}")
     return ""
 
 

@@ -709,3 +709,48 @@ def test_a_request_cancelled_during_its_move_frees_both_pools(family, family_cle
         after = client.generate(make_request(prompt=prompt[:40], max_tokens=8, seed=1,
                                              beam_width=4))
     assert after.beams
+
+
+@pytest.mark.migration
+def test_a_move_to_a_drained_d_is_refused_and_the_request_runs_on(family, family_clean):
+    """D drained (through the router, with a short timeout: a request bound for it is
+    running, so D is not empty when the call returns) refuses moves: Router.Move answers
+    FAILED_PRECONDITION naming the drained D, and the request goes on on P, unmoved, to
+    the same output as colocated; `--undo` puts D back."""
+    import grpc
+
+    from kvhandoff.v1 import router_pb2
+    from tools.client import RouterClient, make_request
+
+    stub = _stub(family["router"])
+    d_address = family["decode"][0].address
+    prompt = list(_parent_request("fam-move-drained").prompt_token_ids.ids)
+
+    def request(request_id, **kw):
+        req = make_request(prompt=prompt, max_tokens=200, seed=8, beam_width=4,
+                           request_id=request_id, **kw)
+        req.stage1.min_tokens = 200
+        return req
+
+    streamed, result, refused, summary = [], None, None, None
+    with RouterClient(family["router"]) as client:
+        try:
+            for event in stub.GenerateStream(request("fam-move-drained"), timeout=120):
+                if event.HasField("stage1_tokens"):
+                    streamed.extend(event.stage1_tokens.ids)
+                    if len(streamed) >= 10 and summary is None:
+                        summary = client.drain(d_address, timeout_s=0.5)
+                        with pytest.raises(grpc.RpcError) as refused:
+                            stub.Move(router_pb2.MoveRequest(request_id="fam-move-drained"),
+                                      timeout=30)
+                else:
+                    result = event.result
+        finally:
+            client.drain(d_address, undo=True)
+        ref = client.generate(request("fam-move-drained-ref", path="colocated"))
+    assert not summary.empty and summary.moved == 0 and summary.finished_in_place == 1
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "drained" in refused.value.details() and d_address in refused.value.details()
+    assert not result.moves and result.stats.decode_endpoint == d_address
+    assert streamed == list(result.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert [list(b.token_ids) for b in result.beams] == [list(b.token_ids) for b in ref.beams]
