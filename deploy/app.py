@@ -41,8 +41,36 @@ def _role_options(a: AppArgs, role: RoleArgs, name: str) -> dict[str, Any]:
     return opts
 
 
+def resources_needed(a: AppArgs) -> dict[str, float]:
+    """CPUs and GPUs the application asks Ray for when every deployment runs its
+    (minimum) replicas."""
+    need = {"CPU": 0.0, "GPU": 0.0}
+    for role in (a.prefill, a.decode):
+        replicas = role.autoscaling.min_replicas if role.autoscaling else role.num_replicas
+        need["CPU"] += replicas * role.num_cpus
+        need["GPU"] += replicas * a.gpus(role)
+    need["CPU"] += a.router.num_replicas * a.router.num_cpus
+    return need
+
+
+def check_fits(a: AppArgs, cluster: dict[str, float]) -> None:
+    """Refuse, with the numbers, an application the Ray cluster cannot hold even empty:
+    Serve would otherwise wait forever for replicas it cannot schedule."""
+    for resource, amount in resources_needed(a).items():
+        have = float(cluster.get(resource, 0.0))
+        if amount > have + 1e-9:
+            raise ValueError(
+                f"the application needs {amount:g} {resource}s (Prefill, Decode and Router "
+                f"replicas x their num_{resource.lower()}s) but the Ray cluster has "
+                f"{have:g}: lower num_cpus / num_replicas in the config, or add nodes")
+
+
 def build_app(args: dict[str, Any] | AppArgs) -> Application:
     a = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    import ray
+
+    if ray.is_initialized():  # serve run / serve deploy: the cluster is known here
+        check_fits(a, ray.cluster_resources())
     prefill = EngineServer.options(**_role_options(a, a.prefill, "Prefill")).bind(
         "prefill", a.model, a.engine_kwargs(a.prefill),
         a.prefill.engine.side_channel_host, a.prefill.engine.side_channel_port)

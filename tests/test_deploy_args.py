@@ -52,3 +52,23 @@ def test_gpu_defaults_reserve_whole_gpus_per_replica():
     assert kw["tensor_parallel_size"] == 2 and kw["cpu_threads"] is None
     cpu = AppArgs.model_validate({"device": "cpu"})
     assert cpu.gpus(cpu.prefill) == 0 and cpu.engine_kwargs(cpu.prefill)["cpu_threads"] == 1
+
+
+def test_the_cpu_config_fits_two_cores_and_one_that_cannot_fit_is_refused_with_the_numbers():
+    """deploy/config-cpu.yaml asks for 1.75 CPUs: it fits the 2-core machines the README
+    names. Its earlier values (1 + 1 + 0.5 = 2.5 CPUs) made Serve wait forever on 2
+    cores; build_app now refuses such an application, naming what it needs and has."""
+    from deploy.app import check_fits, resources_needed
+
+    cfg = yaml.safe_load((ROOT / "deploy" / "config-cpu.yaml").read_text())
+    args = AppArgs.model_validate(cfg["applications"][0]["args"])
+    assert resources_needed(args) == {"CPU": 1.75, "GPU": 0.0}
+    check_fits(args, {"CPU": 2.0})
+    old = cfg["applications"][0]["args"]
+    old["prefill"]["num_cpus"] = old["decode"]["num_cpus"] = 1
+    old["router"]["num_cpus"] = 0.5
+    with pytest.raises(ValueError, match=r"needs 2\.5 CPUs .* the Ray cluster has 2"):
+        check_fits(AppArgs.model_validate(old), {"CPU": 2.0})
+    gpu = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())
+    with pytest.raises(ValueError, match="GPUs"):
+        check_fits(AppArgs.model_validate(gpu["applications"][0]["args"]), {"CPU": 64.0})
