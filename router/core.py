@@ -331,7 +331,9 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         running.d = await self._pick_decode(longest, plan, key, fresh=True)
         out.decode = running.d.address
         running.p = await self._pick_prefill(plan)
-        running.stage, running.move_reason = 1, ""
+        # Stage 1 again, not movable again (move_reason stays set): a second stop would
+        # end it short with no move to finish it.
+        running.stage = 1
         running.s1_id = f"{plan.request_id}-s1r{len(out.moves)}"
         out.prefill = running.p.address
         resume_at = max(0, t - 1)
