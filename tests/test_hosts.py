@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from tools.netns import can_create, hosts
+from tools.netns import call, can_create, hosts
+from tools.nixl_probe import measure_across_hosts
+from tools.ucx_report import is_network
 
 pytestmark = [pytest.mark.hosts]
 
@@ -84,3 +86,38 @@ def test_the_namespaces_go_away_also_when_the_body_fails():
         raise RuntimeError("in the body")
     assert not names & _netns_names()
     assert not any(n.endswith("-hub") and n.startswith("kvh") for n in _netns_names())
+
+
+def _address_of(interface: str) -> str:
+    import socket
+
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", interface],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split()[3].split("/")[0] + " " + socket.gethostname()
+
+
+def test_a_function_called_on_a_host_sees_that_host_only(two_hosts):
+    """tools.netns.call: the child is on the host (its interface, its address), and an
+    error there comes back here naming the function and the host."""
+    d = two_hosts["d"]
+    assert call(d, _address_of, d.interface).split()[0] == d.address
+    with pytest.raises(RuntimeError, match=r"_address_of on d: .*eth9"):
+        call(d, _address_of, "eth9")
+
+
+def test_a_nixl_read_across_hosts_goes_over_tcp_and_the_check_sees_shared_memory(
+        two_hosts, tmp_path):
+    """A raw NIXL READ of 16 MiB from P's host to D's host, UCX_TLS=tcp as the hosts mode
+    runs engines: every byte arrives (the probe checks) and UCX's own tables say it went
+    by TCP on D's link. Negative control: left to itself, UCX sees one machine (same
+    kernel) and reads through shared memory (cma), which the check refuses."""
+    p, d = two_hosts["p"], two_hosts["d"]
+    over_tcp = measure_across_hosts(p, d, 16 << 20, tmp_path, ucx_tls="tcp", repeats=1)
+    assert over_tcp["read_transports"] == [f"tcp/{d.interface}"], over_tcp
+    assert all(is_network(t) for t in over_tcp["read_transports"])
+    chosen = measure_across_hosts(p, d, 16 << 20, tmp_path, ucx_tls=None, repeats=1)
+    assert chosen["read_transports"] and not all(is_network(t)
+                                                 for t in chosen["read_transports"]), chosen
+    print(f"NIXL READ 16 MiB across hosts: {over_tcp['gbps']} GB/s over "
+          f"{over_tcp['read_transports']}; {chosen['gbps']} GB/s over "
+          f"{chosen['read_transports']} when UCX chooses")

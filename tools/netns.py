@@ -7,18 +7,24 @@ is removed on exit, also when the body raised (deleting a namespace deletes its
 interfaces). Needs CAP_SYS_ADMIN and CAP_NET_ADMIN (root): :func:`can_create` says
 whether this process may, and why not.
 
-A process runs on a host through ``Host.run_prefix`` (``ip netns exec NAME``): its
-sockets see only that namespace's interfaces, so P, D and the router on different hosts
-reach each other only over the bridge, as machines on a network would.
+A process runs on a host through ``Host.run_prefix`` (``ip netns exec NAME``), or moves
+itself there with :func:`enter` before it opens any socket (a child made for the purpose:
+:func:`call`); its sockets see only that namespace's interfaces, so P, D and the router
+on different hosts reach each other only over the bridge, as machines on a network would.
+The caller's own namespace never reaches them: a client of a server on a host runs on a
+host too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import multiprocessing as mp
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 #: The test subnet: it exists only inside the namespaces made here.
 SUBNET = "10.213.7"
@@ -34,6 +40,72 @@ class Host:
     @property
     def run_prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.netns]
+
+
+_T = TypeVar("_T")
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
+
+
+def enter(host: Host) -> None:
+    """Move this process onto ``host``, as ``ip netns exec`` does: its network namespace,
+    and a private mount namespace whose ``/sys`` shows that host's interfaces (UCX finds
+    its devices there). Call it first thing in a fresh, single-threaded process: sockets
+    opened afterwards, also by threads started afterwards, are on that host."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ret: int, what: str) -> None:
+        if ret != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what} (entering {host.netns}): {os.strerror(err)}")
+
+    with open(f"/run/netns/{host.netns}") as f:
+        check(libc.setns(f.fileno(), _CLONE_NEWNET), "setns")
+    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"", b"/", b"none", _MS_SLAVE | _MS_REC, None), "mount --make-rslave /")
+    check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
+    check(libc.mount(host.netns.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
+
+
+def _call_child(host: Host, env: dict[str, str], fn: Callable[..., Any], args: tuple,
+                conn: Any) -> None:
+    enter(host)
+    os.environ.update(env)
+    try:
+        conn.send((True, fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
+        conn.send((False, f"{type(e).__name__}: {e}"))
+
+
+def call(host: Host, fn: Callable[..., _T], *args: Any, env: dict[str, str] | None = None,
+         timeout_s: float = 600.0) -> _T:
+    """``fn(*args)`` in a fresh process on ``host`` (with ``env`` added to its environment),
+    its result returned here (it must pickle); its exception is raised here as a
+    RuntimeError naming it. The child is killed if it has not answered in ``timeout_s``."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_call_child, args=(host, env or {}, fn, args, child), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {host.name} did not answer "
+                               f"in {timeout_s:.0f}s")
+        ok, value = parent.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} on {host.name} exited "
+                           f"({proc.exitcode}) without an answer") from None
+    finally:
+        if proc.is_alive():
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if not ok:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} on {host.name}: {value}")
+    return value
 
 
 def _ip(*args: str) -> None:

@@ -3,17 +3,25 @@ copy of the same bytes: the physical limit a handoff's transfer is compared with
 
 A child process registers a buffer and publishes its NIXL metadata; this process READs it
 (UCX backend, no progress thread on either side: the reader drives the transfer, the
-owner polls its notifications like an engine does)."""
+owner polls its notifications like an engine does). Across hosts (``measure_across_hosts``:
+separate network namespaces, tools.netns) both ends run on their hosts and the reader
+reports which transport UCX chose."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 
-def _owner(size: int, conn: Any) -> None:
+def _owner(size: int, conn: Any, host: Any = None, env: dict[str, str] | None = None) -> None:
+    if host is not None:
+        from tools.netns import enter
+
+        enter(host)
+    os.environ.update(env or {})
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -24,57 +32,72 @@ def _owner(size: int, conn: Any) -> None:
     descs = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
     conn.send((agent.get_agent_metadata(), agent.get_serialized_descs(descs), buf.ctypes.data))
     while not conn.poll(0.0005):
-        agent.get_new_notifs()
+        agent.get_new_notifs()  # also progresses UCX: a READ over TCP needs the owner's
     conn.recv()
 
 
-def _read_gbps(size: int, repeats: int, num_descriptors: int = 1) -> float:
+def _read(owner: tuple, size: int, repeats: int, num_descriptors: int) -> float:
+    """Best GB/s of ``repeats`` READs of the owner's buffer (after one untimed READ that
+    sets up the connection)."""
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
+    meta, serialized, remote_addr = owner
+    agent = nixl_agent(f"kvh-probe-reader-{os.getpid()}",
+                       nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    buf = np.zeros(size, dtype=np.uint8)
+    agent.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
+    remote_name = agent.add_remote_agent(meta)
+    if num_descriptors == 1:
+        local = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
+        remote = agent.deserialize_descs(serialized)
+    else:
+        # Equal pieces, the local ones in a shuffled order (as D's free blocks come),
+        # so NIXL cannot merge them: the descriptor structure of an engine's READ.
+        chunk = size // num_descriptors
+        order = np.random.default_rng(0).permutation(num_descriptors)
+        local = agent.get_xfer_descs(np.array(
+            [(buf.ctypes.data + i * chunk, chunk, 0) for i in order], dtype=np.uint64),
+            "DRAM")
+        remote = agent.get_xfer_descs(np.array(
+            [(remote_addr + i * chunk, chunk, 0) for i in range(num_descriptors)],
+            dtype=np.uint64), "DRAM")
+    best = float("inf")
+    for i in range(repeats + 1):  # the first READ sets up the connection: not timed
+        handle = agent.initialize_xfer("READ", local, remote, remote_name)
+        t0 = time.perf_counter()
+        state = agent.transfer(handle)
+        while state not in ("DONE", "ERR"):
+            state = agent.check_xfer_state(handle)
+        elapsed = time.perf_counter() - t0
+        agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL READ of {size} bytes ended in {state}")
+        if i:
+            best = min(best, elapsed)
+    moved = size // num_descriptors * num_descriptors
+    if not buf[:16].all() or not buf[moved - 16:moved].all():
+        raise RuntimeError("NIXL READ returned the wrong bytes")
+    agent.remove_remote_agent(remote_name)
+    return moved / best / 1e9
+
+
+def _read_gbps(size: int, repeats: int, num_descriptors: int = 1, hosts: tuple = (),
+               env: dict[str, str] | None = None) -> float:
+    """Owner in a child process, reader here; with ``hosts`` (owner's, reader's: see
+    tools.netns), each in a child process on its host, ``env`` added to both."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    owner = ctx.Process(target=_owner, args=(size, child), daemon=True)
+    owner = ctx.Process(target=_owner, daemon=True,
+                        args=(size, child, hosts[0] if hosts else None, env))
     owner.start()
     try:
-        meta, serialized, remote_addr = parent.recv()
-        agent = nixl_agent(f"kvh-probe-reader-{os.getpid()}",
-                           nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        buf = np.zeros(size, dtype=np.uint8)
-        agent.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
-        remote_name = agent.add_remote_agent(meta)
-        if num_descriptors == 1:
-            local = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
-            remote = agent.deserialize_descs(serialized)
-        else:
-            # Equal pieces, the local ones in a shuffled order (as D's free blocks come),
-            # so NIXL cannot merge them: the descriptor structure of an engine's READ.
-            chunk = size // num_descriptors
-            order = np.random.default_rng(0).permutation(num_descriptors)
-            local = agent.get_xfer_descs(np.array(
-                [(buf.ctypes.data + i * chunk, chunk, 0) for i in order], dtype=np.uint64),
-                "DRAM")
-            remote = agent.get_xfer_descs(np.array(
-                [(remote_addr + i * chunk, chunk, 0) for i in range(num_descriptors)],
-                dtype=np.uint64), "DRAM")
-        best = float("inf")
-        for i in range(repeats + 1):  # the first READ sets up the connection: not timed
-            handle = agent.initialize_xfer("READ", local, remote, remote_name)
-            t0 = time.perf_counter()
-            state = agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
-                state = agent.check_xfer_state(handle)
-            elapsed = time.perf_counter() - t0
-            agent.release_xfer_handle(handle)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL READ of {size} bytes ended in {state}")
-            if i:
-                best = min(best, elapsed)
-        moved = size // num_descriptors * num_descriptors
-        if not buf[:16].all() or not buf[moved - 16:moved].all():
-            raise RuntimeError("NIXL READ returned the wrong bytes")
-        agent.remove_remote_agent(remote_name)
-        return moved / best / 1e9
+        described = parent.recv()
+        if not hosts:
+            return _read(described, size, repeats, num_descriptors)
+        from tools.netns import call
+
+        return call(hosts[1], _read, described, size, repeats, num_descriptors, env=env or {})
     finally:
         parent.send("stop")
         owner.join(10)
@@ -97,6 +120,22 @@ def measure_descriptor_rate(size: int, num_descriptors: int, repeats: int = 3) -
     """Raw NIXL READ GB/s for ``size`` bytes posted as ``num_descriptors`` equal,
     unmergeable descriptors: what an engine's READ of that structure could reach."""
     return round(_read_gbps(size, repeats, num_descriptors), 3)
+
+
+def measure_across_hosts(owner_host: Any, reader_host: Any, size: int, log_dir: Path,
+                         ucx_tls: str | None = "tcp", repeats: int = 3) -> dict[str, Any]:
+    """Raw NIXL READ GB/s of one ``size``-byte descriptor from ``owner_host`` to
+    ``reader_host`` (tools.netns hosts), with ``UCX_TLS=ucx_tls`` (None: UCX's own choice)
+    and the transport UCX chose for it, read from the reader's UCX protocol tables."""
+    from tools.ucx_report import read_transports_in, ucx_env
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tag = f"probe-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**ucx_env(str(log_dir / f"{tag}.%p.ucx.log")),
+           **({"UCX_TLS": ucx_tls} if ucx_tls else {})}
+    gbps = _read_gbps(size, repeats, 1, (owner_host, reader_host), env)
+    return {"bytes": size, "gbps": round(gbps, 3), "ucx_tls": ucx_tls,
+            "read_transports": sorted(read_transports_in(sorted(log_dir.glob(f"{tag}.*"))))}
 
 
 def measure_transfer(sizes: list[int], repeats: int = 3) -> dict[str, Any]:
