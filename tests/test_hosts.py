@@ -1,14 +1,16 @@
-"""Separate network hosts on this machine (tools/netns.py): the plumbing issue 20's
-cross-host handoffs stand on. Skipped, with the reason, where namespaces cannot be made."""
+"""Separate network hosts on this machine (tools/netns.py) and handoffs across them: P, D
+and the router each on its own host, the KV read over the link. Skipped, with the
+reason, where namespaces cannot be made."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from tools.netns import call, can_create, hosts
+from tools.netns import SUBNET, call, can_create, hosts, tcp_copy
 from tools.nixl_probe import measure_across_hosts
 from tools.ucx_report import is_network
 
@@ -16,27 +18,6 @@ pytestmark = [pytest.mark.hosts]
 
 #: Bytes of the plain TCP copy between two hosts (a probe of the link, not a benchmark).
 COPY_BYTES = 64 << 20
-
-_SERVER = """
-import socket, sys, time
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], 47001)); s.listen(1); print("listening", flush=True)
-c, peer = s.accept(); n = 0; t0 = None
-while True:
-    b = c.recv(1 << 20)
-    if not b: break
-    t0 = t0 or time.perf_counter(); n += len(b)
-print(n, peer[0], time.perf_counter() - t0, flush=True)
-"""
-
-_CLIENT = """
-import socket, sys
-c = socket.create_connection((sys.argv[1], 47001), timeout=10)
-buf = b"x" * (1 << 20)
-for _ in range(int(sys.argv[2]) >> 20): c.sendall(buf)
-c.close()
-"""
-
 
 @pytest.fixture
 def two_hosts():
@@ -57,19 +38,9 @@ def test_two_hosts_talk_over_their_link_and_only_there(two_hosts):
     Each host has its loopback and its link and no default route (nothing it runs can
     reach beyond the test subnet)."""
     p, d = two_hosts["p"], two_hosts["d"]
-    server = subprocess.Popen([*d.run_prefix, sys.executable, "-c", _SERVER, d.address],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout.readline().strip() == "listening"
-        subprocess.run([*p.run_prefix, sys.executable, "-c", _CLIENT, d.address,
-                        str(COPY_BYTES)], check=True, timeout=120)
-        received, peer, seconds = server.stdout.readline().split()
-        server.wait(timeout=30)
-    finally:
-        server.kill()
-    assert int(received) == COPY_BYTES and peer == p.address
-    print(f"TCP copy {p.address} -> {d.address}: {COPY_BYTES * 8 / float(seconds) / 1e9:.2f} "
-          "Gbit/s")
+    received, peer, seconds = tcp_copy(p, d, COPY_BYTES)
+    assert received == COPY_BYTES and peer == p.address
+    print(f"TCP copy {p.address} -> {d.address}: {COPY_BYTES * 8 / seconds / 1e9:.2f} Gbit/s")
     for host in (p, d):
         routes = subprocess.run(["ip", "-n", host.netns, "route"], capture_output=True,
                                 text=True, check=True).stdout
@@ -121,3 +92,48 @@ def test_a_nixl_read_across_hosts_goes_over_tcp_and_the_check_sees_shared_memory
     print(f"NIXL READ 16 MiB across hosts: {over_tcp['gbps']} GB/s over "
           f"{over_tcp['read_transports']}; {chosen['gbps']} GB/s over "
           f"{chosen['read_transports']} when UCX chooses")
+
+
+def _netns_of_kvhandoff() -> set[str]:
+    return {n for n in _netns_names() if n.startswith("kvh")}
+
+
+@pytest.mark.engines
+def test_the_demo_across_hosts_is_identical_and_reads_the_kv_over_tcp(model_dir, tmp_path):
+    """`kvhandoff demo --hosts netns`: P, D and the router on three hosts, the client on
+    the router's; every request identical to the colocated reference and imported by D
+    over the link (UCX's own tables: tcp on D's interface, eth2); nothing left behind."""
+    why = can_create()
+    if why:
+        pytest.skip(why)
+    before = _netns_of_kvhandoff()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "demo", "--hosts", "netns", "--model", model_dir,
+         "--requests", "2", "--beam-width", "4", "--json", str(tmp_path / "demo.json")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["ok"] and report["hosts"] == "netns"
+    assert all(row["verified"] for row in report["requests"]), report
+    assert report["num_handoff"] >= 1 and report["two_calls"]["verified"], report
+    assert report["transport"] == {"read_transports": ["tcp/eth2"], "network": True}, report
+    assert "D read the KV from P by: tcp/eth2 (a network transport" in proc.stdout
+    assert f"router on {SUBNET}.3" in proc.stdout
+    assert _netns_of_kvhandoff() == before
+
+
+def test_the_link_bench_measures_each_path_and_names_its_transport():
+    """`kvhandoff bench --hosts-link` at one small size: a figure for every path, the
+    READ over TCP by tcp, the one UCX chooses by cma."""
+    why = can_create()
+    if why:
+        pytest.skip(why)
+    from tools.bench_hosts import format_link, measure_link
+
+    result = measure_link(sizes=(4 << 20,), repeats=1)
+    (row,) = result["sizes"]
+    assert all(row[k] > 0 for k in ("tcp_copy_gbps", "nixl_tcp_gbps", "nixl_chosen_gbps",
+                                     "nixl_loopback_cma_gbps")), row
+    assert row["nixl_tcp_transports"] == ["tcp/eth2"]
+    assert row["nixl_chosen_transports"] == ["cma/memory"]
+    assert "tcp/eth2 vs cma/memory" in format_link(result)

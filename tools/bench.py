@@ -559,6 +559,16 @@ def main_bench(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         return 0
 
+    if args.hosts_link:
+        from tools.bench_hosts import format_link, measure_link
+
+        result = measure_link()
+        print(format_link(result))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
+
     if args.moves:
         from tools.bench_moves import format_moves, measure_moves
 

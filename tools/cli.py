@@ -34,11 +34,20 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
     if args.side_channel_port:
         kwargs["side_channel_port"] = args.side_channel_port
+    kwargs["ucx_net_devices"] = _ucx_net_devices(args.ucx_net_devices, args.side_channel_host)
     if args.load_format:
         kwargs["load_format"] = args.load_format
     if args.dtype:
         kwargs["dtype"] = args.dtype
     return kwargs
+
+
+def _ucx_net_devices(flag: str | None, side_channel_host: str) -> str | None:
+    """UCX_NET_DEVICES: as asked ("all": UCX's choice); by default loopback only when
+    the side channel is on loopback (one host), else every interface."""
+    if flag is None:
+        return "lo" if side_channel_host.startswith("127.") else None
+    return None if flag == "all" else flag
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -156,6 +165,9 @@ def _add_serve(sub: Any) -> None:
                        help="NIXL side channel address (a node IP across hosts)")
     serve.add_argument("--side-channel-port", type=int, default=0,
                        help="NIXL side channel port (0 = a free one)")
+    serve.add_argument("--ucx-net-devices", default=None, metavar="DEVS",
+                       help="UCX_NET_DEVICES for NIXL (e.g. eth1, mlx5_0:1; 'all' = UCX's "
+                            "choice); default lo when the side channel is on 127.x, else all")
     serve.add_argument("--nixl-progress-delay-us", type=int, default=500,
                        help="NIXL progress thread sleep between sweeps (µs); 0 = NIXL's "
                             "busy-spinning thread, -1 = no thread (the engine polls)")
@@ -277,6 +289,10 @@ def _add_bench(sub: Any) -> None:
                        help="the cost of moving a running request P -> D by parent length "
                             "(256 to 3968 tokens), and a drain of --requests (8) running "
                             "requests against waiting for them (built-in model unless --model)")
+    bench.add_argument("--hosts-link", action="store_true",
+                       help="the link between two network hosts (namespaces; root): a TCP "
+                            "copy, a NIXL READ over TCP, over UCX's choice (cma) and on "
+                            "loopback, 16-256 MiB")
     bench.set_defaults(func=_bench)
 
 
@@ -285,6 +301,10 @@ def _add_demo(sub: Any) -> None:
     _model_arg(demo)
     demo.add_argument("--requests", type=int, default=8)
     demo.add_argument("--beam-width", type=int, default=8)
+    demo.add_argument("--hosts", choices=["netns"], default=None,
+                      help="netns: P, D and the router on separate network hosts "
+                           "(network namespaces joined by veth pairs; needs root), the KV "
+                           "read over the link by TCP")
     demo.add_argument("--json", default=None, metavar="PATH")
     demo.set_defaults(func=_demo)
 

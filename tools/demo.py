@@ -1,10 +1,15 @@
 """``kvhandoff demo``: P, D and the router as separate processes on loopback, a batch of
 two-stage requests through the router over gRPC, each checked against the colocated
-reference, then everything shut down. Exit code 0 only if every request verified."""
+reference, then everything shut down. Exit code 0 only if every request verified.
+
+``--hosts netns``: P, D and the router each on its own network host (tools.netns), the
+client on the router's host, the KV read over the link by TCP; the demo also reports the
+transport UCX chose and fails unless it is a network one."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +22,7 @@ from kvhandoff.model import resolve_model
 from tools.client import RouterClient, make_request
 from tools.harness_report import LOGPROB_TOLERANCE
 from tools.launch import local_cluster
+from tools.netns import call, hosts
 
 #: Seed of the demo's histories: not the training corpus's, so the model has not seen them.
 DEMO_SEED = 7
@@ -151,23 +157,57 @@ def _print_summary(rows: list[dict], handed: list[dict]) -> None:
           f"client share this machine's cores)")
 
 
+def _transport_line(log_dir: Path) -> dict:
+    """What UCX chose for D's READs from P (its protocol tables), printed and returned."""
+    from tools.ucx_report import is_network, read_transports_in
+
+    chosen = sorted(read_transports_in(sorted(log_dir.glob("decode.*.ucx.log"))))
+    network = bool(chosen) and all(is_network(t) for t in chosen)
+    print(f"\nD read the KV from P by: {', '.join(chosen) or 'nothing (no READ seen)'} "
+          f"({'a network transport' if network else 'NOT a network transport'}; UCX's "
+          "protocol tables in out/demo-logs/decode.*.ucx.log)")
+    return {"read_transports": chosen, "network": network}
+
+
 def main_demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
 
+    if args.hosts == "netns":
+        from tools.netns import can_create
+
+        why = can_create()
+        if why:
+            print(f"kvhandoff demo --hosts netns: cannot make the hosts here: {why}")
+            return 2
     examples = demo_examples(args.requests)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
     think_end = tokenizer.convert_tokens_to_ids("</think>")
     from kvhandoff.ports import free_port
 
     http_port = free_port()
-    with local_cluster(args.model, Path("out") / "demo-logs",
-                       router_flags=("--http-port", str(http_port))) as cluster:
-        print(f"P, D and router up; router at {cluster['router']} (gRPC) and "
-              f"http://127.0.0.1:{http_port} (OpenAI-compatible)", flush=True)
-        results = _send_all(cluster["router"], [ex.prompt for ex in examples], args.beam_width)
-        two_calls = _two_calls(f"http://127.0.0.1:{http_port}", examples[0].prompt,
-                               args.beam_width, results[0])
+    log_dir = Path("out") / "demo-logs"
+    with contextlib.ExitStack() as stack:
+        on_hosts = stack.enter_context(hosts(("p", "d", "r"))) if args.hosts == "netns" else None
+        cluster = stack.enter_context(local_cluster(
+            args.model, log_dir, router_flags=("--http-port", str(http_port)),
+            on_hosts=on_hosts))
+        http_host = on_hosts["r"].address if on_hosts else "127.0.0.1"
+        where = (f"P on {on_hosts['p'].address}, D on {on_hosts['d'].address}, router on "
+                 f"{http_host} (separate network namespaces)" if on_hosts else
+                 "P, D and router up")
+        print(f"{where}; router at {cluster['router']} (gRPC) and "
+              f"http://{http_host}:{http_port} (OpenAI-compatible)", flush=True)
+        base = f"http://{http_host}:{http_port}"
+        prompts = [ex.prompt for ex in examples]
+        if on_hosts:  # this process cannot reach the router's host: the client runs there
+            results = call(on_hosts["r"], _send_all, cluster["router"], prompts, args.beam_width)
+            two_calls = call(on_hosts["r"], _two_calls, base, examples[0].prompt,
+                             args.beam_width, results[0])
+        else:
+            results = _send_all(cluster["router"], prompts, args.beam_width)
+            two_calls = _two_calls(base, examples[0].prompt, args.beam_width, results[0])
+    transport = _transport_line(log_dir) if on_hosts else None
     print(f"\n{'req':<8}{'stage1':>7}{'parent':>7}{'imported':>9}{'D comp':>7}{'KiB':>6}"
           f"{'first beam ms':>14}  {'top beam':<16}{'rule':<16}{'logp':>8}  verified")
     rows = []
@@ -184,8 +224,12 @@ def main_demo(args: argparse.Namespace) -> int:
     # recomputed, flagged) went by handoff.
     ok = (all(r["verified"] for r in rows) and len(handed) >= max(1, len(rows) - 1)
           and two_calls["verified"])
+    if transport is not None:  # across hosts the KV must have crossed the network
+        ok = ok and transport["network"]
     if args.json:
         Path(args.json).write_text(json.dumps({"ok": ok, "requests": rows,
                                                "num_handoff": len(handed),
-                                               "two_calls": two_calls}, indent=1) + "\n")
+                                               "two_calls": two_calls,
+                                               "hosts": args.hosts or None,
+                                               "transport": transport}, indent=1) + "\n")
     return 0 if ok else 1

@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 
 from kvhandoff.ports import free_port
+from tools.netns import Host
 
 
 @dataclass
@@ -37,20 +38,30 @@ class ServerProcess:
 
 
 def spawn(role: str, port: int, extra: list[str], log_dir: Path,
-           name: str | None = None) -> ServerProcess:
+           name: str | None = None, host: Host | None = None,
+           env: dict[str, str] | None = None) -> ServerProcess:
+    """``kvhandoff serve --role role`` on 127.0.0.1, or on ``host`` (tools.netns: in its
+    namespace, serving and advertising the host's address), ``env`` added."""
     log_path = log_dir / f"{name or role}.log"
     metrics_port = free_port()
-    cmd = [sys.executable, "-m", "tools.cli", "serve", "--role", role,
-           "--port", str(port), "--metrics-port", str(metrics_port), *extra]
+    address = host.address if host else "127.0.0.1"
+    cmd = [*(host.run_prefix if host else []), sys.executable, "-m", "tools.cli", "serve",
+           "--role", role, "--port", str(port), "--metrics-port", str(metrics_port), *extra]
+    if host:
+        cmd += ["--host", address]
+        if role != "router":
+            cmd += ["--side-channel-host", address]
     if role != "router" and "--side-channel-port" not in extra:
         # Chosen here with the other ports, so no two servers started together share it.
         cmd += ["--side-channel-port", str(free_port())]
     with open(log_path, "w") as log:
-        # Own process group: the engine's own processes die with it on shutdown.
+        # Own process group: the engine's own processes die with it on shutdown
+        # (``ip netns exec`` execs the server: the same process).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    return ServerProcess(role, f"127.0.0.1:{port}", proc, log_path,
-                         f"http://127.0.0.1:{metrics_port}/metrics")
+                                start_new_session=True,
+                                env={**os.environ, **env} if env else None)
+    return ServerProcess(role, f"{address}:{port}", proc, log_path,
+                         f"http://{address}:{metrics_port}/metrics")
 
 
 def stop(servers: list[ServerProcess], grace_s: float = 30.0) -> None:
@@ -91,16 +102,49 @@ def wait_serving(address: str, servers: list[ServerProcess], timeout_s: float = 
     raise TimeoutError(f"{address} not serving after {timeout_s:.0f}s")
 
 
+def wait_serving_on(host: Host, address: str, servers: list[ServerProcess],
+                    timeout_s: float = 300.0) -> None:
+    """:func:`wait_serving` run on ``host`` (the only place that reaches ``address``),
+    in windows of 20 s between which the servers are checked from here."""
+    from tools.netns import call
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for s in servers:
+            if s.proc.poll() is not None:
+                raise RuntimeError(f"{s.role} server exited ({s.proc.returncode}); "
+                                   f"see {s.log_path}")
+        window = min(20.0, deadline - time.monotonic())
+        if window <= 0:
+            raise TimeoutError(f"{address} not serving after {timeout_s:.0f}s")
+        try:
+            return call(host, wait_serving, address, [], window, timeout_s=window + 60)
+        except RuntimeError as e:
+            if "TimeoutError" not in str(e):
+                raise
+
+
+#: Hosts of one machine share its kernel, so UCX would READ through shared memory (cma)
+#: between them; TCP makes a handoff cross the link as it would between machines.
+HOSTS_UCX_TLS = "tcp"
+
+
 @contextlib.contextmanager
 def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                   prefill_mib: int = 128, lease_s: int = 30,
                   extra_decode: int = 0,
                   engine_flags: tuple[str, ...] = (),
                   router_flags: tuple[str, ...] = (),
-                  signed: bool = True) -> Iterator[dict[str, object]]:
+                  signed: bool = True,
+                  on_hosts: dict[str, Host] | None = None) -> Iterator[dict[str, object]]:
     """P, D (and ``extra_decode`` more Ds) and a router, each its own process. With
     ``signed``, P and D share a fresh secret (a 0600 file in ``log_dir``): P signs each
-    handoff for its D and D refuses any other."""
+    handoff for its D and D refuses any other. With ``on_hosts`` (tools.netns hosts
+    ``p``, ``d``, ``r``), P, the Ds and the router run on those hosts, the engines with
+    ``UCX_TLS=HOSTS_UCX_TLS`` and UCX's protocol tables in ``log_dir/<name>.<pid>.ucx.log``
+    (tools.ucx_report); clients must then run on a host too (tools.netns.call)."""
+    from tools.ucx_report import ucx_env
+
     log_dir.mkdir(parents=True, exist_ok=True)
     model_args = ["--model", model] if model else []
     engine_args = [*model_args, "--lease-s", str(lease_s), *engine_flags]
@@ -111,21 +155,35 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
         secret_file.chmod(0o600)
         secret_file.write_text(secrets.token_hex(32))
         engine_args += ["--handoff-secret-file", str(secret_file)]
+    h = on_hosts or {}
+
+    def engine_env(name: str) -> dict[str, str] | None:
+        if not on_hosts:
+            return None
+        for old in log_dir.glob(f"{name}.*.ucx.log"):
+            old.unlink()
+        return {"UCX_TLS": HOSTS_UCX_TLS, **ucx_env(str(log_dir / f"{name}.%p.ucx.log"))}
+
     servers: list[ServerProcess] = []
     try:
-        p = spawn("prefill", free_port(), [*engine_args, "--kv-cache-mib", str(prefill_mib)], log_dir)
+        p = spawn("prefill", free_port(), [*engine_args, "--kv-cache-mib", str(prefill_mib)],
+                  log_dir, host=h.get("p"), env=engine_env("prefill"))
         servers.append(p)
         decodes = []
         for i in range(1 + extra_decode):
+            name = f"decode{i}" if i else "decode"
             d = spawn("decode", free_port(), [*engine_args, "--kv-cache-mib", str(decode_mib)],
-                       log_dir, name=f"decode{i}" if i else None)
+                      log_dir, name=name if i else None, host=h.get("d"), env=engine_env(name))
             decodes.append(d)
         servers.extend(decodes)
         router = spawn("router", free_port(), [*model_args, "--prefill", p.address, "--decode",
                                                ",".join(d.address for d in decodes),
-                                               *router_flags], log_dir)
+                                               *router_flags], log_dir, host=h.get("r"))
         servers.append(router)
-        wait_serving(router.address, servers)
+        if on_hosts:
+            wait_serving_on(on_hosts["r"], router.address, servers)
+        else:
+            wait_serving(router.address, servers)
         yield {"router": router.address, "prefill": p, "decode": decodes, "servers": servers,
                "router_metrics": router.metrics_url, "secret_file": secret_file}
     finally:

@@ -159,3 +159,45 @@ def hosts(names: tuple[str, ...], subnet: str = SUBNET) -> Iterator[dict[str, Ho
         for netns in reversed(made):
             with contextlib.suppress(subprocess.CalledProcessError, OSError):
                 _ip("netns", "del", netns)
+
+
+_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("listening", flush=True)
+c, peer = s.accept(); n = 0; t0 = None
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    t0 = t0 or time.perf_counter(); n += len(b)
+print(n, peer[0], time.perf_counter() - t0, flush=True)
+"""
+
+_SOURCE = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+buf = b"x" * (1 << 20)
+for _ in range(int(sys.argv[3]) >> 20): c.sendall(buf)
+c.close()
+"""
+
+
+def tcp_copy(src: Host, dst: Host, nbytes: int, port: int = 47001) -> tuple[int, str, float]:
+    """A plain TCP copy of ``nbytes`` (a multiple of 1 MiB) from ``src`` to ``dst``: the
+    bytes received, the peer address ``dst`` saw, and the seconds from the first byte
+    received to the last (the link's rate, without connection set-up)."""
+    import sys
+
+    sink = subprocess.Popen([*dst.run_prefix, sys.executable, "-c", _SINK, dst.address,
+                             str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        if sink.stdout.readline().strip() != "listening":
+            raise RuntimeError(f"the TCP sink on {dst.name} did not start")
+        subprocess.run([*src.run_prefix, sys.executable, "-c", _SOURCE, dst.address, str(port),
+                        str(nbytes)], check=True, timeout=300)
+        received, peer, seconds = sink.stdout.readline().split()
+        sink.wait(timeout=30)
+    finally:
+        sink.kill()
+        sink.wait()
+    return int(received), peer, float(seconds)
