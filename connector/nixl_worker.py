@@ -185,12 +185,40 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
             logger.warning("Posting the READ for %s took %.2fs (NIXL's transfer() blocked "
                            "this worker)", req_id, posting)
 
+    def _abandon_reads_past_lease(self, transfers: dict[str, list[int]], now: float) -> set[str]:
+        """READs still in flight when P's lease on their blocks ended (P unreachable: a
+        link down, P's host gone) fail now rather than when the transport gives up
+        (minutes, over TCP): their handles are released (NIXL cancels the transfer) and
+        the request is reported failed, so the router recomputes it. A handle NIXL cannot
+        release yet stays, and with it the request and its blocks, which the transport
+        may still write (vLLM's own rule for failed transfers)."""
+        failed: set[str] = set()
+        for req_id, handles in list(transfers.items()):
+            fence = self._read_deadlines.get(req_id)
+            if fence is None or now < fence[0]:
+                continue
+            deadline, issued_at = self._read_deadlines.pop(req_id)
+            logger.error("Abandoning READ for %s: still in flight %.2fs after P's lease "
+                         "ended (issued %.2fs before it); P unreachable?", req_id,
+                         now - deadline, deadline - issued_at)
+            self.xfer_stats.record_kv_expired_req()
+            kept = [h for h in handles if not self._handle_failed_transfer(
+                req_id, h, failed, record_failed_transfer=False)]
+            if kept:
+                transfers[req_id] = kept
+            else:
+                del transfers[req_id]
+        return failed
+
     def _pop_done_transfers(
         self, transfers: dict[str, list[int]]
     ) -> tuple[set[str], set[str]]:
         """READs that completed, and those that failed; a READ that completed after
-        P's lease ended is failed too (the blocks may hold another request's KV)."""
+        P's lease ended is failed too (the blocks may hold another request's KV), and
+        one still in flight when it ended is abandoned (``_abandon_reads_past_lease``)."""
+        abandoned = self._abandon_reads_past_lease(transfers, time.perf_counter())
         done, failed = super()._pop_done_transfers(transfers)
+        failed |= abandoned
         if self._import_faults:
             self._inject_import_faults(done - failed)
         now = time.perf_counter()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -137,3 +138,140 @@ def test_the_link_bench_measures_each_path_and_names_its_transport():
     assert row["nixl_tcp_transports"] == ["tcp/eth2"]
     assert row["nixl_chosen_transports"] == ["cma/memory"]
     assert "tcp/eth2 vs cma/memory" in format_link(result)
+
+
+# ---- handoffs across hosts, and faults on the link ------------------------------------
+
+#: P's lease in the hosts cluster: short, so a READ cut off by the link ends quickly.
+HOSTS_LEASE_S = 12
+
+
+@pytest.fixture(scope="module")
+def on_hosts(model_dir, tmp_path_factory):
+    """P, D and the router on three hosts (signed handoffs, UCX over TCP), shared by the
+    tests below, which run in file order."""
+    why = can_create()
+    if why:
+        pytest.skip(why)
+    from tools.launch import local_cluster
+
+    log_dir = tmp_path_factory.mktemp("hosts-logs")
+    with hosts(("p", "d", "r")) as made, local_cluster(
+            model_dir, log_dir, lease_s=HOSTS_LEASE_S, on_hosts=made,
+            router_flags=("--engine-silence-s", "4")) as cluster:
+        yield {**cluster, "hosts": made, "log_dir": log_dir}
+
+
+def _generate(router: str, request_bytes: bytes) -> bytes:
+    """Runs on the router's host: one request, its response serialized."""
+    from kvhandoff.v1 import router_pb2
+    from tools.client import RouterClient
+
+    req = router_pb2.GenerateRequest.FromString(request_bytes)
+    with RouterClient(router) as client:
+        return client.generate(req).SerializeToString()
+
+
+def _generate_on(cluster, req):
+    from kvhandoff.v1 import router_pb2
+
+    raw = call(cluster["hosts"]["r"], _generate, cluster["router"], req.SerializeToString())
+    return router_pb2.GenerateResponse.FromString(raw)
+
+
+def _pools_clean(addresses: list[str], timeout_s: float) -> list[str]:
+    """Runs on the router's host: the engines whose pool is not clean in time."""
+    from tools.launch import wait_pool_clean
+
+    return [a for a in addresses if not wait_pool_clean(a, timeout_s)[0]]
+
+
+def _metric(url: str, name: str, labels: dict[str, str]) -> float:
+    from tests.utils import metric_sum
+
+    return metric_sum(url, name, **labels)
+
+
+def _tx_bytes(host) -> int:
+    out = subprocess.run(["ip", "-n", host.netns, "-s", "-j", "link", "show", host.interface],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)[0]["stats64"]["tx"]["bytes"]
+
+
+def test_handoffs_across_hosts_are_identical_and_bind_only_the_hosts_addresses(on_hosts):
+    """Two requests by handoff equal their colocated twins, imported over the link; every
+    listener on every host is on that host's address or its loopback, none on 0.0.0.0."""
+    from tools.client import make_request
+
+    for seed in (1, 2):
+        kw = dict(prompt=list(range(40, 160)), max_tokens=48, seed=seed, beam_width=4)
+        req = make_request(path="handoff", request_id=f"hosts-{seed}", **kw)
+        ref = make_request(path="colocated", request_id=f"hosts-ref-{seed}", **kw)
+        got, want = _generate_on(on_hosts, req), _generate_on(on_hosts, ref)
+        assert not got.stats.recomputed and got.stats.num_imported_tokens > 0, got.stats
+        assert list(got.thinking_token_ids) == list(want.thinking_token_ids)
+        assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in want.beams]
+    for name, host in on_hosts["hosts"].items():
+        listening = subprocess.run([*host.run_prefix, "ss", "-Hltn"], capture_output=True,
+                                   text=True, check=True).stdout.splitlines()
+        # An IPv4-mapped IPv6 listener ([::ffff:10.213.7.1]) is on the host's address too.
+        local = {line.split()[3].rsplit(":", 1)[0].replace("[::ffff:", "").strip("[]")
+                 for line in listening}
+        assert local and local <= {host.address, "127.0.0.1", "::1"}, (name, listening)
+
+
+def test_p_link_down_during_the_read_is_recomputed_and_p_comes_back(on_hosts):
+    """P's link is slowed (tbf 16 Mbit/s) so D's READ of a ~1600-token parent takes
+    seconds, then cut while the KV flows. The request comes back recomputed on D and
+    flagged, equal to its colocated twin; the router takes P out of rotation and back
+    when the link returns; both pools end clean within P's lease."""
+    from tests.utils import long_stage1_request
+
+    p_host, r_host = on_hosts["hosts"]["p"], on_hosts["hosts"]["r"]
+    p, d = on_hosts["prefill"], on_hosts["decode"][0]
+    prompt = list(range(50, 130))
+    kw = dict(seed=5, beam_width=4)
+    dev = ["dev", p_host.interface]
+    subprocess.run([*p_host.run_prefix, "tc", "qdisc", "add", *dev, "root", "tbf", "rate",
+                    "16mbit", "burst", "64kb", "latency", "5s"], check=True)
+    url, state = on_hosts["router_metrics"], "kvhandoff_router_engine_state_changes_total"
+    back_before = call(r_host, _metric, url, state, {"endpoint": p.address, "state": "in"})
+    cut_at = None
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        tx0 = _tx_bytes(p_host)
+        with ThreadPoolExecutor(1) as pool:
+            req = long_stage1_request(prompt, 1500, path="handoff", request_id="hosts-cut",
+                                      **kw)
+            fut = pool.submit(_generate_on, on_hosts, req)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and not fut.done():
+                if _tx_bytes(p_host) - tx0 > (1 << 20):  # the KV is flowing to D
+                    subprocess.run(["ip", "-n", p_host.netns, "link", "set", p_host.interface,
+                                    "down"], check=True)
+                    cut_at = time.monotonic()
+                    break
+                time.sleep(0.02)
+            assert cut_at is not None, "the READ never started (or ended before the cut)"
+            got = fut.result(timeout=300)
+        answered_after_s = time.monotonic() - cut_at
+    finally:
+        subprocess.run(["ip", "-n", p_host.netns, "link", "set", p_host.interface, "up"])
+        subprocess.run([*p_host.run_prefix, "tc", "qdisc", "del", *dev, "root"])
+    assert got.stats.recomputed and got.stats.handoff_failure, got.stats
+    print(f"cut during the READ: answered {answered_after_s:.1f}s later, recomputed: "
+          f"{got.stats.handoff_failure}")
+    # Out of rotation while its link was down, back once P answers again; then the twin
+    # runs on P.
+    assert call(r_host, _metric, url, state, {"endpoint": p.address, "state": "out"}) >= 1
+    deadline = time.monotonic() + 60
+    while call(r_host, _metric, url, state,
+               {"endpoint": p.address, "state": "in"}) <= back_before:
+        assert time.monotonic() < deadline, "P never came back into rotation"
+        time.sleep(1)
+    ref = _generate_on(on_hosts, long_stage1_request(
+        prompt, 1500, path="colocated", request_id="hosts-cut-ref", **kw))
+    assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    assert call(r_host, _pools_clean, [p.address, d.address], HOSTS_LEASE_S + 10.0) == []
