@@ -146,50 +146,100 @@ def test_the_link_bench_measures_each_path_and_names_its_transport():
 HOSTS_LEASE_S = 12
 
 
+def _make_certs(directory, hosts_by_name) -> dict[str, str]:
+    """A CA; for each host a server certificate naming its address; a client one."""
+    import trustme
+
+    ca = trustme.CA()
+    paths = {"ca": str(directory / "ca.pem")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    names = {name: host.address for name, host in hosts_by_name.items()}
+    for name, identity in (*names.items(), ("client", "router.kvhandoff.test")):
+        cert = ca.issue_cert(identity)
+        paths[name], paths[f"{name}_key"] = (str(directory / f"{name}.pem"),
+                                             str(directory / f"{name}.key"))
+        for i, pem in enumerate(cert.cert_chain_pems):
+            pem.write_to_path(paths[name], append=i > 0)
+        cert.private_key_pem.write_to_path(paths[f"{name}_key"])
+    return paths
+
+
 @pytest.fixture(scope="module")
 def on_hosts(model_dir, tmp_path_factory):
-    """P, D and the router on three hosts (signed handoffs, UCX over TCP), shared by the
-    tests below, which run in file order."""
+    """P, D and the router on three hosts, shared by the tests below (file order): UCX
+    over TCP, signed handoffs, and mutual TLS on every gRPC hop with each server's
+    certificate naming its host's address."""
     why = can_create()
     if why:
         pytest.skip(why)
+    from kvhandoff.tls import ChannelTLS
     from tools.launch import local_cluster
 
     log_dir = tmp_path_factory.mktemp("hosts-logs")
-    with hosts(("p", "d", "r")) as made, local_cluster(
-            model_dir, log_dir, lease_s=HOSTS_LEASE_S, on_hosts=made,
-            router_flags=("--engine-silence-s", "4")) as cluster:
-        yield {**cluster, "hosts": made, "log_dir": log_dir}
+    with hosts(("p", "d", "r")) as made:
+        c = _make_certs(log_dir, made)
+        serve = {name: ("--tls-cert", c[name], "--tls-key", c[f"{name}_key"],
+                        "--tls-client-ca", c["ca"]) for name in ("p", "d", "r")}
+        client_side = ("--tls-ca", c["ca"], "--tls-client-cert", c["client"],
+                       "--tls-client-key", c["client_key"])
+        tls = ChannelTLS(c["ca"], c["client"], c["client_key"])
+        with local_cluster(model_dir, log_dir, lease_s=HOSTS_LEASE_S, on_hosts=made,
+                           router_flags=("--engine-silence-s", "4"),
+                           server_flags={"prefill": serve["p"], "decode": serve["d"],
+                                         "router": (*serve["r"], *client_side)},
+                           client_tls=tls) as cluster:
+            yield {**cluster, "hosts": made, "log_dir": log_dir, "tls": tls, "certs": c}
 
 
-def _generate(router: str, request_bytes: bytes) -> bytes:
+def _generate(router: str, request_bytes: bytes, tls) -> bytes:
     """Runs on the router's host: one request, its response serialized."""
     from kvhandoff.v1 import router_pb2
     from tools.client import RouterClient
 
     req = router_pb2.GenerateRequest.FromString(request_bytes)
-    with RouterClient(router) as client:
+    with RouterClient(router, tls) as client:
         return client.generate(req).SerializeToString()
 
 
 def _generate_on(cluster, req):
     from kvhandoff.v1 import router_pb2
 
-    raw = call(cluster["hosts"]["r"], _generate, cluster["router"], req.SerializeToString())
+    raw = call(cluster["hosts"]["r"], _generate, cluster["router"], req.SerializeToString(),
+               cluster["tls"])
     return router_pb2.GenerateResponse.FromString(raw)
 
 
-def _pools_clean(addresses: list[str], timeout_s: float) -> list[str]:
+def _pools_clean(addresses: list[str], timeout_s: float, tls) -> list[str]:
     """Runs on the router's host: the engines whose pool is not clean in time."""
     from tools.launch import wait_pool_clean
 
-    return [a for a in addresses if not wait_pool_clean(a, timeout_s)[0]]
+    return [a for a in addresses if not wait_pool_clean(a, timeout_s, tls)[0]]
 
 
 def _metric(url: str, name: str, labels: dict[str, str]) -> float:
     from tests.utils import metric_sum
 
     return metric_sum(url, name, **labels)
+
+
+def _capacity(address: str, tls, name_override: str | None) -> str:
+    """Runs on a host: "ok" if GetCapacity at ``address`` answers over ``tls`` (checking
+    the server's certificate against ``name_override`` instead of the address, if given),
+    else the status code's name."""
+    import grpc
+
+    from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
+
+    options = [("grpc.ssl_target_name_override", name_override)] if name_override else []
+    channel = (grpc.secure_channel(address, tls.credentials(), options) if tls
+               else grpc.insecure_channel(address))
+    with channel:
+        try:
+            engine_pb2_grpc.EngineStub(channel).GetCapacity(engine_pb2.CapacityRequest(),
+                                                            timeout=10)
+        except grpc.RpcError as e:
+            return e.code().name
+    return "ok"
 
 
 def _tx_bytes(host) -> int:
@@ -274,4 +324,19 @@ def test_p_link_down_during_the_read_is_recomputed_and_p_comes_back(on_hosts):
         prompt, 1500, path="colocated", request_id="hosts-cut-ref", **kw))
     assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
     assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
-    assert call(r_host, _pools_clean, [p.address, d.address], HOSTS_LEASE_S + 10.0) == []
+    assert call(r_host, _pools_clean, [p.address, d.address], HOSTS_LEASE_S + 10.0,
+                on_hosts["tls"]) == []
+
+
+def test_each_engine_is_reached_by_its_address_certificate_and_no_other(on_hosts):
+    """From the router's host: D answers over mutual TLS when its certificate is checked
+    against its own address. Controls: checked against P's address (the certificate names
+    another host), without a client certificate, and in plain text, D is not reached."""
+    from kvhandoff.tls import ChannelTLS
+
+    r, p_host = on_hosts["hosts"]["r"], on_hosts["hosts"]["p"]
+    d, tls = on_hosts["decode"][0], on_hosts["tls"]
+    assert call(r, _capacity, d.address, tls, None) == "ok"
+    assert call(r, _capacity, d.address, tls, p_host.address) == "UNAVAILABLE"
+    assert call(r, _capacity, d.address, ChannelTLS(tls.ca), None) == "UNAVAILABLE"
+    assert call(r, _capacity, d.address, None, None) == "UNAVAILABLE"

@@ -560,10 +560,13 @@ def main_bench(args: argparse.Namespace) -> int:
         return 0
 
     if args.hosts_link:
-        from tools.bench_hosts import format_link, measure_link
+        from tools import bench_hosts
 
-        result = measure_link()
-        print(format_link(result))
+        result = bench_hosts.measure_link()
+        print(bench_hosts.format_link(result))
+        first = bench_hosts.measure_first_handoff(args.model, Path("out") / "bench-hosts")
+        print(bench_hosts.format_first_handoff(first))
+        result["first_handoff"] = first
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

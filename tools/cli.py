@@ -292,7 +292,9 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--hosts-link", action="store_true",
                        help="the link between two network hosts (namespaces; root): a TCP "
                             "copy, a NIXL READ over TCP, over UCX's choice (cma) and on "
-                            "loopback, 16-256 MiB")
+                            "loopback, 16-256 MiB; then the first handoffs (handshake "
+                            "included) on loopback and across three hosts (built-in model "
+                            "unless --model)")
     bench.set_defaults(func=_bench)
 
 

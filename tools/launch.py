@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 
 from kvhandoff.ports import free_port
+from kvhandoff.tls import ChannelTLS
 from tools.netns import Host
 
 
@@ -102,8 +103,12 @@ def wait_serving(address: str, servers: list[ServerProcess], timeout_s: float = 
     raise TimeoutError(f"{address} not serving after {timeout_s:.0f}s")
 
 
+def _wait_serving_tls(address: str, timeout_s: float, tls: ChannelTLS | None) -> None:
+    wait_serving(address, [], timeout_s, tls.credentials() if tls else None)
+
+
 def wait_serving_on(host: Host, address: str, servers: list[ServerProcess],
-                    timeout_s: float = 300.0) -> None:
+                    timeout_s: float = 300.0, tls: ChannelTLS | None = None) -> None:
     """:func:`wait_serving` run on ``host`` (the only place that reaches ``address``),
     in windows of 20 s between which the servers are checked from here."""
     from tools.netns import call
@@ -118,7 +123,7 @@ def wait_serving_on(host: Host, address: str, servers: list[ServerProcess],
         if window <= 0:
             raise TimeoutError(f"{address} not serving after {timeout_s:.0f}s")
         try:
-            return call(host, wait_serving, address, [], window, timeout_s=window + 60)
+            return call(host, _wait_serving_tls, address, window, tls, timeout_s=window + 60)
         except RuntimeError as e:
             if "TimeoutError" not in str(e):
                 raise
@@ -136,13 +141,18 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                   engine_flags: tuple[str, ...] = (),
                   router_flags: tuple[str, ...] = (),
                   signed: bool = True,
-                  on_hosts: dict[str, Host] | None = None) -> Iterator[dict[str, object]]:
+                  on_hosts: dict[str, Host] | None = None,
+                  server_flags: dict[str, tuple[str, ...]] | None = None,
+                  client_tls: ChannelTLS | None = None) -> Iterator[dict[str, object]]:
     """P, D (and ``extra_decode`` more Ds) and a router, each its own process. With
     ``signed``, P and D share a fresh secret (a 0600 file in ``log_dir``): P signs each
     handoff for its D and D refuses any other. With ``on_hosts`` (tools.netns hosts
     ``p``, ``d``, ``r``), P, the Ds and the router run on those hosts, the engines with
     ``UCX_TLS=HOSTS_UCX_TLS`` and UCX's protocol tables in ``log_dir/<name>.<pid>.ucx.log``
-    (tools.ucx_report); clients must then run on a host too (tools.netns.call)."""
+    (tools.ucx_report); clients must then run on a host too (tools.netns.call).
+    ``server_flags`` adds flags per server name ("prefill", "decode", "decode1", ...,
+    "router": e.g. each one's TLS certificate); ``client_tls`` is how this waits for the
+    router when it serves TLS."""
     from tools.ucx_report import ucx_env
 
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -166,36 +176,46 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
 
     servers: list[ServerProcess] = []
     try:
-        p = spawn("prefill", free_port(), [*engine_args, "--kv-cache-mib", str(prefill_mib)],
+        more = server_flags or {}
+        p = spawn("prefill", free_port(), [*engine_args, "--kv-cache-mib", str(prefill_mib),
+                                           *more.get("prefill", ())],
                   log_dir, host=h.get("p"), env=engine_env("prefill"))
         servers.append(p)
         decodes = []
         for i in range(1 + extra_decode):
             name = f"decode{i}" if i else "decode"
-            d = spawn("decode", free_port(), [*engine_args, "--kv-cache-mib", str(decode_mib)],
+            d = spawn("decode", free_port(), [*engine_args, "--kv-cache-mib", str(decode_mib),
+                                              *more.get(name, ())],
                       log_dir, name=name if i else None, host=h.get("d"), env=engine_env(name))
             decodes.append(d)
         servers.extend(decodes)
         router = spawn("router", free_port(), [*model_args, "--prefill", p.address, "--decode",
                                                ",".join(d.address for d in decodes),
-                                               *router_flags], log_dir, host=h.get("r"))
+                                               *router_flags, *more.get("router", ())],
+                       log_dir, host=h.get("r"))
         servers.append(router)
         if on_hosts:
-            wait_serving_on(on_hosts["r"], router.address, servers)
+            wait_serving_on(on_hosts["r"], router.address, servers, tls=client_tls)
         else:
-            wait_serving(router.address, servers)
+            wait_serving(router.address, servers,
+                         credentials=client_tls.credentials() if client_tls else None)
         yield {"router": router.address, "prefill": p, "decode": decodes, "servers": servers,
                "router_metrics": router.metrics_url, "secret_file": secret_file}
     finally:
         stop(servers)
 
 
-def pool_state(address: str, timeout_s: float = 5.0):
+def _channel(address: str, tls: ChannelTLS | None) -> grpc.Channel:
+    return (grpc.insecure_channel(address) if tls is None
+            else grpc.secure_channel(address, tls.credentials()))
+
+
+def pool_state(address: str, timeout_s: float = 5.0, tls: ChannelTLS | None = None):
     """(clean, capacity) of the engine server at ``address``: clean = no block held and
     no request running, waiting or reserved."""
     from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, tls) as channel:
         cap = engine_pb2_grpc.EngineStub(channel).GetCapacity(engine_pb2.CapacityRequest(),
                                                               timeout=timeout_s)
     clean = (cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs
@@ -203,11 +223,11 @@ def pool_state(address: str, timeout_s: float = 5.0):
     return clean, cap
 
 
-def wait_pool_clean(address: str, timeout_s: float):
+def wait_pool_clean(address: str, timeout_s: float, tls: ChannelTLS | None = None):
     """Poll ``pool_state`` until clean or ``timeout_s``; returns the last (clean, cap)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        clean, cap = pool_state(address)
+        clean, cap = pool_state(address, tls=tls)
         if clean or time.monotonic() > deadline:
             return clean, cap
         time.sleep(0.1)
