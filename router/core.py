@@ -38,9 +38,19 @@ from server import convert
 
 logger = logging.getLogger(__name__)
 
+#: Keepalive: an engine whose host vanished (no FIN, no RST: a link down, a machine
+#: gone) fails the calls in flight to it within ~20 s (a ping every 10 s, 10 s to answer)
+#: instead of when TCP gives up (minutes). A stopped process (SIGSTOP) answers pings once
+#: it resumes: pauses under 10 s do not end its calls. The engine servers accept pings
+#: this often (server.grpc_common.SERVER_OPTIONS).
+KEEPALIVE_MS = 10_000
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")

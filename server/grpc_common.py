@@ -21,6 +21,10 @@ MAX_MESSAGE_BYTES = 64 << 20
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # The router pings every 10 s, also between calls (router.core.CHANNEL_OPTIONS):
+    # accepted down to every 5 s, where gRPC's default (5 min) would answer GOAWAY.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
 ]
 
 

@@ -340,3 +340,53 @@ def test_each_engine_is_reached_by_its_address_certificate_and_no_other(on_hosts
     assert call(r, _capacity, d.address, tls, p_host.address) == "UNAVAILABLE"
     assert call(r, _capacity, d.address, ChannelTLS(tls.ca), None) == "UNAVAILABLE"
     assert call(r, _capacity, d.address, None, None) == "UNAVAILABLE"
+
+
+def test_d_host_gone_mid_request_fails_clearly_and_d_is_used_again_when_back(on_hosts):
+    """D's link goes down while a request's stage 1 runs on P (D's host vanishes: no FIN,
+    no RST). The request ends UNAVAILABLE naming D (no other D to recompute on) within
+    the router's keepalive, not TCP's minutes; the router takes D out of rotation; P's
+    export ends with its lease. When the link returns D comes back into rotation and
+    serves a handoff again; both pools end clean."""
+    from tests.utils import long_stage1_request
+    from tools.client import make_request
+
+    d_host, r_host = on_hosts["hosts"]["d"], on_hosts["hosts"]["r"]
+    p, d = on_hosts["prefill"], on_hosts["decode"][0]
+    url, state = on_hosts["router_metrics"], "kvhandoff_router_engine_state_changes_total"
+    back_before = call(r_host, _metric, url, state, {"endpoint": d.address, "state": "in"})
+    link = ["ip", "-n", d_host.netns, "link", "set", d_host.interface]
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            req = long_stage1_request(list(range(60, 140)), 1500, seed=3, beam_width=4,
+                                      path="handoff", request_id="hosts-d-gone")
+            fut = pool.submit(_generate_on, on_hosts, req)
+            time.sleep(2.0)  # stage 1 is running on P (its 1500 tokens take seconds)
+            subprocess.run([*link, "down"], check=True)
+            gone_at = time.monotonic()
+            with pytest.raises(RuntimeError) as failed:
+                fut.result(timeout=300)
+        ended_after_s = time.monotonic() - gone_at
+        assert "UNAVAILABLE" in str(failed.value) and d.address in str(failed.value), \
+            failed.value
+        print(f"D's host gone: the request ended {ended_after_s:.1f}s later: "
+              f"{str(failed.value)[-200:]}")
+        assert ended_after_s < 60
+        assert call(r_host, _metric, url, state, {"endpoint": d.address, "state": "out"}) >= 1
+        assert call(r_host, _pools_clean, [p.address], HOSTS_LEASE_S + 10.0,
+                    on_hosts["tls"]) == []
+    finally:
+        subprocess.run([*link, "up"])
+    deadline = time.monotonic() + 60
+    while call(r_host, _metric, url, state,
+               {"endpoint": d.address, "state": "in"}) <= back_before:
+        assert time.monotonic() < deadline, "D never came back into rotation"
+        time.sleep(1)
+    got = _generate_on(on_hosts, make_request(prompt=list(range(60, 140)), max_tokens=24,
+                                              seed=3, beam_width=4, path="handoff",
+                                              request_id="hosts-d-back"))
+    assert not got.stats.recomputed and got.stats.num_imported_tokens > 0, got.stats
+    assert call(r_host, _pools_clean, [p.address, d.address], HOSTS_LEASE_S + 10.0,
+                on_hosts["tls"]) == []
