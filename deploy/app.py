@@ -23,6 +23,8 @@ GRPC_SERVICER_FUNCTIONS = ["kvhandoff.v1.router_pb2_grpc.add_RouterServicer_to_s
 
 def _role_options(a: AppArgs, role: RoleArgs, name: str) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": role.num_cpus, "num_gpus": a.gpus(role)}
+    if role.resources:
+        actor["resources"] = dict(role.resources)
     if role.runtime_env:
         actor["runtime_env"] = role.runtime_env
     opts: dict[str, Any] = {
@@ -42,14 +44,18 @@ def _role_options(a: AppArgs, role: RoleArgs, name: str) -> dict[str, Any]:
 
 
 def resources_needed(a: AppArgs) -> dict[str, float]:
-    """CPUs and GPUs the application asks Ray for when every deployment runs its
-    (minimum) replicas."""
+    """CPUs, GPUs and custom resources the application asks Ray for when every deployment
+    runs its (minimum) replicas."""
     need = {"CPU": 0.0, "GPU": 0.0}
+
+    def add(replicas: int, resources: dict[str, float]) -> None:
+        for name, amount in resources.items():
+            need[name] = need.get(name, 0.0) + replicas * amount
+
     for role in (a.prefill, a.decode):
         replicas = role.autoscaling.min_replicas if role.autoscaling else role.num_replicas
-        need["CPU"] += replicas * role.num_cpus
-        need["GPU"] += replicas * a.gpus(role)
-    need["CPU"] += a.router.num_replicas * a.router.num_cpus
+        add(replicas, {"CPU": role.num_cpus, "GPU": a.gpus(role), **role.resources})
+    add(a.router.num_replicas, {"CPU": a.router.num_cpus, **a.router.resources})
     return need
 
 
@@ -61,8 +67,8 @@ def check_fits(a: AppArgs, cluster: dict[str, float]) -> None:
         if amount > have + 1e-9:
             raise ValueError(
                 f"the application needs {amount:g} {resource}s (Prefill, Decode and Router "
-                f"replicas x their num_{resource.lower()}s) but the Ray cluster has "
-                f"{have:g}: lower num_cpus / num_replicas in the config, or add nodes")
+                f"replicas x what each asks) but the Ray cluster has {have:g}: lower "
+                "num_cpus / num_replicas / resources in the config, or add nodes")
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> Application:
@@ -85,5 +91,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         a.decode.engine.side_channel_host, a.decode.engine.side_channel_port)
     return RouterServer.options(
         name="Router", num_replicas=a.router.num_replicas,
-        ray_actor_options={"num_cpus": a.router.num_cpus},
+        ray_actor_options={"num_cpus": a.router.num_cpus,
+                           **({"resources": dict(a.router.resources)}
+                              if a.router.resources else {})},
     ).bind(prefill, decode, a.model, a.router.colocated_below_tokens, a.router.max_beam_width)

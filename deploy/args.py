@@ -58,6 +58,9 @@ class EngineArgs(_Strict):
     #: 0: each replica binds a free port (unique on its node). Otherwise the first of
     #: a range: replica ``rank`` uses ``side_channel_port + rank``.
     side_channel_port: int = Field(0, ge=0, le=65535)
+    #: UCX_NET_DEVICES for NIXL's READs (e.g. "mlx5_0:1", "eth1"); None: UCX's choice,
+    #: every interface (what P and D on different nodes need); "lo": one machine only.
+    ucx_net_devices: str | None = None
 
     @model_validator(mode="after")
     def _block_size(self) -> EngineArgs:
@@ -75,6 +78,9 @@ class RoleArgs(_Strict):
     #: GPU nodes and 0 on CPU nodes.
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float | None = Field(None, ge=0)
+    #: Custom Ray resources per replica, e.g. ``{"prefill_node": 1}`` with nodes started
+    #: as ``ray start --resources='{"prefill_node": 8}'``: places the role on those nodes.
+    resources: dict[str, float] = Field(default_factory=dict)
     engine: EngineArgs = EngineArgs()
     #: Must be the application's model when set (kept for configs that name it per role).
     model: str | None = None
@@ -86,6 +92,8 @@ class RoleArgs(_Strict):
 class RouterArgs(_Strict):
     num_replicas: PositiveInt = 1
     num_cpus: float = Field(0.5, ge=0)
+    #: Custom Ray resources per replica (see ``RoleArgs.resources``).
+    resources: dict[str, float] = Field(default_factory=dict)
     #: PATH_AUTO runs requests whose parent can be at most this long colocated on P.
     colocated_below_tokens: int = Field(0, ge=0)
     #: Largest beam width the router accepts; D's ``max_logprobs`` must cover 2x.
@@ -188,10 +196,7 @@ class AppArgs(_Strict):
                 kw[name] = getattr(e, name)
         if self.model == "bench" and e.load_format is None:
             kw["load_format"] = "dummy"
-        if self.device == "cpu":
-            kw["cpu_threads"] = e.cpu_threads
-        else:
-            kw["cpu_threads"] = None
-            # The CPU-only loopback restriction does not apply to GPU nodes (RDMA NICs).
-            kw["ucx_net_devices"] = None
+        kw["cpu_threads"] = e.cpu_threads if self.device == "cpu" else None
+        # Replicas may land on different nodes: UCX gets every interface unless told.
+        kw["ucx_net_devices"] = e.ucx_net_devices
         return kw

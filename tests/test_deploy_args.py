@@ -72,3 +72,25 @@ def test_the_cpu_config_fits_two_cores_and_one_that_cannot_fit_is_refused_with_t
     gpu = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())
     with pytest.raises(ValueError, match="GPUs"):
         check_fits(AppArgs.model_validate(gpu["applications"][0]["args"]), {"CPU": 64.0})
+
+
+def test_custom_resources_place_each_role_and_count_in_what_the_app_needs():
+    """`resources` per role goes into the replicas' Ray options (how P and D land on
+    different nodes) and into what the application needs; a cluster without such a
+    node is refused naming the resource."""
+    from deploy.app import _role_options, check_fits, resources_needed
+
+    args = AppArgs.model_validate({
+        "device": "cpu", "prefill": {"num_cpus": 0.5, "resources": {"prefill_node": 1}},
+        "decode": {"num_cpus": 0.5, "resources": {"decode_node": 1},
+                   "engine": {"ucx_net_devices": "eth1"}},
+        "router": {"num_cpus": 0.25, "resources": {"prefill_node": 0.1}}})
+    assert _role_options(args, args.prefill, "Prefill")["ray_actor_options"]["resources"] == {
+        "prefill_node": 1}
+    assert resources_needed(args) == {"CPU": 1.25, "GPU": 0.0, "prefill_node": 1.1,
+                                      "decode_node": 1.0}
+    assert args.engine_kwargs(args.decode)["ucx_net_devices"] == "eth1"
+    assert args.engine_kwargs(args.prefill)["ucx_net_devices"] is None
+    check_fits(args, {"CPU": 4.0, "prefill_node": 2.0, "decode_node": 1.0})
+    with pytest.raises(ValueError, match=r"needs 1 decode_nodes .* has 0"):
+        check_fits(args, {"CPU": 4.0, "prefill_node": 2.0})
