@@ -86,6 +86,13 @@ def read_transports_in(paths: list[Path]) -> set[str]:
     return set().union(*(read_transports(p.read_text(errors="replace")) for p in paths))
 
 
+def peer_transports_in(paths: list[Path]) -> set[str]:
+    """Transports of every protocol toward other processes (scope not ``self``): the
+    local devices a process used to reach its peers."""
+    return {t for path in paths for p in protocols(path.read_text(errors="replace"))
+            if p.scope != "self" for t in p.transports}
+
+
 def is_network(transport: str) -> bool:
     """``tcp/eth1`` and ``rc_mlx5/mlx5_0:1`` are; ``cma/memory`` and ``posix/memory``
     (one machine's shared memory) are not."""

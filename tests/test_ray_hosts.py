@@ -1,0 +1,234 @@
+"""The Ray Serve application on a Ray cluster of two nodes on two network hosts
+(tools/netns.py): the head on one host with a ``prefill_node`` resource, a worker node
+on the other with ``decode_node``; the config places P on the head and D on the worker
+(``resources``, the knob a multi-GPU deployment uses), the engines read over the link
+(UCX over TCP), and clients call Serve's gRPC proxy on the head. Then the worker's raylet
+is killed and the node started again."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.netns import call, can_create, hosts
+from tools.ucx_report import is_network, peer_transports_in, read_transports_in
+
+pytestmark = [pytest.mark.ray, pytest.mark.hosts, pytest.mark.engines,
+              pytest.mark.timeout(1500)]
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+GRPC_PORT = 9000
+
+
+def _ray_env(token: Path) -> dict[str, str]:
+    # Token authentication, the token in a file of the test's (every node would get it).
+    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+            "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _ray_start(host, env, *args: str) -> None:
+    out = subprocess.run([*host.run_prefix, str(BIN / "ray"), "start",
+                          f"--node-ip-address={host.address}", "--num-cpus=2",
+                          "--object-store-memory=100000000", "--disable-usage-stats", *args],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def _config(model_dir: str, secret: Path, ucx_logs: Path) -> dict:
+    def role(resource: str, name: str) -> dict:
+        return {"num_replicas": 1, "num_cpus": 0.5, "resources": {resource: 1},
+                "engine": {"kv_cache_mib": 64, "max_model_len": 4096},
+                # Both nodes share this machine's kernel: UCX must be told to cross the
+                # link (between machines it picks the network itself).
+                "runtime_env": {"env_vars": {
+                    "UCX_TLS": "tcp", "UCX_PROTO_INFO": "y",
+                    "UCX_LOG_FILE": str(ucx_logs / f"{name}.%p.ucx.log")}}}
+
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": 8000},
+        "grpc_options": {"port": GRPC_PORT, "grpc_servicer_functions": [
+            "kvhandoff.v1.router_pb2_grpc.add_RouterServicer_to_server"]},
+        "applications": [{
+            "name": "kvhandoff", "route_prefix": "/kvhandoff",
+            "import_path": "deploy.app:build_app",
+            "args": {"model": model_dir, "device": "cpu", "lease_s": 30,
+                     "handoff_secret_file": str(secret),
+                     "prefill": role("prefill_node", "prefill"),
+                     "decode": role("decode_node", "decode"),
+                     "router": {"num_cpus": 0.25}}}]}
+
+
+def _generate(address: str, request_bytes: bytes, timeout_s: float = 120.0) -> bytes:
+    """Runs on the head's host: one request through Serve's gRPC proxy."""
+    import grpc
+
+    from kvhandoff.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        resp = router_pb2_grpc.RouterStub(channel).Generate(
+            router_pb2.GenerateRequest.FromString(request_bytes), timeout=timeout_s,
+            metadata=(("application", "kvhandoff"),))
+    return resp.SerializeToString()
+
+
+def _request(seed: int, path: str, prompt_len: int = 120):
+    from tools.client import make_request
+
+    return make_request(prompt=list(range(40, 40 + prompt_len)), max_tokens=32, seed=seed,
+                        beam_width=4, path=path, request_id=f"ray-hosts-{path}-{seed}")
+
+
+def _send(cluster, req, timeout_s: float = 120.0):
+    from kvhandoff.v1 import router_pb2
+
+    raw = call(cluster["head"], _generate, cluster["proxy"], req.SerializeToString(),
+               timeout_s)
+    return router_pb2.GenerateResponse.FromString(raw)
+
+
+def _wait_answering(cluster, timeout_s: float, seed: int = 0):
+    """The first handoff that succeeds through the proxy, waiting for Serve."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert cluster["serve"].poll() is None, cluster["serve_log"]()
+        try:
+            got = _send(cluster, _request(seed, "handoff"))
+            if not got.stats.recomputed:
+                return got
+        except RuntimeError as e:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no answer in {timeout_s:.0f}s: {e}\n"
+                                     f"{cluster['serve_log']()}") from e
+        time.sleep(5)
+
+
+def _kill_matching(pattern: str) -> None:
+    subprocess.run(["pkill", "-9", "-f", "--", pattern])
+
+
+@pytest.fixture(scope="module")
+def two_nodes(model_dir, tmp_path_factory):
+    why = can_create()
+    if why:
+        pytest.skip(why)
+    import yaml
+
+    work = tmp_path_factory.mktemp("ray-hosts")
+    token, secret = work / "ray.token", work / "handoff.secret"
+    for path in (token, secret):
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
+    ucx_logs = work / "ucx"
+    ucx_logs.mkdir()
+    config = work / "config.yaml"
+    config.write_text(yaml.safe_dump(_config(model_dir, secret, ucx_logs)))
+    # Ray's session files: short (socket paths are limited) and this run's own, so that
+    # ending the cluster ends exactly its processes (``pkill -f``).
+    temp_dir = f"/tmp/kvhr{os.getpid()}"
+    env = _ray_env(token)
+    serve = None
+    with hosts(("head", "worker")) as h:
+        head, worker = h["head"], h["worker"]
+        try:
+            _ray_start(head, env, "--head", "--port=6379", "--include-dashboard=false",
+                       f"--temp-dir={temp_dir}", '--resources={"prefill_node": 1}')
+            worker_args = (f"--address={head.address}:6379", '--resources={"decode_node": 1}')
+            _ray_start(worker, env, *worker_args)
+            log_path = work / "serve-run.log"
+            with log_path.open("w") as log:
+                serve = subprocess.Popen(
+                    [*head.run_prefix, str(BIN / "serve"), "run", "--address",
+                     f"{head.address}:6379", str(config)], cwd=ROOT, env=env, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+            cluster = {"head": head, "worker": worker, "proxy": f"{head.address}:{GRPC_PORT}",
+                       "serve": serve, "env": env, "worker_args": worker_args,
+                       "ucx_logs": ucx_logs, "temp_dir": temp_dir,
+                       "serve_log": lambda: log_path.read_text(errors="replace")[-3000:]}
+            _wait_answering(cluster, 600)
+            yield cluster
+        finally:
+            if serve is not None:
+                _stop_serve({"serve": serve})
+            _kill_matching(temp_dir)  # every process of this cluster, both nodes
+            time.sleep(1)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_p_and_d_on_two_nodes_answer_identically_over_the_link(two_nodes):
+    """Through Serve's gRPC proxy: two handoffs equal their colocated twins (the transport
+    they used is checked last, once UCX has written its tables)."""
+    for seed in (1, 2):
+        got = _send(two_nodes, _request(seed, "handoff"))
+        ref = _send(two_nodes, _request(seed, "colocated"))
+        assert not got.stats.recomputed and got.stats.num_imported_tokens > 0, got.stats
+        assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+        assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+
+
+def test_the_worker_node_lost_and_back_serves_again(two_nodes):
+    """D's node goes away: every process on the worker's host is killed (raylet, D's
+    replica, its engine), as a machine powering off. Requests meanwhile end with a
+    status (UNAVAILABLE, or the client's 45 s deadline: Serve queues calls for a
+    deployment with no replica, see docs/decisions.md) or are recomputed; the node
+    started again gets D back (its ``decode_node`` resource) and handoffs resume."""
+    worker = two_nodes["worker"]
+    pids = subprocess.run(["ip", "netns", "pids", worker.netns], capture_output=True,
+                          text=True, check=True).stdout.split()
+    assert pids
+    subprocess.run(["kill", "-9", *pids])
+    t0 = time.monotonic()
+    outcomes = []
+    for seed in (10, 11):
+        try:
+            got = _send(two_nodes, _request(seed, "handoff"), timeout_s=45)
+            outcomes.append("recomputed" if got.stats.recomputed else "served")
+        except RuntimeError as e:
+            text = str(e)
+            assert any(code in text for code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")), text
+            outcomes.append(text.split("status = ")[-1].split("\n")[0][:80])
+    print(f"worker lost: {json.dumps(outcomes)} within {time.monotonic() - t0:.0f}s")
+    time.sleep(2)
+    _ray_start(worker, two_nodes["env"], *two_nodes["worker_args"])
+    t1 = time.monotonic()
+    got = _wait_answering(two_nodes, 420, seed=12)
+    assert got.stats.num_imported_tokens > 0, got.stats
+    print(f"worker back: a handoff imported again {time.monotonic() - t1:.0f}s after "
+          "`ray start`")
+
+
+def _stop_serve(cluster) -> None:
+    serve = cluster["serve"]
+    if serve.poll() is None:
+        os.killpg(serve.pid, signal.SIGINT)
+        try:
+            serve.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+
+
+def test_every_read_crossed_the_link_by_tcp(two_nodes):
+    """Serve stopped (Ctrl-C: the engines exit and UCX writes out its tables): every READ
+    of every D replica (the first and the one placed after the node came back) went by
+    TCP on the worker's interface, and P spoke to them on the head's: P on one node, D
+    on the other."""
+    _stop_serve(two_nodes)
+    logs = sorted(two_nodes["ucx_logs"].glob("decode.*.ucx.log"))
+    read = read_transports_in(logs)
+    worker, head = two_nodes["worker"], two_nodes["head"]
+    assert read == {f"tcp/{worker.interface}"} and all(is_network(t) for t in read), (
+        read, [p.name for p in logs])
+    p_logs = sorted(two_nodes["ucx_logs"].glob("prefill.*.ucx.log"))
+    assert peer_transports_in(p_logs) == {f"tcp/{head.interface}"}, [p.name for p in p_logs]
+    print(f"two nodes: D read from P by {sorted(read)} ({len(logs)} UCX logs of D)")
