@@ -95,10 +95,6 @@ def test_a_nixl_read_across_hosts_goes_over_tcp_and_the_check_sees_shared_memory
           f"{chosen['read_transports']} when UCX chooses")
 
 
-def _netns_of_kvhandoff() -> set[str]:
-    return {n for n in _netns_names() if n.startswith("kvh")}
-
-
 @pytest.mark.engines
 def test_the_demo_across_hosts_is_identical_and_reads_the_kv_over_tcp(model_dir, tmp_path):
     """`kvhandoff demo --hosts netns`: P, D and the router on three hosts, the client on
@@ -107,20 +103,21 @@ def test_the_demo_across_hosts_is_identical_and_reads_the_kv_over_tcp(model_dir,
     why = can_create()
     if why:
         pytest.skip(why)
-    before = _netns_of_kvhandoff()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "tools.cli", "demo", "--hosts", "netns", "--model", model_dir,
          "--requests", "2", "--beam-width", "4", "--json", str(tmp_path / "demo.json")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     report = json.loads((tmp_path / "demo.json").read_text())
     assert report["ok"] and report["hosts"] == "netns"
     assert all(row["verified"] for row in report["requests"]), report
     assert report["num_handoff"] >= 1 and report["two_calls"]["verified"], report
     assert report["transport"] == {"read_transports": ["tcp/eth2"], "network": True}, report
-    assert "D read the KV from P by: tcp/eth2 (a network transport" in proc.stdout
-    assert f"router on {SUBNET}.3" in proc.stdout
-    assert _netns_of_kvhandoff() == before
+    assert "D read the KV from P by: tcp/eth2 (a network transport" in stdout
+    assert f"router on {SUBNET}.3" in stdout
+    tag = f"kvh{proc.pid % 100000}-"  # the demo's namespaces (tools.netns.hosts)
+    assert not any(n.startswith(tag) for n in _netns_names())
 
 
 def test_the_link_bench_measures_each_path_and_names_its_transport():
@@ -384,9 +381,18 @@ def test_d_host_gone_mid_request_fails_clearly_and_d_is_used_again_when_back(on_
                {"endpoint": d.address, "state": "in"}) <= back_before:
         assert time.monotonic() < deadline, "D never came back into rotation"
         time.sleep(1)
-    got = _generate_on(on_hosts, make_request(prompt=list(range(60, 140)), max_tokens=24,
-                                              seed=3, beam_width=4, path="handoff",
-                                              request_id="hosts-d-back"))
-    assert not got.stats.recomputed and got.stats.num_imported_tokens > 0, got.stats
+    # The router warms the pair up again in the background when D returns; a handoff
+    # racing it may find D's old connection to P broken by the outage and be recomputed
+    # (flagged) while D reconnects: handoffs must import again within three tries.
+    tries = []
+    for i in range(3):
+        got = _generate_on(on_hosts, make_request(
+            prompt=list(range(60, 140)), max_tokens=24, seed=3, beam_width=4,
+            path="handoff", request_id=f"hosts-d-back-{i}"))
+        tries.append(got.stats.handoff_failure or "imported")
+        if not got.stats.recomputed:
+            break
+    assert not got.stats.recomputed and got.stats.num_imported_tokens > 0, tries
+    print(f"D back: {tries}")
     assert call(r_host, _pools_clean, [p.address, d.address], HOSTS_LEASE_S + 10.0,
                 on_hosts["tls"]) == []
