@@ -85,6 +85,10 @@ class Stage1Params:
             raise InvalidRequest("stage1.seed", "positional sampling needs a seed")
 
 
+#: Largest |length_penalty| accepted (vLLM's beam search uses 0-2 in practice).
+MAX_LENGTH_PENALTY = 10.0
+
+
 @dataclass(frozen=True)
 class BeamParams:
     """Beam search for stage 2, with vLLM's beam-search semantics."""
@@ -101,6 +105,13 @@ class BeamParams:
             )
         if self.max_tokens < 1:
             raise InvalidRequest("beam.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        # Scores divide by len ** length_penalty: beyond this bound a long sequence's
+        # power overflows a float (or underflows to 0), which no request means.
+        if not abs(self.length_penalty) <= MAX_LENGTH_PENALTY:  # also refuses NaN
+            raise InvalidRequest(
+                "beam.length_penalty",
+                f"must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                f"got {self.length_penalty:g}")
 
 
 def check_beam_width(beam_width: int, limit: int, who: str) -> None:

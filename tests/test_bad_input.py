@@ -45,6 +45,11 @@ def test_bad_prompts_are_refused_before_stage_1(pair, run, still_serving, overri
     (BeamParams, {"beam_width": 0}, "beam.beam_width"),
     (BeamParams, {"beam_width": 65}, "beam.beam_width"),
     (BeamParams, {"max_tokens": 0}, "beam.max_tokens"),
+    # Found by tests/test_fuzz.py (seed 822988293): 2.98e13 overflowed the beam score,
+    # the router answered INTERNAL (OverflowError).
+    (BeamParams, {"length_penalty": 2.97846796e13}, "beam.length_penalty"),
+    (BeamParams, {"length_penalty": -11.0}, "beam.length_penalty"),
+    (BeamParams, {"length_penalty": float("nan")}, "beam.length_penalty"),
     (Stage1Params, {"max_tokens": 0}, "stage1.max_tokens"),
     (Stage1Params, {"temperature": -0.5}, "stage1.temperature"),
     (Stage1Params, {"top_p": 0.0}, "stage1.top_p"),

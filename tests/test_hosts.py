@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.hosts]
 #: Bytes of the plain TCP copy between two hosts (a probe of the link, not a benchmark).
 COPY_BYTES = 64 << 20
 
+
 @pytest.fixture
 def two_hosts():
     why = can_create()
