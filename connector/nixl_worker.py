@@ -185,6 +185,24 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
             logger.warning("Posting the READ for %s took %.2fs (NIXL's transfer() blocked "
                            "this worker)", req_id, posting)
 
+    def _cleanup_remote_engines(self) -> None:
+        """Each step: a P any of whose READs failed in transport is released (its
+        NIXL agent and connection dropped) once its other READs drain, and the next
+        handoff from it handshakes again. vLLM does this only when the local NIXL
+        metadata is gone; a UCX connection broken by an outage (a link down, a host
+        gone and back: ``NIXL_ERR_REMOTE_DISCONNECT``) keeps its metadata, so every
+        later READ from that P failed at once, for good. A P that keeps failing is
+        released again after vLLM's backoff (1 s doubling to 60 s), its READs
+        failing fast meanwhile (the router recomputes them)."""
+        now = time.perf_counter()
+        for engine_id in self._failed_remote_engines - self._invalid_remote_engines:
+            if engine_id in self._remote_agents:
+                logger.warning("A READ from %s failed: dropping its NIXL agent and "
+                               "connection, the next handoff from it handshakes again",
+                               engine_id)
+                self._mark_remote_engine_invalid(engine_id, now)
+        super()._cleanup_remote_engines()
+
     def _abandon_reads_past_lease(self, transfers: dict[str, list[int]], now: float) -> set[str]:
         """READs still in flight when P's lease on their blocks ended (P unreachable: a
         link down, P's host gone) fail now rather than when the transport gives up
@@ -202,6 +220,10 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
                          "ended (issued %.2fs before it); P unreachable?", req_id,
                          now - deadline, deadline - issued_at)
             self.xfer_stats.record_kv_expired_req()
+            meta = self._recving_metadata.get(req_id)
+            if meta is not None and meta.remote is not None:
+                # Its connection is suspect: handshake again (_cleanup_remote_engines).
+                self._failed_remote_engines.add(meta.remote.engine_id)
             kept = [h for h in handles if not self._handle_failed_transfer(
                 req_id, h, failed, record_failed_transfer=False)]
             if kept:

@@ -382,9 +382,11 @@ def test_d_host_gone_mid_request_fails_clearly_and_d_is_used_again_when_back(on_
                {"endpoint": d.address, "state": "in"}) <= back_before:
         assert time.monotonic() < deadline, "D never came back into rotation"
         time.sleep(1)
-    # The router warms the pair up again in the background when D returns; a handoff
-    # racing it may find D's old connection to P broken by the outage and be recomputed
-    # (flagged) while D reconnects: handoffs must import again within three tries.
+    # D's UCX connection to P may have been broken by the outage (UCX's keepalive):
+    # the first READ on it fails (NIXL_ERR_REMOTE_DISCONNECT), D drops P's agent and
+    # handshakes again (connector/nixl_worker.py); a handoff racing that (or the
+    # router's re-warm-up) is recomputed, flagged. Before, every READ from P failed for
+    # good: handoffs must import again within three tries.
     tries = []
     for i in range(3):
         got = _generate_on(on_hosts, make_request(
