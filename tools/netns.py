@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import multiprocessing as mp
 import os
+import struct
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -126,9 +129,13 @@ def can_create() -> str:
 
 
 @contextlib.contextmanager
-def hosts(names: tuple[str, ...], subnet: str = SUBNET) -> Iterator[dict[str, Host]]:
+def hosts(names: tuple[str, ...], subnet: str = SUBNET, *,
+          offload: bool = True) -> Iterator[dict[str, Host]]:
     """One namespace per name, addresses ``subnet.1``, ``.2``, ... in order, joined by a
-    bridge in a hub namespace; all removed on exit."""
+    bridge in a hub namespace; all removed on exit. ``offload=False``: the hosts'
+    interfaces send one packet per buffer (``gso_max_segs 1``) from the start, so that
+    :func:`packet_loss` drops packets also on connections opened before it (a socket keeps
+    the segmentation limit of its first route)."""
     tag = f"kvh{os.getpid() % 100000}"
     hub = f"{tag}-hub"
     made: list[str] = []
@@ -152,6 +159,8 @@ def hosts(names: tuple[str, ...], subnet: str = SUBNET) -> Iterator[dict[str, Ho
             _ip("-n", hub, "link", "set", there, "up")
             address = f"{subnet}.{i}"
             _ip("-n", netns, "addr", "add", f"{address}/24", "dev", here)
+            if not offload:
+                _ip("-n", netns, "link", "set", here, "gso_max_segs", "1")
             _ip("-n", netns, "link", "set", here, "up")
             out[name] = Host(name, netns, address, here)
         yield out
@@ -159,6 +168,96 @@ def hosts(names: tuple[str, ...], subnet: str = SUBNET) -> Iterator[dict[str, Ho
         for netns in reversed(made):
             with contextlib.suppress(subprocess.CalledProcessError, OSError):
                 _ip("netns", "del", netns)
+
+
+def _drop_program(percent: int) -> bytes:
+    """eBPF for a tc classifier in direct-action mode: ``return prandom() % 100 < percent
+    ? TC_ACT_SHOT : TC_ACT_OK``. Instructions are ``struct bpf_insn`` (opcode, dst | src
+    << 4, offset, immediate)."""
+    def insn(code: int, off: int = 0, imm: int = 0) -> bytes:
+        return struct.pack("<BBhi", code, 0, off, imm)
+
+    return b"".join([
+        insn(0x85, imm=7),           # call bpf_get_prandom_u32 -> r0
+        insn(0x97, imm=100),         # r0 %= 100
+        insn(0x35, off=2, imm=percent),  # if r0 >= percent: goto pass
+        insn(0xB7, imm=2),           # r0 = TC_ACT_SHOT
+        insn(0x95),                  # exit
+        insn(0xB7, imm=0),           # pass: r0 = TC_ACT_OK
+        insn(0x95),                  # exit
+    ])
+
+
+def _bpf(cmd: int, attr: bytes) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(attr + bytes(128 - len(attr)))
+    ret = libc.syscall(321, cmd, buf, len(buf.raw))  # SYS_bpf on x86-64
+    if ret < 0:
+        raise OSError(ctypes.get_errno(), f"bpf({cmd}): {os.strerror(ctypes.get_errno())}")
+    return ret
+
+
+def _pin_drop_program(percent: int, path: str) -> None:
+    code = ctypes.create_string_buffer(_drop_program(percent))
+    license_ = ctypes.create_string_buffer(b"GPL")
+    # BPF_PROG_LOAD (5): prog_type SCHED_CLS (3), insn_cnt, insns, license.
+    fd = _bpf(5, struct.pack("<IIQQ", 3, len(code.raw) // 8, ctypes.addressof(code),
+                             ctypes.addressof(license_)))
+    try:
+        name = ctypes.create_string_buffer(path.encode())
+        _bpf(6, struct.pack("<QI", ctypes.addressof(name), fd))  # BPF_OBJ_PIN
+    finally:
+        os.close(fd)
+
+
+def _clsact_counts(host: Host) -> tuple[int, int]:
+    out = subprocess.run(["tc", "-n", host.netns, "-s", "qdisc", "show", "dev", host.interface],
+                         capture_output=True, text=True, check=True).stdout
+    stats = out.split("qdisc clsact", 1)[1].split("Sent", 1)[1].split()
+    return int(stats[2]), int(stats[5].rstrip(","))  # "X bytes N pkt (dropped D, ..."
+
+
+@contextlib.contextmanager
+def packet_loss(host: Host, percent: int) -> Iterator[Callable[[], tuple[int, int]]]:
+    """Until exit, ``host`` drops ``percent`` % of the packets it sends, at random, as a
+    lossy link would (TCP retransmits them). ``tc qdisc ... netem loss`` is the usual
+    tool, but this kernel has no ``sch_netem`` (nor ``act_gact``, nor iptables): the drop
+    is an eBPF program (direct action, ``cls_bpf``) on the egress (``clsact``) of the
+    host's interface, pinned for ``tc`` in a bpf file system mounted in a temporary
+    directory, all removed on exit. The interface sends one packet per buffer while it
+    lasts (``gso_max_segs 1``): with segmentation offload the program would see, and drop,
+    64 KiB bursts of ~44 packets at a time, not packets. A connection opened before keeps
+    its bursts (its socket took the limit of its route when it connected): for those, make
+    the hosts with ``hosts(..., offload=False)``. Yields a function giving (packets sent,
+    packets dropped) so far on that interface."""
+    if not 0 <= percent <= 100:
+        raise ValueError(f"percent must be in [0, 100], not {percent}")
+    fs = tempfile.mkdtemp(prefix="kvh-bpffs-")
+    tc = ["tc", "-n", host.netns]
+    dev = ["dev", host.interface]
+    shown = subprocess.run(["ip", "-n", host.netns, "-d", "-j", "link", "show", *dev],
+                           capture_output=True, text=True, check=True).stdout
+    gso_max_segs = str(json.loads(shown)[0]["gso_max_segs"])
+    try:
+        _ip("-n", host.netns, "link", "set", *dev, "gso_max_segs", "1")
+        subprocess.run(["mount", "-t", "bpf", "bpf", fs], check=True, capture_output=True)
+        try:
+            program = os.path.join(fs, f"drop{percent}")
+            _pin_drop_program(percent, program)
+            subprocess.run([*tc, "qdisc", "add", *dev, "clsact"], check=True,
+                           capture_output=True)
+            try:
+                subprocess.run([*tc, "filter", "add", *dev, "egress", "bpf", "da", "pinned",
+                                program], check=True, capture_output=True, text=True)
+                yield lambda: _clsact_counts(host)
+            finally:
+                subprocess.run([*tc, "qdisc", "del", *dev, "clsact"], capture_output=True)
+        finally:
+            subprocess.run(["umount", fs], capture_output=True)
+    finally:
+        os.rmdir(fs)
+        with contextlib.suppress(subprocess.CalledProcessError, OSError):
+            _ip("-n", host.netns, "link", "set", *dev, "gso_max_segs", gso_max_segs)
 
 
 _SINK = """
