@@ -167,6 +167,39 @@ def test_streaming_through_the_proxy(proxy):
     assert streamed == list(events[-1].result.thinking_token_ids)
 
 
+@pytest.mark.migration
+def test_a_request_moved_through_serve_streams_on_and_equals_not_moving(proxy, router_client):
+    """Router.Move through Serve's gRPC proxy after 10 streamed stage-1 tokens: the Serve
+    router stops the request on P's replica and D's replica imports what P had and samples
+    on (``HandleStub.Stage2Stream``, its stream over the deployment handle). The client's
+    stream has every token once, D's part in several events, and stage 1 and the beams
+    equal the same request never moved (the standalone router, colocated)."""
+    def request(request_id: str, **kw):
+        req = make_request(prompt=list(range(300, 380)), max_tokens=120, seed=19,
+                           beam_width=4, request_id=request_id, **kw)
+        req.stage1.min_tokens = 120
+        return req
+
+    streamed, batches, result, moved = [], [], None, None
+    for event in proxy.GenerateStream(request("serve-move"), metadata=METADATA, timeout=300):
+        if event.HasField("stage1_tokens"):
+            streamed.extend(event.stage1_tokens.ids)
+            batches.append(len(streamed))
+            if len(streamed) >= 10 and moved is None:
+                moved = proxy.Move(router_pb2.MoveRequest(request_id="serve-move"),
+                                   metadata=METADATA, timeout=60)
+        else:
+            result = event.result
+    assert moved is not None and result is not None
+    assert len(result.moves) == 1, "the request was not moved"
+    move = result.moves[0]
+    assert 10 <= move.at_token < 120 and move.num_imported_tokens == 80 + move.at_token - 1
+    assert sum(1 for n in batches if n > move.at_token) > 3, batches
+    ref = router_client.generate(request("serve-move-ref", path="colocated"))
+    assert streamed == list(result.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert [list(b.token_ids) for b in result.beams] == [list(b.token_ids) for b in ref.beams]
+
+
 def test_errors_keep_the_standalone_status_codes(proxy, router_client):
     bad = make_request(prompt=[1, 2, 3], max_tokens=8, beam_width=4)
     bad.prompt_token_ids.ids.append(10**9)
