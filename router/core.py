@@ -69,6 +69,9 @@ class _Running:
     stage: int = 1
     #: "move" or "drain" once a move was asked for.
     move_reason: str = ""
+    #: Stage 1 was finished on ``d`` (P died with no other P to resume on): D's prefix
+    #: cache holds the parent, stage 2 needs no handoff.
+    stage1_on_d: bool = False
     #: Set when the request ended; ``error`` then says how it ended.
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     error: BaseException | None = None
@@ -237,12 +240,14 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
             out.decode = d.address if d is not None else None
             running.d = d
             handoff_msg = None
-            async for item in self._stage1_resuming(running, plan, out, export=handoff):
+            async for item in self._stage1_resuming(running, plan, out, export=handoff,
+                                                    key=key):
                 if isinstance(item, list):
                     yield item
                 else:
                     handoff_msg = item
-            on_d = False  # stage 1 finished on D: D holds the parent, stage 2 reads its cache
+            # Stage 1 finished on D: D holds the parent, stage 2 reads its cache.
+            on_d = running.stage1_on_d
             if (running.move_asked and handoff_msg is not None
                     and out.stage1_finish_reason == "length"
                     and len(out.thinking_ids) < plan.stage1.max_tokens):
@@ -293,14 +298,18 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         yield out
 
     async def _stage1_resuming(self, running: _Running, plan: Plan, out: Outcome, *,
-                               export: bool, resume_at: int | None = None
+                               export: bool, resume_at: int | None = None,
+                               key: object | None = None
                                ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
         """Stage 1 on ``running.p``; when that P fails mid-stream (UNAVAILABLE) and the
         request's tokens are positional, it resumes on another P in rotation from the
         prompt and the tokens streamed so far (their KV recomputed there, the move
         flagged "resume: ..."). The last streamed token is sampled again and must match:
         the new P's stream goes on from the next one. ``resume_at``: the first P starts
-        that way too (a move whose destination failed)."""
+        that way too (a move whose destination failed). With no other P taking work and
+        ``key`` given (``running.d`` is claimed under it for this request's stage 2),
+        stage 1 is finished on that D from the tokens streamed so far (computed there,
+        ``running.stage1_on_d``), as a move to D would, without a handoff."""
         while True:
             try:
                 async for item in self._stage1(running.p, running.d, plan, out,
@@ -309,10 +318,23 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                     yield item
                 return
             except grpc.aio.AioRpcError as e:
-                if not self._resumable(e, plan):
+                d = running.d if key is not None else None
+                if not self._resumable(e, plan, on_d=d is not None):
                     raise
                 failed, t = running.p, len(out.thinking_ids)
                 reason = f"resume: {e.code().name}: {e.details()}"
+                if d is not None and not any(ep.takes_work for ep in self.prefill
+                                             if ep is not failed):
+                    logger.warning("%s: P %s failed after %d stage-1 tokens (%s) and no "
+                                   "other P takes work; finishing stage 1 on D %s",
+                                   plan.request_id, failed.address, t, e.details(),
+                                   d.address)
+                    running.stage = 2  # from here the request runs on D
+                    async for rest in self._finish_stage1_on(d, None, plan, out, key,
+                                                             reason):
+                        yield rest
+                    running.stage1_on_d = True
+                    return
                 logger.warning("%s: P %s failed after %d stage-1 tokens (%s); resuming on "
                                "another P", plan.request_id, failed.address, t, e.details())
                 running.p = await self._pick_prefill(plan, exclude=failed)
@@ -364,15 +386,15 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                 and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                              grpc.StatusCode.FAILED_PRECONDITION))
 
-    def _resumable(self, e: grpc.aio.AioRpcError, plan: Plan) -> bool:
+    def _resumable(self, e: grpc.aio.AioRpcError, plan: Plan, on_d: bool = False) -> bool:
         """P failed and stage 1 can go on elsewhere with the same tokens: P is gone
         (UNAVAILABLE), the policy is "recompute", the tokens are positional (or greedy)
-        and there is another P."""
+        and there is another P, or a D to finish on (``on_d``)."""
         stage1 = plan.stage1
         return (e.code() == grpc.StatusCode.UNAVAILABLE
                 and self.config.on_handoff_failure == "recompute"
                 and (stage1.positional or stage1.temperature == 0)
-                and len(self.prefill) > 1 and not plan.pinned)
+                and (len(self.prefill) > 1 or on_d) and not plan.pinned)
 
     async def move(self, request_id: str, reason: str = "move") -> router_pb2.MoveResponse:
         """Router.Move: ask P to stop ``request_id``'s stage 1 after its next token; its
@@ -442,12 +464,12 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                     "" if summary.empty else " (NOT empty at the timeout)")
         return summary
 
-    async def _finish_stage1_on(self, d: Endpoint, handoff: common_pb2.Handoff, plan: Plan,
-                                out: Outcome, key: object, reason: str
+    async def _finish_stage1_on(self, d: Endpoint, handoff: common_pb2.Handoff | None,
+                                plan: Plan, out: Outcome, key: object, reason: str
                                 ) -> AsyncIterator[list[int]]:
         """Stage 1, stopped on P by a move, finished on ``d``: D imports what P has and
         samples the rest with the same (positional) sampling; yields the new tokens as D
-        streams them."""
+        streams them. Without ``handoff`` (P is gone) D computes the tokens so far."""
         t = len(out.thinking_ids)
         params = plan.stage1
         rest = dataclasses.replace(params, max_tokens=params.max_tokens - t,
@@ -455,7 +477,8 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         request = engine_pb2.Stage2Request(
             request_id=f"{plan.request_id}-s1m", prompt_token_ids=plan.prompt_ids
             + out.thinking_ids, sampling=convert.stage1_to_pb(rest))
-        request.handoff.CopyFrom(handoff)
+        if handoff is not None:
+            request.handoff.CopyFrom(handoff)
         first_at, resp = None, None
         # Listed from the start: a move whose destination fails stays in the record.
         move = router_pb2.Move(from_endpoint=out.prefill, to_endpoint=d.address, at_token=t,

@@ -381,3 +381,56 @@ def test_p_killed_before_d_reads_is_recomputed_on_d(fleet):
     assert got.stats.recomputed and got.stats.decode_endpoint == d0.address
     assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
     _assert_clean(d0)
+
+
+@pytest.mark.migration
+def test_p_killed_mid_stage1_with_no_other_p_is_finished_on_d_with_the_same_tokens(fleet):
+    """The last test (P is dead by now): P2 is started again, and dies after 20 streamed
+    stage-1 tokens with no other P in rotation. The "resume" router finishes stage 1 on
+    the D it had chosen, from the prompt and the streamed tokens (computed there, the move
+    flagged "resume: UNAVAILABLE ..."), then runs stage 2 there. The stream has each
+    token once, and stage 1 and the beams equal the same request with no crash."""
+    from tools.launch import spawn, wait_serving
+
+    resume, p = fleet["resume"], fleet["p"]
+    assert p.proc.poll() is not None, "P should be dead (the test before killed it)"
+    old = fleet["p2"]
+    p2 = spawn("prefill", int(old.address.rsplit(":", 1)[1]),
+               [*fleet["engine_args"], "--kv-cache-mib", "32"], fleet["log_dir"],
+               "prefill2-restarted")
+    fleet["servers"].append(p2)
+    fleet["p2"] = p2
+    wait_serving(p2.address, [p2])
+    deadline = time.monotonic() + 60
+    while not (metric_sum(resume.metrics_url, "kvhandoff_router_engine_up",
+                          endpoint=p2.address) == 1.0
+               and metric_sum(resume.metrics_url, "kvhandoff_router_engine_up",
+                              endpoint=p.address) == 0.0):
+        assert time.monotonic() < deadline, "the resume router did not see P2 up, P down"
+        time.sleep(0.5)
+    with RouterClient(resume.address) as client:
+        ref = client.generate(_long_request(6, "colocated"), timeout=300)
+    streamed, got, killed = [], None, False
+    with RouterClient(resume.address) as client:
+        for event in client.generate_stream(_long_request(6), timeout=300):
+            if event.HasField("stage1_tokens"):
+                streamed.extend(event.stage1_tokens.ids)
+                if len(streamed) >= 20 and not killed:
+                    _kill(p2)
+                    killed = True
+            else:
+                got = event.result
+    assert killed, "stage 1 ended before the kill"
+    print(f"finished on D: {list(got.moves)}")
+    assert streamed == list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert len(ref.thinking_token_ids) == LONG_STAGE1_TOKENS
+    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    (move,) = got.moves
+    assert move.reason.startswith("resume: UNAVAILABLE"), move.reason
+    d = fleet["d0"] if move.to_endpoint == fleet["d0"].address else fleet["d1"]
+    assert (move.from_endpoint, move.to_endpoint) == (p2.address, d.address)
+    assert got.stats.decode_endpoint == d.address
+    assert 20 <= move.at_token < LONG_STAGE1_TOKENS and move.num_imported_tokens == 0
+    # Every streamed token computed on D (the prompt's full blocks may be in its cache).
+    assert move.at_token <= move.num_computed_tokens <= 80 + move.at_token, move
+    _assert_clean(d)
