@@ -469,14 +469,18 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                                 ) -> AsyncIterator[list[int]]:
         """Stage 1, stopped on P by a move, finished on ``d``: D imports what P has and
         samples the rest with the same (positional) sampling; yields the new tokens as D
-        streams them. Without ``handoff`` (P is gone) D computes the tokens so far."""
+        streams them. Without ``handoff`` (P is gone) D computes the tokens so far but the
+        last, which it samples again and which must equal what was streamed (P may have
+        died after its last token: D then only confirms it and the stop it made)."""
         t = len(out.thinking_ids)
+        replay = min(1, t) if handoff is None else 0
+        start = t - replay
         params = plan.stage1
-        rest = dataclasses.replace(params, max_tokens=params.max_tokens - t,
-                                   min_tokens=max(0, params.min_tokens - t))
+        rest = dataclasses.replace(params, max_tokens=params.max_tokens - start,
+                                   min_tokens=max(0, params.min_tokens - start))
         request = engine_pb2.Stage2Request(
             request_id=f"{plan.request_id}-s1m", prompt_token_ids=plan.prompt_ids
-            + out.thinking_ids, sampling=convert.stage1_to_pb(rest))
+            + out.thinking_ids[:start], sampling=convert.stage1_to_pb(rest))
         if handoff is not None:
             request.handoff.CopyFrom(handoff)
         first_at, resp = None, None
@@ -489,11 +493,21 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         d.outstanding += 1
         waiting_since = time.perf_counter()
         try:
-            async for event in d.stub.Stage2Stream(request, timeout=self._timeout(plan)):
-                if event.new_token_ids:
+            stream = d.stub.Stage2Stream(request, timeout=self._timeout(plan))
+            async for event in stream:
+                new = list(event.new_token_ids)
+                if replay and new:
+                    if new[0] != out.thinking_ids[start]:
+                        if hasattr(stream, "cancel"):
+                            stream.cancel()
+                        raise grpc_error(grpc.StatusCode.INTERNAL,
+                                         f"stage 1 finished on {d.address} sampled {new[0]} "
+                                         f"where {out.thinking_ids[start]} was streamed")
+                    new, replay = new[1:], 0
+                if new:
                     first_at = first_at or time.perf_counter()
-                    out.thinking_ids.extend(event.new_token_ids)
-                    yield list(event.new_token_ids)
+                    out.thinking_ids.extend(new)
+                    yield new
                 if event.HasField("result"):
                     resp = event.result
         finally:

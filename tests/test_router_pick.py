@@ -1,6 +1,7 @@
 """The router's choice of D, over fake engine stubs (no engines): capacity snapshots are
 reused while fresh, the router's own picks are claimed against them until a snapshot shows
-them, stale ones are asked again, and a request with no room waits its turn, bounded."""
+them, stale ones are asked again, and a request with no room waits its turn, bounded;
+and the check of the token D samples again when it finishes a stage 1 whose P is gone."""
 
 from __future__ import annotations
 
@@ -315,3 +316,54 @@ def test_the_holds_released_for_a_new_parent_are_idle_forgotten_first_then_lru()
     assert reg.to_release(20, 100) == [records["old"], records["mid"]]
     records["mid"].in_use = 1
     assert reg.to_release(20, 100) == []  # only "old" is idle: not enough
+
+
+class FakeStreamingD(FakeEngineStub):
+    """A D whose sampled Stage2Stream answers ``tokens`` (then its result)."""
+
+    def __init__(self, tokens: list[int]):
+        super().__init__(100)
+        self.tokens, self.requests = tokens, []
+
+    def Stage2Stream(self, request, timeout=None):  # noqa: N802 (the rpc's name)
+        self.requests.append(request)
+
+        async def events():
+            yield engine_pb2.Stage2Event(new_token_ids=self.tokens)
+            last = engine_pb2.Stage2Event()
+            last.result.beams.add(token_ids=self.tokens, finish_reason="length")
+            last.result.num_computed_tokens_first_step = len(request.prompt_token_ids)
+            yield last
+
+        return events()
+
+
+@pytest.mark.parametrize("d_samples, ok", [([13, 14, 15], True), ([99, 14, 15], False)])
+def test_stage1_finished_on_d_without_a_handoff_samples_the_last_token_again(
+        model_dir, d_samples, ok):
+    """P gone: D gets the prompt and the streamed tokens but the last, samples that one
+    again, and the router checks it: equal, the stream goes on after it (never twice);
+    different, INTERNAL naming both (the control: the check is not a constant)."""
+    from router import Outcome
+
+    router = _router(model_dir, [100])
+    d = router.decode[0]
+    d.stub = FakeStreamingD(d_samples)
+    plan = _plan()
+    out = Outcome(plan, "p", d.address, thinking_ids=[11, 12, 13])
+
+    async def finish():
+        return [t async for batch in router._finish_stage1_on(d, None, plan, out, object(),
+                                                                "resume: test")
+                for t in batch]
+
+    if ok:
+        assert asyncio.run(finish()) == [14, 15]
+        assert out.thinking_ids == [11, 12, 13, 14, 15]
+    else:
+        with pytest.raises(RouterError) as e:
+            asyncio.run(finish())
+        assert e.value.code == grpc.StatusCode.INTERNAL and "sampled 99 where 13" in str(e.value)
+    (sent,) = d.stub.requests
+    assert list(sent.prompt_token_ids) == [1] * 100 + [11, 12]
+    assert sent.sampling.max_tokens == 10 - 2 and not sent.HasField("handoff")
