@@ -432,7 +432,8 @@ def test_p_killed_mid_stage1_with_no_other_p_is_finished_on_d_with_the_same_toke
     assert (move.from_endpoint, move.to_endpoint) == (p2.address, d.address)
     assert got.stats.decode_endpoint == d.address
     assert 20 <= move.at_token < LONG_STAGE1_TOKENS and move.num_imported_tokens == 0
-    # Every streamed token but the last (sampled again) computed on D, the prompt's full
-    # blocks perhaps found in its cache.
-    assert move.at_token - 1 <= move.num_computed_tokens <= 80 + move.at_token - 1, move
+    # Nothing imported: the prompt and the streamed tokens but the last (sampled again)
+    # computed on D, less the full blocks its prefix cache held (35 of 99 computed in a
+    # run alone, 3 in a clean-clone .ci/run: D's cache held 96).
+    assert 1 <= move.num_computed_tokens <= 80 + move.at_token - 1, move
     _assert_clean(d)

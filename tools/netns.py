@@ -188,10 +188,20 @@ def _drop_program(percent: int) -> bytes:
     ])
 
 
+#: The bpf syscall's number (no libc wrapper).
+_SYS_BPF = {"x86_64": 321, "aarch64": 280}
+
+
 def _bpf(cmd: int, attr: bytes) -> int:
+    import platform
+
+    number = _SYS_BPF.get(platform.machine())
+    if number is None:
+        raise OSError(f"packet_loss: the bpf syscall's number on {platform.machine()} is not "
+                      "known here")
     libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(attr + bytes(128 - len(attr)))
-    ret = libc.syscall(321, cmd, buf, len(buf.raw))  # SYS_bpf on x86-64
+    ret = libc.syscall(number, cmd, buf, len(buf.raw))
     if ret < 0:
         raise OSError(ctypes.get_errno(), f"bpf({cmd}): {os.strerror(ctypes.get_errno())}")
     return ret
