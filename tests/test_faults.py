@@ -389,8 +389,8 @@ def test_p_killed_mid_stage1_with_no_other_p_is_finished_on_d_with_the_same_toke
     stage-1 tokens with no other P in rotation. The "resume" router finishes stage 1 on
     the D it had chosen, from the prompt and the streamed tokens (computed there, the last
     sampled again and checked, the move flagged "resume: UNAVAILABLE ..."), then runs
-    stage 2 there. The stream has each
-    token once, and stage 1 and the beams equal the same request with no crash."""
+    stage 2 there. The stream has each token once, and stage 1 and the beams equal the
+    same request with no crash."""
     from tools.launch import spawn, wait_serving
 
     resume, p = fleet["resume"], fleet["p"]
