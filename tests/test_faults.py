@@ -130,6 +130,23 @@ def _stream_killing(address: str, req, victim, kill=_kill):
         return [e for e in stream][-1].result
 
 
+def _stream_killing_after(address: str, req, victim, num_tokens: int = 20):
+    """Send ``req``; once ``num_tokens`` stage-1 tokens have streamed, ``_kill(victim)``.
+    Returns the streamed tokens and the result (asserting the kill landed first)."""
+    streamed, got, killed = [], None, False
+    with RouterClient(address) as client:
+        for event in client.generate_stream(req, timeout=300):
+            if event.HasField("stage1_tokens"):
+                streamed.extend(event.stage1_tokens.ids)
+                if len(streamed) >= num_tokens and not killed:
+                    _kill(victim)
+                    killed = True
+            else:
+                got = event.result
+    assert killed, "stage 1 ended before the kill"
+    return streamed, got
+
+
 def _router_sees(fleet, server, up: bool, timeout_s: float = 30.0) -> None:
     """Until the router's kvhandoff_router_engine_up for ``server`` is ``up``."""
     deadline = time.monotonic() + timeout_s
@@ -337,17 +354,7 @@ def test_p_killed_mid_stage1_is_resumed_on_the_other_p_with_the_same_tokens(flee
     p, p2 = fleet["p"], fleet["p2"]
     with RouterClient(fleet["router"].address) as client:
         ref = client.generate(_long_request(5, "colocated"), timeout=300)
-    streamed, got, killed = [], None, False
-    with RouterClient(fleet["resume"].address) as client:
-        for event in client.generate_stream(_long_request(5), timeout=300):
-            if event.HasField("stage1_tokens"):
-                streamed.extend(event.stage1_tokens.ids)
-                if len(streamed) >= 20 and not killed:
-                    _kill(p2)
-                    killed = True
-            else:
-                got = event.result
-    assert killed, "stage 1 ended before the kill"
+    streamed, got = _stream_killing_after(fleet["resume"].address, _long_request(5), p2)
     assert len(ref.thinking_token_ids) == LONG_STAGE1_TOKENS
     assert streamed == list(got.thinking_token_ids) == list(ref.thinking_token_ids)
     assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
@@ -411,17 +418,7 @@ def test_p_killed_mid_stage1_with_no_other_p_is_finished_on_d_with_the_same_toke
         time.sleep(0.5)
     with RouterClient(resume.address) as client:
         ref = client.generate(_long_request(6, "colocated"), timeout=300)
-    streamed, got, killed = [], None, False
-    with RouterClient(resume.address) as client:
-        for event in client.generate_stream(_long_request(6), timeout=300):
-            if event.HasField("stage1_tokens"):
-                streamed.extend(event.stage1_tokens.ids)
-                if len(streamed) >= 20 and not killed:
-                    _kill(p2)
-                    killed = True
-            else:
-                got = event.result
-    assert killed, "stage 1 ended before the kill"
+    streamed, got = _stream_killing_after(resume.address, _long_request(6), p2)
     print(f"finished on D: {list(got.moves)}")
     assert streamed == list(got.thinking_token_ids) == list(ref.thinking_token_ids)
     assert len(ref.thinking_token_ids) == LONG_STAGE1_TOKENS
