@@ -3,7 +3,7 @@
 Inert unless an engine is started with ``fault_injection`` on (``EngineConfig``; the
 connector's extra config key ``fault_injection``) *and* a request names a fault under
 ``FAULT_KEY`` in its ``kv_transfer_params``. An engine without the switch refuses such
-a request at admission (``decode_engine.scheduler``), and never runs any code below.
+a request at admission (``connector.admission``), and never runs any code below.
 
 Each fault corrupts one thing the real connector does, on real engines. What the
 harness compares (beams, cumulative logprobs within 1e-5, tokens computed by D for the

@@ -57,6 +57,16 @@ RELEASE_KEY = "kvhandoff_release"
 #: ``kv_transfer_params`` key of a one-token request that stops running requests after
 #: their next token (the engine's ``stop``; a move): client request ids.
 STOP_KEY = "kvhandoff_stop"
+#: With ``STOP_KEY``: the engine id the stopped requests' handoffs are addressed to
+#: instead of the one they named (a move to another P); absent or "": unchanged.
+RETARGET_KEY = "kvhandoff_retarget"
+
+#: ``kv_transfer_params`` key of an import that exports again when it ends (a stage 1
+#: moved to another P: it imports the tokens so far, samples on and exports its own
+#: handoff). Its import's report is then returned under ``IMPORTED_KEY`` (``KEY``
+#: carries the new handoff).
+REEXPORT_KEY = "kvhandoff_reexport"
+IMPORTED_KEY = "kvhandoff_imported"
 
 #: Reads are refused this long before the lease ends: the READ itself, the clock
 #: difference between hosts and a stalled step must all fit in it.

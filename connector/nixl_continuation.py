@@ -9,7 +9,10 @@ length keeps its blocks (stock behaviour) and its returned params gain a typed
 
 D side: the stock connector claims the whole prompt as remote; a continuation prompt
 (parent + suffix) would then import KV that P never computed. We import exactly
-``min(remote_num_tokens, len(prompt) - 1)`` tokens. Reads are refused once the lease is
+``min(remote_num_tokens, len(prompt) - 1)`` tokens. P imports the same way when a
+running stage 1 moves to it from another P (``REEXPORT_KEY``), and exports again at
+the end: once its READ is queued the request becomes an exporting one
+(``do_remote_decode``), which vLLM's pull connector treats as any P's. Reads are refused once the lease is
 (nearly) over, and a READ that completes after the lease ended is discarded as a load
 failure: the freed blocks may already hold another request's KV.
 
@@ -43,9 +46,12 @@ from connector.faults import (
 )
 from connector.handoff import (
     HOLD_KEY,
+    IMPORTED_KEY,
     KEY,
     PROTOCOL_VERSION,
+    REEXPORT_KEY,
     RELEASE_KEY,
+    RETARGET_KEY,
     STOP_KEY,
     Handoff,
     token_digest,
@@ -108,8 +114,9 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._holds: list[str] = []
         # P: held exports to release now (the engine's Release), for the worker's next step.
         self._unholds: list[str] = []
-        # P: running requests to stop after their next token (the engine's stop).
-        self._stops: set[str] = set()
+        # P: running requests to stop after their next token (the engine's stop), with
+        # the engine to address their handoffs to ("": the one they named).
+        self._stops: dict[str, str] = {}
         # Idle pacing (see _pace_idle_step): seconds of empty steps before pacing, and
         # the pause per empty step after that.
         self._idle_after_s = float(extra.get_from_extra_config("idle_after_ms", 50)) / 1e3
@@ -155,13 +162,15 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         if params.get(RELEASE_KEY):
             self._release_holds([str(r) for r in params[RELEASE_KEY]])
         if params.get(STOP_KEY):
-            self._stops.update(str(r) for r in params[STOP_KEY])
+            target = str(params.get(RETARGET_KEY) or "")
+            self._stops.update((str(r), target) for r in params[STOP_KEY])
         super().on_new_request(request)
 
-    def take_stops(self) -> set[str]:
+    def take_stops(self) -> dict[str, str]:
         """P's scheduler (``prefill_engine.scheduler``), each step: the requests to stop
-        after their next token, asked for since the last step."""
-        stops, self._stops = self._stops, set()
+        after their next token, asked for since the last step, each with the engine id
+        to address its handoff to ("": the one it named)."""
+        stops, self._stops = self._stops, {}
         return stops
 
     def _release_holds(self, names: list[str]) -> None:
@@ -237,6 +246,10 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             return None, False  # vLLM skips it this step and asks again
         if self._is_fork_child(beam):
             return self._fork_match(request, beam, num_computed_tokens), False
+        if params and params.get(REEXPORT_KEY) and params.get("_remote_blocks_processed"):
+            # A moved stage 1 whose import was queued (it may be scheduled again after a
+            # preemption): the stock P path would pull its "remote" blocks once more.
+            return 0, False
         if not (params and params.get("do_remote_prefill")):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         num_importable = min(
@@ -268,7 +281,12 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             fault = self._fault(request)
             if fault is not None and FAULTS[fault].side == "decode_worker":
                 self._import_faults[request.request_id] = fault
+        importing = bool(params and params.get("do_remote_prefill"))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if importing and params.get(REEXPORT_KEY):
+            # The READ is queued (do_remote_prefill is now False): from here the request
+            # is an exporting one, whose blocks are kept under a lease when it ends.
+            params["do_remote_decode"] = True
 
     # ---- both sides --------------------------------------------------------------------
     def request_finished(
@@ -281,19 +299,21 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         what it imported to the final output."""
         record = self._imports.pop(request.request_id, None)
         delay_free, params = super().request_finished(request, block_ids)
+        exporting = delay_free and params is not None and bool(params.get("do_remote_prefill"))
+        if exporting:
+            self._attach_handoff(request, params)
         if record is not None:
-            # D side: report what this request imported (the client sees it on the
-            # final RequestOutput.kv_transfer_params).
+            # What this request imported (the client sees it on the final
+            # RequestOutput.kv_transfer_params): under KEY on D, beside the new handoff
+            # on an engine that exports again (a moved stage 1).
             params = dict(params or {})
-            params[KEY] = {
+            params[IMPORTED_KEY if exporting else KEY] = {
                 "num_imported_tokens": record.num_tokens,
                 "num_imported_blocks": record.num_blocks,
                 "num_imported_bytes": record.num_blocks * self.kv_bytes_per_block,
                 # D admitted the import only without beam fork (its pool is short).
                 "beam_fork_disabled": bool((beam_params(request) or {}).get("fork_disabled")),
             }
-        elif delay_free and params is not None and params.get("do_remote_prefill"):
-            self._attach_handoff(request, params)
         self._fork_pending.pop(request.request_id, None)
         beam = beam_params(request)
         if beam and not delay_free and self._keep(request, beam, block_ids):

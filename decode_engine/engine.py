@@ -137,7 +137,10 @@ async def run_sample_stage(
         f"{request_id}: no final output"
     reason = last.outputs[0].finish_reason
     if reason not in ("stop", "length"):
-        raise StageError("stage2", reason or "unknown", error_message(last))
+        # An import refused at admission or failed says why (connector.admission).
+        info = (last.kv_transfer_params or {}).get(KEY) or {}
+        raise StageError("stage2", info.get("reason") or reason or "unknown",
+                         error_message(last))
     imported = ((last.kv_transfer_params or {}).get(KEY) or {})
     computed_first = len(prompt_token_ids) - (first.num_cached_tokens or 0)
     return Stage2Result(

@@ -323,7 +323,7 @@ class RouterServer:
                    grpc_context: Any = None) -> router_pb2.MoveResponse:
         """Move a running request (this replica's: requests on another get NOT_FOUND)."""
         try:
-            return await self.router.move(request.request_id)
+            return await self.router.move(request.request_id, to=request.to_endpoint)
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
         raise AssertionError("unreachable")

@@ -197,6 +197,11 @@ class Stage1Result:
     held_until: float = 0.0
     #: Per token, when ``Stage1Params.logprobs`` asked for them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: A stage 1 moved here (it imported another P's export): tokens and KV bytes it
+    #: imported; and the prompt tokens this engine computed for its first step.
+    num_imported_tokens: int = 0
+    num_imported_bytes: int = 0
+    num_computed_tokens: int = 0
 
 
 @dataclass(slots=True)

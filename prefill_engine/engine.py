@@ -8,6 +8,10 @@ stop token, EOS or length, P keeps its KV blocks under a lease and returns the h
 With ``hold`` and no export, P keeps the blocks here for continuations that run on this
 engine (the one-engine path): a kept request of ``connector.beam_fork`` named by the
 stage-1 request id, released when the hold ends (``Stage1Result.held_until``).
+
+With ``handoff`` (a stage 1 moved here from another P), the request first imports the
+tokens so far from that P's export, checked up front by P's scheduler as D checks an
+import (``connector.admission``), then samples on and exports again.
 """
 
 from __future__ import annotations
@@ -19,7 +23,17 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULT_KEY
-from connector.handoff import BEAM_KEY, HOLD_KEY, KEY, RELEASE_KEY, STOP_KEY
+from connector.handoff import (
+    BEAM_KEY,
+    HOLD_KEY,
+    IMPORTED_KEY,
+    KEY,
+    REEXPORT_KEY,
+    RELEASE_KEY,
+    RETARGET_KEY,
+    STOP_KEY,
+    ImportRequest,
+)
 from connector.signing import TARGET_KEY
 from engine import VllmEngine
 from kvhandoff.types import (
@@ -66,7 +80,8 @@ class PrefillEngine(VllmEngine):
 
     def _sampling(self, prompt_token_ids: list[int], params: Stage1Params, export: bool,
                   target: str | None, fault: str | None = None,
-                  hold: bool | float = False, request_id: str = "") -> SamplingParams:
+                  hold: bool | float = False, request_id: str = "",
+                  handoff: ImportRequest | None = None) -> SamplingParams:
         validate_prompt(
             prompt_token_ids,
             vocab_size=self.vocab_size,
@@ -84,9 +99,16 @@ class PrefillEngine(VllmEngine):
                 return stage1_sampling(params)
             return stage1_sampling(params, {BEAM_KEY: {"id": request_id, "keep": True,
                                                        "hold_s": hold_s}})
-        if not export:
+        if handoff is not None:
+            if not export:
+                raise StageError("stage1", "import", "a stage 1 that imports exports again: "
+                                 "ask for export")
+            # Imports first (do_remote_prefill), exports once the READ is queued.
+            transfer = {**handoff.to_params(), REEXPORT_KEY: True, TARGET_KEY: target or ""}
+        elif not export:
             return stage1_sampling(params)
-        transfer = {"do_remote_decode": True, TARGET_KEY: target or ""}
+        else:
+            transfer = {"do_remote_decode": True, TARGET_KEY: target or ""}
         if hold:
             transfer[HOLD_KEY] = True if hold is True else float(hold)
         if fault is not None:
@@ -104,6 +126,7 @@ class PrefillEngine(VllmEngine):
         target: str | None = None,
         fault: str | None = None,
         hold: bool | float = False,
+        handoff: ImportRequest | None = None,
     ) -> AsyncIterator[tuple[list[int], list[TokenLogprob], Stage1Result | None]]:
         """Yield ``(new_token_ids, their logprobs, None)`` as tokens are sampled (logprobs
         when ``params.logprobs`` asks), then ``([], [], result)`` once stage 1 has
@@ -114,15 +137,18 @@ class PrefillEngine(VllmEngine):
         continuations), else until the first READ. ``hold`` without ``export``: the
         parent is held here for continuations on this engine (``Stage2`` with
         ``held_parent=request_id``).
+        ``handoff``: another P's export of this request's tokens so far (a move), built
+        for one sequence of ``params.max_tokens``; imported before sampling (with
+        ``export``).
         ``fault``: a P-side fault of ``connector.faults`` (negative controls only)."""
         sampling = self._sampling(prompt_token_ids, params, export, target, fault, hold,
-                                  request_id)
+                                  request_id, handoff)
         t0 = time.perf_counter()
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
-        last = None
+        first = last = None
         async for out in self.stream(prompt_token_ids, sampling, request_id):
-            last = out
+            first, last = first or out, out
             new = list(out.outputs[0].token_ids)
             if new:
                 token_ids.extend(new)
@@ -132,8 +158,10 @@ class PrefillEngine(VllmEngine):
         assert last is not None and last.finished, f"{request_id}: no final output"
         reason = last.outputs[0].finish_reason
         if reason not in ("stop", "length"):
-            raise StageError("stage1", reason or "unknown",
-                             f"stage 1 ended with finish_reason={reason}")
+            # An import refused at admission or failed says why (connector.admission).
+            info = (last.kv_transfer_params or {}).get(KEY) or {}
+            raise StageError("stage1", info.get("reason") or reason or "unknown",
+                             info.get("error") or f"stage 1 ended with finish_reason={reason}")
         handoff_params = last.kv_transfer_params if export else None
         if export and not handoff_params:
             raise StageError("stage1", "export", "P finished stage 1 but exported no handoff")
@@ -141,6 +169,7 @@ class PrefillEngine(VllmEngine):
         if hold and not export:
             held_until = float(((last.kv_transfer_params or {}).get(KEY) or {})
                                .get("held_until", 0.0))
+        imported = (last.kv_transfer_params or {}).get(IMPORTED_KEY) or {}
         yield [], [], Stage1Result(
             token_ids=token_ids,
             finish_reason=reason,
@@ -148,6 +177,9 @@ class PrefillEngine(VllmEngine):
             elapsed_s=time.perf_counter() - t0,
             held_until=held_until,
             logprobs=logprobs,
+            num_imported_tokens=int(imported.get("num_imported_tokens", 0)),
+            num_imported_bytes=int(imported.get("num_imported_bytes", 0)),
+            num_computed_tokens=len(prompt_token_ids) - (first.num_cached_tokens or 0),
         )
 
     async def release(self, names: list[str]) -> None:
@@ -163,14 +195,16 @@ class PrefillEngine(VllmEngine):
                             f"release-{uuid.uuid4().hex[:12]}")
         logger.info("released %d held parents early", len(names))
 
-    async def stop(self, request_ids: list[str]) -> None:
+    async def stop(self, request_ids: list[str], target: str = "") -> None:
         """Stop running stage 1s after their next token (a move): each ends as if it had
         asked for that many tokens, with its handoff when it was started with
-        ``export``. Unknown or finished ids are ignored."""
+        ``export``, addressed to ``target`` when given (another P) instead of the engine
+        it named. Unknown or finished ids are ignored."""
         from vllm import SamplingParams
 
+        transfer = {STOP_KEY: request_ids, RETARGET_KEY: target}
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                extra_args={"kv_transfer_params": {STOP_KEY: request_ids}})
+                                extra_args={"kv_transfer_params": transfer})
         await self.generate([self.eos_token_id or 0], params, f"stop-{uuid.uuid4().hex[:12]}")
 
     async def run_stage1(
@@ -183,11 +217,12 @@ class PrefillEngine(VllmEngine):
         target: str | None = None,
         fault: str | None = None,
         hold: bool | float = False,
+        handoff: ImportRequest | None = None,
     ) -> Stage1Result:
         result = None
         async for _, _, final in self.stream_stage1(prompt_token_ids, params, request_id,
                                                  export=export, target=target, fault=fault,
-                                                 hold=hold):
+                                                 hold=hold, handoff=handoff):
             result = final or result
         assert result is not None
         return result

@@ -67,8 +67,10 @@ class _Running:
     #: Stage 1's request id on ``p`` (what P's Stop names).
     s1_id: str = ""
     stage: int = 1
-    #: "move" or "drain" once a move was asked for.
+    #: "move" or "drain" once a move was asked for (until the destination streams).
     move_reason: str = ""
+    #: The P a move asked for goes to (None: the request's D).
+    move_to: Endpoint | None = None
     #: Stage 1 was finished on ``d`` (P died with no other P to resume on): D's prefix
     #: cache holds the parent, stage 2 needs no handoff.
     stage1_on_d: bool = False
@@ -248,9 +250,20 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                     handoff_msg = item
             # Stage 1 finished on D: D holds the parent, stage 2 reads its cache.
             on_d = running.stage1_on_d
-            if (running.move_asked and handoff_msg is not None
+            # A stage 1 stopped by a move ends "length" short of its max_tokens, with a
+            # handoff of the tokens so far: it goes on at the move's destination.
+            while (running.move_asked and handoff_msg is not None
                     and out.stage1_finish_reason == "length"
                     and len(out.thinking_ids) < plan.stage1.max_tokens):
+                if running.move_to is not None:  # another P, which may be moved from again
+                    source_handoff, handoff_msg = handoff_msg, None
+                    async for item in self._move_to_p(running, source_handoff, plan, out,
+                                                      key):
+                        if isinstance(item, list):
+                            yield item
+                        else:
+                            handoff_msg = item
+                    continue
                 running.stage = 2
                 try:
                     async for rest in self._finish_stage1_on(d, handoff_msg, plan, out, key,
@@ -268,6 +281,7 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                         else:
                             handoff_msg = item
                     d = running.d
+                break
             running.stage = 2
             out.stage1_ms = (time.perf_counter() - t0) * 1e3
             request = self._stage2_request(plan, out)
@@ -346,23 +360,64 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                     num_imported_tokens=0,
                     num_computed_tokens=len(plan.prompt_ids) + resume_at, reason=reason))
 
+    async def _move_to_p(self, running: _Running, handoff: common_pb2.Handoff, plan: Plan,
+                         out: Outcome, key: object
+                         ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
+        """Stage 1, stopped on its P by a move to another P (``running.move_to``), goes on
+        there: that P imports the tokens so far from ``handoff`` (checked up front by its
+        scheduler, as D checks an import), samples on with the same (positional)
+        sampling and exports to the request's D at the end. Yields its tokens, then its
+        handoff. Movable again once the destination streams. When the destination fails
+        (gone, or refused the import), stage 1 resumes on a P from every token so far,
+        as after a failed move to D, with the same D."""
+        source, dest, t = running.p, running.move_to, len(out.thinking_ids)
+        assert dest is not None
+        move = router_pb2.Move(from_endpoint=source.address, to_endpoint=dest.address,
+                               at_token=t, reason=running.move_reason)
+        out.moves.append(move)  # listed from the start: a failure stays in the record
+        running.p, running.move_to = dest, None
+        running.s1_id = f"{plan.request_id}-s1m{len(out.moves)}"
+        out.prefill = dest.address
+        streaming = False
+        try:
+            async for item in self._stage1(dest, running.d, plan, out, export=True,
+                                           request_id=running.s1_id, import_from=handoff,
+                                           move=move):
+                if not streaming:  # the destination streams: movable again from here
+                    running.move_reason, streaming = "", True
+                yield item
+        except (RouterError, grpc.aio.AioRpcError) as e:
+            if not self._move_resumable(e):
+                raise
+            async for item in self._resume_after_failed_move(running, plan, out, key, e,
+                                                             failed=dest, new_d=False):
+                yield item
+            return
+        logger.info("%s: moved at token %d from %s to %s (%d imported, paused %.1f ms, "
+                    "%d sampled there)", plan.request_id, t, source.address, dest.address,
+                    move.num_imported_tokens, move.pause_ms, len(out.thinking_ids) - t)
+
     async def _resume_after_failed_move(self, running: _Running, plan: Plan, out: Outcome,
-                                        key: object, e: Exception
+                                        key: object, e: Exception,
+                                        failed: Endpoint | None = None, new_d: bool = True
                                         ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
-        """The D a stage 1 was moving to failed (gone, or refused the import): the request
-        resumes on a P from its prompt and every token streamed so far (P's and D's), the
-        last sampled again and checked, exporting to a D chosen again (the failed one's
-        claim released). Listed as a move "resume: <status>" from the failed D."""
-        failed, t = running.d, len(out.thinking_ids)
+        """The engine a stage 1 was moving to (``failed``; by default its D) failed: gone,
+        or refused the import. The request resumes on a P from its prompt and every
+        token streamed so far (the source's and the destination's), the last sampled
+        again and checked, exporting to its D; ``new_d``: a D chosen again (the failed
+        one's claim released). Listed as a move "resume: <status>" from ``failed``."""
+        failed, t = failed or running.d, len(out.thinking_ids)
         code = e.code if isinstance(e, RouterError) else e.code()
         details = str(e) if isinstance(e, RouterError) else e.details()
         logger.warning("%s: moving stage 1 to %s failed after %d tokens (%s: %s); resuming "
                        "on a P", plan.request_id, failed.address, t, code.name, details)
-        self._release(failed, key)
-        longest = len(plan.prompt_ids) + plan.stage1.max_tokens + len(plan.suffix_ids) + 1
-        running.d = await self._pick_decode(longest, plan, key, fresh=True)
-        out.decode = running.d.address
-        running.p = await self._pick_prefill(plan)
+        if new_d:
+            self._release(failed, key)
+            longest = (len(plan.prompt_ids) + plan.stage1.max_tokens + len(plan.suffix_ids)
+                       + 1)
+            running.d = await self._pick_decode(longest, plan, key, fresh=True)
+            out.decode = running.d.address
+        running.p = await self._pick_prefill(plan, exclude=None if new_d else failed)
         # Stage 1 again, not movable again (move_reason stays set): a second stop would
         # end it short with no move to finish it.
         running.stage = 1
@@ -396,9 +451,11 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                 and (stage1.positional or stage1.temperature == 0)
                 and (len(self.prefill) > 1 or on_d) and not plan.pinned)
 
-    async def move(self, request_id: str, reason: str = "move") -> router_pb2.MoveResponse:
+    async def move(self, request_id: str, reason: str = "move",
+                   to: str = "") -> router_pb2.MoveResponse:
         """Router.Move: ask P to stop ``request_id``'s stage 1 after its next token; its
-        ``run`` then finishes stage 1 on the D it is planned for (``_finish_stage1_on``)."""
+        ``run`` then goes on at the destination: the D it is planned for
+        (``_finish_stage1_on``), or the P at address ``to`` (``_move_to_p``)."""
         running = self._running.get(request_id)
         if running is None:
             raise grpc_error(grpc.StatusCode.NOT_FOUND,
@@ -407,13 +464,29 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
         if why_not:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"request {request_id!r} {why_not}")
-        running.move_reason = reason
-        await running.p.stub.Stop(engine_pb2.StopRequest(
-            request_ids=[running.s1_id]), timeout=self.config.capacity_timeout_s)
+        dest = None
+        if to and to != running.d.address:
+            dest = next((ep for ep in self.prefill if ep.address == to), None)
+            why_not = _why_not_to(dest, running, to, [*self.prefill, *self.decode])
+            if why_not:
+                code = (grpc.StatusCode.NOT_FOUND if why_not.startswith("unknown")
+                        else grpc.StatusCode.FAILED_PRECONDITION)
+                raise grpc_error(code, f"request {request_id!r} cannot move to {to}: "
+                                       f"{why_not}")
+        running.move_reason, running.move_to = reason, dest
+        target = _handoff_target(dest) if dest is not None else ""
+        try:
+            await running.p.stub.Stop(engine_pb2.StopRequest(
+                request_ids=[running.s1_id], target_engine_id=target),
+                timeout=self.config.capacity_timeout_s)
+        except BaseException:
+            running.move_reason, running.move_to = "", None
+            raise
+        to_address = (dest or running.d).address
         logger.info("%s: moving stage 1 from %s to %s (%s)", request_id, running.p.address,
-                    running.d.address, reason)
+                    to_address, reason)
         return router_pb2.MoveResponse(from_endpoint=running.p.address,
-                                       to_endpoint=running.d.address)
+                                       to_endpoint=to_address)
 
     async def drain(self, address: str, timeout_s: float = 300.0,
                     undo: bool = False) -> router_pb2.DrainResponse:
@@ -528,29 +601,36 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
 
     async def _stage1(self, p: Endpoint, d: Endpoint | None, plan: Plan, out: Outcome, *,
                       export: bool, hold: bool = False, hold_s: float = 0.0,
-                      resume_at: int | None = None, request_id: str = ""
+                      resume_at: int | None = None, request_id: str = "",
+                      import_from: common_pb2.Handoff | None = None,
+                      move: router_pb2.Move | None = None
                       ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
         """Stage 1 on P: yields token batches, then P's handoff (with ``export``; with
         ``hold`` P keeps the blocks for the whole lease, or ``hold_s``: a parent). ``hold``
         without ``export``: P holds the parent for continuations on P (``out.held_until``).
         ``resume_at``: P starts after the first ``resume_at`` tokens of ``out.thinking_ids``
         (their KV recomputed); the tokens it samples again must equal those already
-        there, and only the ones after them are yielded."""
+        there, and only the ones after them are yielded. ``import_from``: P goes on after
+        every token of ``out.thinking_ids``, importing them from another P's export (a
+        move; ``move`` gets its counts and pause)."""
         prompt, params, replay = plan.prompt_ids, plan.stage1, 0
+        if import_from is not None:
+            resume_at = len(out.thinking_ids)
         if resume_at is not None:
             prompt = plan.prompt_ids + out.thinking_ids[:resume_at]
             params = dataclasses.replace(
                 params, max_tokens=params.max_tokens - resume_at,
                 min_tokens=max(0, params.min_tokens - resume_at))
             replay = len(out.thinking_ids) - resume_at
+        request = engine_pb2.Stage1Request(
+            request_id=request_id or f"{plan.request_id}-s1", prompt_token_ids=prompt,
+            sampling=convert.stage1_to_pb(params), export=export, hold=hold, hold_s=hold_s,
+            target_engine_id=_handoff_target(d))
+        if import_from is not None:
+            request.handoff.CopyFrom(import_from)
         p.outstanding += 1
         try:
-            call = p.stub.Stage1(engine_pb2.Stage1Request(
-                request_id=request_id or f"{plan.request_id}-s1", prompt_token_ids=prompt,
-                sampling=convert.stage1_to_pb(params), export=export, hold=hold,
-                hold_s=hold_s,
-                target_engine_id=_handoff_target(d)),
-                timeout=self._timeout(plan))
+            call = p.stub.Stage1(request, timeout=self._timeout(plan))
             waiting_since = time.perf_counter()
             async for event in call:
                 out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
@@ -565,6 +645,8 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                                          f"where {again} was streamed")
                     new, logprobs, replay = new[k:], logprobs[k:], replay - k
                 if new:
+                    if move is not None and not move.pause_ms:
+                        move.pause_ms = (time.perf_counter() - out.last_token_at) * 1e3
                     out.last_token_at = time.perf_counter()
                     out.thinking_ids.extend(new)
                     out.thinking_logprobs.extend(logprobs)
@@ -572,6 +654,10 @@ class Router(CapacityMixin, ParentsMixin, WarmUpMixin):
                 if event.finish_reason:
                     out.stage1_finish_reason = event.finish_reason
                     out.held_until = event.held_until
+                    if move is not None:
+                        move.num_imported_tokens = event.num_imported_tokens
+                        move.num_computed_tokens = event.num_computed_tokens
+                        move.num_bytes_moved = event.num_imported_bytes
                     if event.HasField("handoff"):
                         yield event.handoff
                 waiting_since = time.perf_counter()
@@ -659,6 +745,20 @@ def _why_not_movable(running: _Running) -> str:
     if not running.d.takes_work:
         return (f"cannot move: its D {running.d.address} is "
                 f"{'drained' if running.d.draining else 'out of rotation'}")
+    return ""
+
+
+def _why_not_to(dest: Endpoint | None, running: _Running, to: str,
+                known: list[Endpoint]) -> str:
+    """Why a running request cannot move to the P at ``to`` ("" when it can)."""
+    if dest is None:
+        if any(ep.address == to for ep in known):
+            return "stage 1 moves to another prefill engine or to the request's own D"
+        return f"unknown engine (this router's: {', '.join(ep.address for ep in known)})"
+    if dest is running.p:
+        return "stage 1 already runs there"
+    if not dest.takes_work:
+        return "it is " + ("drained" if dest.draining else "out of rotation")
     return ""
 
 

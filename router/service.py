@@ -144,7 +144,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Move(self, request, context):
         try:
-            return await self.router.move(request.request_id)
+            return await self.router.move(request.request_id, to=request.to_endpoint)
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 

@@ -76,23 +76,35 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 raise InvalidRequest("role", "stage 1 runs on a prefill engine")
             params = engine_pb.stage1_from_pb(request.sampling,
                                               default_stop_ids=self.default_stop_ids)
+            handoff = None
+            if request.HasField("handoff"):  # a stage 1 moved here from another P
+                handoff = ImportRequest.for_beams(
+                    engine_pb.handoff_from_pb(request.handoff),
+                    BeamParams(beam_width=1, max_tokens=params.max_tokens))
             with self._track(request.request_id):
                 async for new, logprobs, result in self.engine.stream_stage1(
                     list(request.prompt_token_ids), params, request.request_id,
                     export=request.export, target=request.target_engine_id,
-                    hold=request.hold and (request.hold_s or True),
+                    hold=request.hold and (request.hold_s or True), handoff=handoff,
                 ):
                     if result is None:
                         yield engine_pb2.Stage1Event(
                             new_token_ids=new, logprobs=engine_pb.logprobs_to_pb(logprobs))
                         continue
-                    event = engine_pb2.Stage1Event(finish_reason=result.finish_reason,
-                                                   held_until=result.held_until)
+                    event = engine_pb2.Stage1Event(
+                        finish_reason=result.finish_reason, held_until=result.held_until,
+                        num_imported_tokens=result.num_imported_tokens,
+                        num_imported_bytes=result.num_imported_bytes,
+                        num_computed_tokens=result.num_computed_tokens)
                     if result.handoff_params:
                         event.handoff.CopyFrom(engine_pb.handoff_to_pb(result.handoff_params))
                         self.counts.exports += 1
+                    if handoff is not None:
+                        self.counts.imports += 1
                     yield event
         except Exception as e:  # mapped to a status; the engine keeps serving
+            if request.HasField("handoff"):
+                self.counts.import_failures += 1
             await abort_with(context, e)
 
     async def Stage2(self, request: engine_pb2.Stage2Request, context):
@@ -211,7 +223,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if self.engine is None:
                 raise EngineStarting()
             if request.request_ids:
-                await self.engine.stop(list(request.request_ids))
+                await self.engine.stop(list(request.request_ids), request.target_engine_id)
             return engine_pb2.StopResponse()
         except Exception as e:
             await abort_with(context, e)

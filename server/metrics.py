@@ -48,8 +48,9 @@ class EngineCollector:
 
         n = s.counts
         yield counter("exports", "Parents exported by P under a lease", n.exports)
-        yield counter("imports", "Handoffs D imported and ran stage 2 on", n.imports)
-        yield counter("import_failures", "Handoffs D refused or failed to import",
+        yield counter("imports", "Handoffs imported (D: a parent for stage 2; P: a moved "
+                      "stage 1)", n.imports)
+        yield counter("import_failures", "Handoffs this engine refused or failed to import",
                       n.import_failures)
         yield counter("nixl_transfers", "NIXL READs completed (D)", c.transfers)
         yield counter("nixl_transfer_bytes", "Bytes moved by NIXL READs (D)", c.transfer_bytes)

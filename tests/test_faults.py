@@ -159,6 +159,63 @@ def _router_sees(fleet, server, up: bool, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.migration
+def test_a_request_moved_p_to_p_then_to_d_streams_on_and_equals_not_moving(fleet):
+    """Router.Move to the other P after 20 streamed tokens: the first P stops after its
+    next token and exports (its handoff addressed and signed to the other P), which
+    checks and imports the tokens so far, samples on and is moved from again, to D,
+    after 20 more. The stream has each token once, stage 1 and the beams equal the run
+    that never moved, the response lists both moves with what each imported, and every
+    pool ends clean. Refused while it runs: a destination the router does not know
+    (NOT_FOUND) and the P it runs on (FAILED_PRECONDITION)."""
+    from kvhandoff.v1 import router_pb2
+
+    # With nothing outstanding the "resume" router starts stage 1 on P2 (its first P).
+    source, dest = fleet["p2"].address, fleet["p"].address
+    with RouterClient(fleet["resume"].address) as client:
+        ref = client.generate(_long_request(8, "colocated"), timeout=300)
+        req = _long_request(8)
+        streamed, got, moves, refused, at = [], None, [], [], 0
+        for event in client.generate_stream(req, timeout=300):
+            if not event.HasField("stage1_tokens"):
+                got = event.result
+                continue
+            streamed.extend(event.stage1_tokens.ids)
+            if len(streamed) >= 20 and not moves:
+                for to in ("127.0.0.1:1", source):
+                    with pytest.raises(grpc.RpcError) as e:
+                        client.stub.Move(router_pb2.MoveRequest(
+                            request_id=req.request_id, to_endpoint=to), timeout=30)
+                    refused.append(e.value.code())
+                moves.append(client.stub.Move(router_pb2.MoveRequest(
+                    request_id=req.request_id, to_endpoint=dest), timeout=30))
+                at = len(streamed)
+            elif len(moves) == 1 and len(streamed) >= at + 20:
+                try:
+                    moves.append(client.stub.Move(router_pb2.MoveRequest(
+                        request_id=req.request_id), timeout=30))
+                except grpc.RpcError as e:  # the other P has not streamed yet: next batch
+                    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e
+    assert refused == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION]
+    assert len(moves) == 2, "stage 1 ended before the second move"
+    assert (moves[0].from_endpoint, moves[0].to_endpoint) == (source, dest)
+    assert streamed == list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    first, second = got.moves
+    assert (first.from_endpoint, first.to_endpoint) == (source, dest)
+    assert (second.from_endpoint, second.to_endpoint) == (dest, moves[1].to_endpoint)
+    assert first.reason == second.reason == "move"
+    assert 20 <= first.at_token < second.at_token < LONG_STAGE1_TOKENS
+    prompt = len(req.prompt_token_ids.ids)
+    for move in (first, second):
+        # Each destination imported every token but the last it was given, computed
+        # that one, and streamed on.
+        assert move.num_imported_tokens == prompt + move.at_token - 1, move
+        assert move.num_computed_tokens == 1 and move.num_bytes_moved > 0, move
+    assert got.stats.decode_endpoint == moves[1].to_endpoint
+    _assert_clean(fleet["p"], fleet["p2"], fleet["d0"], fleet["d1"])
+
+
 def test_d_killed_mid_request_is_recomputed_on_the_other_d(fleet):
     with RouterClient(fleet["router"].address) as client:
         ref = client.generate(_long_request(1, "colocated"), timeout=300)

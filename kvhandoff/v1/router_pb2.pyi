@@ -8,10 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MoveRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "to_endpoint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    to_endpoint: str
+    def __init__(self, request_id: _Optional[str] = ..., to_endpoint: _Optional[str] = ...) -> None: ...
 
 class MoveResponse(_message.Message):
     __slots__ = ("from_endpoint", "to_endpoint")

@@ -105,12 +105,14 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Move(self, request, context):
-        """Move a running request's stage 1 from its P to the D it is planned for: P stops it
-        after its next token and exports what it has (the partial last block included), D
-        imports that and samples the rest of stage 1 (positional sampling: the same tokens
-        as not moving), then runs stage 2. The stream goes on with neither repeated nor
-        lost tokens; the response lists the move. NOT_FOUND: not running here;
-        FAILED_PRECONDITION: not positional, not on the handoff path, or past stage 1.
+        """Move a running request's stage 1 from its P to the D it is planned for, or to
+        another P (MoveRequest.to_endpoint): P stops it after its next token and exports
+        what it has (the partial last block included), the destination imports that and
+        samples on (positional sampling: the same tokens as not moving); D then runs stage
+        2, another P finishes stage 1 (and can be moved from again). The stream goes on
+        with neither repeated nor lost tokens; the response lists each move. NOT_FOUND: not
+        running here, or an unknown destination; FAILED_PRECONDITION: not positional, not
+        on the handoff path, past stage 1, being moved, or a destination not taking work.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

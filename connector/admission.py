@@ -1,0 +1,196 @@
+"""AdmissionScheduler: an engine admits a handoff import only if it is valid and fits.
+
+vLLM's scheduler plus an up-front check of every import; the base of D's scheduler
+(``decode_engine.scheduler``: stage 2 imports P's parent) and of P's
+(``prefill_engine.scheduler``: a stage 1 moved from another P imports the tokens so
+far). It runs in the engine-core process. Before vLLM schedules anything, every newly
+arrived import request is checked once, before any transfer starts:
+
+- the handoff parses and speaks our protocol version; with a shared secret, it is signed
+  by its exporter and addressed to this engine (or its handoff group)
+  (``connector.signing``);
+- it comes from the same model, matches the prompt's first N tokens (digest) and its
+  lease has time left;
+- the pool can hold the parent's blocks, the suffix and the beam fan-out (one sequence
+  and its remaining tokens for a moved stage 1).
+
+A request that fails a check is finished at admission with ``FINISHED_ERROR`` and the
+reason in ``kv_transfer_params["kvhandoff"]["error"]``. Finishing it while
+``do_remote_prefill`` is still set makes the stock connector notify the exporter, so it
+releases its blocks now rather than at lease expiry. Stock vLLM would instead leave a
+request it cannot allocate WAITING forever, holding the queue and the exporter's lease.
+
+The block budget it admits against is :mod:`kvhandoff.budget`, shared with the router,
+D's server and the Ray Serve deployments.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.request import Request, RequestStatus
+
+from connector.handoff import (
+    BEAM_KEY,
+    DEFAULT_LEASE_SAFETY_MARGIN_S,
+    KEY,
+    ImportRequest,
+    can_reach_p,
+    validate_import,
+)
+from connector.signing import load_secret, verify
+from kvhandoff.budget import blocks_needed
+from kvhandoff.model import model_fingerprint
+from kvhandoff.types import HandoffError
+
+logger = logging.getLogger(__name__)
+
+_ADMITTED = "_kvhandoff_admitted"
+#: Rejections before the signature was verified.
+_UNVERIFIED = frozenset({"missing", "malformed", "protocol", "unsigned", "signature", "target"})
+
+
+class AdmissionScheduler(Scheduler):
+    """vLLM's scheduler with an up-front admission check for handoff imports."""
+
+    #: Names the pool in a refusal ("decode pool too small: ...").
+    pool_name = "this engine's"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+
+        self._model_fingerprint = model_fingerprint(self.vllm_config.model_config.model)
+        config = self.vllm_config.kv_transfer_config
+        self._lease_margin_s = float(
+            config.get_from_extra_config(
+                "lease_safety_margin_s", DEFAULT_LEASE_SAFETY_MARGIN_S
+            )
+            if config
+            else DEFAULT_LEASE_SAFETY_MARGIN_S
+        )
+        self._beam_fork = bool(config.get_from_extra_config("beam_fork", True)) if config else False
+        self._secret = load_secret(
+            config.get_from_extra_config("handoff_secret_file", None) if config else None
+        )
+        group = config.get_from_extra_config("handoff_group", None) if config else None
+        self._handoff_ids = {config.engine_id if config else "", *([group] if group else [])}
+        self._rejected: list[tuple[Request, str, str]] = []
+        # Admitted imports whose request has not finished yet.
+        self._importing: set[str] = set()
+
+    @property
+    def num_total_blocks(self) -> int:
+        # One block is vLLM's null block and never holds KV.
+        return self.kv_cache_config.num_blocks - 1
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        self._admit_new_imports()
+        return super().schedule(*args, **kwargs)
+
+    def _admit_new_imports(self) -> None:
+        # Imports admitted in this pass have not allocated yet: count what they claimed.
+        claimed = 0
+        for request in list(self.waiting):
+            params = request.kv_transfer_params
+            if not params or not params.get("do_remote_prefill") or params.get(_ADMITTED):
+                continue
+            params[_ADMITTED] = True
+            try:
+                claimed += self._check_import(request, params, claimed)
+            except HandoffError as e:
+                self._reject(request, e.reason, str(e))
+            else:
+                self._importing.add(request.request_id)
+
+    def _check_import(self, request: Request, params: dict[str, Any], claimed: int) -> int:
+        """Raise :class:`HandoffError` unless D takes the import; return its blocks."""
+        handoff, wanted = ImportRequest.parse(params)
+        if self._secret is not None:
+            verify(params, self._secret, self._handoff_ids)
+        validate_import(
+            handoff,
+            request.prompt_token_ids or [],
+            model_fingerprint=self._model_fingerprint,
+            safety_margin_s=self._lease_margin_s,
+        )
+        beam_width, beam_max_tokens = wanted.beam_width, wanted.beam_max_tokens
+        needed = blocks_needed(
+            request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,
+            self._beam_fork,
+        )
+        # Free now, and free once the stage 2s running on D reach their peaks.
+        reserved = wanted.reserved_blocks
+        free = min(self.kv_cache_manager.block_pool.get_num_free_blocks() - claimed,
+                   self.num_total_blocks - reserved)
+        beam = params.get(BEAM_KEY)
+        if needed > free and beam is not None:
+            plain = blocks_needed(
+                request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens
+            )
+            if plain <= free:
+                logger.info(
+                    "Admitting %s without beam fork: %d blocks free, %d needed with it, "
+                    "%d without", request.request_id, free, needed, plain
+                )
+                beam["keep"] = False
+                beam["fork_disabled"] = True
+                needed = plain
+        if needed > free:
+            raise HandoffError(
+                "capacity",
+                f"{self.pool_name} pool too small: needs {needed} blocks of {self.block_size} "
+                f"tokens ({request.num_prompt_tokens}-token prompt, beam width "
+                f"{beam_width}, {beam_max_tokens} beam tokens), {free} free of "
+                f"{self.num_total_blocks} ({reserved} reserved by running stage 2s)",
+            )
+        logger.debug("Admitting %s: %d blocks of %d free, P's lease ends in %.2fs "
+                     "(arrived %.2fs ago)", request.request_id, needed, free,
+                     handoff.lease_remaining_s(), time.time() - request.arrival_time)
+        return needed
+
+    def _reject(self, request: Request, reason: str, message: str) -> None:
+        logger.warning("Rejecting handoff %s at admission: %s", request.request_id, message)
+        self._rejected.append((request, reason, message))
+        params = request.kv_transfer_params
+        if not can_reach_p(params) or (self._secret is not None and reason in _UNVERIFIED):
+            # Nobody to notify (and vLLM's connector would index the missing fields), or
+            # the address is unverified: D never connects where a forged handoff says.
+            # P's blocks, if any, come back when the lease ends.
+            params["do_remote_prefill"] = False
+        # With do_remote_prefill still set, the connector tells P to free its blocks.
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(*args, **kwargs)
+        for eco in outputs.values():
+            for out in eco.outputs:
+                if out.finish_reason is None or out.request_id not in self._importing:
+                    continue
+                self._importing.discard(out.request_id)
+                if out.finish_reason == FinishReason.ERROR and not out.kv_transfer_params:
+                    # vLLM fails a request whose KV load failed without saying why.
+                    out.kv_transfer_params = {KEY: {
+                        "reason": "import_failed",
+                        "error": "KV import from P failed: the READ was refused (P's lease "
+                                 "was about to end) or failed in transport; see D's log",
+                    }}
+        # Forget imports finished without an output (aborted by the client).
+        self._importing.intersection_update(self.requests)
+        rejected, self._rejected = self._rejected, []
+        for request, reason, message in rejected:
+            eco = outputs.get(request.client_index)
+            if eco is None:
+                eco = outputs[request.client_index] = EngineCoreOutputs(outputs=[])
+            eco.outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    kv_transfer_params={KEY: {"error": message, "reason": reason}},
+                )
+            )
+        return outputs
