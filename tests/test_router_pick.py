@@ -367,3 +367,69 @@ def test_stage1_finished_on_d_without_a_handoff_samples_the_last_token_again(
     (sent,) = d.stub.requests
     assert list(sent.prompt_token_ids) == [1] * 100 + [11, 12]
     assert sent.sampling.max_tokens == 10 - 2 and not sent.HasField("handoff")
+
+
+class FakeP(FakeEngineStub):
+    """A P whose Stage1 streams ``tokens`` then exports, or fails with ``fail_with``."""
+
+    def __init__(self, tokens: list[int], fail: grpc.StatusCode | None = None):
+        super().__init__(100)
+        self.tokens, self.fail, self.requests = tokens, fail, []
+
+    def Stage1(self, request, timeout=None):  # noqa: N802 (the rpc's name)
+        self.requests.append(request)
+
+        async def events():
+            if self.fail is not None:
+                raise grpc.aio.AioRpcError(self.fail, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "refused by the fake")
+            yield engine_pb2.Stage1Event(new_token_ids=self.tokens)
+            last = engine_pb2.Stage1Event(finish_reason="length", num_imported_tokens=7)
+            last.handoff.request_id = "exported"
+            yield last
+
+        return events()
+
+
+@pytest.mark.migration
+def test_a_move_the_other_p_refuses_resumes_on_a_p_with_the_same_d(model_dir):
+    """A move to another P that refuses the import (its pool is short: RESOURCE_EXHAUSTED)
+    leaves the request running: stage 1 resumes on a P from every token so far (the last
+    sampled again and checked), exporting to the same D; the record lists the move and
+    the resume. The control: a destination that takes it streams on after every token,
+    its request carrying the source's handoff."""
+    from router import Endpoint, Outcome
+    from router.core import _Running
+
+    async def move(dest_fails: bool):
+        router = _router(model_dir, [100])
+        source = router.prefill[0]
+        source.stub = FakeP([13, 14, 15])
+        dest = Endpoint("p2", FakeP([14, 15], grpc.StatusCode.RESOURCE_EXHAUSTED
+                                    if dest_fails else None), None)
+        router.prefill.append(dest)
+        for ep in router.prefill:
+            ep.capacity = engine_pb2.Capacity(num_total_blocks=200)
+        plan = _plan()
+        out = Outcome(plan, "p", "d0", thinking_ids=[11, 12, 13])
+        running = _Running(plan, source, router.decode[0], move_reason="move", move_to=dest)
+        handoff = common_pb2.Handoff(request_id="from-source")
+        items = [i async for i in router._move_to_p(running, handoff, plan, out, object())]
+        return router, dest, out, running, items
+
+    router, dest, out, running, items = asyncio.run(move(dest_fails=True))
+    assert out.thinking_ids == [11, 12, 13, 14, 15] and items[0] == [14, 15]
+    assert items[-1].request_id == "exported"
+    assert [(m.from_endpoint, m.to_endpoint, m.reason.split(":")[0]) for m in out.moves] == [
+        ("p", "p2", "move"), ("p2", "p", "resume")]
+    (resumed,) = router.prefill[0].stub.requests
+    assert list(resumed.prompt_token_ids) == [1] * 100 + [11, 12] and resumed.export
+    assert running.p is router.prefill[0] and running.d is router.decode[0]
+
+    router, dest, out, running, items = asyncio.run(move(dest_fails=False))
+    assert out.thinking_ids == [11, 12, 13, 14, 15] and running.p is dest
+    (sent,) = dest.stub.requests
+    assert list(sent.prompt_token_ids) == [1] * 100 + [11, 12, 13]
+    assert sent.handoff.request_id == "from-source" and sent.sampling.max_tokens == 10 - 3
+    assert [(m.to_endpoint, m.num_imported_tokens) for m in out.moves] == [("p2", 7)]
+    assert not running.move_asked

@@ -115,6 +115,65 @@ def test_admission_leaves_room_for_the_running_stage2s_peaks(model_dir, fingerpr
     assert "with-room" in scheduler.schedule().kv_connector_metadata.reqs_to_recv
 
 
+@pytest.mark.migration
+def test_p_admits_a_moved_stage1_up_front_and_exports_it_again(model_dir, fingerprint):
+    """P's scheduler (a stage 1 moved here from another P): an import P's pool cannot
+    hold is refused at admission with the numbers (the source P told to release at
+    once) and the queue goes on; one that fits gets its READ of N-1 tokens, then is an
+    exporting request (``do_remote_decode``) that is not pulled a second time when
+    vLLM asks again (after a preemption)."""
+    from connector.handoff import REEXPORT_KEY
+
+    scheduler = make_scheduler(model_dir, num_blocks=11, prefill=True)
+
+    def moved(parent, request_id, max_tokens):
+        req = make_import_request(parent, make_export_params(
+            parent, model_fingerprint=fingerprint), request_id=request_id, beam_width=1,
+            beam_max_tokens=max_tokens)
+        req.kv_transfer_params[REEXPORT_KEY] = True
+        return req
+
+    # 10 usable blocks of 32 tokens: 100 tokens and 200 more to sample need 11.
+    parent = list(range(10, 110))
+    info = reject_at_admission(scheduler, moved(parent, "too-long", 200))
+    assert info["reason"] == "capacity"
+    assert info["error"].startswith(
+        f"prefill pool too small: needs 11 blocks of {BLOCK_SIZE} tokens"), info
+
+    req = moved(parent, "fits", 40)
+    scheduler.add_request(req)
+    out = scheduler.schedule()
+    assert "fits" in out.kv_connector_metadata.reqs_to_recv
+    assert req.num_computed_tokens == len(parent) - 1
+    params = req.kv_transfer_params
+    assert params["do_remote_decode"] and not params["do_remote_prefill"]
+    connector = scheduler.connector.connector_scheduler
+    assert connector.get_num_new_matched_tokens(req, req.num_computed_tokens) == (0, False)
+
+
+def test_a_stop_can_address_the_handoff_to_another_engine(model_dir, fingerprint):
+    """P's stop (a move): the request ends after its next token; with a retarget its
+    handoff is addressed to that engine, without one to the engine it named."""
+    from connector.handoff import RETARGET_KEY, STOP_KEY
+    from connector.signing import TARGET_KEY
+
+    scheduler = make_scheduler(model_dir, prefill=True)
+    reqs = {}
+    for name in ("a", "b"):
+        reqs[name] = make_import_request(list(range(10, 40)), {}, request_id=name)
+        reqs[name].kv_transfer_params = {"do_remote_decode": True, TARGET_KEY: "decode-x"}
+        scheduler.add_request(reqs[name])
+    connector = scheduler.connector.connector_scheduler
+    for name, target in (("a", "prefill-y"), ("b", "")):
+        stop = make_import_request([1], {}, request_id=f"stop-{name}")
+        stop.kv_transfer_params = {STOP_KEY: [name], RETARGET_KEY: target}
+        connector.on_new_request(stop)
+    scheduler.schedule()
+    assert reqs["a"].kv_transfer_params[TARGET_KEY] == "prefill-y"
+    assert reqs["b"].kv_transfer_params[TARGET_KEY] == "decode-x"
+    assert reqs["a"].max_tokens == reqs["b"].max_tokens == 1
+
+
 def test_export_attaches_a_typed_handoff(model_dir):
     """P side: a stage-1 request that ends by length exports N-1 computed tokens."""
     from vllm import SamplingParams

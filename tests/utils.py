@@ -46,8 +46,10 @@ def make_vllm_config(model_dir: str, *, kv_role: str = "kv_consumer", lease_s: i
                       device_config=DeviceConfig("cpu"))
 
 
-def make_scheduler(model_dir: str, *, num_blocks: int = 200, **config_kwargs: Any):
-    """A real ContinuationScheduler (with our connector) over a fake KV layout."""
+def make_scheduler(model_dir: str, *, num_blocks: int = 200, prefill: bool = False,
+                   **config_kwargs: Any):
+    """A real ContinuationScheduler (D's; ``prefill``: P's PrefillScheduler) with our
+    connector over a fake KV layout."""
     import torch
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -57,7 +59,10 @@ def make_scheduler(model_dir: str, *, num_blocks: int = 200, **config_kwargs: An
     from vllm.v1.structured_output import StructuredOutputManager
 
     from decode_engine.scheduler import ContinuationScheduler
+    from prefill_engine.scheduler import PrefillScheduler
 
+    if prefill:
+        config_kwargs.setdefault("kv_role", "kv_producer")
     vllm_config = make_vllm_config(model_dir, **config_kwargs)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
@@ -69,7 +74,7 @@ def make_scheduler(model_dir: str, *, num_blocks: int = 200, **config_kwargs: An
         )],
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return ContinuationScheduler(
+    return (PrefillScheduler if prefill else ContinuationScheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
