@@ -126,12 +126,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture
 def pair(run, model_dir):
-    """A real P and D on the built-in model, NIXL over loopback. Fault injection is
-    allowed (tests/test_harness.py's negative controls); no other test names a fault."""
+    """A real P and D on the built-in model, NIXL over loopback, and a second P (``p2``:
+    the harness's moves between Ps). Fault injection is allowed (tests/test_harness.py's
+    negative controls); no other test names a fault."""
     from tools.local import local_pair
 
     def start():
-        cm = local_pair(model_dir, lease_s=LEASE_S, fault_injection=True,
+        cm = local_pair(model_dir, lease_s=LEASE_S, fault_injection=True, second_prefill=True,
                         prefill_overrides={"kv_cache_memory_bytes": P_POOL_BYTES},
                         decode_overrides={"kv_cache_memory_bytes": D_POOL_BYTES})
         return run(cm.__aenter__()), lambda: run(cm.__aexit__(None, None, None))

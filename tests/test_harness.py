@@ -20,11 +20,11 @@ pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 def harness(pair):
     return Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
                    think_end_id=pair.think_end_id, eos_id=pair.eos_id,
-                   suffix_ids=pair.default_suffix_ids)
+                   suffix_ids=pair.default_suffix_ids, p2=pair.p2)
 
 
 def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_path):
-    cases = default_cases()
+    cases = default_cases(via_p=True)
     report = run(harness.run(cases, model_dir=str(pair.model_dir)), timeout=900)
     print(format_table(report))
 
@@ -51,6 +51,11 @@ def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_pat
     for c in moves:
         assert c.num_imported_tokens == len(c.prompt_token_ids) + c.move_at - 1
         assert c.num_computed_tokens_d_first_step == 1
+    # The same through another P: P -> P' (which exports the parent to D) at those t, and
+    # twice in a row (P -> P' -> D); the first move's figures are reported.
+    via_p = {c.name for c in moves if c.d_state.endswith("P'")}
+    assert {f"move-p-at-{t}-w4" for t in (1, 31, 32, 33)} <= via_p
+    assert {"move-twice-1-32-w4", "move-twice-31-33-w4", "move-twice-32-33-greedy-w4"} <= via_p
     # Parent edges: N - 1 = kB - 1, kB, kB + 1 for k = 2 and 8.
     b = report.block_size
     edges = {(c.num_parent_tokens - 1) - (c.num_parent_tokens - 1) // b * b
@@ -80,14 +85,16 @@ def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_pat
 
 
 @pytest.mark.migration
-def test_a_move_with_vllms_own_sampling_fails_the_harness(harness, pair, run):
-    """The negative control of the move cases: the same move with vLLM's own seeded
-    sampling (its generator's state is not a function of the position) changes stage 1's
-    tokens, and the harness says so."""
+@pytest.mark.parametrize("via_p", [False, True], ids=["to-d", "p-then-d"])
+def test_a_move_with_vllms_own_sampling_fails_the_harness(harness, pair, run, via_p):
+    """The negative control of the move cases: the same move (to D, or to another P and
+    then to D) with vLLM's own seeded sampling (its generator's state is not a function
+    of the position) changes stage 1's tokens, and the harness says so."""
     from tools.harness_cases import Case
 
-    case = Case("move-at-21-vllm-sampling", 40, "length", 4, stage1_max_tokens=48,
-                move_at=21, positional=False)
+    case = Case(f"move-at-21-vllm-sampling{'-via-p' if via_p else ''}", 40, "length", 4,
+                stage1_max_tokens=48, move_at=21, positional=False, via_p=via_p,
+                then_at=30 if via_p else None)
     report = run(harness.run([case], model_dir=str(pair.model_dir)), timeout=300)
     print(format_table(report))
     (c,) = report.cases

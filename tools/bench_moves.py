@@ -1,20 +1,24 @@
 """``kvhandoff bench --moves``: what moving a running request costs, and what a drain
 saves.
 
-P, D and the router run as processes (``local_cluster``). Two measurements:
+P, P', D and the router run as processes (``local_cluster``). Two measurements:
 
 - **Move cost by parent length.** For each length L, a request with a prompt of
   ``L - MOVE_AT`` tokens samples stage 1 positionally on P; after ``MOVE_AT`` streamed
   tokens the client calls ``Router.Move`` and D imports the parent (L tokens, the partial
-  last block included) and samples the rest. Reported from the response's ``Move``: the
-  pause (from P's last token to D's first: the router's hop, the READ, the tail's
-  compute), bytes read, tokens imported and computed; and whether stage 1 and the beams
-  equal the same request never moved. Cache state: the unmoved twin runs first,
-  colocated on P, so P's prefix cache holds the prompt and D's holds nothing of it.
+  last block included) and samples the rest; then the same with ``Router.Move`` to P'
+  (a second sampling engine), which imports, samples the rest and exports to D.
+  Reported from the response's ``Move``: the pause (from P's last token to the
+  destination's first: the router's hop, the READ, the tail's compute), bytes read,
+  tokens imported and computed; and whether stage 1 and the beams equal the same request
+  never moved. Cache state: the unmoved twin runs first,
+  colocated on P, so P's prefix cache holds the prompt and D's and P''s hold nothing of
+  it (the P -> D move runs before the P -> P' one, which finds nothing of it on P').
 - **Drain of N running requests.** N requests with fresh prompts stream stage 1 on P; once
   each has streamed a few tokens, either ``Router.Drain`` moves them to D, or nothing is
-  done (the baseline, run first). Reported: seconds from that moment until P runs no
-  request (``GetCapacity`` polled every 20 ms), and until every request is answered.
+  done (the baseline, run first); P' is drained meanwhile, so all N run on P. Reported:
+  seconds from that moment until P runs no request (``GetCapacity`` polled every 20
+  ms), and until every request is answered.
 """
 
 from __future__ import annotations
@@ -67,40 +71,49 @@ def _stream(stub, req, started: threading.Event | None = None, at: int = 4,
     return streamed, result
 
 
-def measure_move_cost(stub, lengths: tuple[int, ...], stage1_tokens: int, rng: random.Random
-                      ) -> list[dict[str, Any]]:
+def measure_move_cost(stub, lengths: tuple[int, ...], stage1_tokens: int, rng: random.Random,
+                      p2_address: str | None = None) -> list[dict[str, Any]]:
     rows = []
     for n, length in enumerate(lengths):
         prompt = [rng.randrange(10, 1000) for _ in range(length - MOVE_AT)]
         twin = stub.Generate(_request(prompt, f"bm-twin-{n}", stage1_tokens, seed=n,
                                       path="colocated"), timeout=600)
-        moved = []
-        rid = f"bm-move-{n}"
-
-        def maybe_move(count: int, rid=rid, moved=moved) -> None:
-            if count >= MOVE_AT and not moved:
-                moved.append(stub.Move(router_pb2.MoveRequest(request_id=rid), timeout=60))
-
-        arrivals: list[float] = []
-        streamed, result = _stream(stub, _request(prompt, rid, stage1_tokens, seed=n),
-                                   on_tokens=maybe_move, arrivals=arrivals)
-        move = result.moves[0] if result.moves else None
-        gaps = [b - a for a, b in zip(arrivals[1:MOVE_AT], arrivals[2:MOVE_AT])]
-        rows.append({
-            "parent_tokens": len(prompt) + (move.at_token if move else 0),
-            "at_token": move.at_token if move else None,
-            "pause_ms": round(move.pause_ms, 1) if move else None,
-            # The client's median gap between stream events before the move (the first left out).
-            "token_gap_ms": round(statistics.median(gaps) * 1e3, 1) if gaps else None,
-            "bytes_moved": move.num_bytes_moved if move else 0,
-            "tokens_imported": move.num_imported_tokens if move else 0,
-            "tokens_computed": move.num_computed_tokens if move else 0,
-            "identical": (streamed == list(result.thinking_token_ids)
-                          == list(twin.thinking_token_ids)
-                          and [list(b.token_ids) for b in result.beams]
-                          == [list(b.token_ids) for b in twin.beams]),
-        })
+        for to in ("", p2_address) if p2_address else ("",):
+            rows.append(_moved_row(stub, prompt, twin, f"bm-move-{n}{'-p' if to else ''}",
+                                   stage1_tokens, n, to))
     return rows
+
+
+def _moved_row(stub, prompt: list[int], twin, rid: str, stage1_tokens: int, seed: int,
+               to: str) -> dict[str, Any]:
+    """One request moved after ``MOVE_AT`` tokens to ``to`` (a P; "": its D)."""
+    moved = []
+
+    def maybe_move(count: int) -> None:
+        if count >= MOVE_AT and not moved:
+            moved.append(stub.Move(router_pb2.MoveRequest(request_id=rid, to_endpoint=to),
+                                   timeout=60))
+
+    arrivals: list[float] = []
+    streamed, result = _stream(stub, _request(prompt, rid, stage1_tokens, seed=seed),
+                               on_tokens=maybe_move, arrivals=arrivals)
+    move = result.moves[0] if result.moves else None
+    gaps = [b - a for a, b in zip(arrivals[1:MOVE_AT], arrivals[2:MOVE_AT])]
+    return {
+        "to": "P'" if to else "D",
+        "parent_tokens": len(prompt) + (move.at_token if move else 0),
+        "at_token": move.at_token if move else None,
+        "pause_ms": round(move.pause_ms, 1) if move else None,
+        # The client's median gap between stream events before the move (the first left out).
+        "token_gap_ms": round(statistics.median(gaps) * 1e3, 1) if gaps else None,
+        "bytes_moved": move.num_bytes_moved if move else 0,
+        "tokens_imported": move.num_imported_tokens if move else 0,
+        "tokens_computed": move.num_computed_tokens if move else 0,
+        "identical": (streamed == list(result.thinking_token_ids)
+                      == list(twin.thinking_token_ids)
+                      and [list(b.token_ids) for b in result.beams]
+                      == [list(b.token_ids) for b in twin.beams]),
+    }
 
 
 def measure_drain(stub, p_address: str, *, requests: int, prompt_tokens: int,
@@ -132,14 +145,17 @@ def measure_drain(stub, p_address: str, *, requests: int, prompt_tokens: int,
             "drain_call_s": round(summary.seconds, 2) if summary else None}
 
 
-def run_moves(router: str, p_address: str, *, lengths: tuple[int, ...] = LENGTHS,
+def run_moves(router: str, p_address: str, *, p2_address: str | None = None,
+              lengths: tuple[int, ...] = LENGTHS,
               stage1_tokens: int = 96, drain_requests: int = 8, drain_prompt_tokens: int = 256,
               drain_stage1_tokens: int = 256, seed: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(router))
-    moves = measure_move_cost(stub, lengths, stage1_tokens, rng)
+    moves = measure_move_cost(stub, lengths, stage1_tokens, rng, p2_address)
     kw = {"requests": drain_requests, "prompt_tokens": drain_prompt_tokens,
           "stage1_tokens": drain_stage1_tokens, "rng": rng}
+    if p2_address:  # every drained request on P
+        stub.Drain(router_pb2.DrainRequest(endpoint=p2_address), timeout=60)
     drains = [measure_drain(stub, p_address, drain=False, **kw),
               measure_drain(stub, p_address, drain=True, **kw)]
     return {"moves": moves, "drain": drains,
@@ -150,18 +166,19 @@ def run_moves(router: str, p_address: str, *, lengths: tuple[int, ...] = LENGTHS
 
 
 def measure_moves(model: str | None, **kw: Any) -> dict[str, Any]:
-    """``run_moves`` on P (256 MiB pool), D (256 MiB) and a router started here."""
+    """``run_moves`` on P, P' (256 MiB pools), D (256 MiB) and a router started here."""
     with local_cluster(model, Path("out") / "bench-moves-logs", prefill_mib=256,
-                       decode_mib=256) as cluster:
-        return run_moves(cluster["router"], cluster["prefill"].address, **kw)
+                       decode_mib=256, extra_prefill=1) as cluster:
+        return run_moves(cluster["router"], cluster["prefill"].address,
+                         p2_address=cluster["prefills"][1].address, **kw)
 
 
 def format_moves(result: dict[str, Any]) -> str:
-    lines = [f"move after {result['config']['move_at']} stage-1 tokens (P -> D):",
-             f"{'parent':>7} {'pause ms':>9} {'gap ms':>10} {'KiB read':>9} "
+    lines = [f"move after {result['config']['move_at']} stage-1 tokens (P -> D, P -> P'):",
+             f"{'to':>3} {'parent':>7} {'pause ms':>9} {'gap ms':>10} {'KiB read':>9} "
              f"{'imported':>9} {'computed':>9}  identical"]
     for row in result["moves"]:
-        lines.append(f"{row['parent_tokens']:>7} {row['pause_ms']!s:>9} "
+        lines.append(f"{row.get('to', 'D'):>3} {row['parent_tokens']:>7} {row['pause_ms']!s:>9} "
                      f"{row['token_gap_ms']!s:>10} {row['bytes_moved'] / 1024:>9.0f} "
                      f"{row['tokens_imported']:>9} "
                      f"{row['tokens_computed']:>9}  {row['identical']}")

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULTS, applies
@@ -42,11 +42,13 @@ from tools.harness_report import (
 )
 from tools.local import local_pair
 from tools.pipeline import (
+    MoveStep,
     TwoStageRequest,
     TwoStageResult,
     run_colocated,
     run_handoff,
     run_moved,
+    run_moved_via_p,
     stage2_prompt,
 )
 
@@ -84,8 +86,10 @@ class _Reference:
 
 class Harness:
     def __init__(self, p: PrefillEngine, d: DecodeEngine, *, tokenizer: Any,
-                 think_end_id: int, eos_id: int, suffix_ids: list[int]):
-        self.p, self.d = p, d
+                 think_end_id: int, eos_id: int, suffix_ids: list[int],
+                 p2: PrefillEngine | None = None):
+        """``p2``: a second P, for the cases that move stage 1 to another P."""
+        self.p, self.d, self.p2 = p, d, p2
         self.tokenizer = tokenizer
         self.think_end_id = think_end_id
         self.eos_id = eos_id
@@ -166,6 +170,14 @@ class Harness:
 
     async def run_case(self, case: Case, fault: str | None = None) -> CaseReport:
         ref = await self.reference(case)
+        if case.via_p:
+            if self.p2 is None:
+                raise RuntimeError(f"{case.name}: a move to another P needs a second P")
+            await self.d.empty_prefix_cache()
+            await self.p2.empty_prefix_cache()
+            got, steps = await run_moved_via_p(self.p, self.p2, self.d, ref.request,
+                                               case.move_at, case.then_at)
+            return self.compare(case, ref, got, fault, steps=steps)
         if case.move_at is not None:
             await self.d.empty_prefix_cache()
             got, move = await run_moved(self.p, self.d, ref.request, case.move_at)
@@ -227,8 +239,25 @@ class Harness:
                             "from D's prefix cache)")
         return failures
 
+    def _p_move_failures(self, case: Case, got: TwoStageResult, steps: list[MoveStep]
+                         ) -> list[str]:
+        """Moves through another P: each destination imported the prompt and the tokens
+        it was given but the last (all its source had KV for) and computed one."""
+        failures = []
+        for step in steps:
+            expected = len(got.prompt_token_ids) + step.at - 1
+            if step.num_imported_tokens != expected:
+                failures.append(f"{step.to} imported {step.num_imported_tokens} tokens at "
+                                f"the move at {step.at}, expected len(prompt) + t - 1 = "
+                                f"{expected}")
+            if step.num_computed_tokens != 1:
+                failures.append(f"{step.to} computed {step.num_computed_tokens} tokens at "
+                                f"the move at {step.at}, expected 1")
+        return failures
+
     def compare(self, case: Case, ref: _Reference, got: TwoStageResult,
-                fault: str | None = None, move: Stage2Result | None = None) -> CaseReport:
+                fault: str | None = None, move: Stage2Result | None = None,
+                steps: list[MoveStep] | None = None) -> CaseReport:
         failures = []
         stage1_same = ref.colocated.stage1.token_ids == got.stage1.token_ids
         if not stage1_same:
@@ -252,7 +281,20 @@ class Harness:
         s2 = got.stage2
         parent_len = len(got.parent_token_ids)
         found = parent_len - 1 - s2.num_imported_tokens if case.d_state == "warm" else 0
-        if move is not None:
+        if steps is not None:
+            moved = self._p_move_failures(case, got, steps[:1])
+            if case.then_at is not None:  # P' -> D: stage 2 on D's prefix cache
+                moved += self._move_failures(replace(case, move_at=case.then_at), got,
+                                             _as_stage2(steps[1]))
+            else:  # P' exported the parent: D imported it as from any P
+                moved += self._import_failures(case, got, 0)
+                if s2.num_computed_tokens_first_step != len(got.suffix_token_ids) + 1:
+                    moved.append(f"D computed {s2.num_computed_tokens_first_step} tokens for "
+                                 "the import step, expected len(suffix)+1")
+            computed_ok = not moved
+            failures += moved
+            s2 = _as_stage2(steps[0])  # the first move's import: report its figures
+        elif move is not None:
             moved = self._move_failures(case, got, move)
             computed_ok = not moved
             failures += moved
@@ -273,7 +315,8 @@ class Harness:
             stage1_finish_reason=got.stage1.finish_reason,
             suffix_token_ids=got.suffix_token_ids,
             beam=asdict(ref.request.beam),
-            d_state=case.d_state if case.move_at is None else f"@{case.move_at}",
+            d_state=(case.d_state if case.move_at is None else f"@{case.move_at}"
+                     + ("P'" if case.via_p else "")),
             colocated_beams=_beam_dicts(ref.colocated.stage2.beams),
             handoff_beams=_beam_dicts(got.stage2.beams),
             vllm_beams=_beam_dicts(ref.vllm_beams),
@@ -304,18 +347,30 @@ class Harness:
             reports.append(await self.run_case(case, fault))
             if progress is not None:
                 progress(reports[-1])
-        p_pool = await self.p.wait_pool_clean()
-        d_pool = await self.d.wait_pool_clean()
+        pools = {"prefill": await self.p.wait_pool_clean(),
+                 "decode": await self.d.wait_pool_clean()}
+        if self.p2 is not None:
+            pools["prefill2"] = await self.p2.wait_pool_clean()
         return HarnessReport(
             model_dir=model_dir,
             block_size=self.p.block_size,
             logprob_tolerance=LOGPROB_TOLERANCE,
             cases=reports,
-            pools_clean=p_pool.is_clean and d_pool.is_clean,
-            pool_details={"prefill": asdict(p_pool), "decode": asdict(d_pool)},
+            pools_clean=all(pool.is_clean for pool in pools.values()),
+            pool_details={name: asdict(pool) for name, pool in pools.items()},
             elapsed_s=time.perf_counter() - t0,
             fault=fault,
         )
+
+
+def _as_stage2(step: MoveStep) -> Stage2Result:
+    """A move's import step in the figures a case reports."""
+    return Stage2Result(beams=[], num_prompt_tokens=0,
+                        num_imported_tokens=step.num_imported_tokens,
+                        num_imported_bytes=step.num_imported_bytes,
+                        num_computed_tokens_first_step=step.num_computed_tokens,
+                        num_computed_tokens_total=step.num_computed_tokens,
+                        first_step_s=0.0, elapsed_s=0.0)
 
 
 async def verify(model: str | None, *, quick: bool, json_path: str | None,
@@ -325,11 +380,12 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
 
     d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(resolve_model(model), block_size=32)
     async with local_pair(model, lease_s=lease_s, fault_injection=inject is not None,
-                          decode_overrides={"kv_cache_memory_bytes": d_pool}) as pair:
+                          decode_overrides={"kv_cache_memory_bytes": d_pool},
+                          second_prefill=inject is None) as pair:
         harness = Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
                           think_end_id=pair.think_end_id, eos_id=pair.eos_id,
-                          suffix_ids=pair.default_suffix_ids)
-        cases = default_cases(quick)
+                          suffix_ids=pair.default_suffix_ids, p2=pair.p2)
+        cases = default_cases(quick, via_p=pair.p2 is not None)
 
         def progress(c: CaseReport) -> None:
             print(f"  [{len(done) + 1}/{len(cases)}] {c.name}: {result_text(c)}", flush=True)

@@ -40,9 +40,15 @@ class Case:
     #: False: a move case samples with vLLM's own seeded sampling (a negative control:
     #: its tokens change when moved, and the case must fail).
     positional: bool = True
+    #: The move at ``move_at`` goes to another P (``run_moved_via_p``), which finishes
+    #: stage 1 and exports to D, or with ``then_at`` is moved again there, to D.
+    via_p: bool = False
+    then_at: int | None = None
 
 
-def default_cases(quick: bool = False) -> list[Case]:
+def default_cases(quick: bool = False, via_p: bool = False) -> list[Case]:
+    """The harness's cases; ``via_p``: also the moves to another P (the harness then
+    needs a second P)."""
     # B = 32. Parent edges: N - 1 = kB - 1, kB, kB + 1 for k = 2 and k = 8.
     cases = [
         Case("n64-edge-w4", 60, "length", 4, stage1_max_tokens=4),
@@ -65,10 +71,24 @@ def default_cases(quick: bool = False) -> list[Case]:
         Case("move-at-33-greedy-w4", 40, "length", 4, stage1_max_tokens=48, move_at=33,
              greedy=True),
     ]
+    if via_p:
+        rnd = random.Random("move-p-at").randrange(2, 40)
+        cases += [
+            # P -> P' at t = 1, B - 1, B, B + 1 and a random t; P' exports the parent to D.
+            *(Case(f"move-p-at-{t}-w4", 40, "length", 4, stage1_max_tokens=48, move_at=t,
+                   via_p=True) for t in (1, 31, 32, 33, rnd)),
+            # Twice in a row: P -> P' at t, P' -> D at t2.
+            *(Case(f"move-twice-{t}-{t2}-w4", 40, "length", 4, stage1_max_tokens=48,
+                   move_at=t, via_p=True, then_at=t2)
+              for t, t2 in ((1, 32), (31, 33), (rnd, rnd + 7))),
+            Case("move-twice-32-33-greedy-w4", 40, "length", 4, stage1_max_tokens=48,
+                 move_at=32, via_p=True, then_at=33, greedy=True),
+        ]
     if quick:
         keep = {"n65-edge-w1", "n66-edge-w32", "p33-eos-w4", "p50-think-w4-t5",
                 "p64-think-longsuffix-w4", "p690-think-w32", "warm-d-p200-w4",
-                "move-at-32-w4", "move-at-33-greedy-w4"}
+                "move-at-32-w4", "move-at-33-greedy-w4", "move-p-at-33-w4",
+                "move-twice-31-33-w4"}
         cases = [c for c in cases if c.name in keep]
     return cases
 

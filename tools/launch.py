@@ -138,13 +138,15 @@ HOSTS_UCX_TLS = "tcp"
 def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                   prefill_mib: int = 128, lease_s: int = 30,
                   extra_decode: int = 0,
+                  extra_prefill: int = 0,
                   engine_flags: tuple[str, ...] = (),
                   router_flags: tuple[str, ...] = (),
                   signed: bool = True,
                   on_hosts: dict[str, Host] | None = None,
                   server_flags: dict[str, tuple[str, ...]] | None = None,
                   client_tls: ChannelTLS | None = None) -> Iterator[dict[str, object]]:
-    """P, D (and ``extra_decode`` more Ds) and a router, each its own process. With
+    """P, D (and ``extra_prefill`` more Ps, ``extra_decode`` more Ds) and a router, each
+    its own process (the router lists P first). With
     ``signed``, P and D share a fresh secret (a 0600 file in ``log_dir``): P signs each
     handoff for its D and D refuses any other. With ``on_hosts`` (tools.netns hosts
     ``p``, ``d``, ``r``), P, the Ds and the router run on those hosts, the engines with
@@ -181,6 +183,14 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                                            *more.get("prefill", ())],
                   log_dir, host=h.get("p"), env=engine_env("prefill"))
         servers.append(p)
+        prefills = [p]
+        for i in range(1, 1 + extra_prefill):
+            prefills.append(spawn("prefill", free_port(),
+                                  [*engine_args, "--kv-cache-mib", str(prefill_mib),
+                                   *more.get(f"prefill{i}", ())],
+                                  log_dir, name=f"prefill{i}", host=h.get("p"),
+                                  env=engine_env(f"prefill{i}")))
+        servers.extend(prefills[1:])
         decodes = []
         for i in range(1 + extra_decode):
             name = f"decode{i}" if i else "decode"
@@ -189,7 +199,8 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                       log_dir, name=name if i else None, host=h.get("d"), env=engine_env(name))
             decodes.append(d)
         servers.extend(decodes)
-        router = spawn("router", free_port(), [*model_args, "--prefill", p.address, "--decode",
+        router = spawn("router", free_port(), [*model_args, "--prefill",
+                                               ",".join(x.address for x in prefills), "--decode",
                                                ",".join(d.address for d in decodes),
                                                *router_flags, *more.get("router", ())],
                        log_dir, host=h.get("r"))
@@ -199,7 +210,8 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
         else:
             wait_serving(router.address, servers,
                          credentials=client_tls.credentials() if client_tls else None)
-        yield {"router": router.address, "prefill": p, "decode": decodes, "servers": servers,
+        yield {"router": router.address, "prefill": p, "prefills": prefills, "decode": decodes,
+               "servers": servers,
                "router_metrics": router.metrics_url, "secret_file": secret_file}
     finally:
         stop(servers)

@@ -25,6 +25,8 @@ class LocalPair:
     p: Any  # PrefillEngine
     d: Any  # DecodeEngine
     tokens: ModelTokens
+    #: A second P (``second_prefill``): moves between Ps.
+    p2: Any = None
 
     @property
     def tokenizer(self) -> Any:
@@ -46,21 +48,26 @@ class LocalPair:
 @contextlib.asynccontextmanager
 async def local_pair(model: str | None = None, *, prefill_overrides: dict[str, Any] | None = None,
                      decode_overrides: dict[str, Any] | None = None,
+                     second_prefill: bool = False,
                      **common: Any) -> AsyncIterator[LocalPair]:
-    """Start P then D (about 30 s each on CPU); shut both down on exit."""
+    """Start P then D (about 30 s each on CPU), and with ``second_prefill`` a second P
+    with P's settings; shut them down on exit."""
 
     model_dir = resolve_model(model)
     tokens = ModelTokens.load(model_dir)
-    p = d = None
+    p = d = p2 = None
     try:
-        p = PrefillEngine.start(EngineConfig(model=str(model_dir), role="prefill",
-                                             **{**common, **(prefill_overrides or {})}))
+        prefill = EngineConfig(model=str(model_dir), role="prefill",
+                               **{**common, **(prefill_overrides or {})})
+        p = PrefillEngine.start(prefill)
         d = DecodeEngine.start(EngineConfig(model=str(model_dir), role="decode",
                                             **{**common, **(decode_overrides or {})}))
-        await asyncio.gather(p.warmup(), d.warmup())
-        yield LocalPair(model_dir, p, d, tokens)
+        if second_prefill:
+            p2 = PrefillEngine.start(prefill)
+        await asyncio.gather(*(e.warmup() for e in (p, d, p2) if e is not None))
+        yield LocalPair(model_dir, p, d, tokens, p2)
     finally:
-        shutdown_all([d, p])
+        shutdown_all([e for e in (p2, d, p) if e is not None])
         # Let the engines' cancelled output-handler tasks finish, so nothing keeps an
         # AsyncLLM alive until interpreter teardown.
         await asyncio.sleep(0.1)

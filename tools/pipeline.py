@@ -134,6 +134,74 @@ async def run_moved(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest, at:
     return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2), move
 
 
+@dataclass(frozen=True, slots=True)
+class MoveStep:
+    """What one move's destination imported and computed (its first step)."""
+
+    to: str
+    at: int
+    num_imported_tokens: int
+    num_computed_tokens: int
+    num_imported_bytes: int
+
+
+async def run_moved_via_p(p: PrefillEngine, p2: PrefillEngine, d: DecodeEngine,
+                          req: TwoStageRequest, at: int, then_at: int | None = None
+                          ) -> tuple[TwoStageResult, list[MoveStep]]:
+    """Stage 1 moved from P to another P (``p2``) at token ``at``: P samples ``at`` tokens
+    and exports them to P' (the export a live stop makes, addressed to P'), P' imports
+    them and samples on with the same sampling. With ``then_at`` it is moved again at
+    that token, to D (``run_moved``'s second half: D samples the rest of stage 1, stage
+    2 from its prefix cache); without, P' finishes stage 1 and D imports the parent from
+    P' for stage 2. Returns the result and each move's step."""
+    check_request(req, p, d)
+    s1 = req.stage1
+    head = await p.run_stage1(
+        req.prompt_token_ids, replace(s1, max_tokens=at, min_tokens=min(s1.min_tokens, at)),
+        f"{req.request_id}-m1", export=True, target=p2.handoff_target)
+    if head.finish_reason != "length" or head.handoff_params is None:
+        raise RuntimeError(f"{req.request_id}: stage 1 ended by {head.finish_reason} before "
+                           f"token {at}: nothing to move")
+    end = then_at if then_at is not None else s1.max_tokens
+    mid_params = replace(s1, max_tokens=end - at,
+                         min_tokens=max(0, min(s1.min_tokens, end) - at))
+    mid = await p2.run_stage1(
+        req.prompt_token_ids + head.token_ids, mid_params, f"{req.request_id}-m2",
+        export=True, target=d.handoff_target, handoff=ImportRequest.for_beams(
+            head.handoff_params, BeamParams(beam_width=1, max_tokens=mid_params.max_tokens)))
+    steps = [MoveStep("P'", at, mid.num_imported_tokens, mid.num_computed_tokens,
+                      mid.num_imported_bytes)]
+    token_ids = head.token_ids + mid.token_ids
+    if then_at is None:
+        stage1 = Stage1Result(token_ids=token_ids, finish_reason=mid.finish_reason,
+                              handoff_params=mid.handoff_params,
+                              elapsed_s=head.elapsed_s + mid.elapsed_s)
+        prompt, suffix = stage2_prompt(req, stage1)
+        stage2 = await d.run_stage2(prompt, req.beam, f"{req.request_id}-m3",
+                                    handoff=ImportRequest.for_beams(mid.handoff_params,
+                                                                    req.beam))
+        return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix,
+                              stage2), steps
+    if mid.finish_reason != "length" or mid.handoff_params is None:
+        raise RuntimeError(f"{req.request_id}: stage 1 ended by {mid.finish_reason} on P' "
+                           f"before token {then_at}: nothing to move")
+    rest_params = replace(s1, max_tokens=s1.max_tokens - then_at,
+                          min_tokens=max(0, s1.min_tokens - then_at))
+    shape = BeamParams(beam_width=1, max_tokens=rest_params.max_tokens)
+    move = await d.run_stage2(
+        req.prompt_token_ids + token_ids, shape, f"{req.request_id}-m3",
+        handoff=ImportRequest.for_beams(mid.handoff_params, shape), sampling=rest_params)
+    steps.append(MoveStep("D", then_at, move.num_imported_tokens,
+                          move.num_computed_tokens_first_step, move.num_imported_bytes))
+    rest = move.beams[0]
+    stage1 = Stage1Result(token_ids=token_ids + rest.token_ids,
+                          finish_reason=rest.finish_reason, handoff_params=None,
+                          elapsed_s=head.elapsed_s + mid.elapsed_s + move.elapsed_s)
+    prompt, suffix = stage2_prompt(req, stage1)
+    stage2 = await run_beam_stage(d, prompt, req.beam, f"{req.request_id}-m4")
+    return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2), steps
+
+
 async def run_colocated(engine: PrefillEngine, req: TwoStageRequest) -> TwoStageResult:
     """Both stages on one engine, stage 2 from token ids through its prefix cache."""
     check_request(req, engine, engine)
