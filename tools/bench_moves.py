@@ -11,9 +11,10 @@ P, P', D and the router run as processes (``local_cluster``). Two measurements:
   Reported from the response's ``Move``: the pause (from P's last token to the
   destination's first: the router's hop, the READ, the tail's compute), bytes read,
   tokens imported and computed; and whether stage 1 and the beams equal the same request
-  never moved. Cache state: the unmoved twin runs first,
-  colocated on P, so P's prefix cache holds the prompt and D's and P''s hold nothing of
-  it (the P -> D move runs before the P -> P' one, which finds nothing of it on P').
+  never moved. P' is drained (takes no new work) while the twin and each moved request
+  start, and taken back just before the move to it, so both start on P. Cache state: the
+  unmoved twin runs first, colocated on P, so P's prefix cache holds the prompt and D's
+  and P''s hold nothing of it (the P -> D move runs before the P -> P' one).
 - **Drain of N running requests.** N requests with fresh prompts stream stage 1 on P; once
   each has streamed a few tokens, either ``Router.Drain`` moves them to D, or nothing is
   done (the baseline, run first); P' is drained meanwhile, so all N run on P. Reported:
@@ -76,12 +77,21 @@ def measure_move_cost(stub, lengths: tuple[int, ...], stage1_tokens: int, rng: r
     rows = []
     for n, length in enumerate(lengths):
         prompt = [rng.randrange(10, 1000) for _ in range(length - MOVE_AT)]
+        # P' drained while the twin and each moved request start: both run on P.
+        _drain(stub, p2_address)
         twin = stub.Generate(_request(prompt, f"bm-twin-{n}", stage1_tokens, seed=n,
                                       path="colocated"), timeout=600)
         for to in ("", p2_address) if p2_address else ("",):
             rows.append(_moved_row(stub, prompt, twin, f"bm-move-{n}{'-p' if to else ''}",
                                    stage1_tokens, n, to))
+            _drain(stub, p2_address)
+        _drain(stub, p2_address, undo=True)
     return rows
+
+
+def _drain(stub, address: str | None, undo: bool = False) -> None:
+    if address:
+        stub.Drain(router_pb2.DrainRequest(endpoint=address, undo=undo), timeout=60)
 
 
 def _moved_row(stub, prompt: list[int], twin, rid: str, stage1_tokens: int, seed: int,
@@ -91,6 +101,7 @@ def _moved_row(stub, prompt: list[int], twin, rid: str, stage1_tokens: int, seed
 
     def maybe_move(count: int) -> None:
         if count >= MOVE_AT and not moved:
+            _drain(stub, to, undo=True)  # P' takes work again: the move's destination
             moved.append(stub.Move(router_pb2.MoveRequest(request_id=rid, to_endpoint=to),
                                    timeout=60))
 
@@ -154,8 +165,7 @@ def run_moves(router: str, p_address: str, *, p2_address: str | None = None,
     moves = measure_move_cost(stub, lengths, stage1_tokens, rng, p2_address)
     kw = {"requests": drain_requests, "prompt_tokens": drain_prompt_tokens,
           "stage1_tokens": drain_stage1_tokens, "rng": rng}
-    if p2_address:  # every drained request on P
-        stub.Drain(router_pb2.DrainRequest(endpoint=p2_address), timeout=60)
+    _drain(stub, p2_address)  # every drained request on P
     drains = [measure_drain(stub, p_address, drain=False, **kw),
               measure_drain(stub, p_address, drain=True, **kw)]
     return {"moves": moves, "drain": drains,
