@@ -146,6 +146,30 @@ def test_the_demo_across_hosts_is_identical_and_reads_the_kv_over_tcp(model_dir,
     assert not any(n.startswith(tag) for n in _netns_names())
 
 
+@pytest.mark.engines
+def test_verify_across_hosts_is_identical_and_reads_the_kv_over_tcp(model_dir, tmp_path):
+    """`kvhandoff verify --quick --hosts netns`: the harness with the Ps' engine processes
+    on one host and D's on another: every case identical (moves to D and through the
+    second P included), and the READs went over the hosts' links by TCP (UCX's own
+    tables: D's on eth2, the second P's on eth1); nothing left behind."""
+    why = can_create()
+    if why:
+        pytest.skip(why)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "verify", "--quick", "--hosts", "netns",
+         "--model", model_dir, "--json", str(tmp_path / "verify.json")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    report = json.loads((tmp_path / "verify.json").read_text())
+    assert report["ok"] and report["hosts"] == {"p": f"{SUBNET}.1", "d": f"{SUBNET}.2"}
+    assert report["read_transports"] == ["tcp/eth1", "tcp/eth2"], report["read_transports"]
+    assert {"move-p-at-33-w4", "move-twice-31-33-w4"} <= {c["name"] for c in report["cases"]}
+    assert "the READs went by tcp/eth1, tcp/eth2 (a network transport)" in stdout
+    tag = f"kvh{proc.pid % 100000}-"
+    assert not any(n.startswith(tag) for n in _netns_names())
+
+
 def test_the_link_bench_measures_each_path_and_names_its_transport():
     """`kvhandoff bench --hosts-link` at one small size: a figure for every path, the
     READ over TCP by tcp, the one UCX chooses by cma."""

@@ -18,7 +18,7 @@ from connector.logs import LEVEL_ENV
 def _verify(args: argparse.Namespace) -> int:
     from tools.harness import main_verify
 
-    return main_verify(args.model, args.quick, args.json, args.inject)
+    return main_verify(args.model, args.quick, args.json, args.inject, args.hosts)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -146,6 +146,11 @@ def _add_verify(sub: Any) -> None:
              "harness must then FAIL and name what differs, except for the fault listed "
              "as invisible by design. FAULT: " + "; ".join(
                  f"{f.name} ({f.what})" for f in FAULTS.values()))
+    verify.add_argument("--hosts", choices=["netns"], default=None,
+                        help="netns: the Ps' and D's engine processes on separate network "
+                             "hosts (network namespaces joined by veth pairs; needs root), "
+                             "the KV read over the link by TCP; the report names the "
+                             "transport UCX chose (UCX's tables in out/verify-logs)")
     verify.set_defaults(func=_verify)
 
 

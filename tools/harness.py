@@ -23,6 +23,7 @@ import logging
 import random
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULTS, applies
@@ -51,6 +52,7 @@ from tools.pipeline import (
     run_moved_via_p,
     stage2_prompt,
 )
+from tools.ucx_report import read_transports_in
 
 if TYPE_CHECKING:
     from decode_engine.engine import DecodeEngine
@@ -374,14 +376,22 @@ def _as_stage2(step: MoveStep) -> Stage2Result:
 
 
 async def verify(model: str | None, *, quick: bool, json_path: str | None,
-                 lease_s: int = 30, inject: str | None = None) -> HarnessReport:
-    """Start P and D on ``model``, run the harness (with ``inject``: every handoff
-    carries that fault), shut both down."""
+                 lease_s: int = 30, inject: str | None = None,
+                 on_hosts: dict[str, Any] | None = None,
+                 ucx_log_dir: Path = Path("out/verify-logs")) -> HarnessReport:
+    """Start P, D and a second P on ``model``, run the harness (with ``inject``: every
+    handoff carries that fault, and no second P), shut them down. ``on_hosts`` (tools.netns
+    hosts ``p`` and ``d``): the Ps' processes on one host, D's on the other; the report
+    then names the transports UCX chose for the READs, which must be network ones."""
 
     d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(resolve_model(model), block_size=32)
+    if on_hosts:
+        for old in ucx_log_dir.glob("*.ucx.log"):
+            old.unlink()
     async with local_pair(model, lease_s=lease_s, fault_injection=inject is not None,
                           decode_overrides={"kv_cache_memory_bytes": d_pool},
-                          second_prefill=inject is None) as pair:
+                          second_prefill=inject is None, on_hosts=on_hosts,
+                          ucx_log_dir=ucx_log_dir if on_hosts else None) as pair:
         harness = Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
                           think_end_id=pair.think_end_id, eos_id=pair.eos_id,
                           suffix_ids=pair.default_suffix_ids, p2=pair.p2)
@@ -394,15 +404,32 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
         done: list[CaseReport] = []
         report = await harness.run(cases, model_dir=str(pair.model_dir), progress=progress,
                                    fault=inject)
+    if on_hosts:
+        # D reads from P (a handoff, a move to D); the second P reads from P (a move).
+        report.hosts = {"p": on_hosts["p"].address, "d": on_hosts["d"].address}
+        report.read_transports = sorted(read_transports_in(sorted(
+            ucx_log_dir.glob("*.ucx.log"))))
     if json_path:
         write_json(report, json_path)
     return report
 
 
 def main_verify(model: str | None, quick: bool, json_path: str | None,
-                inject: str | None = None) -> int:
+                inject: str | None = None, hosts: str | None = None) -> int:
     if inject is not None and inject not in FAULTS:
         raise SystemExit(f"--inject {inject!r}: not a fault; choose from {', '.join(FAULTS)}")
-    report = asyncio.run(verify(model, quick=quick, json_path=json_path, inject=inject))
+    if hosts == "netns":
+        from tools.netns import can_create
+        from tools.netns import hosts as make_hosts
+
+        why = can_create()
+        if why:
+            raise SystemExit(f"kvhandoff verify --hosts netns: cannot make the hosts here: "
+                             f"{why}")
+        with make_hosts(("p", "d")) as on_hosts:
+            report = asyncio.run(verify(model, quick=quick, json_path=json_path,
+                                        inject=inject, on_hosts=on_hosts))
+    else:
+        report = asyncio.run(verify(model, quick=quick, json_path=json_path, inject=inject))
     print(format_table(report))
     return 0 if report.ok else 1

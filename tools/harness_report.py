@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.faults import FAULTS
+from tools.ucx_report import is_network
 
 #: Cumulative logprobs of the two paths may differ by float rounding (the reference
 #: recomputes the parent's partial last block; D imports it). Stated and small.
@@ -64,10 +65,19 @@ class HarnessReport:
     pool_details: dict[str, Any]
     elapsed_s: float
     fault: str | None = None
+    #: Across hosts (``verify --hosts``): P's and D's addresses and the transports UCX
+    #: chose for the READs (from its protocol tables); they must all be network ones.
+    hosts: dict[str, str] | None = None
+    read_transports: list[str] | None = None
+
+    @property
+    def over_network(self) -> bool:
+        return bool(self.read_transports) and all(is_network(t) for t in self.read_transports)
 
     @property
     def ok(self) -> bool:
-        return self.pools_clean and all(c.ok for c in self.cases)
+        return (self.pools_clean and all(c.ok for c in self.cases)
+                and (self.hosts is None or self.over_network))
 
     @property
     def caught(self) -> list[str]:
@@ -109,6 +119,11 @@ def format_table(report: HarnessReport) -> str:
         f"and D); pools clean: {'yes' if report.pools_clean else 'NO'} "
         f"{report.pool_details if not report.pools_clean else ''}; {report.elapsed_s:.1f}s"
     )
+    if report.hosts is not None:
+        lines.append(f"hosts: P on {report.hosts['p']}, D on {report.hosts['d']} (network "
+                     f"namespaces); the READs went by "
+                     f"{', '.join(report.read_transports or []) or 'nothing seen'} "
+                     f"({'a network transport' if report.over_network else 'NOT a network transport'})")
     if report.fault:
         fault = FAULTS[report.fault]
         verdict = (f"caught in {len(report.caught)} case(s)" if report.caught
