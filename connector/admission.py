@@ -107,7 +107,8 @@ class AdmissionScheduler(Scheduler):
                 self._importing.add(request.request_id)
 
     def _check_import(self, request: Request, params: dict[str, Any], claimed: int) -> int:
-        """Raise :class:`HandoffError` unless D takes the import; return its blocks."""
+        """Raise :class:`HandoffError` unless this engine takes the import; return its
+        blocks."""
         handoff, wanted = ImportRequest.parse(params)
         if self._secret is not None:
             verify(params, self._secret, self._handoff_ids)
@@ -122,7 +123,7 @@ class AdmissionScheduler(Scheduler):
             request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,
             self._beam_fork,
         )
-        # Free now, and free once the stage 2s running on D reach their peaks.
+        # Free now, and free once the stage 2s running here (D) reach their peaks.
         reserved = wanted.reserved_blocks
         free = min(self.kv_cache_manager.block_pool.get_num_free_blocks() - claimed,
                    self.num_total_blocks - reserved)

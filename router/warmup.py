@@ -88,7 +88,7 @@ class WarmUpMixin:
                         deadline, pinned=(p, p2))
 
         try:
-            first, out = plan(2), None
+            first = plan(2)
             out = Outcome(first, p.address, None)
             handoff = held = None
             async for item in self._stage1(p, p2, first, out, export=True,
