@@ -12,9 +12,9 @@ D side: the stock connector claims the whole prompt as remote; a continuation pr
 ``min(remote_num_tokens, len(prompt) - 1)`` tokens. P imports the same way when a
 running stage 1 moves to it from another P (``REEXPORT_KEY``), and exports again at
 the end: once its READ is queued the request becomes an exporting one
-(``do_remote_decode``), which vLLM's pull connector treats as any P's. Reads are refused once the lease is
-(nearly) over, and a READ that completes after the lease ended is discarded as a load
-failure: the freed blocks may already hold another request's KV.
+(``do_remote_decode``), which vLLM's pull connector treats as any P's. Reads are refused
+once the lease is (nearly) over, and a READ that completes after the lease ended is
+discarded as a load failure: the freed blocks may already hold another request's KV.
 
 This module is the scheduler side (in the engine-core process) and the class vLLM
 instantiates; the worker side is ``connector.nixl_worker``. Split by job: beam fork

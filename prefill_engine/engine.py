@@ -37,6 +37,7 @@ from connector.handoff import (
 from connector.signing import TARGET_KEY
 from engine import VllmEngine
 from kvhandoff.types import (
+    InvalidRequest,
     Stage1Params,
     Stage1Result,
     StageError,
@@ -101,8 +102,8 @@ class PrefillEngine(VllmEngine):
                                                        "hold_s": hold_s}})
         if handoff is not None:
             if not export:
-                raise StageError("stage1", "import", "a stage 1 that imports exports again: "
-                                 "ask for export")
+                raise InvalidRequest("export", "a stage 1 that imports a handoff exports "
+                                     "again: set export")
             # Imports first (do_remote_prefill), exports once the READ is queued.
             transfer = {**handoff.to_params(), REEXPORT_KEY: True, TARGET_KEY: target or ""}
         elif not export:
