@@ -112,26 +112,9 @@ async def run_moved(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest, at:
     samples the rest of stage 1 with the same (positional or greedy) sampling, then runs
     stage 2 from its prefix cache. Returns the result and D's move step (the rest)."""
     check_request(req, p, d)
-    s1 = req.stage1
-    head = await p.run_stage1(
-        req.prompt_token_ids, replace(s1, max_tokens=at, min_tokens=min(s1.min_tokens, at)),
-        f"{req.request_id}-m1", export=True, target=d.handoff_target)
-    if head.finish_reason != "length" or head.handoff_params is None:
-        raise RuntimeError(f"{req.request_id}: stage 1 ended by {head.finish_reason} before "
-                           f"token {at}: nothing to move")
-    rest_params = replace(s1, max_tokens=s1.max_tokens - at,
-                          min_tokens=max(0, s1.min_tokens - at))
-    shape = BeamParams(beam_width=1, max_tokens=rest_params.max_tokens)
-    move = await d.run_stage2(
-        req.prompt_token_ids + head.token_ids, shape, f"{req.request_id}-m2",
-        handoff=ImportRequest.for_beams(head.handoff_params, shape), sampling=rest_params)
-    rest = move.beams[0]
-    stage1 = Stage1Result(token_ids=head.token_ids + rest.token_ids,
-                          finish_reason=rest.finish_reason, handoff_params=None,
-                          elapsed_s=head.elapsed_s + move.elapsed_s)
-    prompt, suffix = stage2_prompt(req, stage1)
-    stage2 = await run_beam_stage(d, prompt, req.beam, f"{req.request_id}-m3")
-    return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2), move
+    head = await _stage1_head(p, req, at, d.handoff_target)
+    return await _rest_on_d(d, req, head.token_ids, head.handoff_params, head.elapsed_s,
+                            f"{req.request_id}-m2", f"{req.request_id}-m3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,17 +134,12 @@ async def run_moved_via_p(p: PrefillEngine, p2: PrefillEngine, d: DecodeEngine,
     """Stage 1 moved from P to another P (``p2``) at token ``at``: P samples ``at`` tokens
     and exports them to P' (the export a live stop makes, addressed to P'), P' imports
     them and samples on with the same sampling. With ``then_at`` it is moved again at
-    that token, to D (``run_moved``'s second half: D samples the rest of stage 1, stage
-    2 from its prefix cache); without, P' finishes stage 1 and D imports the parent from
-    P' for stage 2. Returns the result and each move's step."""
+    that token, to D (as ``run_moved``'s D: D samples the rest of stage 1, stage 2 from
+    its prefix cache); without, P' finishes stage 1 and D imports the parent from P' for
+    stage 2. Returns the result and each move's step."""
     check_request(req, p, d)
     s1 = req.stage1
-    head = await p.run_stage1(
-        req.prompt_token_ids, replace(s1, max_tokens=at, min_tokens=min(s1.min_tokens, at)),
-        f"{req.request_id}-m1", export=True, target=p2.handoff_target)
-    if head.finish_reason != "length" or head.handoff_params is None:
-        raise RuntimeError(f"{req.request_id}: stage 1 ended by {head.finish_reason} before "
-                           f"token {at}: nothing to move")
+    head = await _stage1_head(p, req, at, p2.handoff_target)
     end = then_at if then_at is not None else s1.max_tokens
     mid_params = replace(s1, max_tokens=end - at,
                          min_tokens=max(0, min(s1.min_tokens, end) - at))
@@ -185,21 +163,48 @@ async def run_moved_via_p(p: PrefillEngine, p2: PrefillEngine, d: DecodeEngine,
     if mid.finish_reason != "length" or mid.handoff_params is None:
         raise RuntimeError(f"{req.request_id}: stage 1 ended by {mid.finish_reason} on P' "
                            f"before token {then_at}: nothing to move")
-    rest_params = replace(s1, max_tokens=s1.max_tokens - then_at,
-                          min_tokens=max(0, s1.min_tokens - then_at))
-    shape = BeamParams(beam_width=1, max_tokens=rest_params.max_tokens)
-    move = await d.run_stage2(
-        req.prompt_token_ids + token_ids, shape, f"{req.request_id}-m3",
-        handoff=ImportRequest.for_beams(mid.handoff_params, shape), sampling=rest_params)
+    result, move = await _rest_on_d(d, req, token_ids, mid.handoff_params,
+                                    head.elapsed_s + mid.elapsed_s,
+                                    f"{req.request_id}-m3", f"{req.request_id}-m4")
     steps.append(MoveStep("D", then_at, move.num_imported_tokens,
                           move.num_computed_tokens_first_step, move.num_imported_bytes))
+    return result, steps
+
+
+async def _stage1_head(p: PrefillEngine, req: TwoStageRequest, at: int, target: str
+                       ) -> Stage1Result:
+    """P samples stage 1's first ``at`` tokens and exports them for ``target``: the
+    export a live stop after token ``at`` makes."""
+    s1 = req.stage1
+    head = await p.run_stage1(
+        req.prompt_token_ids, replace(s1, max_tokens=at, min_tokens=min(s1.min_tokens, at)),
+        f"{req.request_id}-m1", export=True, target=target)
+    if head.finish_reason != "length" or head.handoff_params is None:
+        raise RuntimeError(f"{req.request_id}: stage 1 ended by {head.finish_reason} before "
+                           f"token {at}: nothing to move")
+    return head
+
+
+async def _rest_on_d(d: DecodeEngine, req: TwoStageRequest, token_ids: list[int],
+                     handoff_params: dict, elapsed_s: float, rest_id: str, stage2_id: str
+                     ) -> tuple[TwoStageResult, Stage2Result]:
+    """D imports stage 1's first ``len(token_ids)`` tokens (exported as
+    ``handoff_params``), samples the rest of it, then runs stage 2 from its prefix cache.
+    Returns the result and D's move step."""
+    s1, at = req.stage1, len(token_ids)
+    rest_params = replace(s1, max_tokens=s1.max_tokens - at,
+                          min_tokens=max(0, s1.min_tokens - at))
+    shape = BeamParams(beam_width=1, max_tokens=rest_params.max_tokens)
+    move = await d.run_stage2(
+        req.prompt_token_ids + token_ids, shape, rest_id,
+        handoff=ImportRequest.for_beams(handoff_params, shape), sampling=rest_params)
     rest = move.beams[0]
     stage1 = Stage1Result(token_ids=token_ids + rest.token_ids,
                           finish_reason=rest.finish_reason, handoff_params=None,
-                          elapsed_s=head.elapsed_s + mid.elapsed_s + move.elapsed_s)
+                          elapsed_s=elapsed_s + move.elapsed_s)
     prompt, suffix = stage2_prompt(req, stage1)
-    stage2 = await run_beam_stage(d, prompt, req.beam, f"{req.request_id}-m4")
-    return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2), steps
+    stage2 = await run_beam_stage(d, prompt, req.beam, stage2_id)
+    return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2), move
 
 
 async def run_colocated(engine: PrefillEngine, req: TwoStageRequest) -> TwoStageResult:
