@@ -159,10 +159,10 @@ def _print_summary(rows: list[dict], handed: list[dict]) -> None:
 
 def _transport_line(log_dir: Path) -> dict:
     """What UCX chose for D's READs from P (its protocol tables), printed and returned."""
-    from tools.ucx_report import is_network, read_transports_in
+    from tools.ucx_report import all_network, read_transports_in
 
     chosen = sorted(read_transports_in(sorted(log_dir.glob("decode.*.ucx.log"))))
-    network = bool(chosen) and all(is_network(t) for t in chosen)
+    network = all_network(chosen)
     print(f"\nD read the KV from P by: {', '.join(chosen) or 'nothing (no READ seen)'} "
           f"({'a network transport' if network else 'NOT a network transport'}; UCX's "
           "protocol tables in out/demo-logs/decode.*.ucx.log)")

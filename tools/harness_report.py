@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.faults import FAULTS
-from tools.ucx_report import is_network
+from tools.ucx_report import all_network
 
 #: Cumulative logprobs of the two paths may differ by float rounding (the reference
 #: recomputes the parent's partial last block; D imports it). Stated and small.
@@ -72,7 +72,7 @@ class HarnessReport:
 
     @property
     def over_network(self) -> bool:
-        return bool(self.read_transports) and all(is_network(t) for t in self.read_transports)
+        return all_network(self.read_transports or [])
 
     @property
     def ok(self) -> bool:

@@ -97,3 +97,8 @@ def is_network(transport: str) -> bool:
     """``tcp/eth1`` and ``rc_mlx5/mlx5_0:1`` are; ``cma/memory`` and ``posix/memory``
     (one machine's shared memory) are not."""
     return transport.split("/")[0].split("_")[0] in NETWORK_FAMILIES
+
+
+def all_network(transports: list[str] | set[str]) -> bool:
+    """Some transport was seen, and every one is a network one (``is_network``)."""
+    return bool(transports) and all(is_network(t) for t in transports)
