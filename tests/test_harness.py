@@ -102,6 +102,29 @@ def test_a_move_with_vllms_own_sampling_fails_the_harness(harness, pair, run, vi
     assert report.pools_clean, report.pool_details
 
 
+@pytest.mark.migration
+def test_a_short_import_on_the_second_p_fails_its_counts(harness, pair, run):
+    """The negative control of the counts checked for a move through another P: P' told
+    (``import-short``) to claim one token fewer than P exported recomputes that token,
+    so it computes 2 and imports ``len(prompt) + t - 2``; the harness names both (the
+    outputs may well stay identical: the counts are the evidence)."""
+    from tools.harness_cases import Case
+
+    case = Case("move-p-at-31-w4", 40, "length", 4, stage1_max_tokens=48, move_at=31,
+                via_p=True)
+    report = run(harness.run([case], model_dir=str(pair.model_dir), fault="import-short"),
+                 timeout=300)
+    print(format_table(report))
+    (c,) = report.cases
+    assert not c.ok and c.fault_applies
+    assert any(f.startswith("P' computed 2 tokens at the move at 31") for f in c.failures), \
+        c.failures
+    short, expected = len(c.prompt_token_ids) + 31 - 2, len(c.prompt_token_ids) + 31 - 1
+    assert f"P' imported {short} tokens at the move at 31, expected len(prompt) + t - 1 = " \
+           f"{expected}" in c.failures, c.failures
+    assert report.pools_clean, report.pool_details
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_the_harness_fails_on_every_injected_fault(harness, pair, run, fault):
     """Each fault runs inside the real connector; the harness must name what differs in

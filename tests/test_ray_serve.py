@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from kvhandoff.ports import free_port
-from kvhandoff.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from tests.utils import assert_handed_off
 from tools.client import make_request
 
@@ -229,6 +229,63 @@ def test_the_router_warms_up_its_pair_in_the_background(ray_app):
     # handoff went through the P and D replicas; "failed: ..." would say why not.
     assert outcome == {"serve:Prefill -> serve:Decode": "imported"} or \
         outcome == {"serve:Prefill -> serve:Decode": "recomputed"}, outcome
+
+
+def test_a_call_no_replica_takes_fails_unavailable_not_at_the_deadline(ray_app):
+    """Serve's handle queues a call for a deployment without a running replica until one
+    is placed, with no bound of its own (D's node lost: the call waited for the client's
+    deadline). ``HandleStub`` fails it UNAVAILABLE once Serve's controller has shown no
+    RUNNING replica on two polls a second apart, naming the replicas' states. Here the
+    replica asks for a resource no node has, so it never starts. Controls: the same call
+    through a watch that never reports the deployment gone is still waiting at its 6 s
+    deadline (the queueing is Serve's), and a call a running replica answers after 4 s,
+    longer than those two polls, is answered."""
+    import asyncio
+
+    from ray.serve import RunTarget
+    from ray.serve import deployment as serve_deployment
+
+    from deploy.deployments import HandleStub, ReplicaWatch
+    from router import RouterError
+
+    serve = ray_app["serve"]
+
+    class Engine:
+        async def capacity(self) -> bytes:
+            await asyncio.sleep(4)
+            return engine_pb2.Capacity(block_size=16).SerializeToString()
+
+    slow = serve_deployment(Engine, name="Slow", ray_actor_options={"num_cpus": 0})
+    nowhere = serve_deployment(Engine, name="Nowhere",
+                               ray_actor_options={"num_cpus": 0, "resources": {"nowhere": 1}})
+    (slow_handle,) = serve.run_many([RunTarget(slow.bind(), name="watch-slow",
+                                               route_prefix=None)])
+    (nowhere_handle,) = serve.run_many(
+        [RunTarget(nowhere.bind(), name="watch-nowhere", route_prefix=None)],
+        wait_for_applications_running=False)
+
+    async def calls():
+        t0 = time.monotonic()
+        cap = await HandleStub(slow_handle).GetCapacity(None, timeout=60)
+        answered = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(RouterError) as refused:
+            await HandleStub(nowhere_handle).GetCapacity(None, timeout=60)
+        refused_after = time.monotonic() - t0
+        never = ReplicaWatch("watch-nowhere", "Nowhere", misses=10**9)
+        with pytest.raises(TimeoutError):
+            await HandleStub(nowhere_handle, never).GetCapacity(None, timeout=6)
+        return cap, answered, refused.value, refused_after
+
+    try:
+        cap, answered, refused, refused_after = asyncio.run(calls())
+    finally:
+        for name in ("watch-slow", "watch-nowhere"):
+            serve.delete(name, _blocking=False)  # blocking: 5 s and 21 s here
+    assert cap.block_size == 16 and answered >= 4
+    assert refused.code == grpc.StatusCode.UNAVAILABLE
+    assert "no running replica of deployment 'Nowhere'" in str(refused), str(refused)
+    assert 2 <= refused_after < 10, refused_after
 
 
 def test_a_killed_decode_replica_is_replaced(ray_app, proxy):

@@ -204,26 +204,28 @@ def test_p_and_d_on_two_nodes_answer_identically_over_the_link(two_nodes):
 
 def test_the_worker_node_lost_and_back_serves_again(two_nodes):
     """D's node goes away: every process on the worker's host is killed (raylet, D's
-    replica, its engine), as a machine powering off. Requests meanwhile end with a
-    status (UNAVAILABLE, or the client's 45 s deadline: Serve queues calls for a
-    deployment with no replica, see docs/decisions.md) or are recomputed; the node
-    started again gets D back (its ``decode_node`` resource) and handoffs resume."""
+    replica, its engine), as a machine powering off. Requests meanwhile are recomputed
+    or end UNAVAILABLE, well before the client's 90 s deadline (Serve would queue a call
+    for a deployment with no running replica until the node returns: ``HandleStub``'s
+    watch fails it); the node started again gets D back (its ``decode_node`` resource)
+    and handoffs resume."""
     worker = two_nodes["worker"]
     pids = subprocess.run(["ip", "netns", "pids", worker.netns], capture_output=True,
                           text=True, check=True).stdout.split()
     assert pids
     subprocess.run(["kill", "-9", *pids])
-    t0 = time.monotonic()
     outcomes = []
     for seed in (10, 11):
+        sent = time.monotonic()
         try:
-            got = _send(two_nodes, _request(seed, "handoff"), timeout_s=45)
-            outcomes.append("recomputed" if got.stats.recomputed else "served")
+            got = _send(two_nodes, _request(seed, "handoff"), timeout_s=90)
+            outcome = "recomputed" if got.stats.recomputed else "served"
         except RuntimeError as e:
             text = str(e)
-            assert any(code in text for code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")), text
-            outcomes.append(text.split("status = ")[-1].split("\n")[0][:80])
-    print(f"worker lost: {json.dumps(outcomes)} within {time.monotonic() - t0:.0f}s")
+            assert "UNAVAILABLE" in text, text
+            outcome = text.split("details = ")[-1].split("\n")[0][:160]
+        outcomes.append(f"{outcome} after {time.monotonic() - sent:.0f}s")
+    print(f"worker lost: {json.dumps(outcomes)}")
     time.sleep(2)
     _ray_start(worker, two_nodes["env"], *two_nodes["worker_args"])
     t1 = time.monotonic()

@@ -177,8 +177,10 @@ class Harness:
                 raise RuntimeError(f"{case.name}: a move to another P needs a second P")
             await self.d.empty_prefix_cache()
             await self.p2.empty_prefix_cache()
+            # An import fault goes into P''s import: its counts are what it corrupts.
+            p_fault = fault if fault is not None and FAULTS[fault].side != "prefill" else None
             got, steps = await run_moved_via_p(self.p, self.p2, self.d, ref.request,
-                                               case.move_at, case.then_at)
+                                               case.move_at, case.then_at, p_fault)
             return self.compare(case, ref, got, fault, steps=steps)
         if case.move_at is not None:
             await self.d.empty_prefix_cache()

@@ -129,14 +129,15 @@ class MoveStep:
 
 
 async def run_moved_via_p(p: PrefillEngine, p2: PrefillEngine, d: DecodeEngine,
-                          req: TwoStageRequest, at: int, then_at: int | None = None
-                          ) -> tuple[TwoStageResult, list[MoveStep]]:
+                          req: TwoStageRequest, at: int, then_at: int | None = None,
+                          fault: str | None = None) -> tuple[TwoStageResult, list[MoveStep]]:
     """Stage 1 moved from P to another P (``p2``) at token ``at``: P samples ``at`` tokens
     and exports them to P' (the export a live stop makes, addressed to P'), P' imports
     them and samples on with the same sampling. With ``then_at`` it is moved again at
     that token, to D (as ``run_moved``'s D: D samples the rest of stage 1, stage 2 from
     its prefix cache); without, P' finishes stage 1 and D imports the parent from P' for
-    stage 2. Returns the result and each move's step."""
+    stage 2. Returns the result and each move's step. ``fault``: an import fault of
+    ``connector.faults`` injected into P''s import (the negative control of P''s counts)."""
     check_request(req, p, d)
     s1 = req.stage1
     head = await _stage1_head(p, req, at, p2.handoff_target)
@@ -146,7 +147,8 @@ async def run_moved_via_p(p: PrefillEngine, p2: PrefillEngine, d: DecodeEngine,
     mid = await p2.run_stage1(
         req.prompt_token_ids + head.token_ids, mid_params, f"{req.request_id}-m2",
         export=True, target=d.handoff_target, handoff=ImportRequest.for_beams(
-            head.handoff_params, BeamParams(beam_width=1, max_tokens=mid_params.max_tokens)))
+            head.handoff_params, BeamParams(beam_width=1, max_tokens=mid_params.max_tokens),
+            fault=fault))
     steps = [MoveStep("P'", at, mid.num_imported_tokens, mid.num_computed_tokens,
                       mid.num_imported_bytes)]
     token_ids = head.token_ids + mid.token_ids
