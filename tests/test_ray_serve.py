@@ -127,6 +127,9 @@ def _key(resp):
             [list(b.token_ids) for b in resp.beams], resp.stats.path)
 
 
+# The tests that compare with the standalone cluster (``router_client``) come first and
+# in a row: its shared group closes after the last of them (tests/conftest.py), and a
+# later one would start it again (about 35 s).
 def test_two_calls_through_the_proxy(proxy, router_client):
     """StartParent then Continue through Serve's gRPC proxy: the parent's blocks are
     imported and the beams equal the standalone router's one-shot request."""
@@ -158,13 +161,6 @@ def test_same_results_as_the_standalone_router(proxy, router_client):
             assert abs(a.cum_logprob - b.cum_logprob) <= 1e-5
         if req.path == common_pb2.PATH_HANDOFF:
             assert_handed_off(got)
-
-
-def test_streaming_through_the_proxy(proxy):
-    events = list(proxy.GenerateStream(_requests()[0], metadata=METADATA, timeout=300))
-    assert events[-1].HasField("result")
-    streamed = [t for e in events[:-1] for t in e.stage1_tokens.ids]
-    assert streamed == list(events[-1].result.thinking_token_ids)
 
 
 @pytest.mark.migration
@@ -229,6 +225,13 @@ def test_the_router_warms_up_its_pair_in_the_background(ray_app):
     # handoff went through the P and D replicas; "failed: ..." would say why not.
     assert outcome == {"serve:Prefill -> serve:Decode": "imported"} or \
         outcome == {"serve:Prefill -> serve:Decode": "recomputed"}, outcome
+
+
+def test_streaming_through_the_proxy(proxy):
+    events = list(proxy.GenerateStream(_requests()[0], metadata=METADATA, timeout=300))
+    assert events[-1].HasField("result")
+    streamed = [t for e in events[:-1] for t in e.stage1_tokens.ids]
+    assert streamed == list(events[-1].result.thinking_token_ids)
 
 
 def test_a_call_no_replica_takes_fails_unavailable_not_at_the_deadline(ray_app):
