@@ -65,7 +65,7 @@ class WarmUpMixin:
                         outcomes[pair] = how
                         logger.info("warm-up %s: %s in %.1fs", pair, how,
                                     time.perf_counter() - t0)
-            except (TimeoutError, Exception) as e:  # noqa: BLE001 (logged; serve anyway)
+            except Exception as e:  # noqa: BLE001 (logged; serve anyway)
                 outcomes[pair] = f"failed: {e}"
                 logger.warning("warm-up %s failed after %.1fs: %s", pair,
                                time.perf_counter() - t0, e)
@@ -105,7 +105,7 @@ class WarmUpMixin:
             how = "imported" if move.num_imported_tokens else "recomputed"
             logger.info("warm-up %s: %s in %.1fs", pair, how, time.perf_counter() - t0)
             return how
-        except (TimeoutError, Exception) as e:  # noqa: BLE001 (logged; serve anyway)
+        except Exception as e:  # noqa: BLE001 (logged; serve anyway)
             logger.warning("warm-up %s failed after %.1fs: %s", pair,
                            time.perf_counter() - t0, e)
             return f"failed: {e}"

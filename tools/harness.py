@@ -19,6 +19,7 @@ name what differs (``tests/test_harness.py`` asserts it for every fault).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -420,6 +421,7 @@ def main_verify(model: str | None, quick: bool, json_path: str | None,
                 inject: str | None = None, hosts: str | None = None) -> int:
     if inject is not None and inject not in FAULTS:
         raise SystemExit(f"--inject {inject!r}: not a fault; choose from {', '.join(FAULTS)}")
+    where: contextlib.AbstractContextManager[Any] = contextlib.nullcontext(None)
     if hosts == "netns":
         from tools.netns import can_create
         from tools.netns import hosts as make_hosts
@@ -428,10 +430,9 @@ def main_verify(model: str | None, quick: bool, json_path: str | None,
         if why:
             raise SystemExit(f"kvhandoff verify --hosts netns: cannot make the hosts here: "
                              f"{why}")
-        with make_hosts(("p", "d")) as on_hosts:
-            report = asyncio.run(verify(model, quick=quick, json_path=json_path,
-                                        inject=inject, on_hosts=on_hosts))
-    else:
-        report = asyncio.run(verify(model, quick=quick, json_path=json_path, inject=inject))
+        where = make_hosts(("p", "d"))
+    with where as on_hosts:
+        report = asyncio.run(verify(model, quick=quick, json_path=json_path, inject=inject,
+                                    on_hosts=on_hosts))
     print(format_table(report))
     return 0 if report.ok else 1
