@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tools.bench import BenchConfig, run_bench
-from tools.bench_report import MODES, format_report, plot
+from tools.bench.run import BenchConfig, run_bench
+from tools.bench.report import MODES, format_report, plot
 
 pytestmark = [pytest.mark.engines]
 
@@ -73,7 +73,7 @@ def test_bench_measures_every_mode(pair, run, assert_pools_clean, tmp_path):
 def test_a_cold_handoff_that_found_the_prompt_on_d_fails_the_bench(pair, run, assert_pools_clean):
     """The negative control of the cold check: D's cache not emptied (injected), so the
     second "cold" import finds the prompt's blocks and reads less than the parent."""
-    from tools.bench import Bench, BenchError, _prompts
+    from tools.bench.run import Bench, BenchError, _prompts
 
     bench = Bench(pair, BenchConfig(model=None, beam_width=2, beam_tokens=2))
     prompt = _prompts(pair.tokenizer, 1, 80, 3)[0]

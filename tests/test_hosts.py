@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tools.netns import SUBNET, call, can_create, hosts, packet_loss, tcp_copy
-from tools.nixl_probe import measure_across_hosts
+from tools.bench.nixl_probe import measure_across_hosts
 from tools.ucx_report import is_network
 
 pytestmark = [pytest.mark.hosts]
@@ -176,7 +176,7 @@ def test_the_link_bench_measures_each_path_and_names_its_transport():
     why = can_create()
     if why:
         pytest.skip(why)
-    from tools.bench_hosts import format_link, measure_link
+    from tools.bench.hosts import format_link, measure_link
 
     result = measure_link(sizes=(4 << 20,), repeats=1)
     (row,) = result["sizes"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from tools.harness_report import LOGPROB_TOLERANCE
+from tools.harness.report import LOGPROB_TOLERANCE
 
 if TYPE_CHECKING:
-    from tools.bench import Sample
+    from tools.bench.run import Sample
 
 MODES = ("text_roundtrip", "colocated", "handoff", "vllm_beam_search")
 

@@ -45,7 +45,7 @@ from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
 from kvhandoff.model import _WORDS, DEFAULT_SUFFIX_TEXT
 from kvhandoff.types import BeamParams, Stage1Params
-from tools.bench_report import (
+from tools.bench.report import (
     MODES,
     agreement,
     concurrency_row,
@@ -56,9 +56,9 @@ from tools.bench_report import (
     summarize_warm,
 )
 from tools.local import local_pair
-from tools.nixl_probe import measure_descriptor_rate, measure_transfer
+from tools.bench.nixl_probe import measure_descriptor_rate, measure_transfer
 from tools.pipeline import TwoStageRequest, stage2_prompt
-from tools.router_overhead import measure_router_overhead, measure_router_overhead_on_cluster
+from tools.bench.router_overhead import measure_router_overhead, measure_router_overhead_on_cluster
 
 
 @dataclass
@@ -544,7 +544,7 @@ def main_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     if args.http_two_calls:
-        from tools.bench_http import format_two_calls, measure_two_calls_over_http
+        from tools.bench.http_two_calls import format_two_calls, measure_two_calls_over_http
 
         kw = {"requests": args.requests or 8}
         if args.concurrency:
@@ -560,7 +560,7 @@ def main_bench(args: argparse.Namespace) -> int:
         return 0
 
     if args.hosts_link:
-        from tools import bench_hosts
+        from tools.bench import hosts as bench_hosts
 
         result = bench_hosts.measure_link()
         print(bench_hosts.format_link(result))
@@ -573,7 +573,7 @@ def main_bench(args: argparse.Namespace) -> int:
         return 0
 
     if args.moves:
-        from tools.bench_moves import format_moves, measure_moves
+        from tools.bench.moves import format_moves, measure_moves
 
         kw = {"drain_requests": args.requests or 8}
         if args.seed is not None:

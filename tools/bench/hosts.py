@@ -27,7 +27,7 @@ DEFAULT_SIZES = (16 << 20, 64 << 20, 256 << 20)
 
 def measure_link(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 3) -> dict[str, Any]:
     from tools.netns import hosts, tcp_copy
-    from tools.nixl_probe import _read_gbps, measure_across_hosts
+    from tools.bench.nixl_probe import _read_gbps, measure_across_hosts
 
     rows = []
     with hosts(("p", "d")) as h, tempfile.TemporaryDirectory() as logs:

@@ -33,8 +33,8 @@ from kvhandoff.budget import stage2_reservation
 from kvhandoff.model import kv_bytes_per_block, resolve_model
 from kvhandoff.types import Beam, BeamParams, Stage1Params, Stage2Result
 from prefill_engine.engine import stage1_sampling
-from tools.harness_cases import Case, default_cases, history_prompt
-from tools.harness_report import (
+from tools.harness.cases import Case, default_cases, history_prompt
+from tools.harness.report import (
     LOGPROB_TOLERANCE,
     CaseReport,
     HarnessReport,

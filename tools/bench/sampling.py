@@ -2,8 +2,8 @@
 sampling, the same prompts and parameters, alternating rounds (vllm, positional, vllm,
 ...) after one warm-up round of each; the prefix cache is emptied before each round.
 
-    python -m tools.bench_sampling [--model DIR] [--rounds 3] [--requests 8] [--tokens 128]
-    python -m tools.bench_sampling --row-cost 151936
+    python -m tools.bench.sampling [--model DIR] [--rounds 3] [--requests 8] [--tokens 128]
+    python -m tools.bench.sampling --row-cost 151936
 
 Prints one JSON line per round and a summary (median tokens per second of each, their
 ratio). ``--row-cost V`` instead times the processor's work for one row of a V-token

@@ -1,0 +1,3 @@
+"""``kvhandoff bench`` and its probes."""
+
+__all__: list[str] = []

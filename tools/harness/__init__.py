@@ -1,0 +1,3 @@
+"""``kvhandoff verify``: the handoff-correctness harness."""
+
+__all__: list[str] = []
