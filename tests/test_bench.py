@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from tools.bench.run import BenchConfig, run_bench
-from tools.bench.report import MODES, format_report, plot
+from tools.bench import MODES, BenchConfig, format_report, plot, run_bench
 
 pytestmark = [pytest.mark.engines]
 
@@ -73,10 +72,10 @@ def test_bench_measures_every_mode(pair, run, assert_pools_clean, tmp_path):
 def test_a_cold_handoff_that_found_the_prompt_on_d_fails_the_bench(pair, run, assert_pools_clean):
     """The negative control of the cold check: D's cache not emptied (injected), so the
     second "cold" import finds the prompt's blocks and reads less than the parent."""
-    from tools.bench.run import Bench, BenchError, _prompts
+    from tools.bench import Bench, BenchError, make_prompts
 
     bench = Bench(pair, BenchConfig(model=None, beam_width=2, beam_tokens=2))
-    prompt = _prompts(pair.tokenizer, 1, 80, 3)[0]
+    prompt = make_prompts(pair.tokenizer, 1, 80, 3)[0]
     run(bench.one("handoff", prompt, 1, stage1_tokens=4))  # a real cold one: passes
 
     async def not_emptied():

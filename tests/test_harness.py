@@ -9,9 +9,7 @@ import json
 import pytest
 
 from connector.faults import FAULTS, applies
-from tools.harness.run import Harness
-from tools.harness.cases import default_cases, fault_cases
-from tools.harness.report import format_table, write_json
+from tools.harness import Harness, default_cases, fault_cases, format_table, write_json
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
@@ -90,7 +88,7 @@ def test_a_move_with_vllms_own_sampling_fails_the_harness(harness, pair, run, vi
     """The negative control of the move cases: the same move (to D, or to another P and
     then to D) with vLLM's own seeded sampling (its generator's state is not a function
     of the position) changes stage 1's tokens, and the harness says so."""
-    from tools.harness.cases import Case
+    from tools.harness import Case
 
     case = Case(f"move-at-21-vllm-sampling{'-via-p' if via_p else ''}", 40, "length", 4,
                 stage1_max_tokens=48, move_at=21, positional=False, via_p=via_p,
@@ -108,7 +106,7 @@ def test_a_short_import_on_the_second_p_fails_its_counts(harness, pair, run):
     (``import-short``) to claim one token fewer than P exported recomputes that token,
     so it computes 2 and imports ``len(prompt) + t - 2``; the harness names both (the
     outputs may well stay identical: the counts are the evidence)."""
-    from tools.harness.cases import Case
+    from tools.harness import Case
 
     case = Case("move-p-at-31-w4", 40, "length", 4, stage1_max_tokens=48, move_at=31,
                 via_p=True)

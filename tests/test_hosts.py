@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tools.netns import SUBNET, call, can_create, hosts, packet_loss, tcp_copy
 from tools.bench.nixl_probe import measure_across_hosts
+from tools.netns import SUBNET, call, can_create, hosts, packet_loss, tcp_copy
 from tools.ucx_report import is_network
 
 pytestmark = [pytest.mark.hosts]

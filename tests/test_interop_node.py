@@ -13,7 +13,7 @@ import pytest
 
 from tests.utils import assert_handed_off
 from tools.client import make_request
-from tools.harness.report import LOGPROB_TOLERANCE
+from tools.harness import LOGPROB_TOLERANCE
 
 NODE_DIR = Path(__file__).resolve().parent.parent / "interop" / "node"
 

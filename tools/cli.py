@@ -16,7 +16,7 @@ from connector.logs import LEVEL_ENV
 # Each subcommand imports what it runs inside its function: ``kvhandoff client`` and the
 # router then start without loading vLLM, torch or Ray.
 def _verify(args: argparse.Namespace) -> int:
-    from tools.harness.run import main_verify
+    from tools.harness import main_verify
 
     return main_verify(args.model, args.quick, args.json, args.inject, args.hosts)
 
@@ -109,7 +109,7 @@ def _drain(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from tools.bench.run import main_bench
+    from tools.bench import main_bench
 
     return main_bench(args)
 

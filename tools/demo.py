@@ -20,7 +20,7 @@ import grpc
 from kvhandoff.corpus import Example, make_example, semantic_id
 from kvhandoff.model import resolve_model
 from tools.client import RouterClient, make_request
-from tools.harness.report import LOGPROB_TOLERANCE
+from tools.harness import LOGPROB_TOLERANCE
 from tools.launch import local_cluster
 from tools.netns import call, hosts
 

@@ -26,8 +26,8 @@ DEFAULT_SIZES = (16 << 20, 64 << 20, 256 << 20)
 
 
 def measure_link(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 3) -> dict[str, Any]:
+    from tools.bench.nixl_probe import measure_across_hosts, read_gbps
     from tools.netns import hosts, tcp_copy
-    from tools.bench.nixl_probe import _read_gbps, measure_across_hosts
 
     rows = []
     with hosts(("p", "d")) as h, tempfile.TemporaryDirectory() as logs:
@@ -41,7 +41,7 @@ def measure_link(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 3) -> di
                          "nixl_tcp_transports": over_tcp["read_transports"],
                          "nixl_chosen_gbps": chosen["gbps"],
                          "nixl_chosen_transports": chosen["read_transports"],
-                         "nixl_loopback_cma_gbps": round(_read_gbps(size, repeats), 3)})
+                         "nixl_loopback_cma_gbps": round(read_gbps(size, repeats), 3)})
     return {"repeats": repeats, "sizes": rows}
 
 

@@ -82,10 +82,12 @@ def _read(owner: tuple, size: int, repeats: int, num_descriptors: int) -> float:
     return moved / best / 1e9
 
 
-def _read_gbps(size: int, repeats: int, num_descriptors: int = 1, hosts: tuple = (),
-               env: dict[str, str] | None = None) -> float:
-    """Owner in a child process, reader here; with ``hosts`` (owner's, reader's: see
-    tools.netns), each in a child process on its host, ``env`` added to both."""
+def read_gbps(size: int, repeats: int, num_descriptors: int = 1, hosts: tuple = (),
+              env: dict[str, str] | None = None) -> float:
+    """Best GB/s of ``repeats`` raw NIXL READs of ``size`` bytes in ``num_descriptors``
+    descriptors. Owner in a child process, reader here; with ``hosts`` (owner's,
+    reader's: see tools.netns), each in a child process on its host, ``env`` added to
+    both."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     owner = ctx.Process(target=_owner, daemon=True,
@@ -119,7 +121,7 @@ def _memcpy_gbps(size: int, repeats: int) -> float:
 def measure_descriptor_rate(size: int, num_descriptors: int, repeats: int = 3) -> float:
     """Raw NIXL READ GB/s for ``size`` bytes posted as ``num_descriptors`` equal,
     unmergeable descriptors: what an engine's READ of that structure could reach."""
-    return round(_read_gbps(size, repeats, num_descriptors), 3)
+    return round(read_gbps(size, repeats, num_descriptors), 3)
 
 
 def measure_across_hosts(owner_host: Any, reader_host: Any, size: int, log_dir: Path,
@@ -133,13 +135,13 @@ def measure_across_hosts(owner_host: Any, reader_host: Any, size: int, log_dir: 
     tag = f"probe-{os.getpid()}-{time.monotonic_ns()}"
     env = {**ucx_env(str(log_dir / f"{tag}.%p.ucx.log")),
            **({"UCX_TLS": ucx_tls} if ucx_tls else {})}
-    gbps = _read_gbps(size, repeats, 1, (owner_host, reader_host), env)
+    gbps = read_gbps(size, repeats, 1, (owner_host, reader_host), env)
     return {"bytes": size, "gbps": round(gbps, 3), "ucx_tls": ucx_tls,
             "read_transports": sorted(read_transports_in(sorted(log_dir.glob(f"{tag}.*"))))}
 
 
 def measure_transfer(sizes: list[int], repeats: int = 3) -> dict[str, Any]:
-    rows = [{"bytes": n, "nixl_gbps": round(_read_gbps(n, repeats), 3),
+    rows = [{"bytes": n, "nixl_gbps": round(read_gbps(n, repeats), 3),
              "memcpy_gbps": round(_memcpy_gbps(n, repeats), 3)} for n in sizes]
     largest = rows[-1]
     return {"nixl_gbps": largest["nixl_gbps"], "memcpy_gbps": largest["memcpy_gbps"],

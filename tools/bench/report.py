@@ -4,14 +4,10 @@ printed report and the plot."""
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tools.bench.types import MODES, Sample
 from tools.harness.report import LOGPROB_TOLERANCE
-
-if TYPE_CHECKING:
-    from tools.bench.run import Sample
-
-MODES = ("text_roundtrip", "colocated", "handoff", "vllm_beam_search")
 
 
 def pct(values: list[float], q: float) -> float | None:

@@ -1,3 +1,34 @@
-"""``kvhandoff verify``: the handoff-correctness harness."""
+"""The handoff-correctness harness and ``kvhandoff verify``: every case through the
+colocated reference and through the P -> D handoff (or its moves), compared token for
+token.
 
-__all__: list[str] = []
+- ``cases``: which parents, endings, beam widths and D cache states it runs, and their
+  prompts;
+- ``run``: the harness on a P and a D, the references each case is compared against;
+- ``checks``: what makes a case pass;
+- ``report``: a row per case, the run's verdict, its table and JSON (and
+  ``LOGPROB_TOLERANCE``, which the bench and the demo also hold their beams to);
+- ``main``: ``kvhandoff verify``, on engines it starts.
+
+Modules in this package import each other by their full path, never through this file.
+"""
+
+from __future__ import annotations
+
+from tools.harness.cases import Case, default_cases, fault_cases, history_prompt
+from tools.harness.checks import Reference, compare
+from tools.harness.main import VERIFY_D_POOL_BLOCKS, main_verify, verify
+from tools.harness.report import (
+    LOGPROB_TOLERANCE,
+    CaseReport,
+    HarnessReport,
+    format_table,
+    result_text,
+    write_json,
+)
+from tools.harness.run import Harness
+
+__all__ = ["LOGPROB_TOLERANCE", "VERIFY_D_POOL_BLOCKS", "Case", "CaseReport", "Harness",
+           "HarnessReport", "Reference", "compare", "default_cases", "fault_cases",
+           "format_table", "history_prompt", "main_verify", "result_text", "verify",
+           "write_json"]

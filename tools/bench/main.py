@@ -1,0 +1,116 @@
+"""``kvhandoff bench``: its flags to the measurement they select, and that measurement's
+outputs (the printed report, ``--json``, ``--plot``). The flags themselves are defined in
+``tools.cli``.
+
+One measurement per run: ``--http-two-calls`` (``tools.bench.http_two_calls``),
+``--hosts-link`` (``tools.bench.hosts``), ``--moves`` (``tools.bench.moves``),
+``--router-only`` (``tools.bench.router_overhead`` on processes), else the full bench
+(``tools.bench.run``, ``--quick`` for its small configuration). Each of the first four
+loads its module only when chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from tools.bench.report import format_report, plot
+from tools.bench.router_overhead import measure_router_overhead_on_cluster
+from tools.bench.run import run_bench
+from tools.bench.types import MODES, BenchConfig
+
+
+def _write_json(path: str | None, result: dict[str, Any]) -> None:
+    """``result`` as indented JSON at ``path`` (its folder made); nothing without a path."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    """Run the measurement ``args`` select, print it, write its JSON and plot; 0."""
+    from tqdm import tqdm
+
+    if args.http_two_calls:
+        from tools.bench.http_two_calls import format_two_calls, measure_two_calls_over_http
+
+        kw = {"requests": args.requests or 8}
+        if args.concurrency:
+            kw["concurrency"] = tuple(int(x) for x in args.concurrency.split(","))
+        for name in ("prompt_tokens", "stage1_tokens", "beam_width", "seed"):
+            if getattr(args, name) is not None:
+                kw[name] = getattr(args, name)
+        result = measure_two_calls_over_http(args.model, **kw)
+        print(format_two_calls(result))
+        _write_json(args.json, result)
+        return 0
+
+    if args.hosts_link:
+        from tools.bench.hosts import (
+            format_first_handoff,
+            format_link,
+            measure_first_handoff,
+            measure_link,
+        )
+
+        result = measure_link()
+        print(format_link(result))
+        first = measure_first_handoff(args.model, Path("out") / "bench-hosts")
+        print(format_first_handoff(first))
+        result["first_handoff"] = first
+        _write_json(args.json, result)
+        return 0
+
+    if args.moves:
+        from tools.bench.moves import format_moves, measure_moves
+
+        kw = {"drain_requests": args.requests or 8}
+        if args.seed is not None:
+            kw["seed"] = args.seed
+        result = measure_moves(args.model, **kw)
+        print(format_moves(result))
+        _write_json(args.json, result)
+        return 0
+
+    if args.router_only:
+        result = {"router_cluster": measure_router_overhead_on_cluster(
+            args.model, args.requests or 12)}
+        print(json.dumps(result, indent=1))
+        _write_json(args.json, result)
+        return 0
+
+    kw: dict[str, Any] = {"model": args.model or "bench"}
+    for name in ("prompt_tokens", "stage1_tokens", "beam_width", "beam_tokens", "requests",
+                 "seed"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.concurrency:
+        kw["concurrency"] = tuple(int(x) for x in args.concurrency.split(","))
+    if args.sweep:
+        kw["sweep"] = tuple(int(x) for x in args.sweep.split(","))
+    cfg = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
+    levels = sum(1 for c in cfg.concurrency if c > 1)
+    steps = (1 + cfg.requests * len(MODES) + levels * len(cfg.concurrent_modes)
+             + len(cfg.floor_widths) * len(cfg.floor_tokens) + len(cfg.sweep)
+             + bool(cfg.idle_s) + cfg.router_requests + 1)
+    with tqdm(total=steps, desc="bench", unit="step") as bar:
+        def progress(label: str) -> None:
+            bar.set_postfix_str(label)
+            bar.update(1)
+
+        def checkpoint(partial: dict[str, Any]) -> None:
+            # After every phase: what is measured so far, marked partial.
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({**partial, "partial": True}, indent=1))
+
+        result = asyncio.run(run_bench(cfg, progress, checkpoint=checkpoint))
+    print(format_report(result))
+    _write_json(args.json, result)
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(result, args.plot)
+    return 0

@@ -1,0 +1,218 @@
+"""What makes a harness case pass: its handoff (or move) against the references it
+computed without one, as a :class:`~tools.harness.report.CaseReport`.
+
+A case passes when
+- stage-1 tokens are identical on P and on D (the same seed on another engine),
+- the handoff's beams equal the colocated reference's (token ids and order) with
+  cumulative logprobs within ``LOGPROB_TOLERANCE``, and equal vLLM's own
+  ``beam_search`` on the same continuation prompt (a reference we did not write),
+- D imported exactly the parent's ``N - 1`` tokens it did not already hold and computed
+  ``len(suffix) + 1`` tokens for the import step; after a move, each destination
+  imported the prompt and the tokens it was given but the last, and computed one.
+Every rule that fails is named in the report's ``failures``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from connector.faults import FAULTS, applies
+from kvhandoff.budget import stage2_reservation
+from kvhandoff.types import Beam, Stage2Result
+from tools.harness.cases import Case
+from tools.harness.report import LOGPROB_TOLERANCE, CaseReport
+from tools.pipeline import MoveStep, TwoStageRequest, TwoStageResult
+
+if TYPE_CHECKING:
+    from decode_engine.engine import DecodeEngine
+
+
+def _beam_dicts(beams: list[Beam]) -> list[dict[str, Any]]:
+    return [asdict(b) for b in beams]
+
+
+def compare_beams(ours: list[Beam], theirs: list[Beam]) -> tuple[bool, float]:
+    """Whether the beams' token ids and order are equal, and the largest difference of
+    their cumulative logprobs."""
+    same = [b.token_ids for b in ours] == [b.token_ids for b in theirs]
+    diffs = [abs(a.cum_logprob - b.cum_logprob) for a, b in zip(ours, theirs)]
+    return same, max(diffs, default=0.0)
+
+
+@dataclass
+class Reference:
+    """What a case computes without any handoff; reused by the fault runs."""
+
+    seed: int
+    prompt: list[int]
+    request: TwoStageRequest
+    colocated: TwoStageResult
+    d_stage1_token_ids: list[int]
+    vllm_beams: list[Beam]
+
+
+def _import_failures(d: DecodeEngine, case: Case, got: TwoStageResult, found: int
+                     ) -> list[str]:
+    """What D read from P, against the parent and D's cache state."""
+    s2, parent_len, b = got.stage2, len(got.parent_token_ids), d.block_size
+    if case.d_state == "warm":
+        full = (parent_len - 1) // b * b
+        if found != full:
+            return [f"D found {found} parent tokens in its prefix cache, expected its "
+                    f"{full} full-block tokens"]
+    elif s2.num_imported_tokens != parent_len - 1:
+        return [f"D imported {s2.num_imported_tokens} tokens, expected {parent_len - 1}"]
+    if case.d_state == "fill":
+        need = stage2_reservation(parent_len + len(got.suffix_token_ids), b,
+                                  case.beam_width, case.beam_max_tokens,
+                                  d.config.beam_fork, d.num_total_blocks)
+        if need != d.num_total_blocks:
+            return [f"the stage 2 needs {need} of D's {d.num_total_blocks} blocks, "
+                    "not all of them"]
+    return []
+
+
+def _roundtrip_tokens(tokenizer: Any, parent: list[int], suffix: list[int]) -> int | None:
+    if tokenizer is None:
+        return None
+    text = tokenizer.decode(parent + suffix, skip_special_tokens=False)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _move_failures(d: DecodeEngine, case: Case, got: TwoStageResult, move: Stage2Result
+                   ) -> list[str]:
+    """A move at t: D imported the prompt and t - 1 tokens (all P had KV for) and
+    computed one; stage 2 then found the parent's full blocks in D's prefix cache."""
+    failures = []
+    expected = len(got.prompt_token_ids) + case.move_at - 1
+    if move.num_imported_tokens != expected:
+        failures.append(f"D imported {move.num_imported_tokens} tokens at the move, "
+                        f"expected len(prompt) + t - 1 = {expected}")
+    if move.num_computed_tokens_first_step != 1:
+        failures.append(f"D computed {move.num_computed_tokens_first_step} tokens at the "
+                        "move, expected 1")
+    b = d.block_size
+    cached = (len(got.parent_token_ids) - 1) // b * b
+    stage2_computed = len(got.parent_token_ids) + len(got.suffix_token_ids) - cached
+    if got.stage2.num_computed_tokens_first_step != stage2_computed:
+        failures.append(f"stage 2 on D computed {got.stage2.num_computed_tokens_first_step} "
+                        f"tokens, expected {stage2_computed} (the parent's full blocks "
+                        "from D's prefix cache)")
+    return failures
+
+
+def _p_move_failures(got: TwoStageResult, steps: list[MoveStep]) -> list[str]:
+    """Moves through another P: each destination imported the prompt and the tokens
+    it was given but the last (all its source had KV for) and computed one."""
+    failures = []
+    for step in steps:
+        expected = len(got.prompt_token_ids) + step.at - 1
+        if step.num_imported_tokens != expected:
+            failures.append(f"{step.to} imported {step.num_imported_tokens} tokens at "
+                            f"the move at {step.at}, expected len(prompt) + t - 1 = "
+                            f"{expected}")
+        if step.num_computed_tokens != 1:
+            failures.append(f"{step.to} computed {step.num_computed_tokens} tokens at "
+                            f"the move at {step.at}, expected 1")
+    return failures
+
+
+def _as_stage2(step: MoveStep) -> Stage2Result:
+    """A move's import step in the figures a case reports."""
+    return Stage2Result(beams=[], num_prompt_tokens=0,
+                        num_imported_tokens=step.num_imported_tokens,
+                        num_imported_bytes=step.num_imported_bytes,
+                        num_computed_tokens_first_step=step.num_computed_tokens,
+                        num_computed_tokens_total=step.num_computed_tokens,
+                        first_step_s=0.0, elapsed_s=0.0)
+
+
+def compare(case: Case, ref: Reference, got: TwoStageResult, *, d: DecodeEngine,
+            tokenizer: Any, fault: str | None = None, move: Stage2Result | None = None,
+            steps: list[MoveStep] | None = None) -> CaseReport:
+    """``got`` (the case run with its handoff or moves, ``fault`` injected if given)
+    against ``ref`` by the rules above. ``d``: the D that ran stage 2; ``tokenizer``:
+    for the text round trip's token count (None: not counted); ``move``: the import step
+    of a move to D; ``steps``: the moves through another P, in order."""
+    failures = []
+    stage1_same = ref.colocated.stage1.token_ids == got.stage1.token_ids
+    if not stage1_same:
+        failures.append("stage-1 tokens differ")
+    stage1_same_d = ref.d_stage1_token_ids == got.stage1.token_ids
+    if not stage1_same_d:
+        failures.append("stage-1 tokens differ between P and D")
+    if case.ending == "length" and got.stage1.finish_reason != "length":
+        failures.append(f"stage 1 ended by {got.stage1.finish_reason}, expected length")
+    ids_same, max_diff = compare_beams(got.stage2.beams, ref.colocated.stage2.beams)
+    if not ids_same:
+        failures.append("beams differ from the colocated reference (token ids or order)")
+    if max_diff > LOGPROB_TOLERANCE:
+        failures.append(f"cumulative logprobs differ by {max_diff:.2e} > "
+                        f"{LOGPROB_TOLERANCE:.0e}")
+    vllm_same, vllm_diff = compare_beams(got.stage2.beams, ref.vllm_beams)
+    vllm_ok = vllm_same and vllm_diff <= LOGPROB_TOLERANCE
+    if not vllm_ok:
+        failures.append(f"beams differ from vLLM's beam_search (ids "
+                        f"{'same' if vllm_same else 'differ'}, logprobs by {vllm_diff:.2e})")
+    s2 = got.stage2
+    parent_len = len(got.parent_token_ids)
+    found = parent_len - 1 - s2.num_imported_tokens if case.d_state == "warm" else 0
+    if steps is not None:
+        moved = _p_move_failures(got, steps[:1])
+        if case.then_at is not None:  # P' -> D: stage 2 on D's prefix cache
+            moved += _move_failures(d, replace(case, move_at=case.then_at), got,
+                                    _as_stage2(steps[1]))
+        else:  # P' exported the parent: D imported it as from any P
+            moved += _import_failures(d, case, got, 0)
+            if s2.num_computed_tokens_first_step != len(got.suffix_token_ids) + 1:
+                moved.append(f"D computed {s2.num_computed_tokens_first_step} tokens for "
+                             "the import step, expected len(suffix)+1")
+        computed_ok = not moved
+        failures += moved
+        s2 = _as_stage2(steps[0])  # the first move's import: report its figures
+    elif move is not None:
+        moved = _move_failures(d, case, got, move)
+        computed_ok = not moved
+        failures += moved
+        s2 = move  # the import step is the move's: report its figures
+    else:
+        expected_computed = len(got.suffix_token_ids) + 1
+        computed_ok = s2.num_computed_tokens_first_step == expected_computed
+        if not computed_ok:
+            failures.append(f"D computed {s2.num_computed_tokens_first_step} tokens for "
+                            f"the import step, expected len(suffix)+1 = {expected_computed}")
+        failures += _import_failures(d, case, got, found)
+
+    return CaseReport(
+        name=case.name,
+        prompt_token_ids=ref.prompt,
+        stage1_seed=ref.seed,
+        stage1_token_ids=got.stage1.token_ids,
+        stage1_finish_reason=got.stage1.finish_reason,
+        suffix_token_ids=got.suffix_token_ids,
+        beam=asdict(ref.request.beam),
+        d_state=(case.d_state if case.move_at is None else f"@{case.move_at}"
+                 + ("P'" if case.via_p else "")),
+        colocated_beams=_beam_dicts(ref.colocated.stage2.beams),
+        handoff_beams=_beam_dicts(got.stage2.beams),
+        vllm_beams=_beam_dicts(ref.vllm_beams),
+        num_parent_tokens=parent_len,
+        num_imported_tokens=s2.num_imported_tokens,
+        num_found_on_d_tokens=found,
+        num_computed_tokens_d_first_step=s2.num_computed_tokens_first_step,
+        num_computed_tokens_d_total=s2.num_computed_tokens_total,
+        num_bytes_moved=s2.num_imported_bytes,
+        num_text_roundtrip_tokens=_roundtrip_tokens(tokenizer, got.parent_token_ids,
+                                                    got.suffix_token_ids),
+        stage1_identical=stage1_same,
+        stage1_identical_on_d=stage1_same_d,
+        beams_identical=ids_same,
+        beams_match_vllm=vllm_ok,
+        max_logprob_diff=max_diff,
+        computed_as_expected=computed_ok,
+        move_at=case.move_at,
+        fault=fault,
+        fault_applies=fault is None or applies(FAULTS[fault], parent_len, d.block_size),
+        failures=failures,
+    )

@@ -1,0 +1,85 @@
+"""``kvhandoff verify``: the harness (``tools.harness.run``) on P, D and a second P
+started in this process, on one host or, with ``--hosts netns``, P's and D's processes
+on two network hosts (then every READ must go by a network transport). Prints the table;
+exits 0 only when every case passes and the pools are clean."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from connector.faults import FAULTS
+from kvhandoff.model import kv_bytes_per_block, resolve_model
+from tools.harness.cases import default_cases
+from tools.harness.report import CaseReport, HarnessReport, format_table, result_text, write_json
+from tools.harness.run import Harness
+from tools.local import local_pair
+from tools.ucx_report import read_transports_in
+
+#: D's pool for ``kvhandoff verify``, in blocks: 128 usable plus vLLM's null block, so the
+#: ``fill-d-pool`` case can fill it within a 4096-token context.
+VERIFY_D_POOL_BLOCKS = 129
+
+
+async def verify(model: str | None, *, quick: bool, json_path: str | None,
+                 lease_s: int = 30, inject: str | None = None,
+                 on_hosts: dict[str, Any] | None = None,
+                 ucx_log_dir: Path = Path("out/verify-logs")) -> HarnessReport:
+    """Start P, D and a second P on ``model``, run the harness (with ``inject``: every
+    handoff carries that fault, and no second P), shut them down. ``on_hosts`` (tools.netns
+    hosts ``p`` and ``d``): the Ps' processes on one host, D's on the other; the report
+    then names the transports UCX chose for the READs, which must be network ones."""
+
+    d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(resolve_model(model), block_size=32)
+    if on_hosts:
+        for old in ucx_log_dir.glob("*.ucx.log"):
+            old.unlink()
+    async with local_pair(model, lease_s=lease_s, fault_injection=inject is not None,
+                          decode_overrides={"kv_cache_memory_bytes": d_pool},
+                          second_prefill=inject is None, on_hosts=on_hosts,
+                          ucx_log_dir=ucx_log_dir if on_hosts else None) as pair:
+        harness = Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
+                          think_end_id=pair.think_end_id, eos_id=pair.eos_id,
+                          suffix_ids=pair.default_suffix_ids, p2=pair.p2)
+        cases = default_cases(quick, via_p=pair.p2 is not None)
+
+        def progress(c: CaseReport) -> None:
+            print(f"  [{len(done) + 1}/{len(cases)}] {c.name}: {result_text(c)}", flush=True)
+            done.append(c)
+
+        done: list[CaseReport] = []
+        report = await harness.run(cases, model_dir=str(pair.model_dir), progress=progress,
+                                   fault=inject)
+    if on_hosts:
+        # D reads from P (a handoff, a move to D); the second P reads from P (a move).
+        report.hosts = {"p": on_hosts["p"].address, "d": on_hosts["d"].address}
+        report.read_transports = sorted(read_transports_in(sorted(
+            ucx_log_dir.glob("*.ucx.log"))))
+    if json_path:
+        write_json(report, json_path)
+    return report
+
+
+def main_verify(model: str | None, quick: bool, json_path: str | None,
+                inject: str | None = None, hosts: str | None = None) -> int:
+    """``kvhandoff verify``'s flags: run it, print the table; 0 when it passed, else 1.
+    ``hosts``: None (one host) or ``"netns"``."""
+    if inject is not None and inject not in FAULTS:
+        raise SystemExit(f"--inject {inject!r}: not a fault; choose from {', '.join(FAULTS)}")
+    where: contextlib.AbstractContextManager[Any] = contextlib.nullcontext(None)
+    if hosts == "netns":
+        from tools.netns import can_create
+        from tools.netns import hosts as make_hosts
+
+        why = can_create()
+        if why:
+            raise SystemExit(f"kvhandoff verify --hosts netns: cannot make the hosts here: "
+                             f"{why}")
+        where = make_hosts(("p", "d"))
+    with where as on_hosts:
+        report = asyncio.run(verify(model, quick=quick, json_path=json_path, inject=inject,
+                                    on_hosts=on_hosts))
+    print(format_table(report))
+    return 0 if report.ok else 1
