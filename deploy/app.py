@@ -15,7 +15,8 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deploy.args import AppArgs, RoleArgs
-from deploy.deployments import EngineServer, RouterServer
+from deploy.engine_server import EngineServer
+from deploy.router_server import RouterServer
 
 #: What Serve's gRPC proxy needs (``grpc_options.grpc_servicer_functions``).
 GRPC_SERVICER_FUNCTIONS = ["kvhandoff.v1.router_pb2_grpc.add_RouterServicer_to_server"]
@@ -94,4 +95,5 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         ray_actor_options={"num_cpus": a.router.num_cpus,
                            **({"resources": dict(a.router.resources)}
                               if a.router.resources else {})},
-    ).bind(prefill, decode, a.model, a.router.colocated_below_tokens, a.router.max_beam_width)
+    ).bind(prefill, decode, a.model, a.router.colocated_below_tokens, a.router.max_beam_width,
+             a.router.max_inflight)

@@ -98,6 +98,9 @@ class RouterArgs(_Strict):
     colocated_below_tokens: int = Field(0, ge=0)
     #: Largest beam width the router accepts; D's ``max_logprobs`` must cover 2x.
     max_beam_width: int = Field(MAX_BEAM_WIDTH, ge=1, le=MAX_BEAM_WIDTH)
+    #: Requests one router replica runs at once; beyond it, RESOURCE_EXHAUSTED at once
+    #: (the standalone router's ``--max-inflight``).
+    max_inflight: PositiveInt = 256
 
 
 _VLLM_PIN = re.compile(r"^\s*(vllm(?:-cpu)?)\s*(==.*)?$", re.IGNORECASE)

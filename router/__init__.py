@@ -1,14 +1,18 @@
-"""The gRPC router (``kvhandoff serve --role router``): plans each two-stage request
-(``plan``, the only part that touches the Router service's protobuf), picks P and D from
-capacity snapshots and claims (``capacity``), runs stage 1 on P and stage 2 on D with
-failover (``core``), warms up each (P, D) pair (``warmup``), serves gRPC (``service``) and
-Prometheus metrics (``metrics``). Imports no engine: vLLM stays out of the router."""
+"""The gRPC router (``kvhandoff serve --role router``): a :class:`Router` wired from small
+parts (``config``, ``errors``, ``plan``, ``endpoint``, ``pool``, ``parents``, ``stages``,
+``moves``, ``executor``, ``continuations``, ``warmup``; ``docs/structure.md`` has the
+picture), one request API under its fronts (``api``: admission, runs, errors), and the
+fronts (``service``: gRPC; ``http``: OpenAI-compatible HTTP; ``deploy.router_server``:
+Ray Serve); ``main`` starts the process. Imports no engine: vLLM stays out of the router."""
 
 from __future__ import annotations
 
-from router.capacity import ADMIT_S, Claim, Endpoint
-from router.core import Router, RouterConfig
-from router.plan import Outcome, Plan, RouterError, to_response
+from router.api import Admission, RouterAPI
+from router.config import RouterConfig
+from router.core import Router
+from router.endpoint import ADMIT_S, Claim, Endpoint
+from router.errors import RouterError, status_of
+from router.plan import Outcome, Plan, to_response
 
-__all__ = ["ADMIT_S", "Claim", "Endpoint", "Outcome", "Plan", "Router", "RouterConfig",
-           "RouterError", "to_response"]
+__all__ = ["ADMIT_S", "Admission", "Claim", "Endpoint", "Outcome", "Plan", "Router",
+           "RouterAPI", "RouterConfig", "RouterError", "status_of", "to_response"]

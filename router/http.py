@@ -1,22 +1,27 @@
 """The router's OpenAI-compatible HTTP front (``kvhandoff serve --role router --http-port``),
 on FastAPI and uvicorn (the ASGI stack vLLM's own server uses), beside gRPC in the same
-process and event loop, over the same :class:`~router.core.Router`.
+process and event loop, over the same :class:`~router.api.RouterAPI` (the ``http`` front:
+the same ``max_inflight``, deadlines and statuses as gRPC).
 
 ``POST /v1/completions``:
 
-- without ``continuation_of``: stage 1 on P as a parent (``Router.run_parent``). The
-  response's ``id`` is the parent id; ``stream`` sends its tokens as server-sent events.
+- without ``continuation_of``: stage 1 on P as a parent. The response's ``id`` is the
+  parent id; ``stream`` sends its tokens as server-sent events.
 - with ``continuation_of: <id>`` (and ``continuation_suffix``, text or token ids; in the
-  ``openai`` client, through ``extra_body``): stage 2 as a continuation of that parent
-  (``Router.run_continuation``). With ``use_beam_search``: ``n`` beams of ``max_tokens``
-  tokens, one choice per beam, best first, with its token ids and cumulative logprob;
-  without: one sequence sampled with the request's sampling fields (``n`` = 1).
+  ``openai`` client, through ``extra_body``): stage 2 as a continuation of that parent.
+  With ``use_beam_search``: ``n`` beams of ``max_tokens`` tokens, one choice per beam,
+  best first, with its token ids and cumulative logprob; without: one sequence sampled
+  with the request's sampling fields (``n`` = 1).
+- with ``use_beam_search`` and no ``continuation_of``: beams over the prompt as given.
 
 ``usage`` has prompt and completion tokens and, for a continuation, how many prompt tokens
 were imported from P rather than computed (``prompt_tokens_details``). Errors use
-OpenAI's error body with the HTTP status of the gRPC code (``HTTP_STATUS``); a client that
-disconnects cancels its request, which frees both pools. ``GET /v1/models``,
-``GET /health`` and ``GET /metrics`` (the router's Prometheus registry) complete it.
+OpenAI's error body with the HTTP status of the gRPC code (``http_schema.HTTP_STATUS``;
+over ``max_inflight``: 429 with ``Retry-After``); a client that disconnects cancels its
+request, which frees both pools. ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
+(the router's Prometheus registry) complete it. With an API key, every ``/v1`` route
+wants ``Authorization: Bearer <key>`` (401 without it), as vLLM's server does; with the
+router's certificate it serves HTTPS (and, with a client CA, wants client certificates).
 """
 
 from __future__ import annotations
@@ -25,96 +30,48 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
+import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
+from kvhandoff.tls import ServerTLS
 from kvhandoff.types import InvalidRequest
 from kvhandoff.v1 import common_pb2, router_pb2
-from router.core import Router
-from router.metrics import RouterMetrics
+from router.api import RouterAPI
+from router.http_schema import (
+    CompletionRequest,
+    bad,
+    beams_json,
+    completion,
+    error_response,
+    logprobs_json,
+    prompt_of,
+    sse,
+    unauthorized,
+)
 from router.parents import ParentRecord
+from router.plan import Plan
+from server import convert
 
 logger = logging.getLogger(__name__)
 
-#: gRPC status -> HTTP status of the error body.
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.FAILED_PRECONDITION: 412,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNIMPLEMENTED: 501,
-}
-
-
-class CompletionRequest(BaseModel):
-    """The fields of OpenAI's completions request this front reads (others are ignored,
-    as vLLM's server does), plus the continuation fields."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    prompt: str | list[int] | list[str] | None = None
-    max_tokens: int | None = 16
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
-    min_p: float | None = None
-    logprobs: int | None = None
-    #: Positional sampling (the router's default unless started with --sampling vllm).
-    positional: bool | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = 1
-    use_beam_search: bool = False
-    length_penalty: float | None = None
-    ignore_eos: bool = False
-    timeout_ms: int | None = None
-    # A continuation of a parent (a previous completion's id).
-    continuation_of: str | None = None
-    continuation_suffix: str | list[int] | None = None
-    #: Refuse rather than recompute when the parent's blocks are gone.
-    continuation_strict: bool = False
-
-
-def error_response(code: grpc.StatusCode, message: str, param: str | None = None
-                   ) -> JSONResponse:
-    status = HTTP_STATUS.get(code, 500)
-    return JSONResponse(status_code=status, content={"error": {
-        "message": message, "type": code.name.lower(), "param": param, "code": status}})
-
-
-def _error_of(exc: BaseException) -> JSONResponse:
-    from router.service import status_of
-
-    code, message = status_of(exc)
-    param = exc.field if isinstance(exc, InvalidRequest) else None
-    return error_response(code, message, param)
-
-
-def _bad(param: str, message: str) -> InvalidRequest:
-    return InvalidRequest(param, message)
+FRONT = "http"
 
 
 class HttpFront:
-    """The FastAPI app over ``router`` (see the module docstring)."""
+    """The FastAPI app over ``api`` (see the module docstring)."""
 
-    def __init__(self, router: Router, metrics: RouterMetrics):
-        self.router, self.metrics = router, metrics
+    def __init__(self, api: RouterAPI, api_key: str | None = None):
+        self.api, self.router, self.metrics = api, api.router, api.metrics
+        self._api_key = api_key.encode() if api_key else None
         self.app = FastAPI(title="kvhandoff router", docs_url=None, redoc_url=None)
         app = self.app
         app.post("/v1/completions")(self.completions)
@@ -124,11 +81,20 @@ class HttpFront:
 
     @property
     def model_name(self) -> str:
-        return sorted(self.router.model_names, key=len)[0]
+        return self.router.config.model_name
 
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                            "created": 0, "owned_by": "kvhandoff"}]}
+    def _authorized(self, request: Request) -> bool:
+        if self._api_key is None:
+            return True
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(),
+                                                                     self._api_key)
+
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return unauthorized()
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvhandoff"}]})
 
     async def health(self) -> Response:
         ok = any(ep.in_rotation for ep in self.router.prefill)
@@ -138,6 +104,8 @@ class HttpFront:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return unauthorized()
         try:
             body = CompletionRequest.model_validate(await request.json())
         except json.JSONDecodeError as e:
@@ -150,34 +118,27 @@ class HttpFront:
         try:
             self.router.check_model(body.model or "")
             if body.continuation_of is not None:
-                work = self._continuation(body)
-            elif body.use_beam_search:
-                work = self._prompt_beams(body)
-            else:
-                if body.stream:
-                    return self._stream_parent(body, request)
-                work = self._parent(body)
-            return await _cancel_on_disconnect(work, request)
+                return await _cancel_on_disconnect(self._continuation(body), request)
+            if body.use_beam_search:
+                return await _cancel_on_disconnect(self._prompt_beams(body), request)
+            if body.stream:
+                return await self._stream_parent(body, request)
+            return await _cancel_on_disconnect(self._parent(body), request)
         except (Exception, asyncio.CancelledError) as e:
             return self._fail(e)
 
     def _fail(self, e: BaseException) -> JSONResponse:
-        from router.service import status_of
-
-        code, message = status_of(e)
-        self.metrics.observe_error(code, message)
-        if code == grpc.StatusCode.INTERNAL:
-            logger.error("internal error", exc_info=e)
-        return _error_of(e)
+        code, message = self.api.failed(FRONT, e)
+        return error_response(code, message, e.field if isinstance(e, InvalidRequest) else None)
 
     # ---- stage 1: a parent --------------------------------------------------------------
-    def _parent_plan(self, body: CompletionRequest):
+    def _parent_plan(self, body: CompletionRequest) -> Plan:
         if body.n != 1:
-            raise _bad("n", "sampling returns one sequence; n beams need use_beam_search")
-        req = router_pb2.GenerateRequest(
-            request_id="", path=common_pb2.PATH_HANDOFF if self.router.decode
+            raise bad("n", "sampling returns one sequence; n beams need use_beam_search")
+        req = router_pb2.ParentRequest(
+            model=body.model or "", path=common_pb2.PATH_HANDOFF if self.router.decode
             else common_pb2.PATH_COLOCATED)
-        prompt = _prompt_of(body)
+        prompt = prompt_of(body)
         if isinstance(prompt, str):
             req.prompt_text = prompt
         else:
@@ -189,7 +150,7 @@ class HttpFront:
                 ([think_end] if think_end is not None else []) + stop_ids)
         if body.timeout_ms:
             req.timeout_ms = body.timeout_ms
-        return self.router.plan(req, None)
+        return self.api.parent_plan(req, None)
 
     def _sampling_of(self, body: CompletionRequest, s: Any) -> list[int]:
         """Fill the Stage1Sampling ``s`` from ``body``; returns its stop token ids
@@ -217,110 +178,85 @@ class HttpFront:
         for text in [body.stop] if isinstance(body.stop, str) else (body.stop or []):
             ids = self.router.tokens.tokenizer.encode(text, add_special_tokens=False)
             if len(ids) != 1:
-                raise _bad("stop", f"stop strings must be single tokens here; {text!r} is "
-                                   f"{len(ids)} (use stop_token_ids)")
+                raise bad("stop", f"stop strings must be single tokens here; {text!r} is "
+                                  f"{len(ids)} (use stop_token_ids)")
             stop_ids += ids
         return stop_ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.router.tokens.tokenizer.decode(ids, skip_special_tokens=False)
 
     async def _parent(self, body: CompletionRequest) -> JSONResponse:
         plan = self._parent_plan(body)
         record = None
-        async with contextlib.aclosing(self.router.run_parent(plan)) as items:
+        async with contextlib.aclosing(self.api.parent(FRONT, plan)) as items:
             async for item in items:
                 if isinstance(item, ParentRecord):
                     record = item
-        assert record is not None
-        text = self.router.tokens.tokenizer.decode(record.thinking_ids,
-                                                   skip_special_tokens=False)
-        return JSONResponse(self._completion(record.parent_id, [{
-            "index": 0, "text": text, "token_ids": record.thinking_ids,
-            "logprobs": self._logprobs_json(record.thinking_logprobs, body.logprobs),
+        assert record is not None, "run_parent ended without its record"
+        return JSONResponse(completion(self.model_name, record.parent_id, [{
+            "index": 0, "text": self._decode(record.thinking_ids),
+            "token_ids": record.thinking_ids,
+            "logprobs": logprobs_json(self._decode, record.thinking_logprobs, body.logprobs),
             "finish_reason": record.finish_reason, "stop_reason": None}],
-            self._parent_usage(record), **self._parent_info(record)))
+            _parent_usage(record), **_parent_info(record)))
 
-    def _logprobs_json(self, logprobs: list[Any], asked: int | None) -> dict[str, Any] | None:
-        """OpenAI's completions ``logprobs`` object: tokens, their logprobs, the most
-        likely alternatives at each position, and the tokens' text offsets."""
-        if asked is None:
-            return None
-        decode = self.router.tokens.tokenizer.decode
-        tokens = [decode([lp.token_id], skip_special_tokens=False) for lp in logprobs]
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [
-                    {decode([t], skip_special_tokens=False): v
-                     for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
-                    for lp in logprobs],
-                "text_offset": offsets}
-
-    def _stream_parent(self, body: CompletionRequest, request: Request) -> Response:
-        plan = self._parent_plan(body)  # bad input: an error body, not a broken stream
+    async def _stream_parent(self, body: CompletionRequest, request: Request) -> Response:
+        """Stage 1's tokens as server-sent events. Admitted, planned and run up to its
+        first tokens before the response starts, so a refusal (bad input, router busy,
+        no P) is an error status, not a broken stream."""
+        plan = self._parent_plan(body)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        tokenizer = self.router.tokens.tokenizer
+        items = self.api.parent(FRONT, plan)
+        try:
+            first = await _cancel_on_disconnect(anext(items), request)
+        except BaseException:
+            await items.aclose()
+            raise
+        if isinstance(first, Response):  # the client went away first
+            await items.aclose()
+            return first
 
         async def events() -> AsyncIterator[str]:
             sent = 0  # stage-1 tokens streamed so far
             try:
-                async with contextlib.aclosing(self.router.run_parent(plan)) as items:
-                    async for item in items:
-                        if isinstance(item, ParentRecord):
-                            final = self._completion(item.parent_id, [{
-                                "index": 0, "text": "", "logprobs": None,
-                                "finish_reason": item.finish_reason, "stop_reason": None}],
-                                None, **self._parent_info(item))
-                            yield _sse(final)
-                            if include_usage:
-                                yield _sse(self._completion(item.parent_id, [],
-                                                            self._parent_usage(item)))
-                        else:
-                            text = tokenizer.decode(item, skip_special_tokens=False)
-                            record = self.router.parents.get(plan.request_id)
-                            logprobs = None
-                            if record is not None and body.logprobs is not None:
-                                logprobs = self._logprobs_json(
-                                    record.thinking_logprobs[sent:sent + len(item)],
-                                    body.logprobs)
-                            sent += len(item)
-                            yield _sse(self._completion(plan.request_id, [{
-                                "index": 0, "text": text, "token_ids": item,
-                                "logprobs": logprobs, "finish_reason": None}], None))
-            except (Exception, asyncio.CancelledError) as e:
-                if isinstance(e, asyncio.CancelledError):
-                    raise  # the client went away: run_parent's cleanup aborts on P
-                err = self._fail(e)
-                yield _sse(json.loads(err.body))
+                item = first
+                while True:
+                    if isinstance(item, ParentRecord):
+                        yield sse(completion(self.model_name, item.parent_id, [{
+                            "index": 0, "text": "", "logprobs": None,
+                            "finish_reason": item.finish_reason, "stop_reason": None}],
+                            None, **_parent_info(item)))
+                        if include_usage:
+                            yield sse(completion(self.model_name, item.parent_id, [],
+                                                 _parent_usage(item)))
+                        break
+                    record = self.router.parents.get(plan.request_id)
+                    logprobs = None
+                    if record is not None and body.logprobs is not None:
+                        logprobs = logprobs_json(
+                            self._decode, record.thinking_logprobs[sent:sent + len(item)],
+                            body.logprobs)
+                    sent += len(item)
+                    yield sse(completion(self.model_name, plan.request_id, [{
+                        "index": 0, "text": self._decode(item), "token_ids": item,
+                        "logprobs": logprobs, "finish_reason": None}], None))
+                    item = await anext(items)
+            except Exception as e:  # after the first event: reported in the stream
+                yield sse(json.loads(self._fail(e).body))
+            finally:  # the client went away (CancelledError) or it ended: P aborts/frees
+                await items.aclose()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
-
-    def _parent_usage(self, record: ParentRecord) -> dict[str, Any]:
-        return {"prompt_tokens": len(record.prompt_ids),
-                "completion_tokens": len(record.thinking_ids),
-                "total_tokens": len(record.prompt_ids) + len(record.thinking_ids)}
-
-    @staticmethod
-    def _parent_info(record: ParentRecord) -> dict[str, Any]:
-        return {"held": record.held, "not_held_reason": record.not_held_reason,
-                "lease_expires_at": record.held_until if record.held else None,
-                "seed": record.stage1.seed if record.stage1 else None,
-                "positional": bool(record.stage1 and record.stage1.positional)}
-
-    def _completion(self, request_id: str, choices: list, usage: dict | None,
-                    **extra: Any) -> dict[str, Any]:
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage,
-                **({"kvhandoff": extra} if extra else {})}
 
     # ---- stage 2: a continuation, or beam search over a whole prompt --------------------
     @staticmethod
     def _beam_of(body: CompletionRequest, req: Any) -> None:
         if body.stream:
-            raise _bad("stream", "beam search answers once, not as a stream")
+            raise bad("stream", "beam search answers once, not as a stream")
         if body.n < 1:
-            raise _bad("n", "must be >= 1")
+            raise bad("n", "must be >= 1")
         req.beam.beam_width = body.n
         if body.max_tokens is not None:
             req.beam.max_tokens = body.max_tokens
@@ -341,74 +277,49 @@ class HttpFront:
         else:
             # A sampled continuation: one sequence, answered once.
             if body.n != 1:
-                raise _bad("n", "a sampled continuation returns one sequence; n beams "
-                                "need use_beam_search")
+                raise bad("n", "a sampled continuation returns one sequence; n beams "
+                               "need use_beam_search")
             if body.stream:
-                raise _bad("stream", "a continuation answers once, not as a stream")
+                raise bad("stream", "a continuation answers once, not as a stream")
             req.sampling.stop_token_ids.extend(self._sampling_of(body, req.sampling))
         if body.timeout_ms:
             req.timeout_ms = body.timeout_ms
-        resp = await self.router.run_continuation(req, None)
-        return self._beams_response(resp)
+        resp = await self.api.continue_(FRONT, req, None)
+        return JSONResponse(beams_json(self.model_name, resp))
 
     async def _prompt_beams(self, body: CompletionRequest) -> JSONResponse:
         """Beam search over ``prompt`` as given (tokenised here), on a D, nothing
         imported: stage 2 sent as a brand-new request."""
-        from server import convert
-
         req = router_pb2.ContinueRequest()
         self._beam_of(body, req)
-        prompt = _prompt_of(body)
+        prompt = prompt_of(body)
         if isinstance(prompt, str):
             if len(prompt) > 1 << 20:
-                raise _bad("prompt", "longer than 1 MiB")
+                raise bad("prompt", "longer than 1 MiB")
             ids = self.router.tokens.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = prompt
         deadline = None if not body.timeout_ms else time.monotonic() + body.timeout_ms / 1e3
-        resp = await self.router.run_prompt_beams(ids, convert.beam_from_pb(req.beam), "",
-                                                  deadline)
-        return self._beams_response(resp)
-
-    def _beams_response(self, resp: router_pb2.GenerateResponse) -> JSONResponse:
-        self.metrics.observe(resp)
-        s = resp.stats
-        prompt_tokens = s.num_parent_tokens + len(resp.suffix_token_ids)
-        choices = [{"index": i, "text": b.text, "token_ids": list(b.token_ids),
-                    "cumulative_logprob": b.cum_logprob, "logprobs": None,
-                    "finish_reason": b.finish_reason or "length", "stop_reason": None}
-                   for i, b in enumerate(resp.beams)]
-        completion_tokens = sum(len(b.token_ids) for b in resp.beams)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens,
-                 "prompt_tokens_details": {
-                     "imported_tokens": s.num_imported_tokens,
-                     "cached_tokens": s.num_found_on_d_tokens,
-                     "computed_tokens": s.num_computed_tokens_first_step}}
-        return JSONResponse(self._completion(resp.request_id, choices, usage,
-                                             parent_id=resp.parent_id,
-                                             recomputed=s.recomputed,
-                                             handoff_failure=s.handoff_failure,
-                                             decode_endpoint=s.decode_endpoint,
-                                             stage2_first_step_ms=resp.timings.stage2_first_step_ms,
-                                             stage2_ms=resp.timings.stage2_ms))
+        resp = await self.api.prompt_beams(FRONT, ids, convert.beam_from_pb(req.beam),
+                                           deadline)
+        return JSONResponse(beams_json(self.model_name, resp))
 
 
-def _prompt_of(body: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completions request, as text or token ids."""
-    prompt = body.prompt
-    if isinstance(prompt, str) or (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-        return prompt
-    raise _bad("prompt", "give one prompt, as text or as token ids")
+def _parent_usage(record: ParentRecord) -> dict[str, Any]:
+    return {"prompt_tokens": len(record.prompt_ids),
+            "completion_tokens": len(record.thinking_ids),
+            "total_tokens": len(record.prompt_ids) + len(record.thinking_ids)}
 
 
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+def _parent_info(record: ParentRecord) -> dict[str, Any]:
+    return {"held": record.held, "not_held_reason": record.not_held_reason,
+            "lease_expires_at": record.held_until if record.held else None,
+            "seed": record.stage1.seed if record.stage1 else None,
+            "positional": bool(record.stage1 and record.stage1.positional)}
 
 
-async def _cancel_on_disconnect(work, request: Request):
-    """Run ``work``; if the client disconnects first, cancel it (its cleanup aborts the
+async def _cancel_on_disconnect(work: Awaitable[Any], request: Request) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it (its cleanup aborts the
     request on P and D) and answer 499."""
     task = asyncio.ensure_future(work)
 
@@ -430,13 +341,21 @@ async def _cancel_on_disconnect(work, request: Request):
     return task.result()
 
 
-async def serve_http(router: Router, metrics: RouterMetrics, host: str, port: int):
-    """Start the HTTP front on this loop; returns (uvicorn server, task, bound port)."""
+async def serve_http(api: RouterAPI, host: str, port: int, tls: ServerTLS | None = None,
+                     api_key: str | None = None):
+    """Start the HTTP front on this loop (HTTPS with ``tls``, the gRPC server's
+    certificate; its client CA, if any, makes client certificates required); returns
+    (uvicorn server, task, bound port)."""
     import uvicorn
 
-    front = HttpFront(router, metrics)
+    front = HttpFront(api, api_key)
+    ssl_args: dict[str, Any] = {}
+    if tls is not None:
+        ssl_args = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+        if tls.client_ca:
+            ssl_args.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     config = uvicorn.Config(front.app, host=host, port=port, log_level="warning",
-                            lifespan="off", timeout_graceful_shutdown=2)
+                            lifespan="off", timeout_graceful_shutdown=2, **ssl_args)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # the router handles SIGTERM/SIGINT
     task = asyncio.create_task(server.serve())

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvhandoff.v1 import common_pb2, router_pb2
+from router.errors import OVERLOAD_MESSAGE
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-#: How the router's own overload refusals begin (router.service).
-OVERLOAD_MESSAGE = "router busy"
+#: The router's ways in (router.api counts each request under its front).
+FRONTS = ("grpc", "http", "serve")
 
 
 class RouterMetrics:
@@ -48,7 +49,16 @@ class RouterMetrics:
             "Handoffs that failed and whose stage 2 was recomputed from token ids", registry=r)
         self.overload_rejections = Counter(
             "kvhandoff_router_overload_rejections",
-            "Requests refused because the router had max_inflight running", registry=r)
+            "Requests refused because the router had max_inflight running, by the front "
+            "they came in through", ["front"], registry=r)
+        self.front_requests = Counter(
+            "kvhandoff_router_front_requests",
+            "Requests by the front they came in through (grpc, http, serve) and outcome "
+            "(ok, error, cancelled, refused: over max_inflight)", ["front", "outcome"],
+            registry=r)
+        self.inflight = Gauge("kvhandoff_router_inflight",
+                              "Requests running now, by the front they came in through "
+                              "(all fronts share --max-inflight)", ["front"], registry=r)
         self.overhead_seconds = Histogram(
             "kvhandoff_router_overhead_seconds",
             "The router's own time per request (excluding waiting on the engines)",
@@ -98,7 +108,10 @@ class RouterMetrics:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
 
-    def observe(self, resp: router_pb2.GenerateResponse) -> None:
+    def observe(self, resp: router_pb2.GenerateResponse, front: str | None = None) -> None:
+        """A served request's response (``front``: counted under it too)."""
+        if front is not None:
+            self.front_requests.labels(front, "ok").inc()
         s, t = resp.stats, resp.timings
         path = common_pb2.Path.Name(s.path).removeprefix("PATH_").lower()
         self.requests.labels("ok", "OK").inc()
@@ -121,12 +134,21 @@ class RouterMetrics:
             self.tokens_imported.inc(s.num_imported_tokens)
             self.import_step_seconds.observe(t.stage2_first_step_ms / 1e3)
 
-    def observe_error(self, code: grpc.StatusCode, message: str) -> None:
+    def observe_served(self, front: str) -> None:
+        """A request served without a GenerateResponse (a parent's stage 1)."""
+        self.front_requests.labels(front, "ok").inc()
+
+    def observe_error(self, code: grpc.StatusCode, message: str,
+                      front: str | None = None) -> None:
         outcome = "cancelled" if code == grpc.StatusCode.CANCELLED else "error"
         self.requests.labels(outcome, code.name).inc()
+        overload = (code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    and message.startswith(OVERLOAD_MESSAGE))
+        if front is not None:
+            self.front_requests.labels(front, "refused" if overload else outcome).inc()
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            if message.startswith(OVERLOAD_MESSAGE):
-                self.overload_rejections.inc()
+            if overload:
+                self.overload_rejections.labels(front or "grpc").inc()
             else:
                 self.capacity_rejections.inc()
         if "lease" in message:

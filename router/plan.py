@@ -11,8 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import (
     BeamParams,
@@ -25,15 +23,7 @@ from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2
 from server import convert
 
 if TYPE_CHECKING:
-    from router.capacity import Endpoint
-
-
-class RouterError(Exception):
-    """An error with a gRPC status decided by the router itself."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
+    from router.endpoint import Endpoint
 
 
 @dataclass
@@ -152,10 +142,6 @@ def plan_request(req: router_pb2.GenerateRequest, deadline: float | None, *,
     if path == common_pb2.PATH_HANDOFF and not has_decode:
         raise InvalidRequest("path", "no decode engine is configured")
     return Plan(request_id, prompt, suffix, stage1, beam, path, deadline)
-
-
-def grpc_error(code: grpc.StatusCode, message: str) -> RouterError:
-    return RouterError(code, message)
 
 
 def to_response(out: Outcome, tokenizer: Any,

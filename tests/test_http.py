@@ -233,7 +233,7 @@ def test_vllm_bench_serve_completes_without_errors(family, family_clean, model_d
 
 def test_the_benchs_two_call_client_compares_a_text_round_trip_with_a_continuation(
         family, family_clean, model_dir):
-    from tools.bench_http import format_two_calls, run_two_calls
+    from tools.bench.http_two_calls import format_two_calls, run_two_calls
 
     result = run_two_calls(family["http"], model_dir, requests=2, concurrency=(1, 2),
                            prompt_tokens=64, stage1_tokens=8, beam_width=4)

@@ -248,7 +248,7 @@ def test_a_call_no_replica_takes_fails_unavailable_not_at_the_deadline(ray_app):
     from ray.serve import RunTarget
     from ray.serve import deployment as serve_deployment
 
-    from deploy.deployments import HandleStub, ReplicaWatch
+    from deploy.handles import HandleStub, ReplicaWatch
     from router import RouterError
 
     serve = ray_app["serve"]

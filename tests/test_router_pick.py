@@ -59,8 +59,11 @@ def _plan(beam_width: int = 4, deadline: float | None = None):
                 deadline)
 
 
-def _pick(router, tokens: int = 200, plan=None, **kw):
-    return router._pick_decode(tokens, plan or _plan(), object(), **kw)
+async def _pick(router, tokens: int = 200, plan=None, **kw):
+    """The D ``EnginePool.pick_decode`` claims room on (the claim is left held)."""
+    plan = plan or _plan()
+    claim = await router.pool.pick_decode(tokens, plan.beam, plan.deadline, **kw)
+    return claim.endpoint
 
 
 def test_fresh_snapshots_are_reused_and_picks_are_claimed(model_dir):
@@ -102,7 +105,7 @@ class RecordingObserver:
 def test_a_late_d_stays_in_rotation_until_silent_and_a_refusing_one_is_out_at_once(
         model_dir):
     router = _router(model_dir, [40, 30], engine_silence_s=0.5)
-    router.observer = seen = RecordingObserver()
+    router.pool.observer = seen = RecordingObserver()
     d0, d1 = router.decode
     asyncio.run(router.refresh_capacity(router.decode))
     assert seen.changes == [("d0", "in", "first answer"), ("d1", "in", "first answer")]
@@ -135,7 +138,7 @@ def test_with_no_d_in_rotation_a_request_waits_while_one_answered_lately(model_d
         await router.refresh_capacity(router.decode)
         assert not d.in_rotation
         waiter = asyncio.create_task(_pick(router))
-        await _until(lambda: len(router._decode_queue) == 1)
+        await _until(lambda: router.pool.num_waiting == 1)
         d.stub.fail_with = None
         assert await asyncio.wait_for(waiter, 5) is d  # its next answer lets it through
         # Silent past the limit: UNAVAILABLE at once, naming why.
@@ -162,13 +165,13 @@ def test_a_wait_for_an_engine_out_of_rotation_is_bounded(model_dir):
         assert e.value.code == grpc.StatusCode.UNAVAILABLE and 0.25 < time.monotonic() - t0 < 2
         with pytest.raises(asyncio.TimeoutError):
             await _pick(router, plan=_plan(deadline=time.monotonic() + 0.1))
-        assert not router._decode_queue
+        assert router.pool.num_waiting == 0
         # P alike: a request waits for a P that answered lately, bounded.
         p = router.prefill[0]
         await router.refresh_capacity(router.prefill)
         p.stub.fail_with = grpc.StatusCode.UNAVAILABLE
         await router.refresh_capacity(router.prefill)
-        waiter = asyncio.create_task(router._pick_prefill(_plan()))
+        waiter = asyncio.create_task(router.pool.pick_prefill(None))
         await asyncio.sleep(0.1)
         assert not waiter.done()
         p.stub.fail_with = None
@@ -189,12 +192,16 @@ def test_snapshots_settle_claims_whose_stage2_reached_d():
     from router import ADMIT_S, Claim, Endpoint
 
     ep = Endpoint("d", None, None)
-    in_stage1, sent_long_ago, just_sent = object(), object(), object()
     ep.capacity_at = time.monotonic()
-    ep.claims = {in_stage1: Claim(3), sent_long_ago: Claim(5, ep.capacity_at - ADMIT_S - 1),
-                 just_sent: Claim(7, ep.capacity_at)}
+    in_stage1 = Claim(ep, 3)
+    sent_long_ago = Claim(ep, 5, sent_at=ep.capacity_at - ADMIT_S - 1)
+    just_sent = Claim(ep, 7, sent_at=ep.capacity_at)
+    ep.claims = {in_stage1, sent_long_ago, just_sent}
     ep.settle_claims()
-    assert set(ep.claims) == {in_stage1, just_sent} and ep.num_claimed_blocks == 10
+    assert ep.claims == {in_stage1, just_sent} and ep.num_claimed_blocks == 10
+    in_stage1.release()
+    in_stage1.release()  # idempotent
+    assert ep.claims == {just_sent} and ep.num_claimed_blocks == 7
 
 
 def test_without_room_a_request_waits_its_turn_until_a_claim_is_released(model_dir):
@@ -203,19 +210,20 @@ def test_without_room_a_request_waits_its_turn_until_a_claim_is_released(model_d
     async def scenario():
         router = _router(model_dir, [need])
         d = router.decode[0]
-        held = object()
-        assert await router._pick_decode(200, _plan(), held) is d
+        plan = _plan()
+        held = await router.pool.pick_decode(200, plan.beam, plan.deadline)
+        assert held.endpoint is d
         order = []
 
         async def wait(name):
-            await router._pick_decode(200, _plan(), name)
+            claim = await router.pool.pick_decode(200, plan.beam, plan.deadline)
             order.append(name)
-            router._release(d, name)
+            claim.release()
 
         waiters = [asyncio.create_task(wait(n)) for n in ("first", "second")]
-        await _until(lambda: len(router._decode_queue) == 2)
+        await _until(lambda: router.pool.num_waiting == 2)
         assert order == []
-        router._release(d, held)
+        held.release()
         await asyncio.wait_for(asyncio.gather(*waiters), 5)
         return order
 
@@ -226,7 +234,7 @@ def test_the_wait_is_bounded_by_the_queue_the_time_and_the_deadline(model_dir):
     async def scenario():
         router = _router(model_dir, [1], decode_queue_limit=1, decode_wait_s=0.5)
         waiter = asyncio.create_task(_pick(router))
-        await _until(lambda: len(router._decode_queue) == 1)
+        await _until(lambda: router.pool.num_waiting == 1)
         with pytest.raises(RouterError, match="decode queue full"):
             await _pick(router)
         t0 = time.monotonic()
@@ -236,7 +244,7 @@ def test_the_wait_is_bounded_by_the_queue_the_time_and_the_deadline(model_dir):
         assert 0.3 < time.monotonic() - t0 < 2
         with pytest.raises(asyncio.TimeoutError):
             await _pick(router, plan=_plan(deadline=time.monotonic() + 0.2))
-        assert not router._decode_queue
+        assert router.pool.num_waiting == 0
 
     asyncio.run(scenario())
 
@@ -353,8 +361,8 @@ def test_stage1_finished_on_d_without_a_handoff_samples_the_last_token_again(
     out = Outcome(plan, "p", d.address, thinking_ids=[11, 12, 13])
 
     async def finish():
-        return [t async for batch in router._finish_stage1_on(d, None, plan, out, object(),
-                                                                "resume: test")
+        return [t async for batch in router.stages.finish_stage1_on(d, None, None, plan, out,
+                                                                       "resume: test")
                 for t in batch]
 
     if ok:
@@ -399,7 +407,7 @@ def test_a_move_the_other_p_refuses_resumes_on_a_p_with_the_same_d(model_dir):
     the resume. The control: a destination that takes it streams on after every token,
     its request carrying the source's handoff."""
     from router import Endpoint, Outcome
-    from router.core import _Running
+    from router.moves import Running
 
     async def move(dest_fails: bool):
         router = _router(model_dir, [100])
@@ -412,9 +420,9 @@ def test_a_move_the_other_p_refuses_resumes_on_a_p_with_the_same_d(model_dir):
             ep.capacity = engine_pb2.Capacity(num_total_blocks=200)
         plan = _plan()
         out = Outcome(plan, "p", "d0", thinking_ids=[11, 12, 13])
-        running = _Running(plan, source, router.decode[0], move_reason="move", move_to=dest)
+        running = Running(plan, source, router.decode[0], move_reason="move", move_to=dest)
         handoff = common_pb2.Handoff(request_id="from-source")
-        items = [i async for i in router._move_to_p(running, handoff, plan, out, object())]
+        items = [i async for i in router.executor.move_to_p(running, handoff, plan, out)]
         return router, dest, out, running, items
 
     router, dest, out, running, items = asyncio.run(move(dest_fails=True))

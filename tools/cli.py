@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.role == "router":
         from kvhandoff.model import resolve_model
         from router import RouterConfig
-        from router.service import serve_router
+        from router.main import serve_router
 
         config = RouterConfig(
             prefill=tuple(a for a in args.prefill.split(",") if a),
@@ -86,7 +86,9 @@ def _serve(args: argparse.Namespace) -> int:
         )
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
         http_port = None if args.http_port < 0 else args.http_port
-        asyncio.run(serve_router(config, args.host, args.port, metrics_port, tls, http_port))
+        api_key = args.api_key or os.environ.get("KVHANDOFF_API_KEY") or None
+        asyncio.run(serve_router(config, args.host, args.port, metrics_port, tls, http_port,
+                                 api_key))
     else:
         from server.engine_service import serve_engine
 
@@ -196,7 +198,8 @@ def _add_router_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--colocated-below", type=int, default=0,
                        help="router: run requests whose parent is shorter colocated on P")
     serve.add_argument("--max-inflight", type=int, default=256,
-                       help="router: requests run at once; beyond, RESOURCE_EXHAUSTED")
+                       help="router: requests run at once over all its fronts (gRPC, HTTP); "
+                            "beyond, RESOURCE_EXHAUSTED / HTTP 429")
     serve.add_argument("--decode-queue-limit", type=int, default=64,
                        help="router: requests that may wait for room on a D (0 = refuse "
                             "at once); beyond, RESOURCE_EXHAUSTED")
@@ -210,7 +213,11 @@ def _add_router_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--http-port", type=int, default=-1,
                        help="router: also serve the OpenAI-compatible HTTP API (/v1/completions "
                             "with continuation_of, /v1/models, /health, /metrics) on this port "
-                            "(0 = any; default: off)")
+                            "(0 = any; default: off); HTTPS with --tls-cert/--tls-key")
+    serve.add_argument("--api-key", default=None,
+                       help="router: the HTTP front's /v1 routes want 'Authorization: Bearer "
+                            "<key>' (401 without it), as vLLM's server; default: "
+                            "$KVHANDOFF_API_KEY, else none")
     serve.add_argument("--max-parents", type=int, default=256,
                        help="router: parents (StartParent) kept for continuations; the least "
                             "recently used is forgotten first")

@@ -1,0 +1,115 @@
+"""The engine deployment: one vLLM engine per P or D replica (``EngineServer``), serving
+the same calls as ``kvhandoff serve --role prefill|decode`` (the same
+:class:`~server.engine_service.EngineServicer` runs them), with protobuf bytes in and out,
+over deployment handles instead of a gRPC port."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from ray import serve
+
+from engine import EngineConfig
+from kvhandoff.model import resolve_model
+from kvhandoff.v1 import engine_pb2
+from server.engine_service import make_servicer, start_engine
+
+logger = logging.getLogger("kvhandoff.deploy")
+
+
+class EngineCallError(Exception):
+    """An engine replica's refusal, with the gRPC status the standalone server sends."""
+
+    def __init__(self, code_name: str, message: str):
+        super().__init__(f"{code_name}: {message}")
+        self.code_name, self.message = code_name, message
+
+    def __reduce__(self):  # crosses process boundaries inside Ray's error wrapper
+        return (EngineCallError, (self.code_name, self.message))
+
+
+class _CallContext:
+    """The slice of a gRPC servicer context ``EngineServicer`` uses."""
+
+    async def abort(self, code: grpc.StatusCode, message: str) -> None:
+        raise EngineCallError(code.name, message)
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+@serve.deployment
+class EngineServer:
+    """One P or D engine. Started in ``__init__`` (Serve marks the replica ready after)."""
+
+    async def __init__(self, role: str, model: str, engine_kwargs: dict[str, Any],
+                       side_channel_host: str | None = None, side_channel_port: int = 0):
+        self.role = role
+        model_dir = str(resolve_model(model))
+        port = None
+        if side_channel_port:
+            # A fixed range: this replica's rank within its deployment picks its port.
+            port = side_channel_port + serve.get_replica_context().rank.rank
+        host = side_channel_host or _node_ip()
+        config = EngineConfig(model=model_dir, role=role, side_channel_host=host,
+                              side_channel_port=port, **engine_kwargs)
+        self.servicer = make_servicer(role, model_dir)
+        self.engine = await start_engine(self.servicer, config)
+        logger.info("%s replica ready: engine %s, NIXL side channel %s", role,
+                    self.engine.engine_id, host)
+
+    async def stage1(self, request: bytes) -> AsyncIterator[bytes]:
+        req = engine_pb2.Stage1Request.FromString(request)
+        async for event in self.servicer.Stage1(req, _CallContext()):
+            yield event.SerializeToString()
+
+    async def stage2(self, request: bytes, blocks_needed: int = 0) -> bytes:
+        # ``blocks_needed`` is read by CapacityRouter before the call lands here.
+        req = engine_pb2.Stage2Request.FromString(request)
+        return (await self.servicer.Stage2(req, _CallContext())).SerializeToString()
+
+    async def stage2_stream(self, request: bytes, blocks_needed: int = 0
+                            ) -> AsyncIterator[bytes]:
+        req = engine_pb2.Stage2Request.FromString(request)
+        async for event in self.servicer.Stage2Stream(req, _CallContext()):
+            yield event.SerializeToString()
+
+    async def capacity(self) -> bytes:
+        cap = await self.servicer.GetCapacity(engine_pb2.CapacityRequest(), _CallContext())
+        return cap.SerializeToString()
+
+    async def stop(self, request: bytes) -> bytes:
+        req = engine_pb2.StopRequest.FromString(request)
+        return (await self.servicer.Stop(req, _CallContext())).SerializeToString()
+
+    async def release(self, request: bytes) -> bytes:
+        req = engine_pb2.ReleaseRequest.FromString(request)
+        return (await self.servicer.Release(req, _CallContext())).SerializeToString()
+
+    def info(self) -> dict[str, Any]:
+        import vllm
+
+        return {"role": self.role, "engine_id": self.engine.engine_id,
+                "vllm_version": vllm.__version__,
+                "model_fingerprint": self.servicer.model_fingerprint,
+                "block_size": self.engine.block_size}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What CapacityRouter routes D's calls by (Serve polls it)."""
+        snap = self.engine.pool()
+        return {"free_blocks": snap.num_free_blocks, "block_size": snap.block_size}
+
+    def check_health(self) -> None:
+        if self.engine.llm.errored:
+            raise RuntimeError(f"engine {self.engine.engine_id} has failed")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

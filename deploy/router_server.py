@@ -1,0 +1,175 @@
+"""The router deployment: ``kvhandoff.v1.Router`` behind Ray Serve's gRPC proxy, the
+``serve`` front of :class:`~router.api.RouterAPI` (the same admission, runs, statuses and
+metrics as the standalone router's gRPC and HTTP fronts), over deployment handles to the
+engine deployments."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from ray import serve
+
+from deploy.handles import HandleStub
+from kvhandoff.model import resolve_model
+from kvhandoff.types import check_beam_width
+from kvhandoff.v1 import router_pb2
+from router import Endpoint, Router, RouterAPI, RouterConfig, RouterError
+from router.metrics import RouterMetrics
+
+logger = logging.getLogger("kvhandoff.deploy")
+
+FRONT = "serve"
+
+
+class RequestFailed(Exception):
+    """Raised by the router deployment after it set the call's gRPC status: a plain,
+    picklable exception, so the proxy sends the status and message and nothing else."""
+
+
+@serve.deployment
+class RouterServer:
+    """``kvhandoff.v1.Router`` behind Serve's gRPC proxy: same messages, semantics and
+    status codes as ``kvhandoff serve --role router``. The parent registry and the
+    running requests are this replica's: run one Router replica for continuations, moves
+    and drains (a call that lands on another gets NOT_FOUND)."""
+
+    def __init__(self, prefill: Any, decode: Any, model: str, colocated_below_tokens: int = 0,
+                 max_beam_width: int = 32, max_inflight: int = 256):
+        config = RouterConfig(prefill=("serve:Prefill",), decode=("serve:Decode",),
+                              model=str(resolve_model(model)),
+                              colocated_below_tokens=colocated_below_tokens,
+                              max_inflight=max_inflight)
+        self.router = Router(config, endpoints=(
+            [Endpoint("serve:Prefill", HandleStub(prefill), None)],
+            [Endpoint("serve:Decode", HandleStub(decode), None)]))
+        self.api = RouterAPI(self.router, RouterMetrics())
+        self.max_beam_width = max_beam_width
+        self._prefill, self._decode = prefill, decode
+        self._checked = False
+        #: The background warm-up, started by the first health check that finds P and D.
+        self._warm_up: asyncio.Task | None = None
+
+    async def _ready(self, beam_width: int | None = None,
+                     ask: list[Endpoint] | None = None) -> None:
+        """Once: P and D run the same model, vLLM and block size. Then: the beam width
+        is one this deployment takes, and those of ``ask`` without a snapshot (never
+        asked, or out after an error) are asked now (no poller runs here)."""
+        if not self._checked:
+            p, d = await asyncio.gather(self._prefill.info.remote(),
+                                        self._decode.info.remote())
+            for key in ("vllm_version", "model_fingerprint", "block_size"):
+                if p[key] != d[key]:
+                    raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"P and D differ in {key}: {p[key]} vs {d[key]}")
+            self._checked = True
+        if beam_width is not None:
+            check_beam_width(beam_width, self.max_beam_width, "this deployment")
+        missing = [ep for ep in ask or [] if ep.capacity is None]
+        if missing:
+            await self.router.refresh_capacity(missing)
+
+    def _fail(self, grpc_context: Any, exc: BaseException) -> None:
+        """Set the status the standalone router would send, then raise RequestFailed
+        (a CancelledError stays one: the client went away)."""
+        code, message = self.api.failed(FRONT, exc)
+        if isinstance(exc, asyncio.CancelledError):
+            raise exc
+        if grpc_context is not None:
+            grpc_context.set_code(code)
+            grpc_context.set_details(message)
+        raise RequestFailed(message) from None
+
+    async def _events(self, request: router_pb2.GenerateRequest
+                      ) -> AsyncIterator[router_pb2.GenerateStreamEvent]:
+        prefill = self.router.prefill
+        await self._ready(request.beam.beam_width,
+                          ask=None if any(ep.capacity for ep in prefill) else prefill)
+        async with contextlib.aclosing(self.api.generate(FRONT, request, None)) as events:
+            async for event in events:
+                yield event
+
+    async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802
+                       grpc_context: Any = None) -> router_pb2.GenerateResponse:
+        try:
+            async with contextlib.aclosing(self._events(request)) as events:
+                async for event in events:
+                    if event.HasField("result"):
+                        return event.result
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+        raise AssertionError("the router produced no response")
+
+    async def GenerateStream(self, request: router_pb2.GenerateRequest,  # noqa: N802
+                             grpc_context: Any = None):
+        try:
+            async with contextlib.aclosing(self._events(request)) as events:
+                async for event in events:
+                    yield event
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+
+    async def StartParent(self, request: router_pb2.ParentRequest,  # noqa: N802
+                          grpc_context: Any = None):
+        try:
+            # Every engine: without a D's snapshot the parent would not be held.
+            await self._ready(ask=self.router.pool.endpoints)
+            async with contextlib.aclosing(
+                    self.api.parent_events(FRONT, request, None)) as events:
+                async for event in events:
+                    yield event
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+
+    async def Continue(self, request: router_pb2.ContinueRequest,  # noqa: N802
+                       grpc_context: Any = None) -> router_pb2.GenerateResponse:
+        try:
+            await self._ready(request.beam.beam_width)
+            return await self.api.continue_(FRONT, request, None)
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+        raise AssertionError("unreachable")
+
+    async def Move(self, request: router_pb2.MoveRequest,  # noqa: N802
+                   grpc_context: Any = None) -> router_pb2.MoveResponse:
+        try:
+            return await self.api.move(request)
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+        raise AssertionError("unreachable")
+
+    async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
+                    grpc_context: Any = None) -> router_pb2.DrainResponse:
+        try:
+            return await self.api.drain(request)
+        except (Exception, asyncio.CancelledError) as e:
+            self._fail(grpc_context, e)
+        raise AssertionError("unreachable")
+
+    async def check_health(self) -> None:
+        endpoints = self.router.pool.endpoints
+        with contextlib.suppress(Exception):
+            await self.router.refresh_capacity(endpoints)
+        if self._warm_up is None and all(ep.capacity is not None for ep in endpoints):
+            # One handoff through the handles, off the request path (router.warmup): it
+            # sets up the NIXL connection between the P and D replicas Serve picks for it.
+            self._warm_up = asyncio.create_task(self.router.warm_up())
+
+    async def warm_up_outcome(self) -> dict[str, str] | None:
+        """What the background warm-up did (None while it has not finished)."""
+        if self._warm_up is None or not self._warm_up.done():
+            return None
+        return self._warm_up.result()
+
+    def inflight(self) -> int:
+        """Requests this replica runs now (the flood tests read it)."""
+        return self.api.inflight
+
+    def set_admission(self, enabled: bool) -> None:
+        """Turn the ``max_inflight`` guard off (False) or on: the flood test's control
+        only, to show what the guard prevents."""
+        self.api.admission.enabled = enabled

@@ -1,0 +1,163 @@
+"""The one request API under the router's three fronts (``router.service``: gRPC;
+``router.http``: OpenAI-compatible HTTP; ``deploy.router_server``: Ray Serve). Every
+request, whichever front it came in through, is admitted by the same guard
+(:class:`Admission`: ``max_inflight`` over all fronts, refused at once beyond it), planned
+and run by the same :class:`~router.core.Router`, counted under its front, and its
+failure mapped to one status (``router.errors.status_of``) that each front then writes in
+its own form (gRPC status, HTTP error body, Serve's proxy status)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+
+from kvhandoff.types import BeamParams
+from kvhandoff.v1 import common_pb2, router_pb2
+from router.core import Router
+from router.errors import OVERLOAD_MESSAGE, RouterError, status_of
+from router.metrics import RouterMetrics
+from router.parents import ParentRecord, parent_to_pb
+from router.plan import Outcome, Plan, to_response
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """At most ``limit`` requests run at once over every front; the next is refused
+    RESOURCE_EXHAUSTED at once (no queue: the client's retry is the queue, and the D
+    wait queue inside the router has its own bound). Counted per front in ``metrics``."""
+
+    def __init__(self, limit: int, metrics: RouterMetrics):
+        self.limit, self.metrics = limit, metrics
+        self.inflight = 0
+        #: When False every request is admitted (the flood tests' control only).
+        self.enabled = True
+
+    @contextlib.contextmanager
+    def admit(self, front: str) -> Iterator[None]:
+        if self.enabled and self.inflight >= self.limit:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{OVERLOAD_MESSAGE}: {self.limit} requests in flight (its "
+                              "limit); retry later")
+        self.inflight += 1
+        gauge = self.metrics.inflight.labels(front)
+        gauge.inc()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            gauge.dec()
+
+
+class RouterAPI:
+    """What a front calls: each method admits (except the control calls Move and Drain),
+    runs and counts one request; failures raise, and :meth:`failed` maps them."""
+
+    def __init__(self, router: Router, metrics: RouterMetrics | None = None):
+        self.router = router
+        self.metrics = metrics or RouterMetrics()
+        self.admission = Admission(router.config.max_inflight, self.metrics)
+
+    @property
+    def inflight(self) -> int:
+        return self.admission.inflight
+
+    def failed(self, front: str, exc: BaseException,
+               time_remaining: float | None = None) -> tuple[grpc.StatusCode, str]:
+        """The status for ``exc``, counted under ``front`` and logged when it is ours
+        (INTERNAL). A cancel with no time left (``time_remaining``) is the deadline."""
+        code, message = status_of(exc)
+        if (code == grpc.StatusCode.CANCELLED and time_remaining is not None
+                and time_remaining <= 0):
+            code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+        self.metrics.observe_error(code, message, front)
+        if code == grpc.StatusCode.INTERNAL:
+            logger.error("internal error", exc_info=exc)
+        return code, message
+
+    # ---- requests (admitted) ----------------------------------------------------------
+    async def generate(self, front: str, request: router_pb2.GenerateRequest,
+                       deadline: float | None
+                       ) -> AsyncIterator[router_pb2.GenerateStreamEvent]:
+        """Generate / GenerateStream: stage-1 token batches as P samples them, then the
+        result."""
+        received_at = time.perf_counter()
+        with self.admission.admit(front):
+            plan = self.router.plan(request, deadline)
+            async with contextlib.aclosing(self.router.run(plan)) as items:
+                async for item in items:
+                    if isinstance(item, Outcome):
+                        resp = to_response(item, self.router.tokens.tokenizer, received_at)
+                        self.metrics.observe(resp, front)
+                        yield router_pb2.GenerateStreamEvent(result=resp)
+                    else:
+                        yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+
+    def parent_plan(self, request: router_pb2.ParentRequest, deadline: float | None) -> Plan:
+        """A StartParent request as a Plan (validated, tokenised): stage 1 for P to export
+        to a D (COLOCATED: to hold itself)."""
+        router = self.router
+        router.check_model(request.model)
+        as_generate = router_pb2.GenerateRequest(
+            request_id=request.request_id, stage1=request.stage1,
+            timeout_ms=request.timeout_ms,
+            path=(common_pb2.PATH_HANDOFF
+                  if router.decode and request.path != common_pb2.PATH_COLOCATED
+                  else common_pb2.PATH_COLOCATED))
+        if request.WhichOneof("prompt") == "prompt_text":
+            as_generate.prompt_text = request.prompt_text
+        elif request.WhichOneof("prompt") == "prompt_token_ids":
+            as_generate.prompt_token_ids.CopyFrom(request.prompt_token_ids)
+        return router.plan(as_generate, deadline)
+
+    async def parent(self, front: str, plan: Plan
+                     ) -> AsyncIterator[list[int] | ParentRecord]:
+        """StartParent of a planned request: token batches, then the ParentRecord."""
+        with self.admission.admit(front):
+            async with contextlib.aclosing(self.router.run_parent(plan)) as items:
+                async for item in items:
+                    if isinstance(item, ParentRecord):
+                        self.metrics.observe_served(front)
+                    yield item
+
+    async def parent_events(self, front: str, request: router_pb2.ParentRequest,
+                            deadline: float | None
+                            ) -> AsyncIterator[router_pb2.ParentEvent]:
+        """StartParent in protobuf: token batches as P samples them, then the Parent."""
+        plan = self.parent_plan(request, deadline)
+        tokenizer = self.router.tokens.tokenizer
+        async with contextlib.aclosing(self.parent(front, plan)) as items:
+            async for item in items:
+                if isinstance(item, ParentRecord):
+                    yield router_pb2.ParentEvent(parent=parent_to_pb(item, tokenizer))
+                else:
+                    yield router_pb2.ParentEvent(stage1_tokens={"ids": item})
+
+    async def continue_(self, front: str, request: router_pb2.ContinueRequest,
+                        deadline: float | None) -> router_pb2.GenerateResponse:
+        """Continue: stage 2 of a parent."""
+        with self.admission.admit(front):
+            resp = await self.router.run_continuation(request, deadline)
+        self.metrics.observe(resp, front)
+        return resp
+
+    async def prompt_beams(self, front: str, prompt_ids: list[int], beam: BeamParams,
+                           deadline: float | None) -> router_pb2.GenerateResponse:
+        """Beam search over a whole prompt (nothing imported)."""
+        with self.admission.admit(front):
+            resp = await self.router.run_prompt_beams(prompt_ids, beam, "", deadline)
+        self.metrics.observe(resp, front)
+        return resp
+
+    # ---- control calls (not admitted: they must get through an overloaded router) ----
+    async def move(self, request: router_pb2.MoveRequest) -> router_pb2.MoveResponse:
+        return await self.router.move(request.request_id, to=request.to_endpoint)
+
+    async def drain(self, request: router_pb2.DrainRequest) -> router_pb2.DrainResponse:
+        return await self.router.drain(request.endpoint, (request.timeout_ms or 300_000) / 1e3,
+                                       undo=request.undo)
+

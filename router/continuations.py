@@ -1,0 +1,300 @@
+"""Parents and their continuations: stage 1 alone (:meth:`Continuations.run_parent`),
+then stage 2 as a continuation naming it (:meth:`Continuations.run_continuation`), and
+beam search over a whole prompt (:meth:`Continuations.run_prompt_beams`, the text round
+trip continuations are compared with).
+
+A continuation builds stage 2's prompt from the parent's token ids (never re-tokenised)
+and runs it on the D the handoff is addressed to, which imports the parent's blocks (only
+those it does not already hold in its prefix cache). On one engine (``PATH_COLOCATED``, or
+a router without decode engines) P holds the parent itself and the continuation runs on
+that P, copying from the held blocks what its prefix cache lacks: ``len(suffix) + 1``
+tokens computed, however much else went through P's cache meanwhile. A continuation runs
+beam search, or samples one sequence with its own parameters. Parent gone from P (lease
+over, not held, its D out of rotation, D's READ failed): recomputed from the token ids,
+flagged with the reason, unless the client asked for ``strict``. Unknown id: NOT_FOUND.
+Still running: the continuation waits for it, within its deadline. Another model:
+FAILED_PRECONDITION. A parent that would exceed P's share for held parents runs without a
+hold (its continuations are recomputed, flagged), after idle holds were ended early to
+make room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from kvhandoff.model import ModelTokens
+from kvhandoff.types import (
+    BeamParams,
+    InvalidRequest,
+    Stage1Params,
+    continuation_prompt,
+    validate_prompt,
+    validate_token_ids,
+)
+from kvhandoff.v1 import common_pb2, router_pb2
+from router.config import RouterConfig
+from router.endpoint import Endpoint
+from router.errors import grpc_error
+from router.executor import Executor
+from router.parents import ParentRecord, ParentRegistry
+from router.plan import Outcome, Plan, sampling_of, suffix_ids_of, to_response
+from router.pool import EnginePool
+from router.stages import StageCalls
+from server import convert
+
+logger = logging.getLogger(__name__)
+
+
+class Continuations:
+    def __init__(self, config: RouterConfig, tokens: ModelTokens, pool: EnginePool,
+                 registry: ParentRegistry, stages: StageCalls, executor: Executor):
+        self.config, self.tokens, self.pool = config, tokens, pool
+        self.registry, self.stages, self.executor = registry, stages, executor
+        self._ids = itertools.count()
+
+    async def run_parent(self, plan: Plan) -> AsyncIterator[list[int] | ParentRecord]:
+        """Stage 1 of ``plan`` as a parent: yields token batches as P samples them, then
+        the finished :class:`ParentRecord` (registered before stage 1 starts, so a
+        continuation can wait for it). ``plan.path`` COLOCATED: P holds it for
+        continuations on P; else P exports it to a D and holds the export."""
+        t0 = time.perf_counter()
+        p = await self.pool.pick_prefill(plan.deadline)
+        local = plan.path == common_pb2.PATH_COLOCATED
+        record = ParentRecord(plan.request_id, self.config.model_name, list(plan.prompt_ids),
+                              prefill=p.address, prefill_ep=p, local=local, stage1=plan.stage1)
+        registry = self.registry
+        registry.add(record)
+        try:
+            cap = p.capacity
+            releases: dict[int, tuple[Endpoint, list[str]]] = {}
+            if cap is not None:
+                record.num_blocks = math.ceil(
+                    (len(plan.prompt_ids) + plan.stage1.max_tokens) / cap.block_size)
+                # Chosen, marked and counted now, with this parent's reservation below
+                # and no await between: concurrent parents cannot take the room first.
+                releases = self._end_holds_for(record.num_blocks, cap.num_total_blocks)
+                record.not_held_reason = registry.may_hold(record.num_blocks,
+                                                           cap.num_total_blocks)
+            d = None if local else self._parent_target()
+            if not local and d is None and not record.not_held_reason:
+                record.not_held_reason = "no decode engine in rotation to address it to"
+            hold = not record.not_held_reason
+            if not hold:
+                logger.info("parent %s not held: %s", record.parent_id, record.not_held_reason)
+            if hold:
+                record.decode = d
+                # Counted now (estimate), corrected when stage 1 says how many.
+                registry.hold(record, time.time() + 3600.0)
+            await self._send_releases(list(releases.values()))
+            export = hold and not local
+            out = Outcome(plan, p.address, d.address if export else None)
+            record.thinking_logprobs = out.thinking_logprobs  # grows as P samples
+            handoff = None
+            async for item in self.stages.stage1(p, d if export else None, plan, out,
+                                                 export=export, hold=hold,
+                                                 hold_s=self.config.parent_hold_s):
+                if isinstance(item, list):
+                    yield item
+                else:
+                    handoff = item
+            record.thinking_ids = out.thinking_ids
+            record.finish_reason = out.stage1_finish_reason
+            record.stage1_ms = (time.perf_counter() - t0) * 1e3
+            if hold:
+                registry.unhold(record)
+                if export and handoff is None:
+                    record.not_held_reason = "P exported no handoff"
+                elif local and not out.held_until:
+                    record.not_held_reason = "P did not hold it (its beam fork is off)"
+                elif export:
+                    record.handoff = handoff
+                    record.num_blocks = handoff.num_blocks
+                    record.held_until = handoff.lease_expires_at
+                else:
+                    record.num_blocks = math.ceil(
+                        (len(record.prompt_ids) + len(record.thinking_ids) - 1)
+                        / cap.block_size) if cap is not None else record.num_blocks
+                    record.held_until = out.held_until
+                if record.held_until:
+                    registry.hold(record, record.held_until)
+        except BaseException as e:
+            record.error = str(e) or type(e).__name__
+            # P's blocks (if it exported before failing) come back at its lease end.
+            registry.unhold(record)
+            registry.discard(record.parent_id)
+            raise
+        finally:
+            record.done.set()
+        yield record
+
+    def _end_holds_for(self, num_blocks: int, p_total_blocks: int
+                       ) -> dict[int, tuple[Endpoint, list[str]]]:
+        """End the holds of idle parents (least recently used first) when a new parent
+        of ``num_blocks`` would not fit in the share: they are marked not held and their
+        blocks uncounted now (a continuation starting meanwhile recomputes, never reads
+        blocks being freed); returns what to tell each P (``_send_releases``)."""
+        records = self.registry.to_release(num_blocks, p_total_blocks)
+        by_prefill: dict[int, tuple[Endpoint, list[str]]] = {}
+        for r in records:
+            r.not_held_reason = "released early: P's share for held parents was needed"
+            self.registry.unhold(r)
+            self.registry.evictions["released"] += 1
+            by_prefill.setdefault(id(r.prefill_ep), (r.prefill_ep, []))[1].append(r.held_name)
+        if records:
+            logger.info("releasing %d held parents early for a new one: %s", len(records),
+                        ", ".join(r.parent_id for r in records))
+        return by_prefill
+
+    async def _send_releases(self, releases: list[tuple[Endpoint, list[str]]]) -> None:
+        """Tell each P which holds end now; a failed Release leaves their blocks to
+        their lease end (already uncounted: the share may exceed by that, briefly)."""
+        for ep, names in releases:
+            try:
+                await self.stages.release(ep, names)
+            except Exception as e:  # their blocks come back at their leases' end
+                logger.warning("Release on %s failed (%s): %d held parents kept until "
+                               "their leases end", ep.address, e, len(names))
+
+    def _parent_target(self) -> Endpoint | None:
+        """The D a parent's handoff is addressed to: the one in rotation with the most
+        room (its continuations run there while P holds the parent)."""
+        live = [ep for ep in self.pool.decode if ep.takes_work]
+        return max(live, key=lambda ep: (ep.num_unclaimed_blocks, -ep.outstanding),
+                   default=None)
+
+    async def _parent_of(self, req: router_pb2.ContinueRequest,
+                         deadline: float | None) -> ParentRecord:
+        """The finished parent ``req`` names (waiting for its stage 1, within
+        ``deadline``), or the status that says why there is none."""
+        counts = self.registry.continuations
+        if not req.parent_id:
+            raise InvalidRequest("parent_id", "is empty")
+        record = self.registry.get(req.parent_id)
+        if record is None:
+            counts["not_found"] += 1
+            raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                             f"parent {req.parent_id!r} is unknown: never served here, or "
+                             f"forgotten (parents live {self.config.parent_ttl_s:g} s after "
+                             f"their last use, at most {self.config.max_parents})")
+        if req.model and record.model not in {req.model, Path(req.model).name}:
+            counts["refused"] += 1
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"parent {req.parent_id!r} ran under model {record.model!r}, "
+                             f"not {req.model!r}")
+        if not record.done.is_set():
+            logger.info("continuation of %s waits for its parent's stage 1", req.parent_id)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await asyncio.wait_for(record.done.wait(), timeout)  # TimeoutError: DEADLINE
+        if record.error:
+            counts["refused"] += 1
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"parent {req.parent_id!r} failed: {record.error}")
+        return record
+
+    async def run_continuation(self, req: router_pb2.ContinueRequest,
+                               deadline: float | None) -> router_pb2.GenerateResponse:
+        """Stage 2 of ``req``'s parent (see the module docstring)."""
+        received_at = time.perf_counter()
+        if req.timeout_ms:
+            t = time.monotonic() + req.timeout_ms / 1e3
+            deadline = t if deadline is None else min(deadline, t)
+        record = await self._parent_of(req, deadline)
+        plan = self._continuation_plan(req, record, deadline)
+        t0 = time.perf_counter()
+        out = Outcome(plan, record.prefill, None, thinking_ids=list(record.thinking_ids),
+                      stage1_finish_reason=record.finish_reason)
+        request = self.stages.stage2_request(plan, out)
+        claim = None
+        # In use from here: never released early while this continuation may read it.
+        record.in_use += 1
+        why_not = record.why_not_importable()
+        try:
+            if not why_not and record.local:
+                # P holds it: stage 2 on that P copies from the held blocks.
+                request.held_parent = record.held_name
+                out.decode = record.prefill
+                out.stage2 = await self.stages.stage2(record.prefill_ep, None, request, plan,
+                                                      out)
+            elif not why_not:
+                claim = await self.pool.pick_decode(len(request.prompt_token_ids), plan.beam,
+                                                    plan.deadline, only=[record.decode])
+                request.handoff.CopyFrom(record.handoff)
+                claim = await self.executor.stage2_or_recompute(
+                    claim.endpoint, claim, request, plan, out, True, recompute=not req.strict)
+            elif req.strict:
+                self.registry.continuations["refused"] += 1
+                raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"parent {req.parent_id!r} cannot be imported: {why_not} "
+                                 "(strict: not recomputed)")
+            else:
+                logger.info("continuation of %s recomputed: %s", req.parent_id, why_not)
+                out.failed_decode, out.handoff_failure = "", f"parent not held: {why_not}"
+                await self.executor.stage2_anywhere(request, plan, out)
+        finally:
+            record.in_use -= 1
+            if claim is not None:
+                claim.release()
+        out.total_ms = (time.perf_counter() - t0) * 1e3
+        resp = to_response(out, self.tokens.tokenizer, received_at)
+        resp.parent_id = record.parent_id
+        if record.stage1 is not None:
+            resp.stage1_seed = record.stage1.seed or 0
+            resp.stage1_positional = record.stage1.positional
+        resp.stats.num_parent_tokens = len(record.prompt_ids) + len(record.thinking_ids)
+        outcome = "recomputed" if resp.stats.recomputed else "imported"
+        self.registry.continuations[outcome] += 1
+        return resp
+
+    async def run_prompt_beams(self, prompt_ids: list[int], beam: BeamParams,
+                               request_id: str, deadline: float | None
+                               ) -> router_pb2.GenerateResponse:
+        """Beam search over a whole prompt on a D, nothing imported: what a client gets
+        that sends stage 2 as a brand-new text request."""
+        received_at = time.perf_counter()
+        cap = next((ep.capacity for ep in self.pool.decode if ep.capacity), None)
+        if cap is not None:
+            validate_prompt(prompt_ids, vocab_size=cap.vocab_size,
+                            max_model_len=cap.max_model_len, num_new_tokens=beam.max_tokens)
+        elif not prompt_ids:
+            raise InvalidRequest("prompt", "is empty")
+        plan = Plan(request_id or f"b{next(self._ids)}", list(prompt_ids), [],
+                    Stage1Params(max_tokens=1), beam, common_pb2.PATH_HANDOFF, deadline)
+        t0 = time.perf_counter()
+        out = Outcome(plan, "", None)
+        await self.executor.stage2_anywhere(self.stages.stage2_request(plan, out), plan, out)
+        out.total_ms = (time.perf_counter() - t0) * 1e3
+        return to_response(out, self.tokens.tokenizer, received_at)
+
+    def _continuation_plan(self, req: router_pb2.ContinueRequest, record: ParentRecord,
+                           deadline: float | None) -> Plan:
+        suffix = suffix_ids_of(req, self.tokens)
+        beam = convert.beam_from_pb(req.beam)
+        cap = next((ep.capacity for ep in self.pool.endpoints if ep.capacity), None)
+        sampling = None
+        if req.HasField("sampling"):
+            sampling = sampling_of(req.sampling, self.config.positional_sampling)
+            # What D's blocks are claimed for: one sequence of that many tokens.
+            beam = BeamParams(beam_width=1, max_tokens=sampling.max_tokens)
+            if cap is not None:
+                validate_token_ids(list(sampling.stop_token_ids), vocab_size=cap.vocab_size,
+                                   field_name="sampling.stop_token_ids")
+        if cap is not None:
+            validate_token_ids(suffix, vocab_size=cap.vocab_size, field_name="suffix")
+            validate_prompt(continuation_prompt(record.prompt_ids + record.thinking_ids, suffix,
+                                                self.tokens.think_end_id),
+                            vocab_size=cap.vocab_size, max_model_len=cap.max_model_len,
+                            num_new_tokens=beam.max_tokens)
+        request_id = req.request_id or f"{record.parent_id}-c{next(self._ids)}"
+        if len(request_id) > 128:
+            raise InvalidRequest("request_id", "longer than 128 characters")
+        return Plan(request_id, list(record.prompt_ids), suffix, Stage1Params(max_tokens=1),
+                    beam, common_pb2.PATH_COLOCATED if record.local else common_pb2.PATH_HANDOFF,
+                    deadline, stage2_sampling=sampling)

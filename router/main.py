@@ -1,0 +1,77 @@
+"""``kvhandoff serve --role router``: the router's process. It wires the parts and the
+fronts: one :class:`~router.core.Router`, one :class:`~router.api.RouterAPI` (one guard
+for every front), the gRPC service, optionally the HTTP front and the Prometheus
+endpoint; serves until SIGTERM/SIGINT and then stops the fronts first, the engines'
+channels last."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from kvhandoff.tls import ServerTLS
+from kvhandoff.v1 import router_pb2, router_pb2_grpc
+from router.api import RouterAPI
+from router.config import RouterConfig
+from router.core import Router
+from router.http import serve_http
+from router.metrics import RouterMetrics
+from router.service import RouterServicer
+from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal, watch_loop_lag
+
+
+async def _wait_for_engines(router: Router) -> None:
+    """Until a P (and a D, if any are configured) answers; engines that are down are
+    skipped until they answer."""
+    while True:
+        await router.refresh_capacity()
+        if any(ep.capacity for ep in router.prefill) and (
+                not router.decode or any(ep.capacity for ep in router.decode)):
+            return
+        await asyncio.sleep(0.5)
+
+
+async def serve_router(config: RouterConfig, host: str, port: int,
+                       metrics_port: int | None = None, tls: ServerTLS | None = None,
+                       http_port: int | None = None, api_key: str | None = None) -> None:
+    """Serve the Router over gRPC (and, with ``http_port``, the OpenAI-compatible HTTP
+    front, with the same ``tls`` and, when given, ``api_key``) until SIGTERM/SIGINT."""
+    router = Router(config)
+    metrics = RouterMetrics()
+    metrics.track_engines(router)
+    api = RouterAPI(router, metrics)
+    if metrics_port is not None:
+        bound_metrics = metrics.serve(host, metrics_port)
+        print(f"kvhandoff router metrics on http://{host}:{bound_metrics}/metrics", flush=True)
+    service = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+    server, health, bound = await start_server(
+        lambda s: router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(api), s),
+        service, host, port, tls)
+    # SERVING once a prefill engine (and a decode engine, if any) answers.
+    await _wait_for_engines(router)
+    if config.warm_up:
+        await router.warm_up()
+    poller = asyncio.create_task(router.poll_capacity())
+    lag = asyncio.create_task(watch_loop_lag(metrics.loop_lag, "router"))
+    http = None
+    if http_port is not None:
+        http, http_task, bound_http = await serve_http(api, host, http_port, tls, api_key)
+        scheme = "https" if tls is not None else "http"
+        print(f"kvhandoff router HTTP (OpenAI-compatible) on {scheme}://{host}:{bound_http}"
+              f"{' (API key required)' if api_key else ''}", flush=True)
+    await set_serving(health, service, True)
+    print(f"kvhandoff router serving on {host}:{bound}", flush=True)
+    try:
+        await wait_for_shutdown_signal()
+    finally:
+        if http is not None:
+            http.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(http_task, 5)
+        await health.enter_graceful_shutdown()
+        await server.stop(grace=2.0)
+        for task in (poller, lag):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await router.close()

@@ -1,0 +1,206 @@
+"""The move desk: the table of requests running now, and what moves them while they run
+(``Router.Move``: stage 1 stopped on its P after its next token and continued on its D or
+on another P; ``Router.Drain``: every movable request off an engine, the rest finished in
+place). The desk asks P to stop; the request's own run (``router.executor``) then carries
+it to its destination, reading :class:`Running`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from kvhandoff.v1 import common_pb2, router_pb2
+from router.endpoint import Claim, Endpoint
+from router.errors import RouterError, grpc_error
+from router.plan import Plan
+from router.pool import EnginePool
+from router.stages import StageCalls
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Running:
+    """A two-stage request from its start to its end. Written by its run; the desk reads
+    it and writes only the move fields (``move_reason``, ``move_to``)."""
+
+    plan: Plan
+    #: The P running stage 1 (another one after a resume or a move).
+    p: Endpoint
+    #: Its D, and its room there (None before it has one, or when it needs none).
+    d: Endpoint | None
+    claim: Claim | None = None
+    #: Stage 1's request id on ``p`` (what P's Stop names).
+    s1_id: str = ""
+    stage: int = 1
+    #: "move" or "drain" once a move was asked for (until the destination streams).
+    move_reason: str = ""
+    #: The P a move asked for goes to (None: the request's D).
+    move_to: Endpoint | None = None
+    #: Stage 1 was finished on ``d`` (P died with no other P to resume on): D's prefix
+    #: cache holds the parent, stage 2 needs no handoff.
+    stage1_on_d: bool = False
+    #: Set when the request ended; ``error`` then says how it ended.
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    error: BaseException | None = None
+
+    @property
+    def move_asked(self) -> bool:
+        return bool(self.move_reason)
+
+    def uses(self, ep: Endpoint) -> bool:
+        return ep is self.p if self.stage == 1 else ep is self.d
+
+    def set_claim(self, claim: Claim | None) -> None:
+        """Hold ``claim`` (on its D) instead of the one held before, which is released."""
+        if self.claim is not None and self.claim is not claim:
+            self.claim.release()
+        self.claim = claim
+        self.d = claim.endpoint if claim is not None else self.d
+
+    def why_not_movable(self) -> str:
+        """Why it cannot move to its D ("" when it can)."""
+        if self.stage != 1:
+            return "is past stage 1"
+        if self.d is None:
+            return ("has no D yet" if self.plan.path == common_pb2.PATH_HANDOFF
+                    else "runs colocated: no D to move it to")
+        stage1 = self.plan.stage1
+        if not (stage1.positional or stage1.temperature == 0):  # greedy is positional too
+            return ("samples with vLLM's own sampling: moved, its tokens would change (use "
+                    "positional sampling)")
+        if self.move_asked:
+            return "is already being moved"
+        if not self.d.takes_work:
+            return (f"cannot move: its D {self.d.address} is "
+                    f"{'drained' if self.d.draining else 'out of rotation'}")
+        return ""
+
+
+class MoveDesk:
+    def __init__(self, pool: EnginePool, stages: StageCalls):
+        self.pool, self.stages = pool, stages
+        self._running: dict[str, Running] = {}
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    @contextlib.contextmanager
+    def track(self, running: Running) -> Iterator[None]:
+        """``running`` is in the table while the block runs (unless its id is taken: a
+        request that reuses a running one's id is not movable by it); on the way out its
+        ``error`` and ``done`` are set."""
+        rid = running.plan.request_id
+        tracked = self._running.setdefault(rid, running) is running
+        try:
+            yield
+        except BaseException as e:
+            running.error = e
+            raise
+        finally:
+            if tracked:
+                del self._running[rid]
+            running.done.set()
+
+    async def move(self, request_id: str, reason: str = "move",
+                   to: str = "") -> router_pb2.MoveResponse:
+        """Router.Move: ask P to stop ``request_id``'s stage 1 after its next token; its
+        run then goes on at the destination: the D it is planned for, or the P at
+        address ``to``."""
+        running = self._running.get(request_id)
+        if running is None:
+            raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                             f"request {request_id!r} is not running here")
+        why_not = running.why_not_movable()
+        if why_not:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"request {request_id!r} {why_not}")
+        dest = None
+        if to and to != running.d.address:
+            dest = next((ep for ep in self.pool.prefill if ep.address == to), None)
+            why_not = self._why_not_to(dest, running, to)
+            if why_not:
+                code = (grpc.StatusCode.NOT_FOUND if why_not.startswith("unknown")
+                        else grpc.StatusCode.FAILED_PRECONDITION)
+                raise grpc_error(code, f"request {request_id!r} cannot move to {to}: "
+                                       f"{why_not}")
+        running.move_reason, running.move_to = reason, dest
+        try:
+            await self.stages.stop(running.p, running.s1_id,
+                                   dest.handoff_target if dest is not None else "")
+        except BaseException:
+            running.move_reason, running.move_to = "", None
+            raise
+        to_address = (dest or running.d).address
+        logger.info("%s: moving stage 1 from %s to %s (%s)", request_id, running.p.address,
+                    to_address, reason)
+        return router_pb2.MoveResponse(from_endpoint=running.p.address,
+                                       to_endpoint=to_address)
+
+    def _why_not_to(self, dest: Endpoint | None, running: Running, to: str) -> str:
+        """Why ``running`` cannot move to the P at ``to`` ("" when it can)."""
+        if dest is None:
+            if self.pool.find(to) is not None:
+                return "stage 1 moves to another prefill engine or to the request's own D"
+            return f"unknown engine (this router's: {self.pool.known()})"
+        if dest is running.p:
+            return "stage 1 already runs there"
+        if not dest.takes_work:
+            return "it is " + ("drained" if dest.draining else "out of rotation")
+        return ""
+
+    async def drain(self, address: str, timeout_s: float = 300.0,
+                    undo: bool = False) -> router_pb2.DrainResponse:
+        """Router.Drain: no new work goes to the engine at ``address``; its running stage
+        1s that can move go to their D (reason "drain"), the rest finish where they are.
+        Returns once none of this router's requests use the engine (parents and
+        continuations included), or after ``timeout_s``. ``undo``: back into rotation."""
+        ep = self.pool.find(address)
+        if ep is None:
+            raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                             f"engine {address!r} is not one of this router's "
+                             f"({self.pool.known()})")
+        t0 = time.monotonic()
+        if undo:
+            ep.draining = False
+            logger.info("%s takes new work again (drain undone)", address)
+            self.pool.room_changed()
+            return router_pb2.DrainResponse(endpoint=address, empty=True)
+        ep.draining = True
+        affected = [r for r in self._running.values() if r.uses(ep) or r.d is ep]
+        logger.info("draining %s: %d running requests use it", address, len(affected))
+        moved, in_place = 0, 0
+        for r in affected:
+            if r.stage == 1 and r.p is ep and not r.why_not_movable():
+                try:
+                    await self.move(r.plan.request_id, reason="drain")
+                    moved += 1
+                    continue
+                except (RouterError, grpc.aio.AioRpcError) as e:
+                    logger.warning("drain of %s: %s not moved (%s)", address,
+                                   r.plan.request_id, e)
+            in_place += 1
+
+        def busy() -> bool:
+            return ep.outstanding > 0 or any(
+                not r.done.is_set() and (r.uses(ep) or (r.stage == 1 and r.d is ep))
+                for r in affected)
+
+        deadline = t0 + timeout_s
+        while busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        failed = sum(1 for r in affected if r.done.is_set() and r.error is not None)
+        summary = router_pb2.DrainResponse(
+            endpoint=address, moved=moved, finished_in_place=in_place, failed=failed,
+            empty=not busy(), seconds=time.monotonic() - t0)
+        logger.info("drained %s in %.2f s: %d moved, %d finished in place, %d failed%s",
+                    address, summary.seconds, moved, in_place, failed,
+                    "" if summary.empty else " (NOT empty at the timeout)")
+        return summary
