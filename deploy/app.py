@@ -18,6 +18,9 @@ from deploy.args import AppArgs, RoleArgs
 from deploy.engine_server import EngineServer
 from deploy.router_server import RouterServer
 
+#: Calls a router replica takes beyond ``max_inflight`` (Move, Drain, health checks).
+CONTROL_CALLS = 16
+
 #: What Serve's gRPC proxy needs (``grpc_options.grpc_servicer_functions``).
 GRPC_SERVICER_FUNCTIONS = ["kvhandoff.v1.router_pb2_grpc.add_RouterServicer_to_server"]
 
@@ -92,6 +95,10 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         a.decode.engine.side_channel_host, a.decode.engine.side_channel_port)
     return RouterServer.options(
         name="Router", num_replicas=a.router.num_replicas,
+        # Above max_inflight: calls reach the router's own admission, which refuses the
+        # excess at once (RESOURCE_EXHAUSTED), instead of waiting in Serve's queue; the
+        # margin lets Move and Drain through a full router.
+        max_ongoing_requests=a.router.max_inflight + CONTROL_CALLS,
         ray_actor_options={"num_cpus": a.router.num_cpus,
                            **({"resources": dict(a.router.resources)}
                               if a.router.resources else {})},

@@ -169,7 +169,9 @@ class RouterServer:
         """Requests this replica runs now (the flood tests read it)."""
         return self.api.inflight
 
-    def set_admission(self, enabled: bool) -> None:
-        """Turn the ``max_inflight`` guard off (False) or on: the flood test's control
-        only, to show what the guard prevents."""
-        self.api.admission.enabled = enabled
+    def set_max_inflight(self, limit: int | None) -> None:
+        """Change this replica's ``max_inflight`` while it serves; None turns the guard
+        off (the flood test's control: what the guard prevents)."""
+        if limit is not None and limit < 1:
+            raise ValueError("max_inflight must be positive (None: no limit)")
+        self.api.admission.limit = limit

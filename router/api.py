@@ -32,14 +32,14 @@ class Admission:
     wait queue inside the router has its own bound). Counted per front in ``metrics``."""
 
     def __init__(self, limit: int, metrics: RouterMetrics):
-        self.limit, self.metrics = limit, metrics
+        #: None: every request is admitted (no guard: what the flood tests' control runs).
+        self.limit: int | None = limit
+        self.metrics = metrics
         self.inflight = 0
-        #: When False every request is admitted (the flood tests' control only).
-        self.enabled = True
 
     @contextlib.contextmanager
     def admit(self, front: str) -> Iterator[None]:
-        if self.enabled and self.inflight >= self.limit:
+        if self.limit is not None and self.inflight >= self.limit:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{OVERLOAD_MESSAGE}: {self.limit} requests in flight (its "
                               "limit); retry later")

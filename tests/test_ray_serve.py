@@ -314,3 +314,68 @@ def test_a_killed_decode_replica_is_replaced(ray_app, proxy):
         assert "lease" in resp.stats.handoff_failure, resp.stats.handoff_failure
     else:
         assert_handed_off(resp)
+
+
+def _pools_clean_through_handles(timeout_s: float) -> None:
+    """Both engine deployments' pools hold no block and no request (asked over their
+    handles), within ``timeout_s``."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    for name in ("Prefill", "Decode"):
+        handle = serve.get_deployment_handle(name, APP)
+        while True:
+            cap = engine_pb2.Capacity.FromString(handle.capacity.remote().result(timeout_s=30))
+            clean = (cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs
+                     and not cap.num_waiting_reqs and not cap.num_reserved_blocks)
+            if clean:
+                break
+            assert time.monotonic() < deadline, f"{name} not clean: {cap}"
+            time.sleep(0.2)
+
+
+@pytest.mark.timeout(600)
+def test_a_flood_through_the_proxy_is_served_or_refused_at_once(ray_app, proxy):
+    """The Serve front has the standalone router's guard: with max_inflight 4, a flood of
+    16 mixed requests through Serve's gRPC proxy is served or refused RESOURCE_EXHAUSTED
+    at once, never more than 4 in flight on the router replica, the pools clean after.
+    The control: the same flood with the guard off runs more than 4 at once."""
+    from ray import serve
+
+    from tests.flood import InflightSampler, grpc_flood
+
+    router = serve.get_deployment_handle("Router", APP)
+    parents = []
+    for i in range(2):
+        req = router_pb2.ParentRequest()
+        req.prompt_token_ids.ids.extend(range(600 + i, 660 + i))
+        req.stage1.max_tokens, req.stage1.seed = 8, i
+        *_, last = proxy.StartParent(req, metadata=METADATA, timeout=300)
+        parents.append(last.parent.parent_id)
+
+    def flood(limit: int | None):
+        router.set_max_inflight.remote(limit).result(timeout_s=30)
+        with InflightSampler(lambda: router.inflight.remote().result(timeout_s=10),
+                             every_s=0.05) as inflight:
+            results = grpc_flood(proxy, 16, parents, metadata=METADATA, timeout_s=300)
+        return results, inflight
+
+    try:
+        results, inflight = flood(4)
+        refused = [r for r in results if not r.ok]
+        assert refused and len(refused) < len(results), results
+        for r in refused:
+            assert r.status == "RESOURCE_EXHAUSTED", r
+            assert "router busy: 4 requests in flight" in r.message and r.seconds < 5.0, r
+        assert inflight.samples > 5 and inflight.peak <= 4
+        results, inflight = flood(None)  # the control
+        assert all(r.ok for r in results), [r for r in results if not r.ok]
+        assert inflight.peak > 4
+    finally:
+        router.set_max_inflight.remote(ARGS["router"].get("max_inflight", 256)).result(
+            timeout_s=30)
+    resp = proxy.Generate(make_request(prompt=list(range(70, 130)), max_tokens=8, seed=2,
+                                       beam_width=2, path="handoff"),
+                          metadata=METADATA, timeout=300)
+    assert_handed_off(resp)
+    _pools_clean_through_handles(2 * ARGS["lease_s"] + 5)
