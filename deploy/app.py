@@ -25,7 +25,7 @@ CONTROL_CALLS = 16
 GRPC_SERVICER_FUNCTIONS = ["kvhandoff.v1.router_pb2_grpc.add_RouterServicer_to_server"]
 
 
-def _role_options(a: AppArgs, role: RoleArgs, name: str) -> dict[str, Any]:
+def role_options(a: AppArgs, role: RoleArgs, name: str) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": role.num_cpus, "num_gpus": a.gpus(role)}
     if role.resources:
         actor["resources"] = dict(role.resources)
@@ -45,6 +45,19 @@ def _role_options(a: AppArgs, role: RoleArgs, name: str) -> dict[str, Any]:
     else:
         opts["num_replicas"] = role.num_replicas
     return opts
+
+
+def router_options(a: AppArgs) -> dict[str, Any]:
+    return {
+        "name": "Router", "num_replicas": a.router.num_replicas,
+        # Above max_inflight: calls reach the router's own admission, which refuses the
+        # excess at once (RESOURCE_EXHAUSTED), instead of waiting in Serve's queue; the
+        # margin lets Move and Drain through a full router.
+        "max_ongoing_requests": a.router.max_inflight + CONTROL_CALLS,
+        "ray_actor_options": {"num_cpus": a.router.num_cpus,
+                              **({"resources": dict(a.router.resources)}
+                                 if a.router.resources else {})},
+    }
 
 
 def resources_needed(a: AppArgs) -> dict[str, float]:
@@ -81,10 +94,10 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
 
     if ray.is_initialized():  # serve run / serve deploy: the cluster is known here
         check_fits(a, ray.cluster_resources())
-    prefill = EngineServer.options(**_role_options(a, a.prefill, "Prefill")).bind(
+    prefill = EngineServer.options(**role_options(a, a.prefill, "Prefill")).bind(
         "prefill", a.model, a.engine_kwargs(a.prefill),
         a.prefill.engine.side_channel_host, a.prefill.engine.side_channel_port)
-    decode_opts = _role_options(a, a.decode, "Decode")
+    decode_opts = role_options(a, a.decode, "Decode")
     decode_opts["request_router_config"] = RequestRouterConfig(
         request_router_class="deploy.request_router:CapacityRouter",
         request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0)
@@ -93,14 +106,6 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     decode = EngineServer.options(**decode_opts).bind(
         "decode", a.model, {**a.engine_kwargs(a.decode), "handoff_group": "Decode"},
         a.decode.engine.side_channel_host, a.decode.engine.side_channel_port)
-    return RouterServer.options(
-        name="Router", num_replicas=a.router.num_replicas,
-        # Above max_inflight: calls reach the router's own admission, which refuses the
-        # excess at once (RESOURCE_EXHAUSTED), instead of waiting in Serve's queue; the
-        # margin lets Move and Drain through a full router.
-        max_ongoing_requests=a.router.max_inflight + CONTROL_CALLS,
-        ray_actor_options={"num_cpus": a.router.num_cpus,
-                           **({"resources": dict(a.router.resources)}
-                              if a.router.resources else {})},
-    ).bind(prefill, decode, a.model, a.router.colocated_below_tokens, a.router.max_beam_width,
-             a.router.max_inflight)
+    return RouterServer.options(**router_options(a)).bind(
+        prefill, decode, a.model, a.router.colocated_below_tokens, a.router.max_beam_width,
+        a.router.max_inflight)

@@ -12,7 +12,7 @@ FREE_PORT_FLOOR = 20000
 _ports_handed_out: set[int] = set()
 
 
-def _ephemeral_floor() -> int:
+def ephemeral_floor() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -29,7 +29,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     Never the same port twice in one process.
     """
     rng = random.SystemRandom()  # not the random module: tests seed it identically
-    floor = _ephemeral_floor()
+    floor = ephemeral_floor()
     for _ in range(200 if floor - FREE_PORT_FLOOR >= 1000 else 0):
         port = rng.randrange(FREE_PORT_FLOOR, floor)
         if port in _ports_handed_out:

@@ -78,14 +78,14 @@ def test_custom_resources_place_each_role_and_count_in_what_the_app_needs():
     """`resources` per role goes into the replicas' Ray options (how P and D land on
     different nodes) and into what the application needs; a cluster without such a
     node is refused naming the resource."""
-    from deploy.app import _role_options, check_fits, resources_needed
+    from deploy.app import check_fits, resources_needed, role_options
 
     args = AppArgs.model_validate({
         "device": "cpu", "prefill": {"num_cpus": 0.5, "resources": {"prefill_node": 1}},
         "decode": {"num_cpus": 0.5, "resources": {"decode_node": 1},
                    "engine": {"ucx_net_devices": "eth1"}},
         "router": {"num_cpus": 0.25, "resources": {"prefill_node": 0.1}}})
-    assert _role_options(args, args.prefill, "Prefill")["ray_actor_options"]["resources"] == {
+    assert role_options(args, args.prefill, "Prefill")["ray_actor_options"]["resources"] == {
         "prefill_node": 1}
     assert resources_needed(args) == {"CPU": 1.25, "GPU": 0.0, "prefill_node": 1.1,
                                       "decode_node": 1.0}
@@ -94,3 +94,13 @@ def test_custom_resources_place_each_role_and_count_in_what_the_app_needs():
     check_fits(args, {"CPU": 4.0, "prefill_node": 2.0, "decode_node": 1.0})
     with pytest.raises(ValueError, match=r"needs 1 decode_nodes .* has 0"):
         check_fits(args, {"CPU": 4.0, "prefill_node": 2.0})
+
+
+def test_the_router_replica_takes_more_calls_than_its_max_inflight():
+    """Serve queues calls beyond a replica's ``max_ongoing_requests`` with no time bound:
+    the router's must be above ``router.max_inflight`` for its own guard to answer the
+    excess at once (tests/test_ray_serve.py floods it)."""
+    from deploy.app import CONTROL_CALLS, router_options
+
+    opts = router_options(AppArgs.model_validate({"router": {"max_inflight": 7}}))
+    assert opts["name"] == "Router" and opts["max_ongoing_requests"] == 7 + CONTROL_CALLS

@@ -50,11 +50,11 @@ def test_engines_start_with_onednns_primitive_cache_bounded(model_dir, monkeypat
 
 
 def test_free_ports_are_distinct_bindable_and_not_ephemeral():
-    from kvhandoff.ports import FREE_PORT_FLOOR, _ephemeral_floor, free_port
+    from kvhandoff.ports import FREE_PORT_FLOOR, ephemeral_floor, free_port
 
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)
-    assert all(FREE_PORT_FLOOR <= p < _ephemeral_floor() for p in ports)
+    assert all(FREE_PORT_FLOOR <= p < ephemeral_floor() for p in ports)
     for port in ports[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
