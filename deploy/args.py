@@ -61,6 +61,9 @@ class EngineArgs(_Strict):
     #: UCX_NET_DEVICES for NIXL's READs (e.g. "mlx5_0:1", "eth1"); None: UCX's choice,
     #: every interface (what P and D on different nodes need); "lo": one machine only.
     ucx_net_devices: str | None = None
+    #: Accept requests that name an injected fault of ``connector.faults`` (the tests'
+    #: negative controls only; ``kvhandoff serve --fault-injection``).
+    fault_injection: bool = False
 
     @model_validator(mode="after")
     def _block_size(self) -> EngineArgs:
@@ -202,4 +205,6 @@ class AppArgs(_Strict):
         kw["cpu_threads"] = e.cpu_threads if self.device == "cpu" else None
         # Replicas may land on different nodes: UCX gets every interface unless told.
         kw["ucx_net_devices"] = e.ucx_net_devices
+        if e.fault_injection:
+            kw["fault_injection"] = True
         return kw

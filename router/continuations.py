@@ -45,7 +45,7 @@ from router.endpoint import Endpoint
 from router.errors import grpc_error
 from router.executor import Executor
 from router.parents import ParentRecord, ParentRegistry
-from router.plan import Outcome, Plan, sampling_of, suffix_ids_of, to_response
+from router.plan import Outcome, Plan, fault_of, sampling_of, suffix_ids_of, to_response
 from router.pool import EnginePool
 from router.stages import StageCalls
 from server import convert
@@ -297,4 +297,4 @@ class Continuations:
             raise InvalidRequest("request_id", "longer than 128 characters")
         return Plan(request_id, list(record.prompt_ids), suffix, Stage1Params(max_tokens=1),
                     beam, common_pb2.PATH_COLOCATED if record.local else common_pb2.PATH_HANDOFF,
-                    deadline, stage2_sampling=sampling)
+                    deadline, stage2_sampling=sampling, fault=fault_of(req))

@@ -266,7 +266,7 @@ class HttpFront:
     async def _continuation(self, body: CompletionRequest) -> JSONResponse:
         req = router_pb2.ContinueRequest(parent_id=body.continuation_of,
                                          strict=body.continuation_strict,
-                                         model=body.model or "")
+                                         model=body.model or "", fault=body.fault or "")
         suffix = body.continuation_suffix
         if isinstance(suffix, str):
             req.suffix_text = suffix

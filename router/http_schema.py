@@ -68,6 +68,9 @@ class CompletionRequest(BaseModel):
     continuation_suffix: str | list[int] | None = None
     #: Refuse rather than recompute when the parent's blocks are gone.
     continuation_strict: bool = False
+    #: Negative controls only: a fault of connector.faults injected into the
+    #: continuation's import (the decode engine must run with --fault-injection).
+    fault: str | None = None
 
 
 def error_response(code: grpc.StatusCode, message: str, param: str | None = None

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from connector.faults import FAULTS
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import (
     BeamParams,
@@ -42,6 +43,17 @@ class Plan:
     #: A continuation that samples instead of beam search (``beam`` is then its shape:
     #: width 1, the sampled tokens, which is what D's blocks are claimed for).
     stage2_sampling: Stage1Params | None = None
+    #: An injected fault of ``connector.faults`` (negative controls; "" none), sent to
+    #: the engine of its side: P with its export, D with its import.
+    fault: str = ""
+
+    @property
+    def export_fault(self) -> str:
+        return self.fault if self.fault and FAULTS[self.fault].side == "prefill" else ""
+
+    @property
+    def import_fault(self) -> str:
+        return self.fault if self.fault and FAULTS[self.fault].side != "prefill" else ""
 
 
 @dataclass
@@ -141,7 +153,17 @@ def plan_request(req: router_pb2.GenerateRequest, deadline: float | None, *,
                 else common_pb2.PATH_HANDOFF)
     if path == common_pb2.PATH_HANDOFF and not has_decode:
         raise InvalidRequest("path", "no decode engine is configured")
-    return Plan(request_id, prompt, suffix, stage1, beam, path, deadline)
+    return Plan(request_id, prompt, suffix, stage1, beam, path, deadline,
+                fault=fault_of(req))
+
+
+def fault_of(req: router_pb2.GenerateRequest | router_pb2.ContinueRequest) -> str:
+    """The fault a request names (checked against ``connector.faults``; the engines
+    refuse it unless they run with --fault-injection)."""
+    if req.fault and req.fault not in FAULTS:
+        raise InvalidRequest("fault", f"unknown fault {req.fault!r}; known: "
+                                      f"{', '.join(FAULTS)}")
+    return req.fault
 
 
 def to_response(out: Outcome, tokenizer: Any,

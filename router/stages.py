@@ -68,7 +68,8 @@ class StageCalls:
         request = engine_pb2.Stage1Request(
             request_id=request_id or f"{plan.request_id}-s1", prompt_token_ids=prompt,
             sampling=convert.stage1_to_pb(params), export=export, hold=hold, hold_s=hold_s,
-            target_engine_id=d.handoff_target if d is not None else "")
+            target_engine_id=d.handoff_target if d is not None else "",
+            fault=plan.export_fault if export else "")
         if import_from is not None:
             request.handoff.CopyFrom(import_from)
         p.outstanding += 1
@@ -128,6 +129,7 @@ class StageCalls:
             + out.thinking_ids[:start], sampling=convert.stage1_to_pb(rest))
         if handoff is not None:
             request.handoff.CopyFrom(handoff)
+            request.fault = plan.import_fault
         first_at, resp = None, None
         # Listed from the start: a move whose destination fails stays in the record.
         move = router_pb2.Move(from_endpoint=out.prefill, to_endpoint=d.address, at_token=t,
@@ -190,6 +192,8 @@ class StageCalls:
         """Stage 2 on ``ep`` (a D, or the P holding a parent), ``claim`` marked sent."""
         if claim is not None:
             claim.mark_sent()
+        # Into an import only (a recompute, with its handoff cleared, has none).
+        request.fault = plan.import_fault if request.HasField("handoff") else ""
         ep.outstanding += 1
         waiting_since = time.perf_counter()
         try:

@@ -86,6 +86,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     list(request.prompt_token_ids), params, request.request_id,
                     export=request.export, target=request.target_engine_id,
                     hold=request.hold and (request.hold_s or True), handoff=handoff,
+                    fault=request.fault or None,
                 ):
                     if result is None:
                         yield engine_pb2.Stage1Event(
@@ -148,6 +149,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             sampling = engine_pb.stage1_from_pb(request.sampling)
             beam = BeamParams(beam_width=1, max_tokens=sampling.max_tokens)
         prompt = list(request.prompt_token_ids)
+        if request.fault and not request.HasField("handoff"):
+            raise InvalidRequest("fault", "a fault is injected into an import: it needs a "
+                                          "handoff")
         with self._track(request.request_id):
             if request.HasField("handoff"):
                 if self.role != "decode":
@@ -158,7 +162,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 try:
                     result = await self.engine.run_stage2(
                         prompt, beam, request.request_id, handoff=ImportRequest.for_beams(
-                            engine_pb.handoff_from_pb(request.handoff), beam),
+                            engine_pb.handoff_from_pb(request.handoff), beam,
+                            fault=request.fault or None),
                         sampling=sampling, on_tokens=on_tokens)
                 except Exception:
                     self.counts.import_failures += 1

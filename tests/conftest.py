@@ -160,13 +160,20 @@ CLUSTER_LEASE_S = 30
 
 @pytest.fixture
 def cluster(model_dir, tmp_path_factory):
-    """P, D and the router as separate `kvhandoff serve` processes on loopback."""
+    """P, D and the router as separate `kvhandoff serve` processes on loopback; the
+    engines take injected faults (``--fault-injection``: the end-to-end negative
+    controls), the router serves HTTP too (``http``: its base URL)."""
+    from kvhandoff.ports import free_port
     from tools.launch import local_cluster
 
     def start():
+        http_port = free_port()
         cm = local_cluster(model_dir, tmp_path_factory.mktemp("cluster-logs"),
-                           decode_mib=CLUSTER_D_MIB, prefill_mib=64, lease_s=CLUSTER_LEASE_S)
-        return cm.__enter__(), lambda: cm.__exit__(None, None, None)
+                           decode_mib=CLUSTER_D_MIB, prefill_mib=64, lease_s=CLUSTER_LEASE_S,
+                           engine_flags=("--fault-injection",),
+                           router_flags=("--http-port", str(http_port)))
+        return ({**cm.__enter__(), "http": f"http://127.0.0.1:{http_port}"},
+                lambda: cm.__exit__(None, None, None))
 
     return _GROUPS["cluster"].get(start)
 
@@ -178,11 +185,11 @@ FAMILY_LEASE_S = 12
 
 @pytest.fixture
 def family(model_dir, tmp_path_factory):
-    """P, D and three routers over them (tests/test_continuation.py, tests/test_http.py):
+    """P, D and five routers over them (tests/test_continuation.py, tests/test_http.py):
     ``router`` with defaults and the HTTP front (``http``: its base URL); ``noshare``, no
-    share of P's pool for held parents; ``small``, a registry of two parents that live
-    3 s; ``solo``, P alone (a deployment with a single engine); ``tight``, a share of
-    P's pool that holds one parent."""
+    share of P's pool for held parents (its HTTP front: ``noshare_http``); ``small``, a
+    registry of two parents that live 3 s; ``solo``, P alone (a deployment with a single
+    engine); ``tight``, a share of P's pool that holds one parent."""
 
     def start():
         from kvhandoff.ports import free_port
@@ -195,7 +202,9 @@ def family(model_dir, tmp_path_factory):
         cluster = cm.__enter__()
         engines = ["--model", model_dir, "--prefill", cluster["prefill"].address,
                    "--decode", cluster["decode"][0].address, "--no-warm-up"]
-        extra = [spawn("router", free_port(), [*engines, "--parent-pool-share", "0"], log_dir,
+        noshare_http = free_port()
+        extra = [spawn("router", free_port(), [*engines, "--parent-pool-share", "0",
+                                               "--http-port", str(noshare_http)], log_dir,
                        "router-noshare"),
                  spawn("router", free_port(), [*engines, "--max-parents", "2",
                                                "--parent-ttl-s", "3"], log_dir, "router-small"),
@@ -215,7 +224,9 @@ def family(model_dir, tmp_path_factory):
             close()
             raise
         return ({**cluster, "http": f"http://127.0.0.1:{http_port}",
-                 "noshare": extra[0].address, "small": extra[1].address,
+                 "noshare": extra[0].address,
+                 "noshare_http": f"http://127.0.0.1:{noshare_http}",
+                 "small": extra[1].address,
                  "solo": extra[2].address, "tight": extra[3].address,
                  "tight_metrics": extra[3].metrics_url,
                  "small_metrics": extra[1].metrics_url}, close)

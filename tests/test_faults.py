@@ -16,7 +16,7 @@ import pytest
 
 from kvhandoff.v1 import engine_pb2
 from tests.conftest import engine_stub
-from tests.utils import assert_servers_clean, long_stage1_request, metric_sum
+from tests.utils import assert_identical, assert_servers_clean, long_stage1_request, metric_sum
 from tools.client import RouterClient, make_request
 
 pytestmark = [pytest.mark.engines, pytest.mark.fault]
@@ -32,8 +32,9 @@ def fleet(model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("fault-logs")
     secret = log_dir / "handoff.secret"
     secret.write_text(secrets.token_hex(32))
+    # --fault-injection: the move test's negative control injects one through the router.
     engine = ["--model", model_dir, "--lease-s", str(LEASE_S),
-              "--handoff-secret-file", str(secret)]
+              "--handoff-secret-file", str(secret), "--fault-injection"]
     servers = []
     try:
         p = spawn("prefill", free_port(), [*engine, "--kv-cache-mib", "64"], log_dir)
@@ -160,25 +161,32 @@ def _router_sees(fleet, server, up: bool, timeout_s: float = 30.0) -> None:
 
 
 @pytest.mark.migration
-def test_a_request_moved_p_to_p_then_to_d_streams_on_and_equals_not_moving(fleet):
+@pytest.mark.parametrize("fault", [None, "zero-block"])
+def test_a_request_moved_p_to_p_then_to_d_streams_on_and_equals_not_moving(fleet, fault):
     """Router.Move to the other P after 20 streamed tokens: the first P stops after its
     next token and exports (its handoff addressed and signed to the other P), which
     checks and imports the tokens so far, samples on and is moved from again, to D,
     after 20 more. The stream has each token once, stage 1 and the beams equal the run
     that never moved, the response lists both moves with what each imported, and every
     pool ends clean. Refused while it runs: a destination the router does not know
-    (NOT_FOUND) and the P it runs on (FAILED_PRECONDITION)."""
+    (NOT_FOUND) and the P it runs on (FAILED_PRECONDITION). The negative control: the
+    same moves with D's import faulted (block 0 zeroed) fail the identity check."""
     from kvhandoff.v1 import router_pb2
 
     # With nothing outstanding the "resume" router starts stage 1 on P2 (its first P).
     source, dest = fleet["p2"].address, fleet["p"].address
+    # The faulted run's prompt is one no engine has cached: its import reads block 0.
+    first = 50 if fault is None else 600
+
     def request(path: str):  # 400 tokens: both moves land well before its end
-        return long_stage1_request(list(range(50, 130)), 400, seed=8, beam_width=4,
-                                   path=path, request_id=f"fault-p2p-{path}")
+        return long_stage1_request(list(range(first, first + 80)), 400, seed=8,
+                                   beam_width=4, path=path,
+                                   request_id=f"fault-p2p-{path}-{fault}")
 
     with RouterClient(fleet["resume"].address) as client:
         ref = client.generate(request("colocated"), timeout=300)
         req = request("handoff")
+        req.fault = fault or ""
         streamed, got, moves, refused, at = [], None, [], [], 0
         for event in client.generate_stream(req, timeout=300):
             if not event.HasField("stage1_tokens"):
@@ -203,8 +211,12 @@ def test_a_request_moved_p_to_p_then_to_d_streams_on_and_equals_not_moving(fleet
     assert refused == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION]
     assert len(moves) == 2, "stage 1 ended before the second move"
     assert (moves[0].from_endpoint, moves[0].to_endpoint) == (source, dest)
-    assert streamed == list(got.thinking_token_ids) == list(ref.thinking_token_ids)
-    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    assert streamed == list(got.thinking_token_ids)
+    if fault is None:  # stage 2 reads D's cache: the parent came with the move
+        assert_identical(got, ref, imported=False)
+    else:
+        with pytest.raises(AssertionError, match="stage 1 differs|beams differ|cum_logprob"):
+            assert_identical(got, ref, imported=False)
     first, second = got.moves
     assert (first.from_endpoint, first.to_endpoint) == (source, dest)
     assert (second.from_endpoint, second.to_endpoint) == (dest, moves[1].to_endpoint)

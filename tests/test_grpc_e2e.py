@@ -11,7 +11,13 @@ import pytest
 
 from kvhandoff.v1 import common_pb2, engine_pb2
 from tests.conftest import engine_stub
-from tests.utils import assert_handed_off, long_stage1_request
+from tests.utils import (
+    assert_handed_off,
+    assert_identical,
+    assert_idle_within,
+    long_stage1_request,
+    metric_sum,
+)
 from tools.client import make_request
 
 PROMPT = "the user bought a warm coat and hiking boots so we think they like the outdoors"
@@ -42,13 +48,8 @@ def test_token_prompt_handoff_equals_colocated(router_client, assert_cluster_cle
                                               path="handoff"))
     ref = router_client.generate(make_request(prompt=ids, max_tokens=32, seed=5, beam_width=8,
                                               path="colocated"))
-    assert ref.stats.path == common_pb2.PATH_COLOCATED and not ref.stats.decode_endpoint
     assert list(got.prompt_token_ids) == ids
-    assert_handed_off(got)
-    assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
-    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
-    for a, b in zip(got.beams, ref.beams):
-        assert abs(a.cum_logprob - b.cum_logprob) <= 1e-5
+    assert_identical(got, ref)  # its negative control: tests/test_identity_e2e.py
     # Beam steps forked every beam's partial block on D: no context recomputed.
     assert got.stats.num_recomputed_beam_tokens == 0
     assert_cluster_clean()
@@ -127,17 +128,28 @@ def _long_stage1_request():
 
 
 @pytest.mark.fault
-def test_cancel_during_stage1_aborts_it_and_frees_p(router_client, assert_cluster_clean):
+def _imports(server) -> float:
+    return metric_sum(server.metrics_url, "kvhandoff_engine_imports_total")
+
+
+def test_cancel_during_stage1_aborts_it_and_frees_p(router_client, cluster,
+                                                    assert_cluster_clean):
+    """Cancelled a second into a stage 1 of seconds: P stops running it within ~2 s, and
+    D never imports it."""
+    p, d = cluster["prefill"], cluster["decode"][0]
+    imports_before = _imports(d)
     req = _long_stage1_request()
     stream = router_client.generate_stream(req, timeout=120)
     first = next(stream)
     assert first.HasField("stage1_tokens")
     time.sleep(1.0)
     stream.cancel()
+    assert_idle_within([p, d])
     with pytest.raises(grpc.RpcError) as err:
         list(stream)
     assert err.value.code() == grpc.StatusCode.CANCELLED
     assert_cluster_clean()
+    assert _imports(d) == imports_before
 
 
 def _wait_until_d_runs(cluster, timeout_s: float = 30.0) -> None:
@@ -162,6 +174,7 @@ def test_cancel_during_stage2_aborts_the_beams_and_frees_both(router_client, clu
     assert first.HasField("stage1_tokens")
     _wait_until_d_runs(cluster)
     stream.cancel()
+    assert_idle_within([cluster["prefill"], *cluster["decode"]])  # 60 beam steps left
     with pytest.raises(grpc.RpcError) as err:
         list(stream)
     assert err.value.code() == grpc.StatusCode.CANCELLED
@@ -209,8 +222,10 @@ def test_two_decode_endpoints_with_one_down(cluster, model_dir, tmp_path, assert
 
 @pytest.mark.fault
 @pytest.mark.parametrize("how", ["grpc_deadline", "timeout_ms"])
-def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, assert_cluster_clean,
-                                                                 how):
+def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, cluster,
+                                                                 assert_cluster_clean, how):
+    d = cluster["decode"][0]
+    imports_before = _imports(d)
     req = _long_stage1_request()
     timeout = 120.0
     if how == "timeout_ms":
@@ -222,11 +237,13 @@ def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, 
         router_client.generate(req, timeout=timeout)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - t0 < 10
+    assert_idle_within([cluster["prefill"], d])  # stage 1 had seconds left
     assert_cluster_clean()
+    assert _imports(d) == imports_before
 
 
 @pytest.mark.fault
-def test_deadline_during_stage2_is_deadline_exceeded_and_frees_both(router_client,
+def test_deadline_during_stage2_is_deadline_exceeded_and_frees_both(router_client, cluster,
                                                                     assert_cluster_clean):
     req = make_request(prompt=[i % 1000 + 10 for i in range(1500)], max_tokens=1, seed=2,
                        beam_width=32, beam_tokens=60, path="handoff")
@@ -247,4 +264,5 @@ def test_deadline_during_stage2_is_deadline_exceeded_and_frees_both(router_clien
         list(stream)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (stage1_s, stage2_s)
     assert time.monotonic() - t0 < timeout + 10
+    assert_idle_within([cluster["prefill"], *cluster["decode"]])  # half of stage 2 left
     assert_cluster_clean()

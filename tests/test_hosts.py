@@ -234,6 +234,7 @@ def on_hosts(model_dir, tmp_path_factory):
         tls = ChannelTLS(c["ca"], c["client"], c["client_key"])
         with local_cluster(model_dir, log_dir, lease_s=HOSTS_LEASE_S, on_hosts=made,
                            router_flags=("--engine-silence-s", "4"),
+                           engine_flags=("--fault-injection",),
                            server_flags={"prefill": serve["p"], "decode": serve["d"],
                                          "router": (*serve["r"], *client_side)},
                            client_tls=tls) as cluster:
@@ -298,18 +299,27 @@ def _tx_bytes(host) -> int:
 
 
 def test_handoffs_across_hosts_are_identical_and_bind_only_the_hosts_addresses(on_hosts):
-    """Two requests by handoff equal their colocated twins, imported over the link; every
-    listener on every host is on that host's address or its loopback, none on 0.0.0.0."""
+    """Two requests by handoff equal their colocated twins, imported over the link, and
+    the negative control, a third with D's import faulted (block 0 zeroed), fails the
+    same check; every listener on every host is on that host's address or its loopback,
+    none on 0.0.0.0."""
+    from tests.utils import assert_identical
     from tools.client import make_request
 
-    for seed in (1, 2):
-        kw = dict(prompt=list(range(40, 160)), max_tokens=48, seed=seed, beam_width=4)
+    for seed, fault in ((1, ""), (2, ""), (3, "zero-block")):
+        first = 40 + 200 * (seed - 1)  # a prompt of its own: block 0 is really imported
+        kw = dict(prompt=list(range(first, first + 120)), max_tokens=48, seed=seed,
+                  beam_width=4)
         req = make_request(path="handoff", request_id=f"hosts-{seed}", **kw)
+        req.fault = fault
         ref = make_request(path="colocated", request_id=f"hosts-ref-{seed}", **kw)
         got, want = _generate_on(on_hosts, req), _generate_on(on_hosts, ref)
+        if not fault:
+            assert_identical(got, want)
+            continue
+        with pytest.raises(AssertionError, match="cum_logprob|beams differ"):
+            assert_identical(got, want)
         assert not got.stats.recomputed and got.stats.num_imported_tokens > 0, got.stats
-        assert list(got.thinking_token_ids) == list(want.thinking_token_ids)
-        assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in want.beams]
     for name, host in on_hosts["hosts"].items():
         listening = subprocess.run([*host.run_prefix, "ss", "-Hltn"], capture_output=True,
                                    text=True, check=True).stdout.splitlines()

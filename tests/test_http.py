@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAMILY_LEASE_S
-from tests.utils import assert_servers_clean
+from tests.utils import (
+    assert_http_identical,
+    assert_idle_within,
+    assert_servers_clean,
+    metric_sum,
+)
 from tools.client import RouterClient, make_request
 
 pytestmark = [pytest.mark.engines, pytest.mark.http]
@@ -63,9 +68,7 @@ def test_two_calls_with_the_openai_client_equal_the_colocated_reference(family, 
         ref = grpc_client.generate(make_request(prompt=prompt, max_tokens=24, seed=5,
                                                 beam_width=4, path="colocated"))
     thinking = stage1.choices[0].model_extra["token_ids"]
-    assert thinking == list(ref.thinking_token_ids)
-    got = [c.model_extra["token_ids"] for c in beams.choices]
-    assert got == [list(b.token_ids) for b in ref.beams]
+    assert_http_identical(stage1, beams, ref)  # its control: tests/test_identity_e2e.py
     assert [c.index for c in beams.choices] == list(range(4))
     assert stage1.usage.prompt_tokens == len(prompt)
     assert stage1.usage.completion_tokens == len(thinking)
@@ -106,6 +109,11 @@ def test_streaming_and_async_clients_get_the_same_tokens(family, family_clean):
     s1, s2 = asyncio.run(two_calls())
     assert s1.choices[0].model_extra["token_ids"] == streamed
     assert len(s2.choices) == 2 and s2.model_extra["kvhandoff"]["parent_id"] == s1.id
+    with RouterClient(family["router"]) as grpc_client:  # stage 1 default: temperature 1
+        ref = grpc_client.generate(make_request(prompt=prompt, max_tokens=20, seed=9,
+                                                beam_width=2, path="colocated"))
+    # D may hold the parent's prefix already (the same prompt ran above).
+    assert_http_identical(s1, s2, ref, found_on_d=True)
 
 
 def test_stage1_logprobs_in_openais_shape_streamed_or_not_and_over_grpc(family, family_clean):
@@ -170,30 +178,56 @@ def test_errors_are_openai_error_bodies_with_the_matching_status(family, family_
 
 
 def test_a_strict_continuation_of_a_parent_not_held_is_412(family, family_clean):
+    """A parent P does not hold (the ``noshare`` router keeps no share of P's pool for
+    held parents): a strict continuation is 412 naming why, a lenient one is recomputed
+    on purpose and says why; a held parent's strict continuation imports; an unknown id
+    is 404."""
     import openai
 
     client = _client(family)
-    parent = client.completions.create(model=_model(family), prompt=_prompt(3), max_tokens=8)
+    model = _model(family)
+    parent = client.completions.create(model=model, prompt=_prompt(3), max_tokens=8)
     # The parent is held; a strict continuation of it imports.
-    ok = client.completions.create(model=_model(family), prompt="", max_tokens=3, n=2,
+    ok = client.completions.create(model=model, prompt="", max_tokens=3, n=2,
                                    extra_body={"use_beam_search": True,
                                                "continuation_of": parent.id,
                                                "continuation_strict": True})
     assert not ok.model_extra["kvhandoff"]["recomputed"]
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model=_model(family), prompt="", max_tokens=3,
+        client.completions.create(model=model, prompt="", max_tokens=3,
                                   extra_body={"use_beam_search": True,
                                               "continuation_of": parent.id + "-no"})
+    unheld_client = openai.OpenAI(base_url=family["noshare_http"] + "/v1", api_key="unused",
+                                  max_retries=0)
+    unheld = unheld_client.completions.create(model=model, prompt=_prompt(6), max_tokens=8)
+    info = unheld.model_extra["kvhandoff"]
+    assert not info["held"] and "share of P's pool for held parents is full" in \
+        info["not_held_reason"]
+    body = {"use_beam_search": True, "continuation_of": unheld.id}
+    with pytest.raises(openai.APIStatusError) as e:
+        unheld_client.completions.create(model=model, prompt="", max_tokens=3, n=2,
+                                         extra_body={**body, "continuation_strict": True})
+    assert e.value.status_code == 412
+    assert "cannot be imported" in e.value.body["message"] and "strict" in e.value.body["message"]
+    lenient = unheld_client.completions.create(model=model, prompt="", max_tokens=3, n=2,
+                                               extra_body=body)
+    assert lenient.model_extra["kvhandoff"]["recomputed"]
+    assert "parent not held" in lenient.model_extra["kvhandoff"]["handoff_failure"]
 
 
 def test_a_client_that_disconnects_frees_both_pools(family, family_clean):
     import openai
 
+    d = family["decode"][0]
+    imports = metric_sum(d.metrics_url, "kvhandoff_engine_imports_total")
     client = _client(family, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
         client.completions.create(model=_model(family), prompt=_prompt(4), max_tokens=400,
                                   extra_body={"min_tokens": 400})
-    # family_clean: P aborted the request (and its export), D holds nothing.
+    # 400 tokens take seconds here: P stops at once (the router cancelled it), and D
+    # never imported it. family_clean then: P aborted its export, D holds nothing.
+    assert_idle_within([family["prefill"], d])
+    assert metric_sum(d.metrics_url, "kvhandoff_engine_imports_total") == imports
 
 
 def test_models_health_and_metrics(family, model_dir):

@@ -441,3 +441,59 @@ def test_a_move_the_other_p_refuses_resumes_on_a_p_with_the_same_d(model_dir):
     assert sent.handoff.request_id == "from-source" and sent.sampling.max_tokens == 10 - 3
     assert [(m.to_endpoint, m.num_imported_tokens) for m in out.moves] == [("p2", 7)]
     assert not running.move_asked
+
+
+class FakeD(FakeEngineStub):
+    """A D whose Stage2 records its requests and answers one beam; ``fail_first``: the
+    first call fails UNAVAILABLE (its READ failed), so the router recomputes."""
+
+    def __init__(self, fail_first: bool = False):
+        super().__init__(100)
+        self.requests, self.fail_first = [], fail_first
+
+    async def Stage2(self, request, timeout=None):  # noqa: N802 (the rpc's name)
+        sent = engine_pb2.Stage2Request()
+        sent.CopyFrom(request)
+        self.requests.append(sent)
+        if self.fail_first and len(self.requests) == 1:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "READ failed")
+        resp = engine_pb2.Stage2Response()
+        resp.beams.add(token_ids=[5], finish_reason="length")
+        return resp
+
+
+@pytest.mark.parametrize("fault, on_p, on_d", [("", "", ""), ("stale", "stale", ""),
+                                               ("zero-block", "", "zero-block")])
+def test_a_fault_goes_to_the_engine_of_its_side_and_never_into_a_recompute(
+        model_dir, fault, on_p, on_d):
+    """A request naming an injected fault: P's stage 1 carries a P-side one (its export),
+    D's import a D-side one; the recompute after a failed import carries none (it imports
+    nothing); an unknown fault is INVALID_ARGUMENT at the plan."""
+    import dataclasses
+
+    async def run_one():
+        router = _router(model_dir, [100])
+        p, d = router.prefill[0], router.decode[0]
+        p.stub, d.stub = FakeP([13, 14]), FakeD(fail_first=True)
+        await router.refresh_capacity()
+        plan = dataclasses.replace(_plan(), fault=fault)
+        return [i async for i in router.run(plan)][-1], p.stub.requests, d.stub.requests
+
+    out, stage1s, stage2s = asyncio.run(run_one())
+    assert [r.fault for r in stage1s] == [on_p]
+    imported, recomputed = stage2s
+    assert imported.HasField("handoff") and imported.fault == on_d
+    assert not recomputed.HasField("handoff") and recomputed.fault == ""
+    assert out.failed_decode == "d0"
+
+
+def test_an_unknown_fault_is_refused_at_the_plan(model_dir):
+    from kvhandoff.types import InvalidRequest
+    from tools.client import make_request
+
+    router = _router(model_dir, [100])  # no snapshot yet: the prompt is not checked
+    req = make_request(prompt=[1] * 40, max_tokens=2, path="handoff")
+    req.fault = "no-such-fault"
+    with pytest.raises(InvalidRequest, match="unknown fault 'no-such-fault'"):
+        router.plan(req, None)

@@ -190,6 +190,78 @@ def assert_handed_off(resp: Any, *, found_on_d: bool = False) -> None:
     assert s.num_computed_tokens_first_step == len(resp.suffix_token_ids) + 1, s
 
 
+def assert_identical(got: Any, ref: Any, *, found_on_d: bool = False,
+                     imported: bool = True) -> None:
+    """``got``, a router response whose stage 2 imported its parent, equals ``ref``, one
+    that is asserted to have run colocated on one engine: stage 1's tokens, the beams'
+    token ids in order, and their cumulative logprobs within the harness's bound
+    (``LOGPROB_TOLERANCE``). The one identity check of the end-to-end tests; each path
+    that uses it has a negative control (a fault injected through it) that fails it.
+    ``imported`` False: stage 2 read no handoff (its stage 1 was moved to D or never
+    left P); only "not recomputed" is asserted of the path."""
+    from kvhandoff.v1 import common_pb2
+    from tools.harness import LOGPROB_TOLERANCE
+
+    assert ref.stats.path == common_pb2.PATH_COLOCATED and not ref.stats.decode_endpoint, \
+        f"the reference did not run colocated: {ref.stats}"
+    if imported:
+        assert_handed_off(got, found_on_d=found_on_d)
+    else:  # stage 1 moved to D, or finished on P (checked by the caller): no handoff
+        assert not got.stats.recomputed, f"recomputed: {got.stats.handoff_failure}"
+    assert list(got.thinking_token_ids) == list(ref.thinking_token_ids), "stage 1 differs"
+    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams], \
+        "beams differ"
+    for i, (a, b) in enumerate(zip(got.beams, ref.beams)):
+        assert abs(a.cum_logprob - b.cum_logprob) <= LOGPROB_TOLERANCE, \
+            f"beam {i}: cum_logprob {a.cum_logprob} vs {b.cum_logprob} (colocated)"
+
+
+def assert_http_identical(stage1: Any, beams: Any, ref: Any, *,
+                          found_on_d: bool = False) -> None:
+    """:func:`assert_identical` for the HTTP front: ``stage1`` (a completion: the parent)
+    and ``beams`` (its continuation with ``use_beam_search``), both as the ``openai``
+    client returns them, against ``ref``, a gRPC response that ran colocated."""
+    from kvhandoff.v1 import common_pb2
+    from tools.harness import LOGPROB_TOLERANCE
+
+    assert ref.stats.path == common_pb2.PATH_COLOCATED and not ref.stats.decode_endpoint, \
+        f"the reference did not run colocated: {ref.stats}"
+    info, details = beams.model_extra["kvhandoff"], beams.usage.prompt_tokens_details
+    assert not info["recomputed"], f"handoff recomputed: {info['handoff_failure']}"
+    thinking = stage1.choices[0].model_extra["token_ids"]
+    num_parent = len(ref.prompt_token_ids) + len(thinking)
+    if found_on_d:
+        assert 0 < details.model_extra["imported_tokens"] <= num_parent - 1, details
+    else:
+        assert details.model_extra["imported_tokens"] == num_parent - 1, details
+    assert details.model_extra["computed_tokens"] == len(ref.suffix_token_ids) + 1, details
+    assert thinking == list(ref.thinking_token_ids), "stage 1 differs"
+    assert [c.model_extra["token_ids"] for c in beams.choices] == \
+        [list(b.token_ids) for b in ref.beams], "beams differ"
+    for i, (c, b) in enumerate(zip(beams.choices, ref.beams)):
+        got = c.model_extra["cumulative_logprob"]
+        assert abs(got - b.cum_logprob) <= LOGPROB_TOLERANCE, \
+            f"beam {i}: cum_logprob {got} vs {b.cum_logprob} (colocated)"
+
+
+def assert_idle_within(servers: list, seconds: float = 2.5) -> None:
+    """No request running or waiting on any of ``servers`` within ``seconds``: what a
+    cancel or a deadline must do to the engines (an export P holds under its lease may
+    keep blocks a while longer; pools are checked clean separately)."""
+    from tools.launch import pool_state
+
+    deadline = time.monotonic() + seconds
+    for server in servers:
+        while True:
+            _, cap = pool_state(server.address)
+            if not cap.num_running_reqs and not cap.num_waiting_reqs:
+                break
+            assert time.monotonic() < deadline, (
+                f"{server.role} {server.address} still runs {cap.num_running_reqs} and "
+                f"queues {cap.num_waiting_reqs} requests {seconds:g}s after the cancel")
+            time.sleep(0.05)
+
+
 def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
     """A Prometheus endpoint's samples: (name, sorted labels) -> value."""
     import urllib.request

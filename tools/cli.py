@@ -39,6 +39,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["load_format"] = args.load_format
     if args.dtype:
         kwargs["dtype"] = args.dtype
+    if args.fault_injection:
+        kwargs["fault_injection"] = True
     return kwargs
 
 
@@ -168,6 +170,10 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--lease-s", type=int, default=30)
     serve.add_argument("--load-format", default=None)
     serve.add_argument("--dtype", default=None)
+    serve.add_argument("--fault-injection", action="store_true",
+                       help="prefill/decode: accept requests that name an injected fault of "
+                            "connector.faults (negative controls of the tests and the "
+                            "harness; a request naming one is refused without this flag)")
     serve.add_argument("--side-channel-host", default="127.0.0.1",
                        help="NIXL side channel address (a node IP across hosts)")
     serve.add_argument("--side-channel-port", type=int, default=0,

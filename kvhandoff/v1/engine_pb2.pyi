@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Stage1Request(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export", "target_engine_id", "hold", "hold_s", "handoff")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export", "target_engine_id", "hold", "hold_s", "handoff", "fault")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class Stage1Request(_message.Message):
     HOLD_FIELD_NUMBER: _ClassVar[int]
     HOLD_S_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Stage1Sampling
@@ -25,7 +26,8 @@ class Stage1Request(_message.Message):
     hold: bool
     hold_s: float
     handoff: _common_pb2.Handoff
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ...) -> None: ...
+    fault: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., fault: _Optional[str] = ...) -> None: ...
 
 class Stage1Event(_message.Message):
     __slots__ = ("new_token_ids", "finish_reason", "handoff", "held_until", "logprobs", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens")
@@ -48,20 +50,22 @@ class Stage1Event(_message.Message):
     def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_until: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class Stage2Request(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "beam", "handoff", "held_parent", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "beam", "handoff", "held_parent", "sampling", "fault")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BEAM_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     HELD_PARENT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     beam: _common_pb2.BeamSearch
     handoff: _common_pb2.Handoff
     held_parent: str
     sampling: _common_pb2.Stage1Sampling
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_parent: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ...) -> None: ...
+    fault: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_parent: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., fault: _Optional[str] = ...) -> None: ...
 
 class Stage2Event(_message.Message):
     __slots__ = ("new_token_ids", "result")

@@ -128,7 +128,7 @@ class ParentEvent(_message.Message):
     def __init__(self, stage1_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., parent: _Optional[_Union[Parent, _Mapping]] = ...) -> None: ...
 
 class ContinueRequest(_message.Message):
-    __slots__ = ("request_id", "parent_id", "suffix_text", "suffix_token_ids", "beam", "strict", "timeout_ms", "model", "sampling")
+    __slots__ = ("request_id", "parent_id", "suffix_text", "suffix_token_ids", "beam", "strict", "timeout_ms", "model", "sampling", "fault")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class ContinueRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     parent_id: str
     suffix_text: str
@@ -147,10 +148,11 @@ class ContinueRequest(_message.Message):
     timeout_ms: int
     model: str
     sampling: _common_pb2.Stage1Sampling
-    def __init__(self, request_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., strict: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ...) -> None: ...
+    fault: str
+    def __init__(self, request_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., strict: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., fault: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "suffix_text", "suffix_token_ids", "beam", "path", "timeout_ms")
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "suffix_text", "suffix_token_ids", "beam", "path", "timeout_ms", "fault")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +162,7 @@ class GenerateRequest(_message.Message):
     BEAM_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_text: str
     prompt_token_ids: _common_pb2.TokenIds
@@ -169,7 +172,8 @@ class GenerateRequest(_message.Message):
     beam: _common_pb2.BeamSearch
     path: _common_pb2.Path
     timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    fault: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., timeout_ms: _Optional[int] = ..., fault: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("stage1_ms", "stage2_first_step_ms", "stage2_ms", "total_ms", "router_overhead_ms")
