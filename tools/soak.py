@@ -1,157 +1,70 @@
-"""``kvhandoff soak``: P, D and the router as processes under a steady mixed load for N
-minutes, with per-minute memory, pool usage, latency and error counts (JSON and a plot).
-
-The mix: prompts of 16-600 tokens, stage 1 of 4-64 tokens, beam widths 1-32, unary and
-streaming calls, and a share of requests that are meant to fail: cancelled by the client
-after their first stage-1 tokens, deadlines too short to make, and bad input. Those fail
-with their own status (CANCELLED, DEADLINE_EXCEEDED, INVALID_ARGUMENT) and are counted as
-intended; any other failure is an error. The verdict (``verdict``): every process's RSS at
-the end within ``RSS_DRIFT`` of its value after ``baseline_minutes``, both pools clean
-once the load stops, and no error other than the intended ones.
+"""``kvhandoff soak``: P, D and the router as processes under a steady mixed load
+(``tools.soak_load``) for N minutes, with per-minute memory, pool usage, latency, error and
+recompute counts (JSON and a plot), and a verdict over them (``tools.soak_verdict``:
+throughput and p99 held, RSS of each process, pools clean, no error, no recompute).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import random
-import threading
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import grpc
+from tools.launch import ServerProcess, local_cluster, percentile, pool_state, rss_mib, wait_pool_clean
+from tools.soak_load import Interval, Soak
+from tools.soak_verdict import Bounds, Verdict, verdict
 
-from tools.client import RouterClient, make_request
-from tools.launch import local_cluster, percentile, pool_state, rss_mib, wait_pool_clean
-
-#: Largest growth of a process's RSS after the baseline minute that is not a leak.
-RSS_DRIFT = 0.05
-BEAM_WIDTHS = (1, 2, 4, 8, 16, 32)
-#: The status each deliberate failure must get (else it counts as an error).
-INTENDED = {"cancel": "CANCELLED", "deadline": "DEADLINE_EXCEEDED", "bad": "INVALID_ARGUMENT"}
-#: Shares of the mix (the rest are unary calls).
-SHARES = {"stream": 0.2, "cancel": 0.05, "deadline": 0.05, "bad": 0.05}
+#: Reasons kept per minute in a record (the count keeps them all).
+RECOMPUTED_KEPT = 5
 
 
-@dataclass
-class Interval:
-    """What happened in one sampling interval."""
-
-    outcomes: collections.Counter = field(default_factory=collections.Counter)
-    latencies: list[float] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-
-class Soak:
-    def __init__(self, address: str, concurrency: int, seed: int):
-        self.address, self.concurrency, self.seed = address, concurrency, seed
-        self.current = Interval()
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-
-    def _request(self, rng: random.Random, i: int, kind: str):
-        prompt = [rng.randrange(10, 1000) for _ in range(rng.randint(16, 600))]
-        req = make_request(prompt=prompt, max_tokens=rng.randint(4, 64), seed=i,
-                           beam_width=rng.choice(BEAM_WIDTHS), beam_tokens=rng.randint(2, 3),
-                           path="handoff", request_id=f"soak-{kind}-{i}")
-        if kind == "bad":
-            # One field wrong at a time, each a documented INVALID_ARGUMENT.
-            which = rng.randrange(3)
-            if which == 0:
-                req.beam.beam_width = 0
-            elif which == 1:
-                req.prompt_token_ids.ids[0] = 10**9  # outside the vocabulary
-            else:
-                req.stage1.temperature = -1.0
-        return req
-
-    def _one(self, client: RouterClient, rng: random.Random, i: int) -> tuple[str, str, float]:
-        """(kind, outcome, seconds): outcome "ok", "intended" or "error: CODE details"."""
-        x, kind = rng.random(), "unary"
-        for name, share in SHARES.items():
-            if x < share:
-                kind = name
-                break
-            x -= share
-        req = self._request(rng, i, kind)
-        t0 = time.perf_counter()
-        try:
-            if kind == "unary" or kind == "bad":
-                client.generate(req, timeout=300)
-            elif kind == "deadline":
-                client.generate(req, timeout=rng.uniform(0.02, 0.3))
-            else:
-                call = client.generate_stream(req, timeout=300)
-                for event in call:
-                    if kind == "cancel" and event.HasField("stage1_tokens"):
-                        call.cancel()
-        except grpc.RpcError as e:
-            seconds = time.perf_counter() - t0
-            if INTENDED.get(kind) == e.code().name:
-                return kind, "intended", seconds
-            return kind, f"error: {e.code().name} {e.details()}", seconds
-        seconds = time.perf_counter() - t0
-        if kind == "bad":
-            return kind, "error: a bad request was served", seconds
-        return kind, "ok", seconds
-
-    def _worker(self, w: int) -> None:
-        rng = random.Random(self.seed * 1000 + w)
-        i = w
-        with RouterClient(self.address) as client:
-            while not self.stop.is_set():
-                kind, outcome, seconds = self._one(client, rng, i)
-                i += self.concurrency
-                with self.lock:
-                    cur = self.current
-                    cur.outcomes[f"{kind}:{outcome.split(':')[0]}"] += 1
-                    if outcome == "ok":
-                        cur.latencies.append(seconds)
-                    elif outcome.startswith("error"):
-                        cur.errors.append(f"soak-{kind}-{i - self.concurrency}: {outcome}")
-
-    def take(self) -> Interval:
-        with self.lock:
-            done, self.current = self.current, Interval()
-        return done
-
-    def start(self) -> list[threading.Thread]:
-        threads = [threading.Thread(target=self._worker, args=(w,), daemon=True)
-                   for w in range(self.concurrency)]
-        for t in threads:
-            t.start()
-        return threads
+def _record(n: int, done: Interval, processes: list[ServerProcess],
+            engines: list[ServerProcess]) -> dict[str, Any]:
+    """Minute ``n``'s record: what the verdict reads (served, p99_s, errors, recomputed,
+    rss_mib) and what a reader of the JSON wants besides."""
+    pools = {}
+    for e in engines:
+        _, cap = pool_state(e.address)
+        pools[e.role] = {"used": cap.num_total_blocks - cap.num_free_blocks,
+                         "total": cap.num_total_blocks, "running": cap.num_running_reqs}
+    return {
+        "minute": n,
+        "rss_mib": {s.role: round(rss_mib(s), 1) for s in processes},
+        "pools": pools,
+        "outcomes": dict(done.outcomes),
+        "served": len(done.latencies),
+        "p50_s": round(percentile(done.latencies, 0.50), 3),
+        "p95_s": round(percentile(done.latencies, 0.95), 3),
+        "p99_s": round(percentile(done.latencies, 0.99), 3),
+        "errors": done.errors,
+        "recomputed": len(done.recomputed),
+        "recomputed_why": done.recomputed[:RECOMPUTED_KEPT],
+    }
 
 
-def verdict(minutes: list[dict[str, Any]], baseline_minutes: int, pools_clean: bool
-            ) -> dict[str, Any]:
-    """Pass/fail of a soak from its per-minute records (each with ``rss_mib`` by process
-    and ``errors``): RSS at the end within RSS_DRIFT of the baseline minute, pools clean,
-    no unintended error."""
-    base = minutes[min(baseline_minutes, len(minutes)) - 1]["rss_mib"]
-    end = minutes[-1]["rss_mib"]
-    drift = {p: (end[p] - base[p]) / base[p] for p in base}
-    errors = [e for m in minutes for e in m["errors"]]
-    problems = [f"{p} RSS grew {d:+.1%} after minute {baseline_minutes} "
-                f"({base[p]:.0f} -> {end[p]:.0f} MiB)" for p, d in drift.items()
-                if d > RSS_DRIFT]
-    if not pools_clean:
-        problems.append("a pool was not clean after the load")
-    if errors:
-        problems.append(f"{len(errors)} unintended errors, e.g. {errors[:3]}")
-    return {"ok": not problems, "problems": problems,
-            "rss_drift": {p: round(d, 4) for p, d in drift.items()},
-            "unintended_errors": len(errors)}
+def _pools_end(engines: list[ServerProcess]) -> dict[str, dict[str, Any]]:
+    """Each engine's pool once the load stopped: clean, and what it still held if not."""
+    pools = {}
+    for e in engines:
+        # Leases end (30 s) on exports a cancelled or late request left behind.
+        clean, cap = wait_pool_clean(e.address, 65.0)
+        pools[e.role] = {"clean": clean, "used": cap.num_total_blocks - cap.num_free_blocks,
+                         "running": cap.num_running_reqs, "waiting": cap.num_waiting_reqs,
+                         "reserved": cap.num_reserved_blocks}
+    return pools
 
 
-def run_soak(args: argparse.Namespace) -> dict[str, Any]:
+def run_soak(args: argparse.Namespace, bounds: Bounds) -> tuple[dict[str, Any], Verdict]:
+    """The soak's JSON (every minute, the pools at the end, the config, the verdict) and
+    its verdict."""
     log_dir = Path(args.log_dir)
     with local_cluster(args.model, log_dir) as cluster:
         engines = [cluster["prefill"], *cluster["decode"]]
-        processes = cluster["servers"]
+        processes = cluster["servers"]  # P, D and the router
         soak = Soak(cluster["router"], args.concurrency, args.seed)
         threads = soak.start()
         minutes: list[dict[str, Any]] = []
@@ -159,43 +72,28 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for n in range(1, args.minutes + 1):
                 time.sleep(max(0.0, t_start + n * args.interval_s - time.monotonic()))
-                done = soak.take()
-                pools = {}
-                for e in engines:
-                    _, cap = pool_state(e.address)
-                    pools[e.role] = {"used": cap.num_total_blocks - cap.num_free_blocks,
-                                     "total": cap.num_total_blocks,
-                                     "running": cap.num_running_reqs}
-                record = {
-                    "minute": n,
-                    "rss_mib": {s.role: round(rss_mib(s), 1) for s in processes},
-                    "pools": pools,
-                    "outcomes": dict(done.outcomes),
-                    "served": len(done.latencies),
-                    "p50_s": round(percentile(done.latencies, 0.50), 3),
-                    "p95_s": round(percentile(done.latencies, 0.95), 3),
-                    "p99_s": round(percentile(done.latencies, 0.99), 3),
-                    "errors": done.errors,
-                }
+                record = _record(n, soak.take(), processes, engines)
                 minutes.append(record)
-                intended = sum(v for k, v in done.outcomes.items() if k.endswith(":intended"))
+                intended = sum(v for k, v in record["outcomes"].items()
+                               if k.endswith(":intended"))
                 print(f"minute {n}: {record['served']} served (p50 {record['p50_s']:.2f}s, "
-                      f"p95 {record['p95_s']:.2f}s), {intended} intended failures, "
-                      f"{len(done.errors)} errors; RSS MiB {record['rss_mib']}; pools "
-                      f"{ {r: p['used'] for r, p in pools.items()} }", flush=True)
+                      f"p99 {record['p99_s']:.2f}s), {record['recomputed']} recomputed, "
+                      f"{intended} intended failures, {len(record['errors'])} errors; "
+                      f"RSS MiB {record['rss_mib']}; pools "
+                      f"{ {r: p['used'] for r, p in record['pools'].items()} }", flush=True)
         finally:
             soak.stop.set()
             for t in threads:
                 t.join(timeout=330)
-        # Leases end (30 s) on exports a cancelled or late request left behind.
-        clean = [wait_pool_clean(e.address, 65.0) for e in engines]
-        pools_clean = all(c for c, _ in clean)
-    result = {"minutes": minutes, "pools_clean": pools_clean,
-              "config": {"minutes": args.minutes, "interval_s": args.interval_s,
-                         "concurrency": args.concurrency, "seed": args.seed,
-                         "baseline_minutes": args.baseline_minutes},
-              "verdict": verdict(minutes, args.baseline_minutes, pools_clean)}
-    return result
+        pools_end = _pools_end(engines)
+    clean = {role: p["clean"] for role, p in pools_end.items()}
+    v = verdict(minutes, args.baseline_minutes, clean, bounds)
+    return {"minutes": minutes, "pools_end": pools_end, "pools_clean": all(clean.values()),
+            "config": {"minutes": args.minutes, "interval_s": args.interval_s,
+                       "concurrency": args.concurrency, "seed": args.seed,
+                       "baseline_minutes": args.baseline_minutes,
+                       "bounds": asdict(bounds)},
+            "verdict": v.as_dict()}, v
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -217,6 +115,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax2.legend()
     ax3.plot(xs, [m["served"] for m in minutes], marker=".", label="served")
     ax3.plot(xs, [len(m["errors"]) for m in minutes], marker=".", label="errors")
+    ax3.plot(xs, [m["recomputed"] for m in minutes], marker=".", label="recomputed")
     ax3.set_ylabel("per interval")
     ax3.set_xlabel(f"interval ({result['config']['interval_s']:g} s)")
     ax3.legend()
@@ -227,30 +126,53 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def main_soak(args: argparse.Namespace) -> int:
-    result = run_soak(args)
-    v = result["verdict"]
-    print(f"soak: {'PASS' if v['ok'] else 'FAIL'}; RSS drift after minute "
-          f"{args.baseline_minutes}: {v['rss_drift']}; pools clean: {result['pools_clean']}; "
-          f"unintended errors: {v['unintended_errors']}")
-    for p in v["problems"]:
-        print(f"  {p}")
+    # Refused before the cluster starts, not after the minutes of load.
+    try:
+        bounds = Bounds(args.max_throughput_drop, args.max_p99_rise, args.max_rss_growth,
+                        args.max_recompute_share)
+        if not 1 <= args.baseline_minutes < args.minutes:
+            raise ValueError(f"--baseline-minutes ({args.baseline_minutes}) must be at least "
+                             f"1 and leave a minute after it within --minutes "
+                             f"({args.minutes})")
+    except ValueError as e:
+        print(f"kvhandoff soak: {e}", file=sys.stderr)
+        return 2
+    result, v = run_soak(args, bounds)
+    print(f"soak: {'PASS' if v.ok else 'FAIL'}"
+          + (f" ({', '.join(v.failed)})" if v.failed else ""))
+    for line in v.lines():
+        print(f"  {line}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(result, args.plot)
-    return 0 if v["ok"] else 1
+    return 0 if v.ok else 1
 
 
 def add_soak_parser(sub: Any) -> None:
+    d = Bounds()
     soak = sub.add_parser("soak", help="P, D and the router under a steady mixed load for "
-                                       "N minutes: memory, pools, latency, errors")
+                                       "N minutes: memory, pools, latency, errors, recomputes")
     soak.add_argument("--model", default=None,
                       help="Hugging Face model directory (default: the built-in model)")
     soak.add_argument("--minutes", type=int, default=30)
     soak.add_argument("--interval-s", type=float, default=60.0,
                       help="length of a 'minute' (sampling interval; shorter for tests)")
     soak.add_argument("--baseline-minutes", type=int, default=5,
-                      help="RSS at the end is compared with RSS after this many intervals")
+                      help="warm-up: RSS at the end is compared with RSS after this many "
+                           "intervals, throughput and p99 with the interval after them")
+    soak.add_argument("--max-throughput-drop", type=float, default=d.max_throughput_drop,
+                      help="largest fall of requests served in the last interval against "
+                           "the first after the baseline (share)")
+    soak.add_argument("--max-p99-rise", type=float, default=d.max_p99_rise,
+                      help="largest rise of the last interval's p99 latency against the "
+                           "first after the baseline (share)")
+    soak.add_argument("--max-rss-growth", type=float, default=d.max_rss_growth,
+                      help="largest RSS growth of P, D or the router after the baseline "
+                           "(share)")
+    soak.add_argument("--max-recompute-share", type=float, default=d.max_recompute_share,
+                      help="largest share of served requests whose handoff the router "
+                           "recomputed (0: none may be)")
     soak.add_argument("--concurrency", type=int, default=8)
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--json", default=None, metavar="PATH")

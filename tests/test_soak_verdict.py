@@ -1,0 +1,151 @@
+"""The soak's verdict (tools.soak_verdict) on small synthetic runs: a healthy run passes,
+and each criterion, alone, fails it by name; the borders pass as documented."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tools.soak_verdict import Bounds, verdict
+
+#: Minutes 1-2 are warm-up: RSS is taken after minute 2, throughput and p99 in minute 3.
+BASELINE = 2
+CLEAN = {"prefill": True, "decode": True}
+ALL_CHECKS = ["throughput", "p99", "rss:prefill", "rss:decode", "rss:router", "pools",
+              "errors", "recompute_share"]
+
+
+def _soak(changes: dict[int, dict[str, Any]] | None = None, minutes: int = 6
+          ) -> list[dict[str, Any]]:
+    """A flat run of ``minutes`` records (1000 served a minute, p99 0.8 s, steady RSS),
+    with ``changes`` by minute number (``rss_mib`` merged by role)."""
+    records = []
+    for n in range(1, minutes + 1):
+        m: dict[str, Any] = {"minute": n, "served": 1000, "p50_s": 0.3, "p99_s": 0.8,
+                             "errors": [], "recomputed": 0,
+                             "rss_mib": {"prefill": 2500.0, "decode": 2400.0, "router": 500.0}}
+        change = dict((changes or {}).get(n, {}))
+        m["rss_mib"].update(change.pop("rss_mib", {}))
+        m.update(change)
+        records.append(m)
+    return records
+
+
+def _after_baseline(**fields: Any) -> dict[int, dict[str, Any]]:
+    """The same change in every minute after the reference minute (4 to 6)."""
+    return {n: fields for n in (4, 5, 6)}
+
+
+def test_a_flat_run_passes_with_every_check_named():
+    v = verdict(_soak(), BASELINE, CLEAN)
+    assert v.ok and v.failed == []
+    assert [c.name for c in v.checks] == ALL_CHECKS
+    report = v.as_dict()
+    assert json.loads(json.dumps(report)) == report
+    assert all(line.startswith("PASS ") for line in v.lines())
+
+
+def test_throughput_down_15_percent_after_the_baseline_fails_naming_throughput():
+    v = verdict(_soak(_after_baseline(served=850)), BASELINE, CLEAN)
+    assert v.failed == ["throughput"]
+    check = v.check("throughput")
+    assert (check.figures["reference"], check.figures["end"]) == (1000, 850)
+    assert check.figures["change"] == -0.15 and "-15.0%" in check.detail
+    assert any(line.startswith("FAIL throughput") for line in v.lines())
+
+
+def test_p99_up_15_percent_fails_naming_p99():
+    v = verdict(_soak(_after_baseline(p99_s=0.92)), BASELINE, CLEAN)
+    assert v.failed == ["p99"]
+    assert v.check("p99").figures["change"] == 0.15 and "+15.0%" in v.check("p99").detail
+
+
+def test_the_reference_is_the_first_minute_after_the_baseline_not_the_warm_up():
+    # Warm-up minutes faster and tighter than the rest, then flat: not a slowdown.
+    warm = {1: {"served": 1400, "p99_s": 0.6}, 2: {"served": 1300, "p99_s": 0.65}}
+    assert verdict(_soak(warm), BASELINE, CLEAN).ok
+    # Flat through minute 3, then down: measured against minute 3.
+    v = verdict(_soak({3: {"served": 1200}}), BASELINE, CLEAN)
+    assert v.failed == ["throughput"] and v.check("throughput").figures["reference_minute"] == 3
+
+
+def test_rss_growth_of_d_fails_naming_d():
+    v = verdict(_soak({6: {"rss_mib": {"decode": 2400.0 * 1.06}}}), BASELINE, CLEAN)
+    assert v.failed == ["rss:decode"] and "+6.0%" in v.check("rss:decode").detail
+
+
+def test_rss_growth_of_the_router_fails_naming_the_router():
+    v = verdict(_soak({6: {"rss_mib": {"router": 530.0}}}), BASELINE, CLEAN)
+    assert v.failed == ["rss:router"]
+
+
+def test_rss_growth_of_p_fails_but_growth_during_the_warm_up_does_not():
+    assert verdict(_soak({6: {"rss_mib": {"prefill": 2700.0}}}), BASELINE, CLEAN
+                   ).failed == ["rss:prefill"]
+    assert verdict(_soak({1: {"rss_mib": {"prefill": 1000.0}}}), BASELINE, CLEAN).ok
+
+
+def test_one_recomputed_handoff_fails_with_the_default_bound():
+    v = verdict(_soak({4: {"recomputed": 1}}), BASELINE, CLEAN)
+    assert v.failed == ["recompute_share"]
+    assert v.check("recompute_share").figures["recomputed"] == 1
+    # A recompute during the warm-up counts too: the soak needed the fallback.
+    assert verdict(_soak({1: {"recomputed": 1}}), BASELINE, CLEAN).failed == ["recompute_share"]
+
+
+def test_one_unintended_error_fails():
+    v = verdict(_soak({5: {"errors": ["soak-unary-7: error: UNAVAILABLE x"]}}), BASELINE, CLEAN)
+    assert v.failed == ["errors"] and v.check("errors").figures["by_minute"] == {5: 1}
+
+
+def test_a_pool_not_clean_after_the_load_fails_naming_it():
+    v = verdict(_soak(), BASELINE, {"prefill": True, "decode": False})
+    assert v.failed == ["pools"] and "decode" in v.check("pools").detail
+
+
+def test_nothing_served_at_the_end_fails_throughput_and_p99():
+    v = verdict(_soak({6: {"served": 0, "p99_s": 0.0}}), BASELINE, CLEAN)
+    assert v.failed == ["throughput", "p99"]
+
+
+def test_a_change_of_exactly_the_bound_passes_and_a_little_more_fails():
+    # Throughput: 10% down (1000 -> 900) is at the limit.
+    assert verdict(_soak({6: {"served": 900}}), BASELINE, CLEAN).ok
+    assert verdict(_soak({6: {"served": 899}}), BASELINE, CLEAN).failed == ["throughput"]
+    # p99: 10% up is at the limit, also from 1.13 s, where 1.13 * 1.1 in floats is a
+    # step under 1.243.
+    assert verdict(_soak({6: {"p99_s": 0.88}}), BASELINE, CLEAN).ok
+    assert verdict(_soak({6: {"p99_s": 0.881}}), BASELINE, CLEAN).failed == ["p99"]
+    odd = {n: {"p99_s": 1.13} for n in range(1, 6)} | {6: {"p99_s": 1.243}}
+    assert verdict(_soak(odd), BASELINE, CLEAN).ok
+    # RSS: 5% up is at the limit.
+    assert verdict(_soak({6: {"rss_mib": {"decode": 2520.0}}}), BASELINE, CLEAN).ok
+    assert verdict(_soak({6: {"rss_mib": {"decode": 2520.1}}}), BASELINE, CLEAN
+                   ).failed == ["rss:decode"]
+    # Recompute share: 6 of 6000 served is exactly 0.1%.
+    loose = Bounds(max_recompute_share=0.001)
+    assert verdict(_soak({4: {"recomputed": 6}}), BASELINE, CLEAN, loose).ok
+    assert verdict(_soak({4: {"recomputed": 7}}), BASELINE, CLEAN, loose
+                   ).failed == ["recompute_share"]
+
+
+def test_the_bounds_are_tunable():
+    slow = _soak(_after_baseline(served=850, p99_s=0.92))
+    assert verdict(slow, BASELINE, CLEAN).failed == ["throughput", "p99"]
+    assert verdict(slow, BASELINE, CLEAN,
+                   Bounds(max_throughput_drop=0.2, max_p99_rise=0.2)).ok
+
+
+def test_a_run_it_cannot_judge_or_a_bad_bound_is_refused():
+    with pytest.raises(ValueError, match="none after a baseline"):
+        verdict(_soak(minutes=2), BASELINE, CLEAN)
+    with pytest.raises(ValueError, match="baseline_minutes"):
+        verdict(_soak(), 0, CLEAN)
+    with pytest.raises(ValueError, match="pool"):
+        verdict(_soak(), BASELINE, {})
+    with pytest.raises(ValueError, match="max_throughput_drop"):
+        Bounds(max_throughput_drop=1.0)
+    with pytest.raises(ValueError, match="max_p99_rise"):
+        Bounds(max_p99_rise=-0.1)

@@ -1,0 +1,211 @@
+"""The soak's verdict: a pure function of its per-minute records (no engines), one named
+check per criterion, each with its figures.
+
+A "minute" is one sampling interval (``--interval-s``). Minutes ``1..N`` (N =
+``baseline_minutes``) are warm-up. Two references come out of that:
+
+```
+| minute 1 .. minute N (warm-up) | minute N+1 (reference) | ... | last minute (end) |
+                                ^ RSS reference: the sample taken at the end of minute N
+```
+
+- ``throughput``: requests served in the last minute at least ``(1 - max_throughput_drop)``
+  times those served in minute N+1.
+- ``p99``: the last minute's p99 end-to-end latency at most ``(1 + max_p99_rise)`` times
+  minute N+1's.
+- ``rss:<role>`` (prefill, decode, router, each its own check): RSS at the end at most
+  ``(1 + max_rss_growth)`` times the sample after minute N.
+- ``pools``: every engine's pool clean once the load stopped.
+- ``errors``: no unintended error in the whole run, warm-up included.
+- ``recompute_share``: handoffs the router recomputed (its fallback when a handoff fails)
+  at most ``max_recompute_share`` of the requests served in the whole run, warm-up
+  included; the default 0 fails a soak on its first recompute.
+
+Throughput and p99 are rates of an interval, so their reference is the first interval run
+wholly after the warm-up. The warm-up minutes are excluded as they are for RSS: a fresh
+cluster serves at another rate than a warmed one (``docs/reliability.md``), and a
+reference taken over the warm-up would count the end of the warm-up as slowing down. Each
+compares the end (the last minute), as RSS does, not every minute: a check of each
+minute against one other minute would fail on a single noisy minute.
+
+Borders: a change equal to its bound passes. Each limit (reference times ``1 +/- bound``,
+or the share times the requests served) is rounded to six decimals before the
+comparison, so that 900 served against 1000 is a drop of exactly 10%, not one float step
+more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: Decimals each limit is rounded to (see the module's docstring: borders).
+LIMIT_DECIMALS = 6
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How far the end of a soak may be from its reference and still pass."""
+
+    #: Largest fall of served requests per minute, as a share of the reference minute's.
+    max_throughput_drop: float = 0.10
+    #: Largest rise of the p99 latency, as a share of the reference minute's.
+    max_p99_rise: float = 0.10
+    #: Largest growth of a process's RSS after the baseline that is not a leak.
+    max_rss_growth: float = 0.05
+    #: Largest share of served requests whose handoff the router recomputed.
+    max_recompute_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_throughput_drop < 1.0:
+            raise ValueError(f"max_throughput_drop must be in [0, 1), "
+                             f"not {self.max_throughput_drop}")
+        if not 0.0 <= self.max_recompute_share <= 1.0:
+            raise ValueError(f"max_recompute_share must be in [0, 1], "
+                             f"not {self.max_recompute_share}")
+        for name in ("max_p99_rise", "max_rss_growth"):
+            if getattr(self, name) < 0.0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One criterion: its name, whether it passed, one line for people, and its figures
+    (reference, end, change, bound, limit, ...) for the JSON."""
+
+    name: str
+    ok: bool
+    detail: str
+    figures: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def failed(self) -> list[str]:
+        """Names of the checks that failed, in order."""
+        return [c.name for c in self.checks if not c.ok]
+
+    def check(self, name: str) -> Check:
+        return next(c for c in self.checks if c.name == name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "failed": self.failed,
+                "checks": [asdict(c) for c in self.checks]}
+
+    def lines(self) -> list[str]:
+        """The text report: one line per check."""
+        width = max(len(c.name) for c in self.checks)
+        return [f"{'PASS' if c.ok else 'FAIL'} {c.name:<{width}}  {c.detail}"
+                for c in self.checks]
+
+
+def _limit(reference: float, bound: float, sign: int) -> float:
+    return round(reference * (1 + sign * bound), LIMIT_DECIMALS)
+
+
+def _change(reference: float, end: float) -> float:
+    return round((end - reference) / reference, 4)
+
+
+def _throughput(ref: Mapping[str, Any], end: Mapping[str, Any], bound: float) -> Check:
+    span = f"minute {ref['minute']} -> {end['minute']}"
+    figures: dict[str, Any] = {"reference_minute": ref["minute"], "end_minute": end["minute"],
+                               "reference": ref["served"], "end": end["served"],
+                               "bound": bound}
+    if not ref["served"]:
+        return Check("throughput", False, f"nothing served in the reference {span}", figures)
+    limit = _limit(ref["served"], bound, -1)
+    change = _change(ref["served"], end["served"])
+    figures.update(change=change, limit=limit)
+    return Check("throughput", end["served"] >= limit,
+                 f"{ref['served']} -> {end['served']} served ({span}): {change:+.1%}, "
+                 f"bound -{bound:.0%} (at least {limit:g})", figures)
+
+
+def _p99(ref: Mapping[str, Any], end: Mapping[str, Any], bound: float) -> Check:
+    span = f"minute {ref['minute']} -> {end['minute']}"
+    figures: dict[str, Any] = {"reference_minute": ref["minute"], "end_minute": end["minute"],
+                               "reference": ref["p99_s"], "end": end["p99_s"],
+                               "bound": bound}
+    if not ref["served"] or not end["served"]:
+        return Check("p99", False, f"no latency to compare: nothing served in one of "
+                                   f"{span}", figures)
+    limit = _limit(ref["p99_s"], bound, +1)
+    change = _change(ref["p99_s"], end["p99_s"])
+    figures.update(change=change, limit=limit)
+    return Check("p99", end["p99_s"] <= limit,
+                 f"{ref['p99_s']:.3f} -> {end['p99_s']:.3f} s ({span}): {change:+.1%}, "
+                 f"bound +{bound:.0%} (at most {limit:.3f} s)", figures)
+
+
+def _rss(role: str, base: Mapping[str, Any], end: Mapping[str, Any], bound: float
+         ) -> Check:
+    before, after = base["rss_mib"][role], end["rss_mib"][role]
+    limit = _limit(before, bound, +1)
+    change = _change(before, after)
+    return Check(f"rss:{role}", after <= limit,
+                 f"{before:.1f} -> {after:.1f} MiB (after minute {base['minute']} -> "
+                 f"{end['minute']}): {change:+.1%}, bound +{bound:.0%}",
+                 {"reference_minute": base["minute"], "end_minute": end["minute"],
+                  "reference": before, "end": after, "change": change, "bound": bound,
+                  "limit": limit})
+
+
+def _pools(pools_clean: Mapping[str, bool]) -> Check:
+    dirty = [role for role, clean in pools_clean.items() if not clean]
+    detail = (f"not clean after the load: {', '.join(dirty)}" if dirty
+              else f"clean after the load: {', '.join(pools_clean)}")
+    return Check("pools", not dirty, detail, {"clean": dict(pools_clean)})
+
+
+def _errors(minutes: Sequence[Mapping[str, Any]]) -> Check:
+    errors = [e for m in minutes for e in m["errors"]]
+    by_minute = {m["minute"]: len(m["errors"]) for m in minutes if m["errors"]}
+    detail = (f"{len(errors)} unintended errors (by minute {by_minute}), e.g. {errors[:3]}"
+              if errors else "no unintended error")
+    return Check("errors", not errors, detail, {"count": len(errors), "by_minute": by_minute})
+
+
+def _recompute_share(minutes: Sequence[Mapping[str, Any]], bound: float) -> Check:
+    recomputed = sum(m["recomputed"] for m in minutes)
+    served = sum(m["served"] for m in minutes)
+    allowed = round(bound * served, LIMIT_DECIMALS)
+    share = recomputed / served if served else 0.0
+    return Check("recompute_share", recomputed <= allowed,
+                 f"{recomputed} of {served} served handoffs recomputed ({share:.4%}), "
+                 f"bound {bound:.2%} (at most {allowed:g})",
+                 {"recomputed": recomputed, "served": served, "share": round(share, 6),
+                  "bound": bound, "allowed": allowed})
+
+
+def verdict(minutes: Sequence[Mapping[str, Any]], baseline_minutes: int,
+            pools_clean: Mapping[str, bool], bounds: Bounds | None = None) -> Verdict:
+    """The verdict of a soak from its per-minute records, in order from minute 1, each
+    with ``minute``, ``served``, ``p99_s``, ``errors`` (a list), ``recomputed`` (a count)
+    and ``rss_mib`` (MiB by process role), and whether each engine's pool (by role) was
+    clean after the load. The module's docstring defines each check."""
+    if baseline_minutes < 1:
+        raise ValueError(f"baseline_minutes must be >= 1, not {baseline_minutes}")
+    if len(minutes) <= baseline_minutes:
+        raise ValueError(f"{len(minutes)} minutes leave none after a baseline of "
+                         f"{baseline_minutes}")
+    if not pools_clean:
+        raise ValueError("no pool state: the verdict needs each engine's")
+    bounds = bounds or Bounds()
+    base, ref, end = minutes[baseline_minutes - 1], minutes[baseline_minutes], minutes[-1]
+    return Verdict((
+        _throughput(ref, end, bounds.max_throughput_drop),
+        _p99(ref, end, bounds.max_p99_rise),
+        *(_rss(role, base, end, bounds.max_rss_growth) for role in base["rss_mib"]),
+        _pools(pools_clean),
+        _errors(minutes),
+        _recompute_share(minutes, bounds.max_recompute_share),
+    ))
