@@ -9,7 +9,14 @@ import json
 import pytest
 
 from connector.faults import FAULTS, applies
-from tools.harness import Harness, default_cases, fault_cases, format_table, write_json
+from tools.harness import (
+    LOGPROB_TOLERANCE,
+    Harness,
+    default_cases,
+    fault_cases,
+    format_table,
+    write_json,
+)
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
@@ -30,6 +37,14 @@ def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_pat
     # reference and to vLLM's beam_search, D computed exactly len(suffix)+1.
     assert [c.name for c in report.cases if not c.ok] == []
     assert all(c.stage1_identical_on_d and c.beams_match_vllm for c in report.cases)
+    # Each case's colocated reference was rerun beside an unrelated request: on the
+    # built-in model (float32) that moves cumulative logprobs by 0 or ~1e-7, so no case is
+    # noisy and every bound is the floor, 1e-5, as before the bound followed the noise.
+    noise = {c.name: c.logprob_noise for c in report.cases}
+    assert not any(c.noisy for c in report.cases), noise
+    assert {c.logprob_bound for c in report.cases} == {LOGPROB_TOLERANCE}, noise
+    assert all(max(c.max_logprob_diff, c.max_logprob_diff_vllm) <= c.logprob_bound
+               for c in report.cases)
     assert {c.stage1_finish_reason for c in report.cases} == {"stop", "length"}
     assert {c.beam["beam_width"] for c in report.cases} == {1, 4, 32}
     # Beams that end by EOS are compared too (the t5 case runs past <|sid_end|>).
@@ -78,7 +93,8 @@ def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_pat
     for key in ("prompt_token_ids", "stage1_token_ids", "suffix_token_ids", "beam",
                 "colocated_beams", "handoff_beams", "vllm_beams", "num_imported_tokens",
                 "num_found_on_d_tokens", "num_computed_tokens_d_first_step",
-                "num_bytes_moved", "beams_identical"):
+                "num_bytes_moved", "beams_identical", "logprob_noise", "max_logprob_diff",
+                "max_logprob_diff_vllm", "logprob_bound", "noisy"):
         assert key in case
 
 
@@ -142,6 +158,12 @@ def test_the_harness_fails_on_every_injected_fault(harness, pair, run, fault):
         # What differs is named: beams/logprobs, or D's computed count.
         named = " ".join(f for c in applicable for f in c.failures)
         assert "beams differ" in named or "D computed" in named
+        # Caught by the beams or the counts, never by a noisy reference: the bound that
+        # follows the noise did not swallow the fault's shift.
+        assert not any(c.noisy for c in report.cases), named
+        for c in applicable:
+            if any(f.startswith("cumulative logprobs differ") for f in c.failures):
+                assert c.max_logprob_diff > c.logprob_bound, c
     else:
         assert report.ok, format_table(report)
     # The cases it cannot corrupt stay identical; nothing leaks either way.

@@ -5,7 +5,9 @@ token.
 - ``cases``: which parents, endings, beam widths and D cache states it runs, and their
   prompts;
 - ``run``: the harness on a P and a D, the references each case is compared against;
-- ``checks``: what makes a case pass;
+- ``checks``: what makes a case pass, and the logprob bound a case is held to (its
+  engine's measured noise times ``NOISE_FACTOR``, floored at ``LOGPROB_TOLERANCE``; a
+  noise above ``NOISE_CEILING`` fails the case);
 - ``report``: a row per case, the run's verdict, its table and JSON (and
   ``LOGPROB_TOLERANCE``, which the bench and the demo also hold their beams to);
 - ``main``: ``kvhandoff verify``, on engines it starts.
@@ -16,7 +18,16 @@ Modules in this package import each other by their full path, never through this
 from __future__ import annotations
 
 from tools.harness.cases import Case, default_cases, fault_cases, history_prompt
-from tools.harness.checks import Reference, compare
+from tools.harness.checks import (
+    NOISE_CEILING,
+    NOISE_FACTOR,
+    BeamVerdict,
+    Noise,
+    Reference,
+    compare,
+    judge_beams,
+    logprob_bound,
+)
 from tools.harness.main import VERIFY_D_POOL_BLOCKS, main_verify, verify
 from tools.harness.report import (
     LOGPROB_TOLERANCE,
@@ -28,7 +39,8 @@ from tools.harness.report import (
 )
 from tools.harness.run import Harness
 
-__all__ = ["LOGPROB_TOLERANCE", "VERIFY_D_POOL_BLOCKS", "Case", "CaseReport", "Harness",
-           "HarnessReport", "Reference", "compare", "default_cases", "fault_cases",
-           "format_table", "history_prompt", "main_verify", "result_text", "verify",
-           "write_json"]
+__all__ = ["LOGPROB_TOLERANCE", "NOISE_CEILING", "NOISE_FACTOR", "VERIFY_D_POOL_BLOCKS",
+           "BeamVerdict", "Case", "CaseReport", "Harness", "HarnessReport", "Noise",
+           "Reference", "compare", "default_cases", "fault_cases", "format_table",
+           "history_prompt", "judge_beams", "logprob_bound", "main_verify", "result_text",
+           "verify", "write_json"]

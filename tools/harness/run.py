@@ -2,10 +2,12 @@
 the P -> D handoff (or its moves), compared token for token by ``tools.harness.checks``.
 
 Per case, the references (computed once, reused by the fault runs): stage 1 on P and on
-D, the colocated two stages on P, and vLLM's own beam search on the same continuation
-prompt. D's prefix cache is emptied before each handoff except where the case asks for a
-warm D. After all cases every pool must be clean: P holds no exported block, D only
-prefix-cached (free) blocks.
+D, the colocated two stages on P, vLLM's own beam search on the same continuation
+prompt, and the colocated stage 2 run again on P beside an unrelated request (another
+batch composition): how far the engine's own rounding moves the cumulative logprobs,
+which sets the case's bound (``tools.harness.checks``). D's prefix cache is emptied
+before each handoff except where the case asks for a warm D. After all cases every pool
+must be clean: P holds no exported block, D only prefix-cached (free) blocks.
 
 Negative controls: ``run(..., fault=F)`` injects a fault of :mod:`connector.faults` into
 the real connector on every handoff; a case the fault applies to must then FAIL and
@@ -14,6 +16,8 @@ name what differs (``tests/test_harness.py`` asserts it for every fault).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 import time
 from dataclasses import asdict
@@ -21,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULTS
 from decode_engine.beam import vllm_beam_search
+from decode_engine.engine import run_beam_stage
 from kvhandoff.budget import stage2_reservation
-from kvhandoff.types import BeamParams, Stage1Params
+from kvhandoff.types import Beam, BeamParams, Stage1Params
 from prefill_engine.engine import stage1_sampling
 from tools.harness.cases import Case, history_prompt
-from tools.harness.checks import Reference, compare
+from tools.harness.checks import NOISE_CEILING, NOISE_FACTOR, Reference, compare
 from tools.harness.report import LOGPROB_TOLERANCE, CaseReport, HarnessReport
 from tools.pipeline import (
     TwoStageRequest,
@@ -39,6 +44,13 @@ from tools.pipeline import (
 if TYPE_CHECKING:
     from decode_engine.engine import DecodeEngine
     from prefill_engine.engine import PrefillEngine
+
+logger = logging.getLogger(__name__)
+
+#: The unrelated request a reference's stage 2 is rerun beside: a prompt of this many
+#: random tokens, decoding at most ``BESIDE_MAX_TOKENS`` (aborted when the rerun ends).
+BESIDE_PROMPT_LEN = 32
+BESIDE_MAX_TOKENS = 512
 
 
 class Harness:
@@ -111,7 +123,8 @@ class Harness:
         )
 
     async def reference(self, case: Case) -> Reference:
-        """Stage 1 on P and on D, the colocated two stages on P, vLLM's beam search."""
+        """Stage 1 on P and on D, the colocated two stages on P, vLLM's beam search, and
+        the colocated stage 2 again beside an unrelated request (the case's noise)."""
         if case.name in self._references:
             return self._references[case.name]
         prompt = history_prompt(self._prompt_len(case), case.name, self.tokenizer)
@@ -124,9 +137,47 @@ class Harness:
         prompt2, _ = stage2_prompt(req, colocated.stage1)
         theirs = await vllm_beam_search(self.p.llm, self.tokenizer, prompt2, req.beam,
                                         f"verify-{case.name}-vllm")
-        ref = Reference(seed, prompt, req, colocated, list(on_d.outputs[0].token_ids), theirs)
+        rerun = await self.rerun_beside(case, prompt2, req.beam)
+        ref = Reference(seed, prompt, req, colocated, list(on_d.outputs[0].token_ids), theirs,
+                        rerun)
         self._references[case.name] = ref
         return ref
+
+    async def rerun_beside(self, case: Case, prompt: list[int], beam: BeamParams
+                            ) -> list[Beam]:
+        """The colocated stage 2 on ``prompt`` run again on P while an unrelated request
+        decodes there: every step's batch holds one sequence more, so the engine sums its
+        floats in another order. The unrelated request is aborted when the rerun ends."""
+        rng = random.Random(f"{case.name}/beside")
+        other = [rng.choice(self.normal_ids) for _ in range(BESIDE_PROMPT_LEN)]
+        params = Stage1Params(max_tokens=min(BESIDE_MAX_TOKENS,
+                                             self.p.max_model_len - BESIDE_PROMPT_LEN - 1),
+                              temperature=0.0, ignore_eos=True)
+        decoding = asyncio.Event()
+
+        async def beside() -> None:
+            async for _ in self.p.stream_stage1(other, params, f"verify-{case.name}-beside",
+                                                export=False):
+                decoding.set()
+
+        task = asyncio.create_task(beside())
+        waiter = asyncio.create_task(decoding.wait())
+        try:
+            # The rerun starts once the other request decodes: it shares step 0 too.
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                task.result()  # it failed (or ended) before decoding: say why
+            rerun = await run_beam_stage(self.p, prompt, beam, f"verify-{case.name}-rerun")
+            if task.done():
+                logger.warning("%s: the unrelated request ended before the reference's "
+                               "rerun did; the rest of the rerun ran alone", case.name)
+        finally:
+            waiter.cancel()
+            task.cancel()  # aborts the unrelated request in P
+            (ended,) = await asyncio.gather(task, return_exceptions=True)
+            if not isinstance(ended, (asyncio.CancelledError, type(None))):
+                logger.warning("%s: the unrelated request failed: %r", case.name, ended)
+        return rerun.beams
 
     async def run_case(self, case: Case, fault: str | None = None) -> CaseReport:
         """One case, against its references (computed on its first run), ``fault``
@@ -177,6 +228,8 @@ class Harness:
             model_dir=model_dir,
             block_size=self.p.block_size,
             logprob_tolerance=LOGPROB_TOLERANCE,
+            noise_factor=NOISE_FACTOR,
+            noise_ceiling=NOISE_CEILING,
             cases=reports,
             pools_clean=all(pool.is_clean for pool in pools.values()),
             pool_details={name: asdict(pool) for name, pool in pools.items()},
