@@ -6,9 +6,9 @@ connector's extra config key ``fault_injection``) *and* a request names a fault 
 a request at admission (``connector.admission``), and never runs any code below.
 
 Each fault corrupts one thing the real connector does, on real engines. What the
-harness compares (beams, cumulative logprobs within 1e-5, tokens computed by D for the
-import step) and why each fault is or is not expected to show, with N parent tokens,
-block size B and ``S`` suffix tokens::
+harness compares (beams, cumulative logprobs within the harness's bound, floor 1e-5,
+tokens computed by D for the import step) and why each fault is or is not expected to
+show, with N parent tokens, block size B and ``S`` suffix tokens::
 
     | block 0 | block 1 | ... | last block (partial unless B divides N-1) | suffix |
     |<------------ imported: N-1 tokens -------------->|<-- computed: S+1 ---->|
