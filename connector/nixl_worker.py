@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from connector.beam_fork import BeamForkWorker
 from connector.faults import corrupt_imported, scribble
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
-from connector.runtime import back_with_huge_pages, nixl_agent_options
+from connector.runtime import back_with_huge_pages, flush_ucx_log, nixl_agent_options
 from connector.stats import ContinuationStats
 
 if TYPE_CHECKING:
@@ -243,6 +243,8 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
         failed |= abandoned
         if self._import_faults:
             self._inject_import_faults(done - failed)
+        if done or failed:
+            flush_ucx_log()  # the READ's protocol table, if UCX logs to a file
         now = time.perf_counter()
         for req_id in done:
             fence = self._read_deadlines.pop(req_id, None)
