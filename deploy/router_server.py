@@ -165,9 +165,10 @@ class RouterServer:
             return None
         return self._warm_up.result()
 
-    def inflight(self) -> int:
-        """Requests this replica runs now (the flood tests read it)."""
-        return self.api.inflight
+    def inflight(self) -> tuple[int, int]:
+        """Requests this replica runs now, and the most it has run at once since the
+        start or the last ``set_max_inflight``."""
+        return self.api.inflight, self.api.admission.peak
 
     def set_max_inflight(self, limit: int | None) -> None:
         """Change this replica's ``max_inflight`` while it serves; None turns the guard
@@ -175,3 +176,4 @@ class RouterServer:
         if limit is not None and limit < 1:
             raise ValueError("max_inflight must be positive (None: no limit)")
         self.api.admission.limit = limit
+        self.api.admission.reset_peak()

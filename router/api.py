@@ -36,6 +36,12 @@ class Admission:
         self.limit: int | None = limit
         self.metrics = metrics
         self.inflight = 0
+        #: The most requests admitted at once since the start (or ``reset_peak``).
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = self.inflight
+        self.metrics.inflight_peak.set(self.peak)
 
     @contextlib.contextmanager
     def admit(self, front: str) -> Iterator[None]:
@@ -44,6 +50,9 @@ class Admission:
                               f"{OVERLOAD_MESSAGE}: {self.limit} requests in flight (its "
                               "limit); retry later")
         self.inflight += 1
+        if self.inflight > self.peak:
+            self.peak = self.inflight
+            self.metrics.inflight_peak.set(self.peak)
         gauge = self.metrics.inflight.labels(front)
         gauge.inc()
         try:

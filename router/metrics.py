@@ -59,6 +59,9 @@ class RouterMetrics:
         self.inflight = Gauge("kvhandoff_router_inflight",
                               "Requests running now, by the front they came in through "
                               "(all fronts share --max-inflight)", ["front"], registry=r)
+        self.inflight_peak = Gauge("kvhandoff_router_inflight_peak",
+                                   "The most requests the router has run at once, all "
+                                   "fronts together (never above --max-inflight)", registry=r)
         self.overhead_seconds = Histogram(
             "kvhandoff_router_overhead_seconds",
             "The router's own time per request (excluding waiting on the engines)",
@@ -91,9 +94,10 @@ class RouterMetrics:
     def track_engines(self, router) -> None:
         """Export ``kvhandoff_router_engine_up{role, endpoint}``: 1 while the router
         routes to that engine (its last capacity snapshot stands), read at each scrape;
-        and count its engines' state changes and capacity answers (``router.observer``)."""
+        and count its engines' state changes and capacity answers (the pool's
+        ``observer``)."""
         self.registry.register(_EngineCollector(router))
-        router.observer = self
+        router.pool.observer = self
 
     # ---- router.capacity.EngineObserver --------------------------------------------------
     def engine_state(self, role: str, address: str, state: str, reason: str) -> None:

@@ -497,3 +497,23 @@ def test_an_unknown_fault_is_refused_at_the_plan(model_dir):
     req.fault = "no-such-fault"
     with pytest.raises(InvalidRequest, match="unknown fault 'no-such-fault'"):
         router.plan(req, None)
+
+
+def test_the_metrics_count_what_the_pool_sees_of_its_engines(model_dir):
+    """``RouterMetrics.track_engines`` observes the router's pool: an engine's first
+    answer and its leaving rotation are counted, by role and reason."""
+    from router.metrics import RouterMetrics
+
+    router = _router(model_dir, [40])
+    metrics = RouterMetrics()
+    metrics.track_engines(router)
+
+    def changes(state: str, reason: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "kvhandoff_router_engine_state_changes_total",
+            {"role": "decode", "endpoint": "d0", "state": state, "reason": reason})
+
+    asyncio.run(router.refresh_capacity())
+    router.decode[0].stub.fail_with = grpc.StatusCode.UNAVAILABLE
+    asyncio.run(router.refresh_capacity())
+    assert changes("in", "first answer") == 1 and changes("out", "unavailable") == 1

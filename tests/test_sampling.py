@@ -160,10 +160,19 @@ def test_continued_on_the_other_engine_from_token_t_the_tokens_are_unchanged(pai
     rest = _sample(pair.d, run, prompt + whole[:t], _params(True, max_tokens=40 - t),
                    f"pos-rest-{t}")
     assert whole[:t] + rest == whole
-    theirs = _sample(pair.p, run, prompt, _params(False), f"vllm-whole-{t}")
-    theirs_rest = _sample(pair.d, run, prompt + theirs[:t], _params(False, max_tokens=40 - t),
-                          f"vllm-rest-{t}")
-    assert theirs[:t] + theirs_rest != theirs, "vLLM's sampling continued unchanged"
+
+    def vllms_continued_unchanged(seed: int) -> bool:
+        theirs = _sample(pair.p, run, prompt, _params(False, seed=seed), f"vllm-whole-{t}-{seed}")
+        theirs_rest = _sample(pair.d, run, prompt + theirs[:t],
+                              _params(False, seed=seed, max_tokens=40 - t),
+                              f"vllm-rest-{t}-{seed}")
+        return theirs[:t] + theirs_rest == theirs
+
+    # Where the model is all but certain of the next tokens any sampling agrees (a
+    # built-in model trained afresh on a clean clone was, after t = 31..33, for one
+    # seed): the control asks three seeds, and one differing is enough.
+    assert not all(vllms_continued_unchanged(seed) for seed in (1234, 77, 4242)), \
+        "vLLM's sampling continued unchanged"
 
 
 @pytest.mark.engines
