@@ -11,6 +11,7 @@ import pytest
 from connector.faults import FAULTS, applies
 from tools.harness import (
     LOGPROB_TOLERANCE,
+    NOISE_FACTOR,
     Harness,
     default_cases,
     fault_cases,
@@ -38,11 +39,13 @@ def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_pat
     assert [c.name for c in report.cases if not c.ok] == []
     assert all(c.stage1_identical_on_d and c.beams_match_vllm for c in report.cases)
     # Each case's colocated reference was rerun beside an unrelated request: on the
-    # built-in model (float32) that moves cumulative logprobs by 0 or ~1e-7, so no case is
-    # noisy and every bound is the floor, 1e-5, as before the bound followed the noise.
+    # built-in model (float32) that moves cumulative logprobs by 0 to a few 1e-6 (one
+    # case's 1.9e-6 was seen), so no case is noisy and each bound is max(1e-5, 10 x
+    # noise), far below any fault's shift (0.1 and more).
     noise = {c.name: c.logprob_noise for c in report.cases}
     assert not any(c.noisy for c in report.cases), noise
-    assert {c.logprob_bound for c in report.cases} == {LOGPROB_TOLERANCE}, noise
+    assert all(c.logprob_bound == max(LOGPROB_TOLERANCE, NOISE_FACTOR * c.logprob_noise)
+               <= 1e-4 for c in report.cases), noise
     assert all(max(c.max_logprob_diff, c.max_logprob_diff_vllm) <= c.logprob_bound
                for c in report.cases)
     assert {c.stage1_finish_reason for c in report.cases} == {"stop", "length"}
