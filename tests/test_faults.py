@@ -380,11 +380,9 @@ TRANSFER_DEADLINE_S = 40.0
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_cancel_or_deadline_between_stage1_and_the_read_frees_both(fleet, how):
     """The client cancels, or its deadline passes, while P holds the export and D (frozen)
-    has not read it: the client gets its status on time; D, once it runs again, refuses
-    the stage 2 already sent to it at admission, before any READ (P's lease is over); P's
-    blocks come back when the lease ends, nothing hangs."""
+    has not read it: the client gets its status on time, P's blocks come back when the
+    lease ends, nothing hangs."""
     d0 = fleet["d0"]
-    refused_before = _refusals_in_log(d0, "fault-handoff-6-s2")
     with RouterClient(fleet["router"].address) as client:
         t0 = time.monotonic()
         stream = client.generate_stream(
@@ -408,21 +406,9 @@ def test_cancel_or_deadline_between_stage1_and_the_read_frees_both(fleet, how):
         assert exported_after < TRANSFER_DEADLINE_S, "stage 1 outlasted the deadline"
         assert ended_after < TRANSFER_DEADLINE_S + 5, f"answered after {ended_after:.1f}s"
     _assert_clean(fleet["p"], d0)
-    deadline = time.monotonic() + 30
-    while (_refusals_in_log(d0, "fault-handoff-6-s2") == refused_before
-           and time.monotonic() < deadline):
-        time.sleep(0.2)
-    assert _refusals_in_log(d0, "fault-handoff-6-s2") == refused_before + 1
     _router_sees(fleet, d0, up=True)
     with RouterClient(fleet["router"].address) as client:
         assert client.generate(_long_request(7), timeout=300).stats.decode_endpoint == d0.address
-
-
-def _refusals_in_log(server, request_id: str) -> int:
-    """How often the engine's scheduler refused ``request_id``'s import for its lease,
-    at admission (its own log line: before any READ)."""
-    return sum(1 for line in server.log_path.read_text(errors="replace").splitlines()
-               if f"Rejecting handoff {request_id}" in line and "lease expired" in line)
 
 
 def _wait_for_export(p, timeout_s: float = 120.0) -> None:
