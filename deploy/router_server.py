@@ -125,30 +125,31 @@ class RouterServer:
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
 
-    async def Continue(self, request: router_pb2.ContinueRequest,  # noqa: N802
-                       grpc_context: Any = None) -> router_pb2.GenerateResponse:
+    async def _unary(self, grpc_context: Any, call: Any) -> Any:
+        """Await ``call`` (a coroutine of the API) as one unary RPC: its answer, or the
+        standalone router's status through ``_fail``."""
         try:
-            await self._ready(request.beam.beam_width)
-            return await self.api.continue_(FRONT, request, None)
+            return await call
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable")  # _fail always raises
+
+    async def _continue(self, request: router_pb2.ContinueRequest
+                        ) -> router_pb2.GenerateResponse:
+        await self._ready(request.beam.beam_width)
+        return await self.api.continue_(FRONT, request, None)
+
+    async def Continue(self, request: router_pb2.ContinueRequest,  # noqa: N802
+                       grpc_context: Any = None) -> router_pb2.GenerateResponse:
+        return await self._unary(grpc_context, self._continue(request))
 
     async def Move(self, request: router_pb2.MoveRequest,  # noqa: N802
                    grpc_context: Any = None) -> router_pb2.MoveResponse:
-        try:
-            return await self.api.move(request)
-        except (Exception, asyncio.CancelledError) as e:
-            self._fail(grpc_context, e)
-        raise AssertionError("unreachable")
+        return await self._unary(grpc_context, self.api.move(request))
 
     async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
                     grpc_context: Any = None) -> router_pb2.DrainResponse:
-        try:
-            return await self.api.drain(request)
-        except (Exception, asyncio.CancelledError) as e:
-            self._fail(grpc_context, e)
-        raise AssertionError("unreachable")
+        return await self._unary(grpc_context, self.api.drain(request))
 
     async def check_health(self) -> None:
         endpoints = self.router.pool.endpoints
