@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from connector.faults import FAULTS
 from engine.config import EngineConfig, engine_env, environment
 from engine.stats import EngineCounters, PoolSnapshot, stats_logger_factory
-from kvhandoff.ports import free_port
+from kvhandoff.ports import check_listenable, free_port
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
@@ -56,6 +56,11 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         engine_id = config.engine_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
+        if config.side_channel_port:
+            # A port asked for and taken fails here, in a second, not after the ~30 s
+            # start (the connector's own check stays: the port may be taken in between).
+            check_listenable(config.side_channel_host, config.side_channel_port,
+                             "the NIXL side channel")
         port = config.side_channel_port or free_port(config.side_channel_host)
         env = engine_env(config, port)
         stats: dict[str, Any] = {}

@@ -32,6 +32,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvhandoff.corpus import SID_TOKENS, tokenizer_lines
+from kvhandoff.shapes import (
+    BENCH_SHAPE,
+    BUILTIN_SHAPE,
+    DEFAULT_SEEDING,
+    VARIANTS,
+    ModelShape,
+    Seeding,
+    seeded_weights,
+)
 from kvhandoff.train import TrainConfig, train
 
 logger = logging.getLogger(__name__)
@@ -52,48 +61,7 @@ _SEED = 20261122
 
 #: How a generated model gets its weights: trained on the corpus, or drawn from a seed.
 Weights = Literal["trained", "seeded"]
-_BIAS_CHANNEL_VALUE = 4.0
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Llama dimensions of a generated model."""
-
-    hidden_size: int = 256
-    intermediate_size: int = 688
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    vocab_size: int = 1024
-    max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-
-
-#: The built-in model: 4 layers of 2 KV heads of 64 (128 KiB per 32-token fp32 block, as
-#: the tests' pool sizes assume), narrow enough to train in about a minute on 2 cores.
-BUILTIN_SHAPE = ModelShape(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-)
-
-#: A ~100M-parameter shape for benchmarks, with seeded weights: realistic compute, and
-#: logits peaked enough that beams do not tie (vLLM's dummy weights give flat logits).
-BENCH_SHAPE = ModelShape(
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    vocab_size=1024,
-)
 
 _WORDS = (
     "the user asked for items like these so we think about taste price season colour "
@@ -155,68 +123,28 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> int:
 
 def _llama_config(shape: ModelShape, vocab_size: int, bos_id: int, eos_id: int) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [shape.architecture],
+        "model_type": shape.model_type,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
         "num_hidden_layers": shape.num_hidden_layers,
         "num_attention_heads": shape.num_attention_heads,
         "num_key_value_heads": shape.num_key_value_heads,
-        "head_dim": shape.hidden_size // shape.num_attention_heads,
+        "head_dim": shape.dims_per_head,
         "vocab_size": vocab_size,
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": shape.tie_word_embeddings,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "torch_dtype": "float32",
+        "torch_dtype": shape.torch_dtype,
         "initializer_range": 0.02,
     }
 
 
-def _seeded_weights(shape: ModelShape, vocab_size: int, bias_rows: dict[int, float]):
-    import torch
-
-    g = torch.Generator().manual_seed(_SEED)
-    h, inter = shape.hidden_size, shape.intermediate_size
-    head_dim = h // shape.num_attention_heads
-    kv = shape.num_key_value_heads * head_dim
-
-    def normal(*size: int, std: float) -> torch.Tensor:
-        return torch.randn(*size, generator=g) * std
-
-    w: dict[str, torch.Tensor] = {}
-    embed = normal(vocab_size, h, std=1.0)
-    embed[:, 0] = _BIAS_CHANNEL_VALUE
-    w["model.embed_tokens.weight"] = embed
-    for i in range(shape.num_hidden_layers):
-        p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = normal(h, h, std=h**-0.5)
-        w[p + "self_attn.k_proj.weight"] = normal(kv, h, std=h**-0.5)
-        w[p + "self_attn.v_proj.weight"] = normal(kv, h, std=h**-0.5)
-        o_proj = normal(h, h, std=0.5 * h**-0.5)
-        w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=h**-0.5)
-        w[p + "mlp.up_proj.weight"] = normal(inter, h, std=h**-0.5)
-        down = normal(h, inter, std=0.5 * inter**-0.5)
-        # Layers never write the bias channel, so it reaches the final norm intact.
-        o_proj[0, :] = 0.0
-        down[0, :] = 0.0
-        w[p + "self_attn.o_proj.weight"] = o_proj
-        w[p + "mlp.down_proj.weight"] = down
-        w[p + "input_layernorm.weight"] = torch.ones(h)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
-    w["model.norm.weight"] = torch.ones(h)
-    lm_head = normal(vocab_size, h, std=2.5 * h**-0.5)
-    lm_head[:, 0] = 0.0
-    for token_id, bias in bias_rows.items():
-        lm_head[token_id, 0] = bias
-    w["lm_head.weight"] = lm_head
-    return {k: v.contiguous() for k, v in w.items()}
-
-
-def _build(out_dir: Path, shape: ModelShape, weights: Weights) -> None:
+def _build(out_dir: Path, shape: ModelShape, weights: Weights, seeding: Seeding) -> None:
     from transformers import AutoTokenizer
 
     vocab_size = build_tokenizer(out_dir, shape.vocab_size)
@@ -231,13 +159,16 @@ def _build(out_dir: Path, shape: ModelShape, weights: Weights) -> None:
     else:
         from safetensors.torch import save_file
 
-        # Logit offsets (in units of the normalised bias channel) that give </think> and
-        # EOS about 1% and 0.3% per step: stage 1 usually ends within ~100 tokens.
-        tensors = _seeded_weights(shape, vocab_size, {ids[THINK_END]: 0.6, ids[EOS]: 0.66})
+        # Logit offsets (the seeding's) that give </think> and EOS about 1% and 0.3% per
+        # step on the bench model: stage 1 usually ends within ~100 tokens.
+        tensors = seeded_weights(shape, vocab_size, {ids[THINK_END]: seeding.think_bias,
+                                                     ids[EOS]: seeding.eos_bias}, _SEED,
+                                 seeding)
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _ensure(name: str, shape: ModelShape, weights: Weights) -> Path:
+def _ensure(name: str, shape: ModelShape, weights: Weights,
+            seeding: Seeding = DEFAULT_SEEDING) -> Path:
     target = cache_dir() / "models" / name
     if (target / "config.json").exists():
         return target
@@ -250,7 +181,7 @@ def _ensure(name: str, shape: ModelShape, weights: Weights) -> Path:
         logger.info("Generating model %s into %s", name, target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         try:
-            _build(tmp, shape, weights)
+            _build(tmp, shape, weights, seeding)
             tmp.rename(target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -269,22 +200,45 @@ def bench_model_dir() -> Path:
     return _ensure("kvhandoff-bench-100m-v2", BENCH_SHAPE, "seeded")
 
 
+def variant_model_dir(name: str) -> Path:
+    """A model of :data:`~kvhandoff.shapes.VARIANTS` (seeded weights, the built-in tokenizer),
+    generated on first use."""
+    shape, seeding = VARIANTS[name]
+    return _ensure(f"kvhandoff-{name}-v2", shape, "seeded", seeding)
+
+
 def resolve_model(model: str | None) -> Path:
-    """``None`` or ``"builtin"`` gives the built-in model; anything else must be a local
-    Hugging Face model directory."""
+    """``None`` or ``"builtin"`` gives the built-in model, ``"bench"`` the bench model, a
+    name of :data:`~kvhandoff.shapes.VARIANTS` that variant; anything else must be a local Hugging
+    Face model directory."""
     if model in (None, "", "builtin"):
         return builtin_model_dir()
     if model == "bench":
         return bench_model_dir()
+    if model in VARIANTS:
+        return variant_model_dir(model)
     path = Path(model).expanduser().resolve()
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {model!r}: not a model directory (no config.json)")
     return path
 
 
+#: Bytes per element of the dtypes a model may be run in.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def model_dtype(model_dir: str | Path) -> str:
+    """The dtype a model directory was saved in (its config's ``torch_dtype``, or
+    ``dtype`` in newer configs), float32 when it names none we run."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    return dtype if dtype in DTYPE_BYTES else "float32"
+
+
 def kv_bytes_per_block(model_dir: str | Path, block_size: int, dtype_bytes: int = 4) -> int:
     """KV bytes one block of ``block_size`` tokens takes for a Llama-like model directory
-    (K and V, every layer), read from its config."""
+    (K and V, every layer) with ``dtype_bytes`` per element, read from its config."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     config = config.get("text_config", config)
     heads = config["num_attention_heads"]

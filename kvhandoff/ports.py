@@ -3,6 +3,7 @@ Light: standard library only."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -19,6 +20,30 @@ def ephemeral_floor() -> int:
         return 32768
 
 
+def check_listenable(host: str, port: int, what: str) -> None:
+    """Raise RuntimeError naming ``what``, ``host:port`` and why when nothing could listen
+    there now (a port in use, an address this host does not have)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ's listener
+        try:
+            s.bind((host, port))
+            s.listen()
+        except OSError as e:
+            raise RuntimeError(f"{what} cannot listen on {host}:{port} ({e}); start the "
+                               "engine with another side-channel port") from e
+
+
+def port_range() -> tuple[int, int]:
+    """Where :func:`free_port` picks: ``$KVHANDOFF_PORT_RANGE`` (``LOW-HIGH``, e.g. each
+    of several test sessions side by side its own), else from ``FREE_PORT_FLOOR`` up to
+    the kernel's ephemeral range."""
+    value = os.environ.get("KVHANDOFF_PORT_RANGE")
+    if value:
+        low, high = (int(part) for part in value.split("-"))
+        return low, high
+    return FREE_PORT_FLOOR, ephemeral_floor()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing is bound to, for a server another process will bind later.
 
@@ -29,9 +54,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     Never the same port twice in one process.
     """
     rng = random.SystemRandom()  # not the random module: tests seed it identically
-    floor = ephemeral_floor()
-    for _ in range(200 if floor - FREE_PORT_FLOOR >= 1000 else 0):
-        port = rng.randrange(FREE_PORT_FLOOR, floor)
+    low, high = port_range()
+    for _ in range(200 if high - low >= 1000 else 0):
+        port = rng.randrange(low, high)
         if port in _ports_handed_out:
             continue
         with socket.socket() as s:

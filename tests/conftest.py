@@ -1,13 +1,21 @@
-"""Shared fixtures. Engines are expensive (~30 s each on CPU) and share 2 cores, so two
-engine groups are started once each and never run at the same time: the in-process P+D
-``pair`` and the ``cluster`` of `kvhandoff serve` processes. Tests are ordered by the
-group they use (unit tests, pair, tests with their own processes, cluster, then the Ray
-Serve tests, whose first test also asks the cluster) and each group is shut down after
-its last test."""
+"""Shared fixtures. Engines are expensive (~30 s each on CPU), so the engine groups are
+started once each: the in-process P+D ``pair``, the ``family`` and the ``cluster`` of
+`kvhandoff serve` processes. Tests are ordered by the group they use (unit tests, pair,
+tests with their own processes, family, cluster, then the Ray Serve tests, whose first
+test also asks the cluster) and each group is shut down after its last test.
+
+Two lanes run side by side (pytest-xdist, ``-n 2 --dist loadgroup`` in pyproject.toml):
+an engine computes on one thread, so one lane of tests keeps about one of the 2 cores
+busy (50-57 % measured over a serial run's engine tests). Lane "groups" runs the shared
+groups in the order above; lane "own" the unit tests and the tests that start (and
+kill, freeze or cut off) processes of their own. Each lane is one xdist work unit, so
+its order holds and each group starts once. The lanes pick free ports from halves of
+the range (``KVHANDOFF_PORT_RANGE``), so a port one lane chose is never the other's."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -75,6 +83,23 @@ class _Shared:
 _GROUPS = {"pair": _Shared(), "cluster": _Shared(), "family": _Shared()}
 
 
+def _port_slice(worker: str | None) -> None:
+    """An xdist worker (``gw0``, ``gw1``, ...) takes its own slice of free_port's range,
+    for itself and the servers it starts (they inherit the environment)."""
+    from kvhandoff.ports import FREE_PORT_FLOOR, ephemeral_floor
+
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker or count < 2 or "KVHANDOFF_PORT_RANGE" in os.environ:
+        return
+    index = int(worker.removeprefix("gw"))
+    width = (ephemeral_floor() - FREE_PORT_FLOOR) // count
+    low = FREE_PORT_FLOOR + index * width
+    os.environ["KVHANDOFF_PORT_RANGE"] = f"{low}-{low + width}"
+
+
+_port_slice(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
 def _group_order(item: pytest.Item) -> int:
     names = set(getattr(item, "fixturenames", ()))
     if item.get_closest_marker("ray"):
@@ -86,6 +111,38 @@ def _group_order(item: pytest.Item) -> int:
     if "cluster" in names:
         return 3
     return 2 if item.get_closest_marker("engines") else 0
+
+
+#: Lane "own" (module docstring): the files whose tests start, kill, freeze or cut off
+#: processes of their own, and unit-test files. Every other file runs in lane "groups"
+#: (a file that uses a shared group must, so that the group starts once; a new file
+#: lands there unless listed here, which is never wrong, only not parallel).
+OWN_LANE_FILES = frozenset({
+    "test_faults.py", "test_hosts.py", "test_demo.py", "test_model_variants.py",
+    "test_install.py", "test_soak.py", "test_soak_verdict.py", "test_router_pick.py",
+    "test_scheduler_side.py", "test_harness_bound.py", "test_deploy_args.py",
+    "test_handoff_unit.py", "test_signing.py", "test_proto.py", "test_layers.py",
+    "test_engine_config.py",
+})
+
+
+def lane_of(nodeid: str) -> str:
+    """The lane of a test by its node id (``tests/<file>::...``)."""
+    return "own" if nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in OWN_LANE_FILES \
+        else "groups"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Each lane is one xdist work unit: one worker runs it whole, in collection order.
+    (Not ``--dist loadgroup``: pytest-xdist 3.8 renames node ids for it through an
+    attribute pytest 9.2 no longer has, so its groups are silently ignored.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid)
+
+    return Lanes(config, log)
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -238,6 +238,39 @@ def test_a_request_moved_p_to_p_then_to_d_streams_on_and_equals_not_moving(fleet
     _assert_clean(fleet["p"], fleet["p2"], fleet["d0"], fleet["d1"])
 
 
+@pytest.mark.migration
+def test_a_drain_with_ds_import_faulted_fails_the_identity_check(fleet):
+    """The drain's negative control (its positive path: tests/test_continuation.py's
+    drain test, on engines without the switch). A stage 1 streaming on P whose request
+    names a D-import fault is drained to D: the move happens (reason "drain", not
+    recomputed), and the identity check that passes there fails here."""
+    req = long_stage1_request(list(range(700, 780)), 300, seed=12, beam_width=4,
+                              path="handoff", request_id="fault-drain")
+    req.fault = "zero-block"
+    with RouterClient(fleet["router"].address) as client:
+        ref = client.generate(long_stage1_request(list(range(700, 780)), 300, seed=12,
+                                                  beam_width=4, path="colocated"),
+                              timeout=300)
+        streamed, got, drained = [], None, None
+        for event in client.generate_stream(req, timeout=300):
+            if not event.HasField("stage1_tokens"):
+                got = event.result
+                continue
+            streamed.extend(event.stage1_tokens.ids)
+            if len(streamed) >= 20 and drained is None:
+                try:
+                    drained = client.drain(fleet["p"].address, timeout_s=120)
+                finally:
+                    client.drain(fleet["p"].address, undo=True)
+                assert (drained.moved, drained.failed) == (1, 0), drained
+    assert streamed == list(got.thinking_token_ids)
+    assert [(m.reason, m.from_endpoint) for m in got.moves] == [("drain", fleet["p"].address)]
+    # D's import carried the stage 1 so far: the zeroed block changes what D samples next.
+    with pytest.raises(AssertionError, match="stage 1 differs|beams differ|cum_logprob"):
+        assert_identical(got, ref, imported=False)
+    _assert_clean(fleet["p"], fleet["p2"], fleet["d0"], fleet["d1"])
+
+
 def test_d_killed_mid_request_is_recomputed_on_the_other_d(fleet):
     with RouterClient(fleet["router"].address) as client:
         ref = client.generate(_long_request(1, "colocated"), timeout=300)
@@ -372,9 +405,9 @@ def _process_group_alive(pgid: int) -> bool:
     return True
 
 
-#: The deadline variant's gRPC deadline: stage 1 (~8 s here) ends well before it, and D
-#: stays frozen past it and past P's lease.
-TRANSFER_DEADLINE_S = 40.0
+#: The deadline variant's gRPC deadline: stage 1 (~8 s alone; beside the other lane it
+#: once outlasted 25 s) ends well before it, and D stays frozen past it.
+TRANSFER_DEADLINE_S = 60.0
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
@@ -407,8 +440,10 @@ def test_cancel_or_deadline_between_stage1_and_the_read_frees_both(fleet, how):
         assert ended_after < TRANSFER_DEADLINE_S + 5, f"answered after {ended_after:.1f}s"
     _assert_clean(fleet["p"], d0)
     _router_sees(fleet, d0, up=True)
-    with RouterClient(fleet["router"].address) as client:
-        assert client.generate(_long_request(7), timeout=300).stats.decode_endpoint == d0.address
+    with RouterClient(fleet["router"].address) as client:  # D0 serves again
+        got = client.generate(make_request(prompt=list(range(60, 140)), max_tokens=8,
+                                           seed=7, beam_width=4, path="handoff"), timeout=300)
+    assert got.stats.decode_endpoint == d0.address and not got.stats.recomputed, got.stats
 
 
 def _wait_for_export(p, timeout_s: float = 120.0) -> None:

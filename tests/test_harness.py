@@ -24,9 +24,14 @@ pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
 @pytest.fixture
 def harness(pair):
-    return Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
-                   think_end_id=pair.think_end_id, eos_id=pair.eos_id,
-                   suffix_ids=pair.default_suffix_ids, p2=pair.p2)
+    """One harness per pair: a case's references (colocated twice, D's stage 1, vLLM's
+    beam_search) are computed once and serve every test that runs the case, the fault
+    runs included (a reference involves no handoff, so no fault reaches it)."""
+    if "harness" not in vars(pair):
+        pair.harness = Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
+                               think_end_id=pair.think_end_id, eos_id=pair.eos_id,
+                               suffix_ids=pair.default_suffix_ids, p2=pair.p2)
+    return pair.harness
 
 
 def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_path):

@@ -138,7 +138,8 @@ def test_the_demo_across_hosts_is_identical_and_reads_the_kv_over_tcp(model_dir,
     report = json.loads((tmp_path / "demo.json").read_text())
     assert report["ok"] and report["hosts"] == "netns"
     assert all(row["verified"] for row in report["requests"]), report
-    assert report["num_handoff"] >= 1 and report["two_calls"]["verified"], report
+    assert not any(row["recomputed"] for row in report["requests"]), report
+    assert report["num_handoff"] == 2 and report["two_calls"]["verified"], report
     assert report["transport"] == {"read_transports": ["tcp/eth2"], "network": True}, report
     assert "D read the KV from P by: tcp/eth2 (a network transport" in stdout
     assert f"router on {SUBNET}.3" in stdout

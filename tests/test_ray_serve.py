@@ -4,7 +4,6 @@ standalone router's answers; a killed D replica is replaced and serving goes on.
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import grpc
@@ -33,10 +32,28 @@ ARGS = {
 }
 
 
-def _engine_core_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "VLLM::EngineCore|EngineCore_DP"], capture_output=True,
-                         text=True).stdout
-    return {int(p) for p in out.split()}
+def _serve_engine_cores() -> set[int]:
+    """vLLM engine-core processes started by a Ray Serve replica (a ``ray::`` process
+    among their ancestors): not the other lane's engines, which run beside these tests."""
+    import psutil
+
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "VLLM::EngineCore" not in cmd and "EngineCore_DP" not in cmd:
+            continue
+        try:
+            if any(" ".join(p.cmdline()).startswith("ray::") for p in proc.parents()):
+                found.add(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    import psutil
+
+    return {pid for pid in pids if psutil.pid_exists(pid)}
 
 
 def _wait_healthy(serve, deployments: tuple[str, ...], timeout_s: float = 600.0) -> None:
@@ -77,8 +94,8 @@ def ray_app():
 
     from deploy.app import GRPC_SERVICER_FUNCTIONS, build_app
 
-    before = _engine_core_pids()
     grpc_port = free_port()
+    cores: set[int] = set()
     # Logical CPUs: Ray only accounts them; the engines share the machine's cores.
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
@@ -92,15 +109,18 @@ def ray_app():
         _wait_healthy(serve, ("Prefill", "Decode", "Router"))
         address = f"127.0.0.1:{grpc_port}"
         _wait_proxy_routes(address)
+        cores = _serve_engine_cores()
+        assert cores, "no engine-core process under a Serve replica"
         yield {"address": address, "serve": serve, "ray": ray}
     finally:
+        cores |= _serve_engine_cores()  # a replaced replica's too
         serve.shutdown()
         ray.shutdown()
         # The engines' own processes go with their replicas.
         deadline = time.monotonic() + 30
-        while _engine_core_pids() - before and time.monotonic() < deadline:
+        while _alive(cores) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not _engine_core_pids() - before, "engine processes outlived Ray Serve"
+        assert not _alive(cores), "engine processes outlived Ray Serve"
 
 
 @pytest.fixture(scope="module")

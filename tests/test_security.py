@@ -50,25 +50,26 @@ def test_handoff_is_signed_for_its_decode_engine_and_redeemable_there(cluster,
     assert_cluster_clean()
 
 
-@pytest.mark.parametrize("attack", ["unsigned", "tampered_lease", "tampered_blocks",
-                                    "other_target"])
-def test_d_refuses_unsigned_tampered_or_misaddressed_handoffs(cluster, assert_cluster_clean,
-                                                              attack):
-    target = "decode-somewhere-else" if attack == "other_target" else _d_target(cluster)
-    prompt = list(range(40, 110))
-    handoff, thinking = _stage1(cluster, target, f"sec-{attack}-1", prompt)
-    if attack == "unsigned":
-        handoff.signature = ""
-    elif attack == "tampered_lease":
-        handoff.lease_expires_at += 3600
-    elif attack == "tampered_blocks":
-        handoff.remote_block_ids[0].ids[0] += 1
-    with pytest.raises(grpc.RpcError) as err:
-        _stage2(cluster, handoff, prompt + thinking + [3], f"sec-{attack}-2")
-    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
-    expected = {"unsigned": "not signed", "other_target": "addressed to engine"}.get(
-        attack, "signature does not match")
-    assert expected in err.value.details()
+def test_d_refuses_unsigned_tampered_or_misaddressed_handoffs(cluster, assert_cluster_clean):
+    """Four attacks, each on a handoff of its own: PERMISSION_DENIED naming why. Then one
+    wait for the pools (P's lease returns the four exports' blocks), not one per attack."""
+    for attack in ("unsigned", "tampered_lease", "tampered_blocks", "other_target"):
+        target = "decode-somewhere-else" if attack == "other_target" else _d_target(cluster)
+        prompt = list(range(40, 110))
+        handoff, thinking = _stage1(cluster, target, f"sec-{attack}-1", prompt)
+        if attack == "unsigned":
+            handoff.signature = ""
+        elif attack == "tampered_lease":
+            handoff.lease_expires_at += 3600
+        elif attack == "tampered_blocks":
+            handoff.remote_block_ids[0].ids[0] += 1
+        with pytest.raises(grpc.RpcError) as err:
+            _stage2(cluster, handoff, prompt + thinking + [3], f"sec-{attack}-2")
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (attack,
+                                                                       err.value.details())
+        expected = {"unsigned": "not signed", "other_target": "addressed to engine"}.get(
+            attack, "signature does not match")
+        assert expected in err.value.details(), attack
     # D never contacts the P an unverified handoff names: P's lease returns the blocks.
     assert_cluster_clean()
 

@@ -22,9 +22,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    from kvhandoff.model import resolve_model
+    from kvhandoff.model import model_dtype, resolve_model
 
-    kwargs = {"model": str(resolve_model(args.model)), "lease_s": args.lease_s,
+    model_dir = resolve_model(args.model)
+    kwargs = {"model": str(model_dir), "lease_s": args.lease_s,
               "block_size": args.block_size, "max_model_len": args.max_model_len,
               "nixl_progress_thread": args.nixl_progress_delay_us >= 0,
               "nixl_progress_delay_us": max(0, args.nixl_progress_delay_us),
@@ -37,8 +38,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs["ucx_net_devices"] = _ucx_net_devices(args.ucx_net_devices, args.side_channel_host)
     if args.load_format:
         kwargs["load_format"] = args.load_format
-    if args.dtype:
-        kwargs["dtype"] = args.dtype
+    # The dtype the model was saved in unless asked (vLLM's "auto" would run float32
+    # checkpoints in bfloat16 on CPU).
+    kwargs["dtype"] = args.dtype or model_dtype(model_dir)
     if args.fault_injection:
         kwargs["fault_injection"] = True
     return kwargs
@@ -134,7 +136,9 @@ def tls_channel_args(p: argparse.ArgumentParser, who: str) -> None:
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory (default: the built-in model)")
+                   help="Hugging Face model directory, or a generated model: 'builtin' "
+                        "(the default), 'bench', or a variant of another architecture "
+                        "('qwen2-gqa-tied', 'llama-mqa-bf16')")
 
 
 def _add_verify(sub: Any) -> None:
@@ -169,7 +173,8 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--max-model-len", type=int, default=4096)
     serve.add_argument("--lease-s", type=int, default=30)
     serve.add_argument("--load-format", default=None)
-    serve.add_argument("--dtype", default=None)
+    serve.add_argument("--dtype", default=None,
+                       help="the dtype to run in (default: the one the model was saved in)")
     serve.add_argument("--fault-injection", action="store_true",
                        help="prefill/decode: accept requests that name an injected fault of "
                             "connector.faults (negative controls of the tests and the "

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.faults import FAULTS
-from kvhandoff.model import kv_bytes_per_block, resolve_model
+from kvhandoff.model import DTYPE_BYTES, kv_bytes_per_block, model_dtype, resolve_model
 from tools.harness.cases import default_cases
 from tools.harness.report import CaseReport, HarnessReport, format_table, result_text, write_json
 from tools.harness.run import Harness
@@ -32,11 +32,16 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
     hosts ``p`` and ``d``): the Ps' processes on one host, D's on the other; the report
     then names the transports UCX chose for the READs, which must be network ones."""
 
-    d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(resolve_model(model), block_size=32)
+    model_dir = resolve_model(model)
+    # The model runs in the dtype it was saved in (bf16 models in bf16, as on GPUs).
+    dtype = model_dtype(model_dir)
+    d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(model_dir, block_size=32,
+                                                       dtype_bytes=DTYPE_BYTES[dtype])
     if on_hosts:
         for old in ucx_log_dir.glob("*.ucx.log"):
             old.unlink()
-    async with local_pair(model, lease_s=lease_s, fault_injection=inject is not None,
+    async with local_pair(model, lease_s=lease_s, dtype=dtype,
+                          fault_injection=inject is not None,
                           decode_overrides={"kv_cache_memory_bytes": d_pool},
                           second_prefill=inject is None, on_hosts=on_hosts,
                           ucx_log_dir=ucx_log_dir if on_hosts else None) as pair:
