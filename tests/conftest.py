@@ -4,9 +4,9 @@ started once each: the in-process P+D ``pair``, the ``family`` and the ``cluster
 tests with their own processes, family, cluster, then the Ray Serve tests, whose first
 test also asks the cluster) and each group is shut down after its last test.
 
-Two lanes run side by side (pytest-xdist, ``-n 2 --dist loadgroup`` in pyproject.toml):
-an engine computes on one thread, so one lane of tests keeps about one of the 2 cores
-busy (50-57 % measured over a serial run's engine tests). Lane "groups" runs the shared
+Two lanes run side by side (pytest-xdist, ``-n 2`` in pyproject.toml): an engine
+computes on one thread, so one lane of tests keeps about one of the 2 cores busy (47-64 %
+measured over a serial run's engine tests). Lane "groups" runs the shared
 groups in the order above; lane "own" the unit tests and the tests that start (and
 kill, freeze or cut off) processes of their own. Each lane is one xdist work unit, so
 its order holds and each group starts once. The lanes pick free ports from halves of
