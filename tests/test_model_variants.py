@@ -65,14 +65,11 @@ def test_the_harness_on_a_variant_is_identical_and_catches_a_fault(run, name):
     within its measured noise, and a zeroed block 0 in D's import fails the case it
     can corrupt."""
     from tools.harness import Harness, default_cases, format_table
-    from tools.harness.main import VERIFY_D_POOL_BLOCKS
+    from tools.harness.main import pair_settings
     from tools.local import local_pair
 
     path = resolve_model(name)
-    dtype = model_dtype(path)
-    d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(path, 32, DTYPE_BYTES[dtype])
-    cm = local_pair(str(path), lease_s=30, dtype=dtype, fault_injection=True,
-                    decode_overrides={"kv_cache_memory_bytes": d_pool})
+    cm = local_pair(str(path), lease_s=30, fault_injection=True, **pair_settings(path))
     pair = run(cm.__aenter__(), timeout=300)
     try:
         harness = Harness(pair.p, pair.d, tokenizer=pair.tokenizer,

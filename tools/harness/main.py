@@ -23,6 +23,16 @@ from tools.ucx_report import read_transports_in
 VERIFY_D_POOL_BLOCKS = 129
 
 
+def pair_settings(model_dir: Path) -> dict[str, Any]:
+    """``local_pair`` settings for the harness on ``model_dir``: the model runs in the
+    dtype it was saved in (bf16 models in bf16, as on GPUs), and D's pool holds
+    ``VERIFY_D_POOL_BLOCKS`` of its blocks in that dtype."""
+    dtype = model_dtype(model_dir)
+    d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(model_dir, block_size=32,
+                                                       dtype_bytes=DTYPE_BYTES[dtype])
+    return {"dtype": dtype, "decode_overrides": {"kv_cache_memory_bytes": d_pool}}
+
+
 async def verify(model: str | None, *, quick: bool, json_path: str | None,
                  lease_s: int = 30, inject: str | None = None,
                  on_hosts: dict[str, Any] | None = None,
@@ -32,17 +42,11 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
     hosts ``p`` and ``d``): the Ps' processes on one host, D's on the other; the report
     then names the transports UCX chose for the READs, which must be network ones."""
 
-    model_dir = resolve_model(model)
-    # The model runs in the dtype it was saved in (bf16 models in bf16, as on GPUs).
-    dtype = model_dtype(model_dir)
-    d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(model_dir, block_size=32,
-                                                       dtype_bytes=DTYPE_BYTES[dtype])
     if on_hosts:
         for old in ucx_log_dir.glob("*.ucx.log"):
             old.unlink()
-    async with local_pair(model, lease_s=lease_s, dtype=dtype,
-                          fault_injection=inject is not None,
-                          decode_overrides={"kv_cache_memory_bytes": d_pool},
+    async with local_pair(model, lease_s=lease_s, fault_injection=inject is not None,
+                          **pair_settings(resolve_model(model)),
                           second_prefill=inject is None, on_hosts=on_hosts,
                           ucx_log_dir=ucx_log_dir if on_hosts else None) as pair:
         harness = Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
