@@ -609,12 +609,12 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
 @pytest.mark.migration
 def test_drain_moves_ps_running_stage1s_to_d_and_their_output_is_unchanged(family,
                                                                          family_clean):
-    """`kvhandoff drain` on P while four stage 1s stream: the three positional ones move to
-    their D (reason "drain"), the one with vLLM's own sampling finishes on P; the command
-    returns once P is empty. Every stream has each token once and every output equals the
-    same request never moved (colocated). While P is drained a new request waits (this
-    router has no other P) and is served after `drain --undo`; an engine the router does
-    not know is NOT_FOUND."""
+    """Router.Drain on P while four stage 1s stream: the three positional ones move to
+    their D (reason "drain"), the one with vLLM's own sampling finishes on P; the call
+    returns once P is empty, and `kvhandoff drain` then says so at once. Every stream has
+    each token once and every output equals the same request never moved (colocated).
+    While P is drained a new request waits (this router has no other P) and is served
+    after `drain --undo`; an engine the router does not know is NOT_FOUND."""
     import concurrent.futures
     import subprocess
     import sys
@@ -663,9 +663,16 @@ def test_drain_moves_ps_running_stage1s_to_d_and_their_output_is_unchanged(famil
         for event in started:
             assert event.wait(120), "a stage 1 did not start"
         try:
+            # The drain itself in process: the CLI's start-up (seconds beside the other
+            # lane) could outlast the 300-token stage 1s and find nothing to move.
+            with RouterClient(family["router"]) as client:
+                summary = client.drain(p_address)
+            assert (summary.moved, summary.finished_in_place, summary.failed,
+                    summary.empty) == (3, 1, 0, True), summary
+            # The CLI on the drained, empty P: its summary, and it returns at once.
             drained = drain()
             assert drained.returncode == 0, drained.stderr
-            assert "3 moved, 1 finished in place, 0 failed" in drained.stdout, drained.stdout
+            assert "0 moved, 0 finished in place, 0 failed" in drained.stdout, drained.stdout
             cap = engine_stub(p_address).GetCapacity(engine_pb2.CapacityRequest(), timeout=10)
             assert cap.num_running_reqs == 0, "drain returned before P was empty"
             late = pool.submit(stub.Generate, request(4), timeout=120)
