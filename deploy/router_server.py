@@ -143,6 +143,10 @@ class RouterServer:
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:
         return await self._unary(grpc_context, self._continue(request))
 
+    async def ReleaseParent(self, request: router_pb2.ReleaseParentRequest,  # noqa: N802
+                            grpc_context: Any = None) -> router_pb2.ReleaseParentResponse:
+        return await self._unary(grpc_context, self.api.release_parent(request))
+
     async def Move(self, request: router_pb2.MoveRequest,  # noqa: N802
                    grpc_context: Any = None) -> router_pb2.MoveResponse:
         return await self._unary(grpc_context, self.api.move(request))

@@ -154,6 +154,12 @@ class RouterAPI:
         self.metrics.observe(resp, front)
         return resp
 
+    async def release_parent(self, request: router_pb2.ReleaseParentRequest
+                             ) -> router_pb2.ReleaseParentResponse:
+        """ReleaseParent (not admitted: it frees room, so it must get through a full
+        router)."""
+        return await self.router.release_parent(request.parent_id)
+
     async def prompt_beams(self, front: str, prompt_ids: list[int], beam: BeamParams,
                            deadline: float | None) -> router_pb2.GenerateResponse:
         """Beam search over a whole prompt (nothing imported)."""

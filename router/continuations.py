@@ -199,6 +199,31 @@ class Continuations:
                              f"parent {req.parent_id!r} failed: {record.error}")
         return record
 
+    async def release_parent(self, parent_id: str) -> router_pb2.ReleaseParentResponse:
+        """Router.ReleaseParent: forget a finished, idle parent and end P's hold on its
+        blocks now (see the proto for the statuses)."""
+        record = self.registry.get(parent_id) if parent_id else None
+        if record is None:
+            raise grpc_error(grpc.StatusCode.NOT_FOUND, f"parent {parent_id!r} is unknown "
+                             "here (never served, released, or forgotten)")
+        if not record.done.is_set() or record.in_use:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"parent {parent_id!r} is in use: "
+                             + ("its stage 1 still runs" if not record.done.is_set()
+                                else f"{record.in_use} continuations of it run now"))
+        hold_ended = record.held and record.prefill_ep is not None
+        # Marked and forgotten before the await: a continuation arriving meanwhile gets
+        # NOT_FOUND, never blocks being freed.
+        record.not_held_reason = "released by the client"
+        self.registry.unhold(record)
+        self.registry.discard(parent_id)
+        self.registry.evictions["client"] += 1
+        if hold_ended:
+            await self._send_releases([(record.prefill_ep, [record.held_name])])
+        logger.info("parent %s released by the client%s", parent_id,
+                    " (P's hold ended)" if hold_ended else "")
+        return router_pb2.ReleaseParentResponse(parent_id=parent_id, hold_ended=hold_ended)
+
     async def run_continuation(self, req: router_pb2.ContinueRequest,
                                deadline: float | None) -> router_pb2.GenerateResponse:
         """Stage 2 of ``req``'s parent (see the module docstring)."""

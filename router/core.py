@@ -95,6 +95,9 @@ class Router:
         self.check_model(req.model)
         return await self.continuations.run_continuation(req, deadline)
 
+    async def release_parent(self, parent_id: str) -> router_pb2.ReleaseParentResponse:
+        return await self.continuations.release_parent(parent_id)
+
     async def run_prompt_beams(self, prompt_ids: list[int], beam: BeamParams,
                                request_id: str, deadline: float | None
                                ) -> router_pb2.GenerateResponse:

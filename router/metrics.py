@@ -192,10 +192,11 @@ class _EngineCollector:
                                 "parents keep (counted against --parent-pool-share)",
                                 value=reg.held_blocks())
         evictions = CounterMetricFamily("kvhandoff_router_parent_evictions",
-                                        "Parents forgotten (lru, ttl) or whose hold on P "
-                                        "ended early for newer ones (released)",
+                                        "Parents forgotten (lru, ttl), whose hold on P "
+                                        "ended early for newer ones (released), or "
+                                        "released by their client (client)",
                                         labels=["reason"])
-        for reason in ("lru", "ttl", "released"):
+        for reason in ("lru", "ttl", "released", "client"):
             evictions.add_metric([reason], reg.evictions[reason])
         yield evictions
         conts = CounterMetricFamily("kvhandoff_router_continuations",

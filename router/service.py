@@ -65,6 +65,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 
+    async def ReleaseParent(self, request, context):
+        try:
+            return await self.api.release_parent(request)
+        except (Exception, asyncio.CancelledError) as e:
+            await self._abort(context, e)
+
     async def Move(self, request, context):
         try:
             return await self.api.move(request)

@@ -179,9 +179,10 @@ def test_a_sampled_continuation_equals_vllms_own_sampling_of_the_whole_prompt(
 
 @pytest.fixture
 def family_clean(family):
-    from tests.utils import assert_servers_clean
+    from tests.utils import HELD_PARENTS, assert_servers_clean
 
     yield
+    HELD_PARENTS.release_all()
     assert_servers_clean([family["prefill"], *family["decode"]], 2 * FAMILY_LEASE_S + 5.0)
 
 
@@ -190,7 +191,9 @@ def _stub(address: str):
 
     from kvhandoff.v1 import router_pb2_grpc
 
-    return router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
+    stub.address = address  # where _start_parent's parents are released
+    return stub
 
 
 def _parent_request(request_id: str, *, seed: int = 3, max_tokens: int = 24,
@@ -208,13 +211,17 @@ def _parent_request(request_id: str, *, seed: int = 3, max_tokens: int = 24,
 
 
 def _start_parent(stub, req, timeout: float = 120):
-    """(stage-1 token batches, the Parent)."""
+    """(stage-1 token batches, the Parent), the parent released at the test's end."""
+    from tests.utils import HELD_PARENTS
+
     batches, parent = [], None
     for event in stub.StartParent(req, timeout=timeout):
         if event.HasField("stage1_tokens"):
             batches.append(list(event.stage1_tokens.ids))
         else:
             parent = event.parent
+    if parent is not None:
+        HELD_PARENTS.add(stub.address, parent.parent_id)
     return batches, parent
 
 
@@ -281,6 +288,8 @@ def test_unknown_parents_and_other_models_are_refused_with_the_reason(family, fa
 def test_a_continuation_of_a_running_parent_waits_for_it(family, family_clean):
     import threading
 
+    from tests.utils import HELD_PARENTS
+
     stub = _stub(family["router"])
     first_tokens = threading.Event()
     result: dict[str, object] = {}
@@ -298,8 +307,65 @@ def test_a_continuation_of_a_running_parent_waits_for_it(family, family_clean):
     assert first_tokens.wait(60)
     resp = _continue(stub, "fam-running")  # sent while stage 1 runs
     t.join()
+    HELD_PARENTS.add(family["router"], "fam-running")
     assert "parent" in result and len(resp.thinking_token_ids) == 150
     assert not resp.stats.recomputed and resp.stats.num_imported_tokens > 0
+
+
+def test_a_released_parent_frees_ps_blocks_at_once_and_is_then_unknown(family,
+                                                                      family_clean):
+    """Router.ReleaseParent on an exported parent and on one P holds for itself
+    (colocated): P's pool is clean within 3 s (its lease is 12 s: without the Release the
+    check fails), later continuations and a second release are NOT_FOUND, a parent whose
+    stage 1 runs is FAILED_PRECONDITION, and the router counts the releases."""
+    import threading
+
+    import grpc
+
+    from kvhandoff.v1 import common_pb2
+    from tests.utils import metric_sum
+    from tools.client import RouterClient
+    from tools.launch import wait_pool_clean
+
+    stub = _stub(family["router"])
+    p = family["prefill"]
+    metrics = family["router_metrics"]
+    before = metric_sum(metrics, "kvhandoff_router_parent_evictions_total", reason="client")
+    exported = _parent_request("fam-release-x")
+    local = _parent_request("fam-release-l")
+    local.path = common_pb2.PATH_COLOCATED
+    with RouterClient(family["router"]) as client:
+        for req in (exported, local):
+            _, parent = _start_parent(stub, req)
+            assert parent.held, parent.not_held_reason
+            assert not wait_pool_clean(p.address, 0.5)[0], "P holds nothing for the parent"
+            assert client.release_parent(parent.parent_id).hold_ended
+            clean, cap = wait_pool_clean(p.address, 3.0)
+            assert clean, f"P still holds the released parent: {cap}"
+            with pytest.raises(grpc.RpcError) as e:
+                _continue(stub, parent.parent_id)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                client.release_parent(parent.parent_id)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+        started = threading.Event()
+
+        def running():
+            for _ in stub.StartParent(_parent_request("fam-release-run", max_tokens=150,
+                                                      min_tokens=150), timeout=120):
+                started.set()
+
+        t = threading.Thread(target=running)
+        t.start()
+        assert started.wait(60)
+        with pytest.raises(grpc.RpcError) as e:
+            client.release_parent("fam-release-run")
+        t.join()
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "stage 1 still runs" in e.value.details()
+        assert client.release_parent("fam-release-run").hold_ended
+    assert metric_sum(metrics, "kvhandoff_router_parent_evictions_total",
+                      reason="client") - before == 3
 
 
 def test_a_parent_p_does_not_hold_is_recomputed_or_refused_when_strict(family, family_clean):
@@ -358,6 +424,7 @@ def test_sampled_continuations_are_the_same_imported_held_on_p_and_recomputed(
     import openai
 
     from kvhandoff.v1 import common_pb2
+    from tests.utils import HELD_PARENTS
 
     def sampled(stub, parent_id, seed=21):
         from kvhandoff.v1 import router_pb2
@@ -390,6 +457,7 @@ def test_sampled_continuations_are_the_same_imported_held_on_p_and_recomputed(
     model = client.models.list().data[0].id
     parent = client.completions.create(model=model, prompt=list(_parent_request(
         "fam-sampled", seed=5).prompt_token_ids.ids), max_tokens=24, temperature=1.0, seed=5)
+    HELD_PARENTS.add(family["router"], parent.id)  # the HTTP front's router
     via_http = client.completions.create(
         model=model, prompt="", max_tokens=10, temperature=1.0, seed=21,
         extra_body={"continuation_of": parent.id, "ignore_eos": True})

@@ -414,8 +414,16 @@ TRANSFER_DEADLINE_S = 60.0
 def test_cancel_or_deadline_between_stage1_and_the_read_frees_both(fleet, how):
     """The client cancels, or its deadline passes, while P holds the export and D (frozen)
     has not read it: the client gets its status on time, P's blocks come back when the
-    lease ends, nothing hangs."""
+    lease ends, nothing hangs, and D never runs the import (its import, failure and READ
+    counters unchanged after it thaws)."""
     d0 = fleet["d0"]
+    counters = ("kvhandoff_engine_imports_total", "kvhandoff_engine_import_failures_total",
+                "kvhandoff_engine_nixl_transfers_total")
+
+    def d0_counts() -> list[float]:
+        return [metric_sum(d0.metrics_url, name) for name in counters]
+
+    before = d0_counts()
     with RouterClient(fleet["router"].address) as client:
         t0 = time.monotonic()
         stream = client.generate_stream(
@@ -440,6 +448,7 @@ def test_cancel_or_deadline_between_stage1_and_the_read_frees_both(fleet, how):
         assert ended_after < TRANSFER_DEADLINE_S + 5, f"answered after {ended_after:.1f}s"
     _assert_clean(fleet["p"], d0)
     _router_sees(fleet, d0, up=True)
+    assert d0_counts() == before, f"D0 ran the cancelled request's import: {counters}"
     with RouterClient(fleet["router"].address) as client:  # D0 serves again
         got = client.generate(make_request(prompt=list(range(60, 140)), max_tokens=8,
                                            seed=7, beam_width=4, path="handoff"), timeout=300)

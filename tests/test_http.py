@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import FAMILY_LEASE_S
 from tests.utils import (
+    HELD_PARENTS,
     assert_http_identical,
     assert_idle_within,
     assert_servers_clean,
@@ -33,6 +34,7 @@ SUFFIX = "</think>\n<|sid_begin|>"
 @pytest.fixture
 def family_clean(family):
     yield
+    HELD_PARENTS.release_all()
     assert_servers_clean([family["prefill"], *family["decode"]], 2 * FAMILY_LEASE_S + 5.0)
 
 
@@ -60,6 +62,7 @@ def test_two_calls_with_the_openai_client_equal_the_colocated_reference(family, 
     stage1 = client.completions.create(model=model, prompt=prompt, max_tokens=24,
                                        temperature=1.0, seed=5)
     parent_id = stage1.id
+    HELD_PARENTS.add(family["router"], parent_id)
     beams = client.completions.create(
         model=model, prompt="", max_tokens=3, n=4,
         extra_body={"use_beam_search": True, "continuation_of": parent_id,
@@ -92,6 +95,8 @@ def test_streaming_and_async_clients_get_the_same_tokens(family, family_clean):
                                             stream_options={"include_usage": True}))
     streamed = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get(
         "token_ids") or []]
+    for parent_id in (plain.id, chunks[0].id):
+        HELD_PARENTS.add(family["router"], parent_id)
     assert streamed == plain.choices[0].model_extra["token_ids"]
     assert chunks[-1].usage.completion_tokens == len(streamed)
     assert len({c.id for c in chunks}) == 1
@@ -107,6 +112,7 @@ def test_streaming_and_async_clients_get_the_same_tokens(family, family_clean):
         return s1, s2
 
     s1, s2 = asyncio.run(two_calls())
+    HELD_PARENTS.add(family["router"], s1.id)
     assert s1.choices[0].model_extra["token_ids"] == streamed
     assert len(s2.choices) == 2 and s2.model_extra["kvhandoff"]["parent_id"] == s1.id
     with RouterClient(family["router"]) as grpc_client:  # stage 1 default: temperature 1
@@ -129,6 +135,7 @@ def test_stage1_logprobs_in_openais_shape_streamed_or_not_and_over_grpc(family, 
     prompt = _prompt(3)
     plain = client.completions.create(model=model, prompt=prompt, max_tokens=12, seed=4,
                                       logprobs=3)
+    HELD_PARENTS.add(family["router"], plain.id)
     lp = plain.choices[0].logprobs
     ids = plain.choices[0].model_extra["token_ids"]
     assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == len(ids) > 0
@@ -140,6 +147,7 @@ def test_stage1_logprobs_in_openais_shape_streamed_or_not_and_over_grpc(family, 
     assert lp.text_offset[0] == 0
     chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=12, seed=4,
                                             logprobs=3, stream=True))
+    HELD_PARENTS.add(family["router"], chunks[0].id)
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs
                 for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx(lp.token_logprobs)
@@ -150,10 +158,12 @@ def test_stage1_logprobs_in_openais_shape_streamed_or_not_and_over_grpc(family, 
     req.prompt_token_ids.ids.extend(prompt)
     req.stage1.max_tokens, req.stage1.seed, req.stage1.logprobs = 12, 4, 3
     parent = [e for e in stub.StartParent(req, timeout=120)][-1].parent
+    HELD_PARENTS.add(family["router"], parent.parent_id)
     assert list(parent.thinking_token_ids) == ids
     assert [t.logprob for t in parent.thinking_logprobs] == pytest.approx(lp.token_logprobs)
-    assert client.completions.create(model=model, prompt=prompt, max_tokens=4,
-                                     seed=4).choices[0].logprobs is None
+    without = client.completions.create(model=model, prompt=prompt, max_tokens=4, seed=4)
+    HELD_PARENTS.add(family["router"], without.id)
+    assert without.choices[0].logprobs is None
 
 
 @pytest.mark.parametrize("body,status,words", [
@@ -187,6 +197,7 @@ def test_a_strict_continuation_of_a_parent_not_held_is_412(family, family_clean)
     client = _client(family)
     model = _model(family)
     parent = client.completions.create(model=model, prompt=_prompt(3), max_tokens=8)
+    HELD_PARENTS.add(family["router"], parent.id)
     # The parent is held; a strict continuation of it imports.
     ok = client.completions.create(model=model, prompt="", max_tokens=3, n=2,
                                    extra_body={"use_beam_search": True,

@@ -94,6 +94,8 @@ def test_a_continuation_over_grpc_equals_colocated_and_its_control_fails(
     got = router_client.stub.Continue(req, timeout=120)
     assert got.parent_id == parent.parent_id
     _check(got, ref, fault)
+    # Given back: P's pool clean now, not at its lease's end.
+    assert router_client.release_parent(parent.parent_id).hold_ended
     assert_cluster_clean()
 
 
@@ -122,6 +124,7 @@ def test_a_continuation_over_http_equals_colocated_and_its_control_fails(
         assert not beams.model_extra["kvhandoff"]["recomputed"]
         assert beams.usage.prompt_tokens_details.model_extra["imported_tokens"] == \
             len(_ids(seed)) + len(ref.thinking_token_ids) - 1
+    assert router_client.release_parent(parent.id).hold_ended  # the HTTP front's router
     assert_cluster_clean()
 
 
@@ -145,4 +148,6 @@ def test_engines_without_the_switch_refuse_a_request_that_names_a_fault(family):
             stub.Generate(_request(105, "handoff", "no-such-fault"), timeout=120)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "fault" in e.value.details()
         assert stub.Generate(_request(105, "handoff"), timeout=120).beams
+        stub.ReleaseParent(router_pb2.ReleaseParentRequest(parent_id=parent.parent_id),
+                           timeout=30)
     assert_servers_clean([family["prefill"], *family["decode"]], 2 * FAMILY_LEASE_S + 5.0)

@@ -300,6 +300,39 @@ def assert_servers_clean(servers: list, timeout_s: float) -> None:
         assert clean, f"{server.role} {server.address} not clean: {cap}"
 
 
+class HeldParents:
+    """Parents tests started on shared routers, given back with Router.ReleaseParent at
+    the test's end, so P's pool is clean at once instead of at its lease's end (the
+    clean-pool check after it still waits for anything not given back)."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[str, str]] = []
+
+    def add(self, router: str, parent_id: str) -> None:
+        self._held.append((router, parent_id))
+
+    def release_all(self) -> None:
+        """Release each; one the router forgot (evicted, expired, released by the test)
+        or still uses is left to its lease."""
+        import grpc
+
+        from tools.client import RouterClient
+
+        held, self._held = self._held, []
+        for router, parent_id in held:
+            with RouterClient(router) as client:
+                try:
+                    client.release_parent(parent_id)
+                except grpc.RpcError as e:
+                    if e.code() not in (grpc.StatusCode.NOT_FOUND,
+                                        grpc.StatusCode.FAILED_PRECONDITION):
+                        raise
+
+
+#: The family's parents, released by its clean-pool fixtures.
+HELD_PARENTS = HeldParents()
+
+
 def model_output(finished_recving=None):
     """An empty step's output from the workers, with the READs that finished."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput

@@ -49,6 +49,11 @@ class RouterClient:
     def generate_stream(self, req: router_pb2.GenerateRequest, timeout: float | None = 120.0):
         return self.stub.GenerateStream(req, timeout=timeout)
 
+    def release_parent(self, parent_id: str, timeout: float = 30.0
+                       ) -> router_pb2.ReleaseParentResponse:
+        return self.stub.ReleaseParent(router_pb2.ReleaseParentRequest(parent_id=parent_id),
+                                       timeout=timeout)
+
     def drain(self, endpoint: str, *, undo: bool = False, timeout_s: float = 300.0
               ) -> router_pb2.DrainResponse:
         return self.stub.Drain(router_pb2.DrainRequest(

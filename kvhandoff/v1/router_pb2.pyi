@@ -127,6 +127,20 @@ class ParentEvent(_message.Message):
     parent: Parent
     def __init__(self, stage1_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., parent: _Optional[_Union[Parent, _Mapping]] = ...) -> None: ...
 
+class ReleaseParentRequest(_message.Message):
+    __slots__ = ("parent_id",)
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    parent_id: str
+    def __init__(self, parent_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseParentResponse(_message.Message):
+    __slots__ = ("parent_id", "hold_ended")
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_ENDED_FIELD_NUMBER: _ClassVar[int]
+    parent_id: str
+    hold_ended: bool
+    def __init__(self, parent_id: _Optional[str] = ..., hold_ended: _Optional[bool] = ...) -> None: ...
+
 class ContinueRequest(_message.Message):
     __slots__ = ("request_id", "parent_id", "suffix_text", "suffix_token_ids", "beam", "strict", "timeout_ms", "model", "sampling", "fault")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

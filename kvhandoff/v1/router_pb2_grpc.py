@@ -54,6 +54,11 @@ class RouterStub:
                 request_serializer=kvhandoff_dot_v1_dot_router__pb2.ContinueRequest.SerializeToString,
                 response_deserializer=kvhandoff_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.ReleaseParent = channel.unary_unary(
+                '/kvhandoff.v1.Router/ReleaseParent',
+                request_serializer=kvhandoff_dot_v1_dot_router__pb2.ReleaseParentRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_router__pb2.ReleaseParentResponse.FromString,
+                _registered_method=True)
         self.Move = channel.unary_unary(
                 '/kvhandoff.v1.Router/Move',
                 request_serializer=kvhandoff_dot_v1_dot_router__pb2.MoveRequest.SerializeToString,
@@ -99,6 +104,16 @@ class RouterServicer:
         blocks are gone is recomputed from its token ids (flagged), or with strict refused
         FAILED_PRECONDITION; an unknown parent id is NOT_FOUND; a parent still running is
         waited for (within the deadline); a parent under another model is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseParent(self, request, context):
+        """Forget a finished parent now: P's hold on its blocks ends at once (instead of at its
+        lease end) and later continuations naming it are NOT_FOUND. NOT_FOUND: not known
+        here (never, forgotten, or evicted); FAILED_PRECONDITION: its stage 1 still runs, or
+        a continuation of it runs now.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,6 +166,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Continue,
                     request_deserializer=kvhandoff_dot_v1_dot_router__pb2.ContinueRequest.FromString,
                     response_serializer=kvhandoff_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'ReleaseParent': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseParent,
+                    request_deserializer=kvhandoff_dot_v1_dot_router__pb2.ReleaseParentRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_router__pb2.ReleaseParentResponse.SerializeToString,
             ),
             'Move': grpc.unary_unary_rpc_method_handler(
                     servicer.Move,
@@ -271,6 +291,33 @@ class Router:
             '/kvhandoff.v1.Router/Continue',
             kvhandoff_dot_v1_dot_router__pb2.ContinueRequest.SerializeToString,
             kvhandoff_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseParent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.v1.Router/ReleaseParent',
+            kvhandoff_dot_v1_dot_router__pb2.ReleaseParentRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_router__pb2.ReleaseParentResponse.FromString,
             options,
             channel_credentials,
             insecure,
