@@ -75,6 +75,11 @@ class EngineConfig:
     #: default 1024). vLLM's CPU matmuls cache a primitive per batch shape, so an
     #: unbounded cache grows with every new token count (docs/decisions.md, "oneDNN").
     onednn_cache_capacity: int | None = 64
+    #: The model's worker runs inside the engine-core process (vLLM's "uni" executor,
+    #: its default for one GPU) instead of a process of its own. None = on for CPU hosts
+    #: with one worker, where vLLM would otherwise spawn the worker (a second ~20 s
+    #: import of vLLM per engine: docs/decisions.md, "One process per engine core").
+    worker_in_engine_core: bool | None = None
     #: Beam steps copy each beam's partial last block instead of recomputing it
     #: (``connector.nixl_continuation``); kept blocks wait ``beam_fork_hold_s`` at most.
     beam_fork: bool = True
@@ -112,6 +117,14 @@ class EngineConfig:
         from vllm.platforms import current_platform
 
         return False if current_platform.is_cpu() else None
+
+    @property
+    def uni_executor(self) -> bool:
+        if self.worker_in_engine_core is not None:
+            return self.worker_in_engine_core
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu() and self.tensor_parallel_size == 1
 
     @property
     def max_beam_width(self) -> int:
@@ -158,6 +171,7 @@ class EngineConfig:
             dtype=self.dtype,
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
+            **({"distributed_executor_backend": "uni"} if self.uni_executor else {}),
             enable_prefix_caching=True,
             kv_transfer_config=kv_transfer,
             scheduler_cls=DECODE_SCHEDULER if self.role == "decode" else PREFILL_SCHEDULER,
@@ -179,6 +193,9 @@ def engine_env(config: EngineConfig, side_channel_port: int) -> dict[str, str]:
         **({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get(
             "ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(config.onednn_cache_capacity))}
            if config.onednn_cache_capacity is not None else {}),
+        # vLLM's CPU platform turns "uni" into "mp" unless this is off; AsyncLLM runs its
+        # engine core in a process of its own either way.
+        **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if config.uni_executor else {}),
         **config.extra_env,
     }
 

@@ -150,13 +150,16 @@ def test_an_engine_server_whose_side_channel_port_is_taken_exits_saying_so(model
 def test_engine_workers_keep_every_core_and_hold_their_pool_on_huge_pages(pair):
     """vLLM's NIXL worker pins the thread that runs the forward pass to one core (the
     same core for P and D on this host); ours gives the cores back. Its KV pool is on
-    2 MiB pages (READs move about twice the bytes per second)."""
+    2 MiB pages (READs move about twice the bytes per second). On CPU the worker runs
+    inside the engine-core process (EngineConfig.worker_in_engine_core): one process
+    per engine, no VLLM::Worker."""
     import psutil
 
     from tests.conftest import D_POOL_BYTES, P_POOL_BYTES
 
-    workers = [p for p in psutil.Process().children(recursive=True)
-               if p.name().startswith("VLLM::Worker")]
+    children = psutil.Process().children(recursive=True)
+    assert not [p for p in children if p.name().startswith("VLLM::Worker")]
+    workers = [p for p in children if p.name().startswith("VLLM::EngineCor")]
     assert len(workers) == 3  # the pair's P, D and second P
     for worker in workers:
         assert set(worker.cpu_affinity()) == os.sched_getaffinity(0), worker
