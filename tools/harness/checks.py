@@ -26,6 +26,13 @@ move cumulative logprobs by 0.1 or more). A case whose noise exceeds ``NOISE_CEI
 its beams are judged at the floor; the bound is never widened past
 ``NOISE_FACTOR * NOISE_CEILING`` (1e-2), ten times below the smallest fault's shift.
 Token ids are compared exactly whatever the noise.
+
+Ties. Beams whose cumulative logprobs are exactly equal (frequent in bf16, where many
+logits round to the same value) are equally good, and vLLM's ``beam_search`` orders them
+by its own candidate order. Against vLLM's beams only, each run of exactly equal scores
+is put in token-id order on both sides before comparing (``untie``); the set of beams,
+their scores and every other position still must match. Against the colocated reference
+(the same code) the order must match as it is.
 """
 
 from __future__ import annotations
@@ -66,6 +73,20 @@ def compare_beams(ours: list[Beam], theirs: list[Beam]) -> tuple[bool, float]:
     same = [b.token_ids for b in ours] == [b.token_ids for b in theirs]
     diffs = [abs(a.cum_logprob - b.cum_logprob) for a, b in zip(ours, theirs)]
     return same, max((math.inf if math.isnan(d) else d for d in diffs), default=0.0)
+
+
+def untie(beams: list[Beam]) -> list[Beam]:
+    """``beams`` with each run of exactly equal cumulative logprobs in token-id order
+    (the module docstring's tie rule); the order between different scores is kept."""
+    out: list[Beam] = []
+    i = 0
+    while i < len(beams):
+        j = i + 1
+        while j < len(beams) and beams[j].cum_logprob == beams[i].cum_logprob:
+            j += 1
+        out.extend(sorted(beams[i:j], key=lambda b: list(b.token_ids)))
+        i = j
+    return out
 
 
 def logprob_bound(noise: float) -> float:
@@ -144,7 +165,7 @@ def judge_beams(got: list[Beam], colocated: list[Beam], colocated_rerun: list[Be
     noise = Noise.measure(colocated, colocated_rerun)
     bound = noise.bound
     ours = BeamMatch(*compare_beams(got, colocated), bound)
-    theirs = BeamMatch(*compare_beams(got, vllm), bound)
+    theirs = BeamMatch(*compare_beams(untie(got), untie(vllm)), bound)
     why_noisy = noise.failure()
     failures = [why_noisy] if why_noisy is not None else []
     if not ours.ids_same:
