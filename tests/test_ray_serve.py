@@ -155,7 +155,8 @@ def _key(resp):
 # later one would start it again (about 35 s).
 def test_two_calls_through_the_proxy(proxy, router_client):
     """StartParent then Continue through Serve's gRPC proxy: the parent's blocks are
-    imported and the beams equal the standalone router's one-shot request."""
+    imported and the beams equal the standalone router's one-shot request; then
+    ReleaseParent ends P's hold, and the id is NOT_FOUND after."""
     req = router_pb2.ParentRequest(request_id="serve-parent")
     req.prompt_token_ids.ids.extend(range(500, 580))
     req.stage1.max_tokens, req.stage1.temperature, req.stage1.seed = 16, 1.0, 13
@@ -171,6 +172,11 @@ def test_two_calls_through_the_proxy(proxy, router_client):
                                               seed=13, beam_width=4, path="colocated"))
     assert got.parent_id == "serve-parent"
     assert_identical(got, ref)
+    release = router_pb2.ReleaseParentRequest(parent_id="serve-parent")
+    assert proxy.ReleaseParent(release, metadata=METADATA, timeout=60).hold_ended
+    with pytest.raises(grpc.RpcError) as e:
+        proxy.ReleaseParent(release, metadata=METADATA, timeout=60)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
 
 
 @pytest.mark.parametrize("fault", [None, "zero-block"])
