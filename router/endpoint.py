@@ -111,3 +111,7 @@ class EngineObserver:
 
     def capacity_answer(self, role: str, address: str, seconds: float, code: str) -> None:
         """A GetCapacity call to ``address`` ended with ``code`` after ``seconds``."""
+
+    def warm_up(self, source: str, dest: str, outcome: str) -> None:
+        """A warm-up from ``source`` to ``dest`` ended: "imported", "recomputed" or
+        "failed"."""

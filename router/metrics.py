@@ -83,6 +83,11 @@ class RouterMetrics:
             "kvhandoff_router_capacity_late_answers",
             "GetCapacity calls that timed out (the engine stays in rotation until it has "
             "been silent for --engine-silence-s)", ["role", "endpoint"], registry=r)
+        self.warmups = Counter(
+            "kvhandoff_router_warmups",
+            "Warm-up handoffs (P -> D) and moves (P -> P) the router ran, before serving "
+            "and for the pairs of an engine that answers again, by outcome (imported, "
+            "recomputed, failed)", ["source", "dest", "outcome"], registry=r)
         self.capacity_rpc_seconds = Histogram(
             "kvhandoff_router_capacity_rpc_seconds",
             "GetCapacity round trips from the router, answered or not", ["role"],
@@ -107,6 +112,9 @@ class RouterMetrics:
         self.capacity_rpc_seconds.labels(role).observe(seconds)
         if code == "DEADLINE_EXCEEDED":
             self.capacity_late_answers.labels(role, address).inc()
+
+    def warm_up(self, source: str, dest: str, outcome: str) -> None:
+        self.warmups.labels(source, dest, outcome).inc()
 
     def serve(self, host: str, port: int) -> int:
         server, _ = start_http_server(port, addr=host, registry=self.registry)

@@ -57,6 +57,7 @@ class WarmUp:
                 outcomes[pair] = await self._warm_up_move(p, d, timeout_s)
             else:
                 outcomes[pair] = await self._warm_up_handoff(i, p, d, timeout_s)
+            pool.observer.warm_up(p.address, d.address, outcomes[pair].split(":")[0])
         if everything:
             pool.on_back = self._warm_up_later
         return outcomes

@@ -43,6 +43,11 @@ def test_router_metrics_count_what_the_responses_say(cluster, router_client, ass
     for role, server in (("prefill", cluster["prefill"]), ("decode", cluster["decode"][0])):
         key = ("kvhandoff_router_engine_up", (("endpoint", server.address), ("role", role)))
         assert after[key] == 1
+    # The router's warm-up before it served: one handoff P -> D, imported.
+    p, d = cluster["prefill"].address, cluster["decode"][0].address
+    key = ("kvhandoff_router_warmups_total",
+           (("dest", d), ("outcome", "imported"), ("source", p)))
+    assert after.get(key, 0) >= 1, [k for k in after if "warmups" in k[0]]
     assert_cluster_clean()
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvhandoff.ports import free_port
 from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
-from tests.utils import assert_handed_off, assert_identical
+from tests.utils import assert_handed_off, assert_identical, in_this_netns
 from tools.client import make_request
 
 pytestmark = [pytest.mark.ray, pytest.mark.engines]
@@ -34,7 +34,8 @@ ARGS = {
 
 def _serve_engine_cores() -> set[int]:
     """vLLM engine-core processes started by a Ray Serve replica (a ``ray::`` process
-    among their ancestors): not the other lane's engines, which run beside these tests."""
+    among their ancestors) on this host: not the other lane's engines, which run beside
+    these tests, nor the two-node Serve test's (on hosts of its own, in the other lane)."""
     import psutil
 
     found = set()
@@ -43,7 +44,8 @@ def _serve_engine_cores() -> set[int]:
         if "VLLM::EngineCore" not in cmd and "EngineCore_DP" not in cmd:
             continue
         try:
-            if any(" ".join(p.cmdline()).startswith("ray::") for p in proc.parents()):
+            if in_this_netns(proc.pid) and any(
+                    " ".join(p.cmdline()).startswith("ray::") for p in proc.parents()):
                 found.add(proc.pid)
         except psutil.Error:
             continue

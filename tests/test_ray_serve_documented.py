@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import in_this_netns
+
 pytestmark = [pytest.mark.ray, pytest.mark.engines, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +46,7 @@ def _ray_processes(since: float) -> list:
         cmd = " ".join(proc.info["cmdline"] or [])
         if proc.info["create_time"] >= since and (
                 "raylet" in cmd or "gcs_server" in cmd or cmd.startswith("ray::")
-                or "serve run" in cmd):
+                or "serve run" in cmd) and in_this_netns(proc.pid):
             found.append(proc)
     return found
 

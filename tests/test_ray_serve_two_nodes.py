@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import in_this_netns
 from tools.netns import call, can_create, hosts
 
 pytestmark = [pytest.mark.ray, pytest.mark.hosts, pytest.mark.engines,
@@ -118,8 +119,9 @@ def _hosts_of(title: str) -> set[str]:
     titles a replica's process ``ray::ServeReplica:<app>:<deployment>``)."""
     import psutil
 
+    # Not this host's (the other lane's Serve tests run there, with the same titles).
     pids = [p.pid for p in psutil.process_iter(["cmdline"])
-            if title in " ".join(p.info["cmdline"] or [])]
+            if title in " ".join(p.info["cmdline"] or []) and not in_this_netns(p.pid)]
     return {subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True,
                            text=True).stdout.strip() for pid in pids}
 

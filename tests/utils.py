@@ -279,6 +279,18 @@ def metric_sum(url: str, name: str, **labels: str) -> float:
                if n == name and set(labels.items()) <= set(sample_labels))
 
 
+def in_this_netns(pid: int) -> bool:
+    """Whether process ``pid`` shares this process's network namespace: the Ray tests of
+    the two lanes tell their processes apart by it (the two-node cluster runs on hosts of
+    its own, tools/netns; the other Serve tests on this one). False once it is gone."""
+    import os
+
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
+    except OSError:
+        return False
+
+
 def long_stage1_request(prompt: str | list[int], num_tokens: int, **kwargs: Any):
     """A router request whose stage 1 samples exactly ``num_tokens`` tokens
     (min_tokens = max_tokens: neither EOS nor ``</think>`` ends it early)."""
