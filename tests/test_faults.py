@@ -464,7 +464,7 @@ def test_cancel_or_deadline_between_stage1_and_the_read_frees_both(fleet, how):
     has not read it: the client gets its status on time, P's blocks come back, nothing
     hangs. Past the deadline D never reads the export once it thaws: D0's NIXL READs in
     the test are the routers' warm-ups of D0 (when it answers again) and the one request
-    after. After a cancel D has been seen to read it (one run of two here: the call
+    after. After a cancel D has been seen to read it (two runs of five here: the call
     reached D before the cancel did; docs/decisions.md): the count is printed, not held."""
     d0 = fleet["d0"]
     reads_before = _reads_not_warm_ups(fleet, d0)
