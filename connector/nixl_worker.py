@@ -17,8 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from connector.beam_fork import BeamForkWorker
 from connector.faults import corrupt_imported, scribble
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
-from connector.runtime import back_with_huge_pages, flush_ucx_log, nixl_agent_options
+from connector.runtime import back_with_huge_pages, nixl_agent_options
 from connector.stats import ContinuationStats
+from kvhandoff.ucxlog import flush_ucx_log
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -9,7 +9,8 @@ stated where it is made. Applied in the engine processes the connector is loaded
 - on CPU hosts the KV pool sits on 4 KiB pages, which halves what a NIXL READ moves
   per second (:func:`back_with_huge_pages`);
 - UCX's log file (its protocol tables, read by ``tools.ucx_report``) is a buffered
-  stream a worker process never flushes (:func:`flush_ucx_log`).
+  stream a worker process never flushes (:func:`kvhandoff.ucxlog.flush_ucx_log`, here for
+  the worker).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 import sys
 import threading
 from typing import Any
@@ -182,32 +182,3 @@ def bound_shm_reader_waits(recheck_ms: int, busy_loop_ms: float | None = None) -
     cond.wait = wait
 
 
-@functools.cache
-def _ucs_log_flush() -> Any:
-    """UCX's ``ucs_log_flush`` from the libucs this process already loaded (NIXL's),
-    or None: no ``UCX_LOG_FILE``, or no libucs mapped."""
-    if not os.environ.get("UCX_LOG_FILE"):
-        return None
-    try:
-        with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps
-                         if "/libucs" in line and ".so" in line), None)
-        if path is None:
-            return None
-        flush = ctypes.CDLL(path).ucs_log_flush  # the loaded copy: same handle
-    except (OSError, AttributeError) as e:
-        logger.warning("UCX's log cannot be flushed (%s): its last lines may be lost", e)
-        return None
-    flush.restype = None
-    return flush
-
-
-def flush_ucx_log() -> None:
-    """Write out what UCX holds for its log file (``UCX_LOG_FILE``: the protocol tables
-    a READ's transport is read from). UCX writes it through a buffered stream, and a
-    vLLM worker ends with ``os._exit``, which never flushes it: the tables written last
-    (a READ's among them) were lost at times. The worker calls this after READs
-    complete; a no-op without ``UCX_LOG_FILE``."""
-    flush = _ucs_log_flush()
-    if flush is not None:
-        flush()

@@ -188,6 +188,11 @@ def engine_env(config: EngineConfig, side_channel_port: int) -> dict[str, str]:
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
         **({"UCX_NET_DEVICES": config.ucx_net_devices} if config.ucx_net_devices else {}),
+        # GPU hosts: UCX turns cuda_ipc READs off where it sees no NVLink (PCIe cards, or
+        # P and D on one GPU), and NIXL's READ of GPU memory then crawls through TCP in
+        # software (0.5 GB/s against 1.5 TB/s with it on: docs/performance.md, "On a
+        # GPU"). Harmless on CPU hosts (no cuda_ipc there); the operator's value wins.
+        "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y"),
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
         **({"OMP_NUM_THREADS": str(config.cpu_threads)} if config.cpu_threads else {}),
         **({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get(

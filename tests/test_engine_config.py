@@ -49,6 +49,16 @@ def test_engines_start_with_onednns_primitive_cache_bounded(model_dir, monkeypat
     assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in engine_env(unbounded, 5600)
 
 
+def test_engines_read_gpu_memory_with_cuda_ipc_where_ucx_sees_no_nvlink(model_dir, monkeypatch):
+    # UCX's default ("auto") turns cuda_ipc READs off without NVLink: on an H100 the probe
+    # (tools/gpu_probe.py) then read at 0.5 GB/s over tcp/lo, 1.5 TB/s with this set.
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    config = EngineConfig(model=model_dir, role="decode")
+    assert engine_env(config, 5600)["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "auto")  # the operator's wins
+    assert engine_env(config, 5600)["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto"
+
+
 def test_free_ports_are_distinct_bindable_and_not_ephemeral():
     from kvhandoff.ports import FREE_PORT_FLOOR, ephemeral_floor, free_port
 
