@@ -200,8 +200,8 @@ def block_views(kv_caches: dict[str, Any], num_blocks: int) -> list[tuple[Any, i
     """Each distinct KV tensor with its block dimension (the one of size ``num_blocks``),
     in layer order.
 
-    Holds for vLLM's attention layouts (CPU: ``[blocks, heads, block_size, 2*head]``,
-    FlashAttention: ``[2, blocks, block_size, heads, head]``, ...). A layout where the
+    Holds for vLLM 0.32's attention layouts (CPU and CUDA FlashAttention:
+    ``[blocks, kv_heads, block_size, 2*head]``; older ones ``[2, blocks, ...]``). A layout where the
     dimension is ambiguous fails the engine's start with what to do about it.
     """
     views: list[tuple[Any, int]] = []

@@ -119,6 +119,12 @@ class EngineConfig:
         return False if current_platform.is_cpu() else None
 
     @property
+    def on_cpu_host(self) -> bool:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+
+    @property
     def uni_executor(self) -> bool:
         if self.worker_in_engine_core is not None:
             return self.worker_in_engine_core
@@ -175,6 +181,10 @@ class EngineConfig:
             enable_prefix_caching=True,
             kv_transfer_config=kv_transfer,
             scheduler_cls=DECODE_SCHEDULER if self.role == "decode" else PREFILL_SCHEDULER,
+            # Off, as vLLM's CPU platform sets it: our schedulers subclass Scheduler, not
+            # AsyncScheduler (which tracks the output placeholders an overlapped step
+            # leaves), and on GPUs vLLM would otherwise turn it on.
+            async_scheduling=False,
             # Positional sampling (engine.sampling), for requests that ask for it.
             logits_processors=[POSITIONAL_SAMPLER],
             disable_log_stats=False,
@@ -191,8 +201,16 @@ def engine_env(config: EngineConfig, side_channel_port: int) -> dict[str, str]:
         # GPU hosts: UCX turns cuda_ipc READs off where it sees no NVLink (PCIe cards, or
         # P and D on one GPU), and NIXL's READ of GPU memory then crawls through TCP in
         # software (0.5 GB/s against 1.5 TB/s with it on: docs/performance.md, "On a
-        # GPU"). Harmless on CPU hosts (no cuda_ipc there); the operator's value wins.
-        "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y"),
+        # GPU"). Not on CPU hosts (UCX warns of a variable no module there reads); the
+        # operator's value wins.
+        **({} if config.on_cpu_host else {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": os.environ.get(
+            "UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")}),
+        # vLLM 0.32's v1 model runner, on every platform. On CUDA with Triton vLLM would
+        # pick Model Runner V2, whose loader refuses v1-interface logits processors (the
+        # positional sampler); the v1 runner is also the one every test here runs (the
+        # CPU build has no Triton). Not the operator's to change: under V2 the engine
+        # would not start (docs/decisions.md, "The CUDA runner").
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
         **({"OMP_NUM_THREADS": str(config.cpu_threads)} if config.cpu_threads else {}),
         **({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get(

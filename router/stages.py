@@ -35,6 +35,16 @@ def time_left(plan: Plan) -> float | None:
     return left
 
 
+def _cancel(call) -> None:
+    """Cancels an engine stream the router stops reading before its end (the client
+    cancelled, a deadline, an error, a move): the engine aborts the request now. Left to
+    itself gRPC cancels such a call only when the call object is collected, which a
+    reference cycle (an exception's traceback holds the frame that holds the call) can
+    put off for seconds while the engine runs on. A no-op on a finished call."""
+    if call is not None and hasattr(call, "cancel"):
+        call.cancel()
+
+
 class StageCalls:
     def __init__(self, tokens: ModelTokens, call_timeout_s: float):
         self.tokens = tokens
@@ -73,6 +83,7 @@ class StageCalls:
         if import_from is not None:
             request.handoff.CopyFrom(import_from)
         p.outstanding += 1
+        call = None
         try:
             call = p.stub.Stage1(request, timeout=time_left(plan))
             waiting_since = time.perf_counter()
@@ -107,6 +118,7 @@ class StageCalls:
                 waiting_since = time.perf_counter()
             out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
         finally:
+            _cancel(call)
             p.outstanding -= 1
 
     async def finish_stage1_on(self, d: Endpoint, claim: Claim | None,
@@ -139,14 +151,13 @@ class StageCalls:
             claim.mark_sent()
         d.outstanding += 1
         waiting_since = time.perf_counter()
+        stream = None
         try:
             stream = d.stub.Stage2Stream(request, timeout=time_left(plan))
             async for event in stream:
                 new = list(event.new_token_ids)
                 if replay and new:
                     if new[0] != out.thinking_ids[start]:
-                        if hasattr(stream, "cancel"):
-                            stream.cancel()
                         raise grpc_error(grpc.StatusCode.INTERNAL,
                                          f"stage 1 finished on {d.address} sampled {new[0]} "
                                          f"where {out.thinking_ids[start]} was streamed")
@@ -158,6 +169,7 @@ class StageCalls:
                 if event.HasField("result"):
                     resp = event.result
         finally:
+            _cancel(stream)
             out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
             d.outstanding -= 1
         if resp is None:

@@ -159,6 +159,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 logger.debug("%s: stage 2 received, P's lease ends in %.2fs",
                              request.request_id,
                              request.handoff.lease_expires_at - time.time())
+                # A cancel that reached this server with the call (both waited in the
+                # socket of a D that was frozen or busy) is handed to this task as a
+                # CancelledError by gRPC's own coroutine, which runs after the code up
+                # to our first yield: without this yield the import went to vLLM first,
+                # and D read an export nobody wanted (docs/decisions.md, "D never runs
+                # the import"). The cancel lands here, before the import is submitted.
+                await asyncio.sleep(0)
                 try:
                     result = await self.engine.run_stage2(
                         prompt, beam, request.request_id, handoff=ImportRequest.for_beams(

@@ -54,6 +54,8 @@ def test_engines_read_gpu_memory_with_cuda_ipc_where_ucx_sees_no_nvlink(model_di
     # (tools/gpu_probe.py) then read at 0.5 GB/s over tcp/lo, 1.5 TB/s with this set.
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
     config = EngineConfig(model=model_dir, role="decode")
+    assert config.on_cpu_host and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in engine_env(config, 5600)
+    monkeypatch.setattr(EngineConfig, "on_cpu_host", property(lambda self: False))  # a GPU
     assert engine_env(config, 5600)["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "auto")  # the operator's wins
     assert engine_env(config, 5600)["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto"

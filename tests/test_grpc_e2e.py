@@ -127,11 +127,11 @@ def _long_stage1_request():
     return long_stage1_request(PROMPT, 3000, temperature=0.0, path="handoff")
 
 
-@pytest.mark.fault
 def _imports(server) -> float:
     return metric_sum(server.metrics_url, "kvhandoff_engine_imports_total")
 
 
+@pytest.mark.fault
 def test_cancel_during_stage1_aborts_it_and_frees_p(router_client, cluster,
                                                     assert_cluster_clean):
     """Cancelled a second into a stage 1 of seconds: P stops running it within ~2 s, and

@@ -517,3 +517,48 @@ def test_the_metrics_count_what_the_pool_sees_of_its_engines(model_dir):
     router.decode[0].stub.fail_with = grpc.StatusCode.UNAVAILABLE
     asyncio.run(router.refresh_capacity())
     assert changes("in", "first answer") == 1 and changes("out", "unavailable") == 1
+
+
+class EndlessStage1:
+    """A P's Stage1 call that streams one batch after another until cancelled, and says
+    whether it was (a gRPC call the router stops reading runs on in the engine until it
+    is cancelled)."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.cancelled:
+            raise StopAsyncIteration
+        await asyncio.sleep(0)
+        return engine_pb2.Stage1Event(new_token_ids=[7])
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def test_a_stage1_the_router_stops_reading_is_cancelled_on_p_at_once(model_dir):
+    """The client goes away after the first batch: the router's stage-1 generator is
+    closed, and P's call is cancelled then, not whenever gRPC collects the call object
+    (the cluster's cancel test once found P still running a cancelled stage 1)."""
+    from router import Outcome
+
+    router = _router(model_dir, [100])
+    p = router.prefill[0]
+    call = EndlessStage1()
+    p.stub = type("P", (), {"Stage1": lambda self, request, timeout=None: call})()
+    plan = _plan()
+    out = Outcome(plan, "p", "d0")
+
+    async def read_one_batch_then_go():
+        stream = router.stages.stage1(p, None, plan, out, export=False)
+        assert await anext(stream) == [7]
+        assert not call.cancelled
+        await stream.aclose()
+
+    asyncio.run(read_one_batch_then_go())
+    assert call.cancelled and p.outstanding == 0
