@@ -130,6 +130,23 @@ def _kill_matching(pattern: str) -> None:
     subprocess.run(["pkill", "-9", "-f", "--", pattern])
 
 
+def _netns_pids(host) -> list[str]:
+    return subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True,
+                          text=True).stdout.split()
+
+
+def _kill_hosts_processes(*hosts_) -> None:
+    """Every process left on ``hosts_``: Ray retitles some of its own (``ray::
+    DashboardAgent``, ``ray::RuntimeEnvAgent``) and starts its client server without the
+    session directory in their command lines, so ``_kill_matching`` missed them, and they
+    outlived the test with their network namespace gone."""
+    deadline = time.monotonic() + 15
+    while (pids := [pid for host in hosts_ for pid in _netns_pids(host)]):
+        assert time.monotonic() < deadline, f"processes outlive SIGKILL on the hosts: {pids}"
+        subprocess.run(["kill", "-9", *pids], capture_output=True)
+        time.sleep(0.5)
+
+
 def _stop_serve(cluster) -> None:
     """Ctrl-C ``serve run``, SIGKILL after 15 s: the fixture kills every process of the
     cluster after it anyway (``serve run`` waited out 90 s here once a node had been lost;
@@ -186,7 +203,7 @@ def two_nodes(model_dir, tmp_path_factory):
             if serve is not None:
                 _stop_serve({"serve": serve})
             _kill_matching(temp_dir)  # every process of this cluster, both nodes
-            time.sleep(1)
+            _kill_hosts_processes(head, worker)  # and what Ray started without its name
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
