@@ -404,6 +404,8 @@ def _reader(geo: Geometry, device: str, flat_bytes: int, owner: dict[str, Any],
             tokens: list[int], repeats: int, report: dict[str, Any], out: Path,
             env: dict[str, str]) -> None:
     os.environ.update(env)
+    report["reader_pid"] = os.getpid()  # whose UCX log holds the READs' tables
+    _write(report, out)
     reader = Reader(geo, device, flat_bytes, owner, seed=0)
     try:
         for n in tokens:
@@ -450,7 +452,7 @@ def run(device: str, tokens: list[int], geo: Geometry, repeats: int, out: Path,
         if not parent.poll(300):
             raise RuntimeError("the owner did not publish its pool within 300 s")
         described = parent.recv()
-        reader = ctx.Process(target=_reader_main, daemon=True,
+        reader = ctx.Process(target=_reader, daemon=True,
                              args=(geo, device, flat_bytes, described, tokens, repeats,
                                    report, out, env))
         reader.start()
@@ -471,13 +473,6 @@ def run(device: str, tokens: list[int], geo: Geometry, repeats: int, out: Path,
         [p for p in logs if p.name == f"ucx.{report['reader_pid']}.log"]))
     _write(report, out)
     return report
-
-
-def _reader_main(*args: Any) -> None:
-    report, out = args[6], args[7]
-    report["reader_pid"] = os.getpid()
-    _write(report, out)
-    _reader(*args)
 
 
 def main(argv: list[str] | None = None) -> int:
