@@ -76,6 +76,8 @@ class BeamForkScheduler:
         # step group -> [requests arrived, time.monotonic() of the first]
         self._gangs: dict[str, list[float]] = {}
         self._gang_wait_s = float(extra.get_from_extra_config("beam_step_gang_ms", 20)) / 1e3
+        # step group -> whether it runs in the step being scheduled (cleared each step)
+        self._gangs_this_step: dict[str, bool] = {}
 
     def _is_fork_child(self, beam: dict[str, Any] | None) -> bool:
         return bool(beam and beam.get("fork_from") and self._fork_enabled)
@@ -103,12 +105,20 @@ class BeamForkScheduler:
         (docs/decisions.md, "Beam steps scheduled together")."""
         if not beam or not beam.get("step_group"):
             return True
-        gang = self._gangs.get(beam["step_group"])
+        group = beam["step_group"]
+        gang = self._gangs.get(group)
         if gang is None:
             return True
-        arrived, first = gang
-        return (arrived >= int(beam.get("step_size") or 1)
-                or time.monotonic() - first >= self._gang_wait_s)
+        # Decided once per scheduler step, by the first member asked: the members are
+        # asked one after another, and the wait must not run out between two of them.
+        ready = self._gangs_this_step.get(group)
+        if ready is None:
+            arrived, first = gang
+            ready = self._gangs_this_step[group] = (
+                arrived >= int(beam.get("step_size") or 1)
+                or time.monotonic() - first >= self._gang_wait_s
+            )
+        return ready
 
     def _fork_match(self, request: Request, beam: dict[str, Any], num_computed: int) -> int:
         """Tokens a beam child can copy from its kept source (0: compute them)."""
@@ -177,6 +187,7 @@ class BeamForkScheduler:
 
     def _attach_fork_meta(self, meta: Any) -> None:
         """Each step: hand the worker the block copies and the releases due."""
+        self._gangs_this_step.clear()
         now = time.monotonic()
         for name, kept in self._kept.items():
             if now >= kept.expires_at and name not in self._fork_release:

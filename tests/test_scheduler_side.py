@@ -280,36 +280,67 @@ def test_beam_fork_copies_the_partial_block_and_releases_the_source(model_dir):
     assert_scheduler_clean(scheduler)
 
 
-@pytest.mark.parametrize("arrive", [3, 2])
-def test_a_beam_step_is_scheduled_together(model_dir, arrive):
+class _Clock:
+    """``time`` for ``connector.beam_fork``: ``monotonic()`` returns ``now`` and then
+    moves it on by ``tick`` (0: time stands still unless the test moves it)."""
+
+    def __init__(self) -> None:
+        self.now, self.tick = 1024.0, 0.0  # exact binary fractions from here on
+
+    def monotonic(self) -> float:
+        now = self.now
+        self.now += self.tick
+        return now
+
+
+@pytest.fixture
+def gang_clock(monkeypatch):
+    import connector.beam_fork
+
+    clock = _Clock()
+    monkeypatch.setattr(connector.beam_fork, "time", clock)
+    return clock
+
+
+def _step_member(i, step_size=3):
+    return _beam_request(list(range(40, 60)) + [i], {"id": f"g{i}", "step_group": "r-s1",
+                                                      "step_size": step_size}, f"g{i}-internal")
+
+
+@pytest.mark.parametrize("arrive", [2, 3])
+def test_a_beam_step_is_scheduled_together(model_dir, gang_clock, arrive):
     """A step's requests wait for their siblings (they reach vLLM one at a time): with 2
     of 3 arrived nothing runs until the third comes, or until beam_step_gang_ms; then
     they run in one engine step. Control: requests without a step group run at once."""
-    scheduler = make_scheduler(model_dir, extra_config={"beam_step_gang_ms": 300})
+    scheduler = make_scheduler(model_dir, extra_config={"beam_step_gang_ms": 250})
     loose = _beam_request(list(range(10, 30)), {"id": "x"}, "x-internal")
     scheduler.add_request(loose)
     assert _step(scheduler).num_scheduled_tokens == {"x-internal": 20}
 
-    def member(i):
-        return _beam_request(list(range(40, 60)) + [i], {"id": f"g{i}", "step_group": "r-s1",
-                                                          "step_size": 3}, f"g{i}-internal")
-
-    t0 = time.monotonic()
     for i in range(2):
-        scheduler.add_request(member(i))
+        scheduler.add_request(_step_member(i))
+    gang_clock.now += 0.1875
     assert _step(scheduler).num_scheduled_tokens == {}
-    if arrive == 3:
-        scheduler.add_request(member(2))
-        expected = {f"g{i}-internal": 21 for i in range(3)}
+    if arrive == 3:  # the third comes before the wait is over: all three at once
+        scheduler.add_request(_step_member(2))
     else:  # the third never comes: the two run once the wait is over
-        expected = {f"g{i}-internal": 21 for i in range(2)}
-    out = _step(scheduler)
-    while not out.num_scheduled_tokens:
-        assert time.monotonic() - t0 < 5.0, "the step's requests were never scheduled"
-        time.sleep(0.01)
-        out = _step(scheduler)
-    assert out.num_scheduled_tokens == expected
-    assert (time.monotonic() - t0 >= 0.3) == (arrive == 2)
+        assert _step(scheduler).num_scheduled_tokens == {}
+        gang_clock.now += 0.0625
+    expected = {f"g{i}-internal": 21 for i in range(arrive)}
+    assert _step(scheduler).num_scheduled_tokens == expected
+    assert_scheduler_clean(scheduler)
+
+
+def test_a_beam_step_s_wait_is_decided_once_per_engine_step(model_dir, gang_clock):
+    """The wait running out while the scheduler goes through the step's members (CI, under
+    load: only the second of two ran) still schedules them together."""
+    scheduler = make_scheduler(model_dir, extra_config={"beam_step_gang_ms": 250})
+    for i in range(2):
+        scheduler.add_request(_step_member(i))
+    gang_clock.now += 0.1875
+    gang_clock.tick = 0.125  # the wait runs out between the first member and the second
+    assert _step(scheduler).num_scheduled_tokens == {}
+    assert _step(scheduler).num_scheduled_tokens == {f"g{i}-internal": 21 for i in range(2)}
     assert_scheduler_clean(scheduler)
 
 
