@@ -73,7 +73,8 @@ class BeamForkScheduler:
         self._fork_pending: dict[str, tuple[str, int]] = {}  # child -> (source, tokens)
         self._fork_copies: list[tuple[int, int]] = []  # (source block, child block)
         self._fork_release: set[str] = set()  # beam names
-        # step group -> [requests arrived, time.monotonic() of the first]
+        # step group -> [requests arrived, time.monotonic() of the first], in arrival
+        # order; kept 60 s (a step's late members still find their gang)
         self._gangs: dict[str, list[float]] = {}
         self._gang_wait_s = float(extra.get_from_extra_config("beam_step_gang_ms", 20)) / 1e3
         # step group -> whether it runs in the step being scheduled (cleared each step)
@@ -91,9 +92,12 @@ class BeamForkScheduler:
             now = time.monotonic()
             gang = self._gangs.get(beam["step_group"])
             if gang is None:
-                stale = [g for g, (_, t) in self._gangs.items() if now - t > 60.0]
-                for g in stale:
-                    del self._gangs[g]
+                # Insertion order is arrival order: the stale are at the front.
+                while self._gangs:
+                    oldest = next(iter(self._gangs))
+                    if now - self._gangs[oldest][1] <= 60.0:
+                        break
+                    del self._gangs[oldest]
                 gang = self._gangs[beam["step_group"]] = [0, now]
             gang[0] += 1
 

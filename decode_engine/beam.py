@@ -1,12 +1,16 @@
 """Beam search over any engine's ``generate``, with vLLM's beam-search semantics.
 
-vLLM v1 runs beam search in its frontend (``LLM.beam_search``): every step sends one
-``max_tokens=1, logprobs=2W`` request per live beam, extends each beam by every returned
-candidate, moves EOS-terminated candidates to ``completed``, and keeps the W best by
-``cum_logprob / len(tokens) ** length_penalty`` (len counts the prompt, minus a trailing
-EOS). This module does the same, token for token, but over our own ``generate`` so that
-step 0 can carry ``kv_transfer_params`` (the import) and later steps hit the stage-2
-engine's prefix cache. ``sorted`` is stable, as in vLLM, so ties resolve identically.
+vLLM v1 runs beam search in its frontend (the online one its server runs,
+``BeamSearchOnlineMixin.beam_search``): every step sends one ``max_tokens=1,
+logprobs=2W`` request per live beam, extends each beam by every returned candidate,
+moves EOS-terminated candidates to ``completed``, keeps the W candidates of highest
+``cum_logprob``, and at the end returns the W best of ``completed`` and the live beams
+by ``cum_logprob / len(tokens) ** length_penalty`` (len counts the prompt, minus a
+trailing EOS). This module does the same, token for token, but over our own
+``generate`` so that step 0 can carry ``kv_transfer_params`` (the import) and later
+steps hit the stage-2 engine's prefix cache. Ties resolve as there: a step's W are
+picked by the same numpy calls on the candidates in the same order (``top_candidates``),
+the final order by a stable sort.
 
 With ``fork=True`` (engines running our connector) every step's requests are kept
 when they end, and each next-step beam copies the partial last block of the request
@@ -17,11 +21,12 @@ then computes one token per beam rather than up to ``block_size``.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from connector.handoff import BEAM_KEY, KEY
 from kvhandoff.types import Beam, BeamParams, StageError
@@ -117,28 +122,38 @@ def _check_outputs(outputs: list[Any]) -> None:
             raise StageError("stage2", reason, error_message(out))
 
 
+def top_candidates(cum_logprobs: np.ndarray, width: int) -> np.ndarray:
+    """Indices of the ``width`` candidates of highest cumulative logprob, best first,
+    picked by the numpy calls vLLM's online beam search makes (vllm 0.32,
+    ``entrypoints/generate/beam_search/online.py``). Neither call is stable: among
+    exactly equal scores (frequent in bf16) the pick is numpy's, deterministic for a given
+    array, so the same candidates in the same order give vLLM's beams, ties included."""
+    if len(cum_logprobs) <= width:
+        return np.argsort(-cum_logprobs)
+    top = np.argpartition(-cum_logprobs, width - 1)[:width]
+    return top[np.argsort(-cum_logprobs[top])]
+
+
 def _extend(beams: list[_Sequence], outputs: list[Any], names: list[str], step: int,
             request_id: str, eos_token_id: int | None, ignore_eos: bool,
-            completed: list[_Sequence], width: int, length_penalty: float) -> list[_Sequence]:
+            completed: list[_Sequence], width: int) -> list[_Sequence]:
     """The ``width`` best candidates of one step; those ending by EOS go to ``completed``.
-    Candidates are scored before their token lists are built: at W=32 a step has 2048
+    Candidates are ranked before their token lists are built: at W=32 a step has 2048
     of them, and copying each parent's ~600 tokens cost ~10 ms a step."""
-    scored: list[tuple[float, int, _Sequence, int, float, str]] = []
+    candidates: list[tuple[float, _Sequence, int, str]] = []
     for seq, out, name in zip(beams, outputs, names):
         logprobs = out.outputs[0].logprobs
         assert logprobs, f"{request_id}: step {step} returned no logprobs"
-        length = len(seq.tokens) + 1
         for token_id, lp in logprobs[0].items():
             cum = seq.cum_logprob + lp.logprob
             if token_id == eos_token_id and not ignore_eos:
                 completed.append(_Sequence(seq.tokens + [token_id], cum, name))
                 continue
-            # beam_score of seq.tokens + [token_id] (its last token is not EOS here).
-            score = cum / (max(length - (token_id == eos_token_id), 1) ** length_penalty)
-            scored.append((score, len(scored), seq, token_id, cum, name))
-    best = heapq.nlargest(width, scored, key=lambda c: (c[0], -c[1]))
+            candidates.append((cum, seq, token_id, name))
+    cums = np.fromiter((c[0] for c in candidates), dtype=np.float64, count=len(candidates))
     return [_Sequence(seq.tokens + [token_id], cum, name)
-            for _, _, seq, token_id, cum, name in best]
+            for cum, seq, token_id, name in (candidates[int(i)]
+                                             for i in top_candidates(cums, width))]
 
 
 async def beam_search(
@@ -192,7 +207,7 @@ async def beam_search(
         if step > 0:
             recomputed += sum(max(n - 1, 0) for n in computed)
         beams = _extend(beams, outputs, names, step, request_id, eos_token_id,
-                        params.ignore_eos, completed, params.beam_width, params.length_penalty)
+                        params.ignore_eos, completed, params.beam_width)
 
     completed.extend(beams)
     best = sorted(completed, key=score, reverse=True)[:params.beam_width]

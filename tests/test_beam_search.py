@@ -77,6 +77,102 @@ def test_score_matches_vllm():
         assert beam_score(tokens, cum, EOS, lp) == get_beam_search_score(tokens, cum, EOS, lp)
 
 
+def _tied_generate(prompt, logprobs_num):
+    """A scripted step whose logprobs come in steps of 1/4 (exactly equal values, as bf16's
+    coarse logits give): every step has ties, at the cutoff too. Dict order is rank order
+    with ties in token order, as vLLM's logprobs come (the sampled token first)."""
+    rng = random.Random(str(prompt))
+    logits = [round(rng.gauss(0, 1.5) * 4) / 4 for _ in range(VOCAB)]
+    z = math.log(sum(math.exp(x) for x in logits))
+    ranked = sorted(range(VOCAB), key=lambda t: -logits[t])[:logprobs_num]
+    return {t: SimpleNamespace(logprob=logits[t] - z, rank=r + 1, decoded_token=None)
+            for r, t in enumerate(ranked)}
+
+
+def _vllm_online_beam_search(prompt, params):
+    """vLLM's own online beam search (the code, unchanged) over the scripted model."""
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+    from vllm.inputs import tokens_input
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import BeamSearchParams
+
+    async def generate(prompt_item, sampling, request_id, **_):
+        tokens = list(prompt_item["prompt_token_ids"])
+        yield RequestOutput(
+            request_id=request_id, prompt=None, prompt_token_ids=tokens,
+            prompt_logprobs=None, finished=True,
+            outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                                      logprobs=[_tied_generate(tokens, sampling.logprobs)],
+                                      finish_reason="length")])
+
+    class Peer(BeamSearchOnlineMixin):
+        engine_client = SimpleNamespace(generate=generate, input_processor=SimpleNamespace(
+            resolve_watermarking=lambda p: None))
+        renderer = SimpleNamespace(get_tokenizer=lambda: SimpleNamespace(
+            eos_token_id=EOS, decode=lambda tokens, **_: ""))
+
+    search = BeamSearchParams(beam_width=params.beam_width, max_tokens=params.max_tokens,
+                              length_penalty=params.length_penalty,
+                              ignore_eos=params.ignore_eos, include_stop_str_in_output=True)
+
+    async def final():
+        out = None
+        async for out in Peer().beam_search(tokens_input(prompt), "r", search):
+            pass
+        return [(list(c.token_ids), c.cumulative_logprob) for c in out.outputs]
+
+    return asyncio.run(final())
+
+
+def _ours_on_tied(prompt, params):
+    async def generate(tokens, sampling, request_id):
+        return SimpleNamespace(
+            outputs=[SimpleNamespace(logprobs=[_tied_generate(tokens, sampling.logprobs)],
+                                     finish_reason="length")],
+            prompt_token_ids=list(tokens), num_cached_tokens=len(tokens) - 1,
+            kv_transfer_params=None)
+
+    out = asyncio.run(beam_search(generate, prompt, params, eos_token_id=EOS, request_id="r"))
+    return [(b.token_ids, b.cum_logprob) for b in out.beams]
+
+
+#: (prompt, width, max_tokens, length penalty, ignore_eos): widths at, under and over
+#: the scripted vocabulary's candidates per step.
+TIED_CASES = [([3 + i % 7, 4, i], w, t, lp, ie)
+              for i, (w, t, lp, ie) in enumerate([(2, 4, 1.0, False), (3, 3, 1.0, False),
+                                                  (4, 4, 0.5, False), (5, 3, 1.0, True),
+                                                  (8, 3, 2.0, False), (16, 3, 1.0, False),
+                                                  (24, 3, 1.0, True), (7, 5, 1.0, False)])]
+
+
+def test_exact_ties_resolve_as_in_vllms_own_beam_search(monkeypatch):
+    """Scores tie exactly at every step; our beams equal vLLM's online beam search's
+    (token ids, order and cumulative logprobs, bit for bit). Control: the same search
+    picking a step's W in candidate order (a stable sort, our rule before) leaves vLLM's
+    beams on some of these cases."""
+    import numpy as np
+
+    import decode_engine.beam
+
+    for prompt, width, tokens, lp, ignore_eos in TIED_CASES:
+        params = BeamParams(beam_width=width, max_tokens=tokens, length_penalty=lp,
+                            ignore_eos=ignore_eos)
+        assert _ours_on_tied(prompt, params) == _vllm_online_beam_search(prompt, params), (
+            prompt, width)
+
+    def stable(cums, width):
+        return np.argsort(-cums, kind="stable")[:width]
+
+    monkeypatch.setattr(decode_engine.beam, "top_candidates", stable)
+    differ = [case for case in TIED_CASES
+              if _ours_on_tied(case[0], BeamParams(*case[1:3], length_penalty=case[3],
+                                                   ignore_eos=case[4]))
+              != _vllm_online_beam_search(case[0], BeamParams(*case[1:3],
+                                                               length_penalty=case[3],
+                                                               ignore_eos=case[4]))]
+    assert differ, "no case has a tie that numpy resolves otherwise than candidate order"
+
+
 @pytest.mark.engines
 @pytest.mark.parametrize("width,length_penalty", [(1, 1.0), (4, 1.0), (8, 0.5)])
 def test_same_beams_as_vllms_own_beam_search(pair, run, width, length_penalty):

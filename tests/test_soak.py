@@ -116,3 +116,7 @@ def test_a_short_soak_passes(tmp_path, model_dir):
     kinds = {k.split(":")[0] for m in result["minutes"] for k in m["outcomes"]}
     assert kinds == {"unary", "stream", "cancel", "deadline", "bad"}, kinds
     assert all(m["served"] > 0 for m in result["minutes"])
+    # Where each minute's CPU went, by process: every process busy, the engines most.
+    for m in result["minutes"]:
+        assert set(m["cpu_s"]) == {"prefill", "decode", "router", "client"}, m["cpu_s"]
+        assert all(c > 0 for c in m["cpu_s"].values()), m["cpu_s"]

@@ -253,6 +253,14 @@ def rss_mib(server: ServerProcess) -> float:
     return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
 
 
+def cpu_s(server: ServerProcess) -> float:
+    """CPU seconds (user + system) a server and its live processes have used so far."""
+    import psutil
+
+    proc = psutil.Process(server.proc.pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+
+
 @contextlib.contextmanager
 def paused(server: ServerProcess) -> Iterator[None]:
     """SIGSTOP a server and all its processes for the block, then SIGCONT them: a host

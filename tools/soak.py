@@ -14,7 +14,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tools.launch import ServerProcess, local_cluster, percentile, pool_state, rss_mib, wait_pool_clean
+from tools.launch import (
+    ServerProcess,
+    cpu_s,
+    local_cluster,
+    percentile,
+    pool_state,
+    rss_mib,
+    wait_pool_clean,
+)
 from tools.soak_load import Interval, Soak
 from tools.soak_verdict import Bounds, Verdict, verdict
 
@@ -22,10 +30,35 @@ from tools.soak_verdict import Bounds, Verdict, verdict
 RECOMPUTED_KEPT = 5
 
 
+class CpuMeter:
+    """CPU seconds each process (and this one, the clients: ``"client"``) used since the
+    last ``take``: where the time per served request goes, minute by minute."""
+
+    def __init__(self, processes: list[ServerProcess]):
+        self.processes = processes
+        self.last = self._now()
+
+    def _now(self) -> dict[str, float]:
+        import psutil
+
+        now = {s.role: cpu_s(s) for s in self.processes}
+        now["client"] = sum(psutil.Process().cpu_times()[:2])
+        return now
+
+    def take(self) -> dict[str, float]:
+        now = self._now()
+        used = {role: round(now[role] - self.last[role], 1) for role in now}
+        self.last = now
+        return used
+
+
 def _record(n: int, done: Interval, processes: list[ServerProcess],
-            engines: list[ServerProcess]) -> dict[str, Any]:
+            engines: list[ServerProcess], cpu: dict[str, float]) -> dict[str, Any]:
     """Minute ``n``'s record: what the verdict reads (served, p99_s, errors, recomputed,
-    rss_mib) and what a reader of the JSON wants besides."""
+    rss_mib) and what a reader of the JSON wants besides (``cpu_s`` by process, and per
+    request served or failed on purpose, ``cpu_ms_per_request``)."""
+    handled = len(done.latencies) + sum(v for k, v in done.outcomes.items()
+                                         if k.endswith(":intended"))
     pools = {}
     for e in engines:
         _, cap = pool_state(e.address)
@@ -34,6 +67,9 @@ def _record(n: int, done: Interval, processes: list[ServerProcess],
     return {
         "minute": n,
         "rss_mib": {s.role: round(rss_mib(s), 1) for s in processes},
+        "cpu_s": cpu,
+        "cpu_ms_per_request": {role: round(1e3 * c / max(handled, 1), 2)
+                               for role, c in cpu.items()},
         "pools": pools,
         "outcomes": dict(done.outcomes),
         "served": len(done.latencies),
@@ -66,20 +102,22 @@ def run_soak(args: argparse.Namespace, bounds: Bounds) -> tuple[dict[str, Any], 
         engines = [cluster["prefill"], *cluster["decode"]]
         processes = cluster["servers"]  # P, D and the router
         soak = Soak(cluster["router"], args.concurrency, args.seed)
+        meter = CpuMeter(processes)
         threads = soak.start()
         minutes: list[dict[str, Any]] = []
         t_start = time.monotonic()
         try:
             for n in range(1, args.minutes + 1):
                 time.sleep(max(0.0, t_start + n * args.interval_s - time.monotonic()))
-                record = _record(n, soak.take(), processes, engines)
+                record = _record(n, soak.take(), processes, engines, meter.take())
                 minutes.append(record)
                 intended = sum(v for k, v in record["outcomes"].items()
                                if k.endswith(":intended"))
                 print(f"minute {n}: {record['served']} served (p50 {record['p50_s']:.2f}s, "
                       f"p99 {record['p99_s']:.2f}s), {record['recomputed']} recomputed, "
                       f"{intended} intended failures, {len(record['errors'])} errors; "
-                      f"RSS MiB {record['rss_mib']}; pools "
+                      f"RSS MiB {record['rss_mib']}; CPU ms per request "
+                      f"{record['cpu_ms_per_request']}; pools "
                       f"{ {r: p['used'] for r, p in record['pools'].items()} }", flush=True)
         finally:
             soak.stop.set()

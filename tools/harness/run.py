@@ -132,6 +132,12 @@ class Harness:
         req = self.build_request(case, seed, prompt)
         colocated = await run_colocated(self.p, req)
         # The same stage 1 on another engine: seeded sampling gives the same tokens.
+        # D computes it as P did: P's seed probes left the prompt's full blocks in P's
+        # prefix cache, so P computed only the rest on top of them; D gets them the same
+        # way first. From scratch, D would sum in another order, and in bf16 a sampled
+        # token can flip on that alone (a 737-token prompt did).
+        await self.d.generate(prompt, stage1_sampling(Stage1Params(max_tokens=1)),
+                              f"verify-{case.name}-d1-cache")
         on_d = await self.d.generate(prompt, stage1_sampling(req.stage1),
                                      f"verify-{case.name}-d1")
         prompt2, _ = stage2_prompt(req, colocated.stage1)
