@@ -206,9 +206,17 @@ def test_a_request_moved_p_to_p_then_to_d_streams_on_and_equals_not_moving(fleet
     (NOT_FOUND) and the P it runs on (FAILED_PRECONDITION). The negative control: the
     same moves with D's import faulted (block 0 zeroed) fail the identity check."""
     from kvhandoff.v1 import router_pb2
+    from tools.launch import pool_state
 
-    # With nothing outstanding the "resume" router starts stage 1 on P2 (its first P).
-    source, dest = fleet["p2"].address, fleet["p"].address
+    def placed() -> tuple[str, str]:
+        """(the P stage 1 runs on, the other): the router picks by room, which the tests
+        before leave as they do."""
+        running = [fleet[n].address for n in ("p", "p2")
+                   if pool_state(fleet[n].address)[1].num_running_reqs]
+        assert len(running) == 1, f"stage 1 should run on exactly one P: {running}"
+        return running[0], ({fleet["p"].address, fleet["p2"].address} - set(running)).pop()
+
+    source = dest = ""
     # The faulted run's prompt is one no engine has cached: its import reads block 0.
     first = 50 if fault is None else 600
 
@@ -228,6 +236,7 @@ def test_a_request_moved_p_to_p_then_to_d_streams_on_and_equals_not_moving(fleet
                 continue
             streamed.extend(event.stage1_tokens.ids)
             if len(streamed) >= 20 and not moves:
+                source, dest = placed()
                 for to in ("127.0.0.1:1", source):
                     with pytest.raises(grpc.RpcError) as e:
                         client.stub.Move(router_pb2.MoveRequest(
