@@ -120,3 +120,4 @@ def test_a_short_soak_passes(tmp_path, model_dir):
     for m in result["minutes"]:
         assert set(m["cpu_s"]) == {"prefill", "decode", "router", "client"}, m["cpu_s"]
         assert all(c > 0 for c in m["cpu_s"].values()), m["cpu_s"]
+        assert m["machine"]["yardstick_ms"] > 0 and m["machine"]["steal_s"] >= 0, m

@@ -10,7 +10,9 @@ import pytest
 
 from tools.soak_verdict import Bounds, verdict
 
-#: Minutes 1-2 are warm-up: RSS is taken after minute 2, throughput and p99 in minute 3.
+#: Minutes 1-2 are warm-up: RSS is taken after minute 2; of the 6 minutes, throughput and
+#: p99 are levelled over minutes 3-4 (reference) and 5-6 (end): windows of two, the most
+#: that fit twice in the four minutes after the warm-up.
 BASELINE = 2
 CLEAN = {"prefill": True, "decode": True}
 ALL_CHECKS = ["throughput", "p99", "rss:prefill", "rss:decode", "rss:router", "pools",
@@ -34,8 +36,8 @@ def _soak(changes: dict[int, dict[str, Any]] | None = None, minutes: int = 6
 
 
 def _after_baseline(**fields: Any) -> dict[int, dict[str, Any]]:
-    """The same change in every minute after the reference minute (4 to 6)."""
-    return {n: fields for n in (4, 5, 6)}
+    """The same change in every minute of the end window (5 and 6)."""
+    return {n: fields for n in (5, 6)}
 
 
 def test_a_flat_run_passes_with_every_check_named():
@@ -62,13 +64,31 @@ def test_p99_up_15_percent_fails_naming_p99():
     assert v.check("p99").figures["change"] == 0.15 and "+15.0%" in v.check("p99").detail
 
 
-def test_the_reference_is_the_first_minute_after_the_baseline_not_the_warm_up():
+def test_the_reference_is_the_first_minutes_after_the_baseline_not_the_warm_up():
     # Warm-up minutes faster and tighter than the rest, then flat: not a slowdown.
     warm = {1: {"served": 1400, "p99_s": 0.6}, 2: {"served": 1300, "p99_s": 0.65}}
     assert verdict(_soak(warm), BASELINE, CLEAN).ok
-    # Flat through minute 3, then down: measured against minute 3.
-    v = verdict(_soak({3: {"served": 1200}}), BASELINE, CLEAN)
-    assert v.failed == ["throughput"] and v.check("throughput").figures["reference_minute"] == 3
+    # Faster in minutes 3-4, then down: measured against minutes 3-4.
+    v = verdict(_soak({3: {"served": 1200}, 4: {"served": 1200}}), BASELINE, CLEAN)
+    assert v.failed == ["throughput"]
+    figures = v.check("throughput").figures
+    assert figures["reference_minutes"] == [3, 4] and figures["end_minutes"] == [5, 6]
+    assert "minutes 3-4 -> 5-6" in v.check("throughput").detail
+
+
+def test_one_slow_minute_at_the_end_is_levelled_a_slow_end_is_not():
+    """The noise a single minute shows here (docs/reliability.md) does not fail a soak; a
+    whole end window 15% down does; judged minute by minute (level_minutes=1), the one
+    slow minute fails."""
+    one_slow = _soak({6: {"served": 850, "p99_s": 0.92}})
+    assert verdict(one_slow, BASELINE, CLEAN).ok
+    assert verdict(one_slow, BASELINE, CLEAN, Bounds(level_minutes=1)).failed == [
+        "throughput", "p99"]
+    long = _soak({n: {"served": 850} for n in (7, 8, 9)}, minutes=9)
+    v = verdict(long, BASELINE, CLEAN)
+    assert v.failed == ["throughput"]
+    assert v.check("throughput").figures["reference_minutes"] == [3, 4, 5]
+    assert v.check("throughput").figures["end_minutes"] == [7, 8, 9]
 
 
 def test_rss_growth_of_d_fails_naming_d():
@@ -108,17 +128,19 @@ def test_a_pool_not_clean_after_the_load_fails_naming_it():
 def test_nothing_served_at_the_end_fails_throughput_and_p99():
     v = verdict(_soak({6: {"served": 0, "p99_s": 0.0}}), BASELINE, CLEAN)
     assert v.failed == ["throughput", "p99"]
+    assert "served nothing" in v.check("p99").detail
 
 
 def test_a_change_of_exactly_the_bound_passes_and_a_little_more_fails():
-    # Throughput: 10% down (1000 -> 900) is at the limit.
-    assert verdict(_soak({6: {"served": 900}}), BASELINE, CLEAN).ok
-    assert verdict(_soak({6: {"served": 899}}), BASELINE, CLEAN).failed == ["throughput"]
+    # Throughput: 10% down (1000 -> 900 a minute over the end window) is at the limit.
+    assert verdict(_soak(_after_baseline(served=900)), BASELINE, CLEAN).ok
+    assert verdict(_soak({5: {"served": 900}, 6: {"served": 899}}), BASELINE, CLEAN
+                   ).failed == ["throughput"]
     # p99: 10% up is at the limit, also from 1.13 s, where 1.13 * 1.1 in floats is a
     # step under 1.243.
-    assert verdict(_soak({6: {"p99_s": 0.88}}), BASELINE, CLEAN).ok
-    assert verdict(_soak({6: {"p99_s": 0.881}}), BASELINE, CLEAN).failed == ["p99"]
-    odd = {n: {"p99_s": 1.13} for n in range(1, 6)} | {6: {"p99_s": 1.243}}
+    assert verdict(_soak(_after_baseline(p99_s=0.88)), BASELINE, CLEAN).ok
+    assert verdict(_soak(_after_baseline(p99_s=0.881)), BASELINE, CLEAN).failed == ["p99"]
+    odd = {n: {"p99_s": 1.13} for n in range(1, 5)} | _after_baseline(p99_s=1.243)
     assert verdict(_soak(odd), BASELINE, CLEAN).ok
     # RSS: 5% up is at the limit.
     assert verdict(_soak({6: {"rss_mib": {"decode": 2520.0}}}), BASELINE, CLEAN).ok
@@ -149,3 +171,5 @@ def test_a_run_it_cannot_judge_or_a_bad_bound_is_refused():
         Bounds(max_throughput_drop=1.0)
     with pytest.raises(ValueError, match="max_p99_rise"):
         Bounds(max_p99_rise=-0.1)
+    with pytest.raises(ValueError, match="level_minutes"):
+        Bounds(level_minutes=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -32,11 +33,13 @@ RECOMPUTED_KEPT = 5
 
 class CpuMeter:
     """CPU seconds each process (and this one, the clients: ``"client"``) used since the
-    last ``take``: where the time per served request goes, minute by minute."""
+    last ``take``: where the time per served request goes, minute by minute; and how fast
+    the machine itself ran (``machine``)."""
 
     def __init__(self, processes: list[ServerProcess]):
         self.processes = processes
         self.last = self._now()
+        self.last_steal = _steal_s()
 
     def _now(self) -> dict[str, float]:
         import psutil
@@ -51,9 +54,38 @@ class CpuMeter:
         self.last = now
         return used
 
+    def machine(self) -> dict[str, float]:
+        """``yardstick_ms``: CPU milliseconds a fixed piece of Python takes now (best of
+        five; it does the same work every time, so a rise means each instruction costs
+        more: a slower clock, cache or memory contention); ``steal_s``: CPU seconds the
+        hypervisor gave to others since the last call (``/proc/stat``)."""
+        best = min(_yardstick() for _ in range(5))
+        steal = _steal_s()
+        stolen, self.last_steal = steal - self.last_steal, steal
+        return {"yardstick_ms": round(best * 1e3, 2), "steal_s": round(stolen, 1)}
+
+
+def _yardstick() -> float:
+    """CPU seconds of this thread (not the clients') for a fixed loop."""
+    t0 = time.thread_time()
+    total = 0
+    for i in range(200_000):
+        total += i * i % 7
+    return time.thread_time() - t0
+
+
+def _steal_s() -> float:
+    """The machine's steal time so far, in seconds (0 where /proc/stat has none)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
 
 def _record(n: int, done: Interval, processes: list[ServerProcess],
-            engines: list[ServerProcess], cpu: dict[str, float]) -> dict[str, Any]:
+            engines: list[ServerProcess], cpu: dict[str, float],
+            machine: dict[str, float]) -> dict[str, Any]:
     """Minute ``n``'s record: what the verdict reads (served, p99_s, errors, recomputed,
     rss_mib) and what a reader of the JSON wants besides (``cpu_s`` by process, and per
     request served or failed on purpose, ``cpu_ms_per_request``)."""
@@ -70,6 +102,7 @@ def _record(n: int, done: Interval, processes: list[ServerProcess],
         "cpu_s": cpu,
         "cpu_ms_per_request": {role: round(1e3 * c / max(handled, 1), 2)
                                for role, c in cpu.items()},
+        "machine": machine,
         "pools": pools,
         "outcomes": dict(done.outcomes),
         "served": len(done.latencies),
@@ -109,7 +142,8 @@ def run_soak(args: argparse.Namespace, bounds: Bounds) -> tuple[dict[str, Any], 
         try:
             for n in range(1, args.minutes + 1):
                 time.sleep(max(0.0, t_start + n * args.interval_s - time.monotonic()))
-                record = _record(n, soak.take(), processes, engines, meter.take())
+                record = _record(n, soak.take(), processes, engines, meter.take(),
+                                 meter.machine())
                 minutes.append(record)
                 intended = sum(v for k, v in record["outcomes"].items()
                                if k.endswith(":intended"))
@@ -117,7 +151,7 @@ def run_soak(args: argparse.Namespace, bounds: Bounds) -> tuple[dict[str, Any], 
                       f"p99 {record['p99_s']:.2f}s), {record['recomputed']} recomputed, "
                       f"{intended} intended failures, {len(record['errors'])} errors; "
                       f"RSS MiB {record['rss_mib']}; CPU ms per request "
-                      f"{record['cpu_ms_per_request']}; pools "
+                      f"{record['cpu_ms_per_request']}; machine {record['machine']}; pools "
                       f"{ {r: p['used'] for r, p in record['pools'].items()} }", flush=True)
         finally:
             soak.stop.set()
@@ -167,7 +201,7 @@ def main_soak(args: argparse.Namespace) -> int:
     # Refused before the cluster starts, not after the minutes of load.
     try:
         bounds = Bounds(args.max_throughput_drop, args.max_p99_rise, args.max_rss_growth,
-                        args.max_recompute_share)
+                        args.max_recompute_share, args.level_minutes)
         if not 1 <= args.baseline_minutes < args.minutes:
             raise ValueError(f"--baseline-minutes ({args.baseline_minutes}) must be at least "
                              f"1 and leave a minute after it within --minutes "
@@ -198,13 +232,17 @@ def add_soak_parser(sub: Any) -> None:
                       help="length of a 'minute' (sampling interval; shorter for tests)")
     soak.add_argument("--baseline-minutes", type=int, default=5,
                       help="warm-up: RSS at the end is compared with RSS after this many "
-                           "intervals, throughput and p99 with the interval after them")
+                           "intervals, throughput and p99 with the intervals after them")
+    soak.add_argument("--level-minutes", type=int, default=d.level_minutes,
+                      help="intervals averaged into the reference level (the first after "
+                           "the baseline) and the end level (the last) of throughput and "
+                           "p99; fewer where the run is too short for both")
     soak.add_argument("--max-throughput-drop", type=float, default=d.max_throughput_drop,
-                      help="largest fall of requests served in the last interval against "
-                           "the first after the baseline (share)")
+                      help="largest fall of requests served per interval, end level "
+                           "against reference level (share)")
     soak.add_argument("--max-p99-rise", type=float, default=d.max_p99_rise,
-                      help="largest rise of the last interval's p99 latency against the "
-                           "first after the baseline (share)")
+                      help="largest rise of the p99 latency, end level against reference "
+                           "level (share)")
     soak.add_argument("--max-rss-growth", type=float, default=d.max_rss_growth,
                       help="largest RSS growth of P, D or the router after the baseline "
                            "(share)")
