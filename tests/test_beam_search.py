@@ -116,10 +116,8 @@ def _vllm_online_beam_search(prompt, params):
                               ignore_eos=params.ignore_eos, include_stop_str_in_output=True)
 
     async def final():
-        out = None
-        async for out in Peer().beam_search(tokens_input(prompt), "r", search):
-            pass
-        return [(list(c.token_ids), c.cumulative_logprob) for c in out.outputs]
+        outs = [out async for out in Peer().beam_search(tokens_input(prompt), "r", search)]
+        return [(list(c.token_ids), c.cumulative_logprob) for c in outs[-1].outputs]
 
     return asyncio.run(final())
 
