@@ -33,23 +33,44 @@ ARGS = {
 
 
 def _serve_engine_cores() -> set[int]:
-    """vLLM engine-core processes started by a Ray Serve replica (a ``ray::`` process
-    among their ancestors) on this host: not the other lane's engines, which run beside
-    these tests, nor the two-node Serve test's (on hosts of its own, in the other lane)."""
+    """vLLM engine-core processes started by a Ray Serve replica on this host: the
+    descendants of a ``ray::ServeReplica`` process in this network namespace (not the
+    other lane's engines, which run beside these tests, nor the two-node Serve test's, on
+    hosts of its own in the other lane)."""
     import psutil
 
     found = set()
     for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if "VLLM::EngineCore" not in cmd and "EngineCore_DP" not in cmd:
+        if not " ".join(proc.info["cmdline"] or []).startswith("ray::ServeReplica"):
             continue
         try:
-            if in_this_netns(proc.pid) and any(
-                    " ".join(p.cmdline()).startswith("ray::") for p in proc.parents()):
-                found.add(proc.pid)
+            if not in_this_netns(proc.pid):
+                continue
+            for child in proc.children(recursive=True):
+                if "EngineCore" in " ".join(child.cmdline()):
+                    found.add(child.pid)
         except psutil.Error:
             continue
     return found
+
+
+def _engine_cores_seen() -> list[str]:
+    """Every engine-core-looking process, its network namespace and its ancestors' titles:
+    what the fixture saw when it found none of its own."""
+    import psutil
+
+    seen = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "EngineCore" not in cmd and "ServeReplica" not in cmd:
+            continue
+        try:
+            ancestors = [" ".join(p.cmdline())[:40] for p in proc.parents()]
+        except psutil.Error as e:
+            ancestors = [repr(e)]
+        seen.append(f"{proc.pid} {cmd[:50]!r} this netns={in_this_netns(proc.pid)} "
+                    f"ancestors={ancestors}")
+    return seen
 
 
 def _alive(pids: set[int]) -> set[int]:
@@ -112,7 +133,7 @@ def ray_app():
         address = f"127.0.0.1:{grpc_port}"
         _wait_proxy_routes(address)
         cores = _serve_engine_cores()
-        assert cores, "no engine-core process under a Serve replica"
+        assert cores, f"no engine-core process under a Serve replica: {_engine_cores_seen()}"
         yield {"address": address, "serve": serve, "ray": ray}
     finally:
         cores |= _serve_engine_cores()  # a replaced replica's too
