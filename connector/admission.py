@@ -34,6 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
+from connector.beam_slots import SlotGroups
 from connector.handoff import (
     BEAM_KEY,
     DEFAULT_LEASE_SAFETY_MARGIN_S,
@@ -81,15 +82,24 @@ class AdmissionScheduler(Scheduler):
         self._rejected: list[tuple[Request, str, str]] = []
         # Admitted imports whose request has not finished yet.
         self._importing: set[str] = set()
+        # Beam search inside the engine: the groups of beam slots (connector.beam_slots).
+        self._slots = SlotGroups(self.block_size, self._reject)
 
     @property
     def num_total_blocks(self) -> int:
         # One block is vLLM's null block and never holds KV.
         return self.kv_cache_config.num_blocks - 1
 
+    def add_request(self, request: Request) -> None:
+        self._slots.add(request)
+        super().add_request(request)
+
     def schedule(self, *args: Any, **kwargs: Any):
         self._admit_new_imports()
-        return super().schedule(*args, **kwargs)
+        self._slots.before_schedule(self)
+        output = super().schedule(*args, **kwargs)
+        self._slots.after_schedule(self, output)
+        return output
 
     def _admit_new_imports(self) -> None:
         # Imports admitted in this pass have not allocated yet: count what they claimed.
@@ -154,7 +164,9 @@ class AdmissionScheduler(Scheduler):
         return needed
 
     def _reject(self, request: Request, reason: str, message: str) -> None:
-        logger.warning("Rejecting handoff %s at admission: %s", request.request_id, message)
+        """End ``request`` with ``FINISHED_ERROR``; its client gets ``reason`` and
+        ``message`` (an import refused at admission, or a failed beam group's slot)."""
+        logger.warning("Ending %s: %s", request.request_id, message)
         self._rejected.append((request, reason, message))
         params = request.kv_transfer_params
         if not can_reach_p(params) or (self._secret is not None and reason in _UNVERIFIED):
@@ -165,8 +177,10 @@ class AdmissionScheduler(Scheduler):
         # With do_remote_prefill still set, the connector tells P to free its blocks.
         self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
 
-    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
-        outputs = super().update_from_output(*args, **kwargs)
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any
+                           ) -> dict[int, EngineCoreOutputs]:
+        self._slots.on_step_output(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
         for eco in outputs.values():
             for out in eco.outputs:
                 if out.finish_reason is None or out.request_id not in self._importing:
@@ -181,6 +195,7 @@ class AdmissionScheduler(Scheduler):
                     }}
         # Forget imports finished without an output (aborted by the client).
         self._importing.intersection_update(self.requests)
+        self._slots.after_output(self, outputs)
         rejected, self._rejected = self._rejected, []
         for request, reason, message in rejected:
             eco = outputs.get(request.client_index)

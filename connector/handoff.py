@@ -39,6 +39,10 @@ KEY = "kvhandoff"
 #: (the one-engine path): its blocks stay ``s`` seconds, however many continuations copy
 #: from them (``{"fork_from": name}``).
 BEAM_KEY = "kvhandoff_beam"
+#: ``SamplingParams.extra_args`` key of a beam slot's parameters (beam search inside the
+#: engine: ``connector.beam_processor.slot_spec``), and of the group's beams on the final
+#: output of its slot 0 (``kv_transfer_params[KEY][SLOT_KEY]``).
+SLOT_KEY = "kvhandoff_slot"
 #: Connector stats key: prompt tokens beam steps copied from a kept beam (beam fork). vLLM
 #: counts them as external (KV-connector) tokens; they were copied on D, not transferred.
 FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"

@@ -39,6 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 
 from connector.beam_fork import BeamForkScheduler, beam_params
+from connector.beam_processor import OUTBOX
+from connector.beam_slots import WAIT_KEY
 from connector.faults import (
     FAULTS,
     fault_of,
@@ -242,7 +244,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         the tokens it copies from its kept source (synchronous)."""
         params = request.kv_transfer_params
         beam = beam_params(request)
-        if not self._gang_ready(beam):
+        if not self._gang_ready(beam) or (beam and beam.get(WAIT_KEY)):
             return None, False  # vLLM skips it this step and asks again
         if self._is_fork_child(beam):
             return self._fork_match(request, beam, num_computed_tokens), False
@@ -398,6 +400,11 @@ class ContinuationConnector(NixlPullConnector):
             self.connector_worker = ContinuationConnectorWorker(
                 vllm_config, self.engine_id, kv_cache_config
             )
+
+    def build_connector_worker_meta(self) -> Any:
+        """The step's metadata for beam groups (``connector.beam_processor``), filled by
+        the logits processor during this step's sampling; None without beam slots."""
+        return OUTBOX.open_step()
 
     def get_kv_connector_stats(self) -> ContinuationStats | None:
         scheduler = self.connector_scheduler

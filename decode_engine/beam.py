@@ -1,4 +1,4 @@
-"""Beam search over any engine's ``generate``, with vLLM's beam-search semantics.
+"""Beam search with vLLM's beam-search semantics, over a handed-off (or held) parent.
 
 vLLM v1 runs beam search in its frontend (the online one its server runs,
 ``BeamSearchOnlineMixin.beam_search``): every step sends one ``max_tokens=1,
@@ -6,16 +6,20 @@ logprobs=2W`` request per live beam, extends each beam by every returned candida
 moves EOS-terminated candidates to ``completed``, keeps the W candidates of highest
 ``cum_logprob``, and at the end returns the W best of ``completed`` and the live beams
 by ``cum_logprob / len(tokens) ** length_penalty`` (len counts the prompt, minus a
-trailing EOS). This module does the same, token for token, but over our own
-``generate`` so that step 0 can carry ``kv_transfer_params`` (the import) and later
-steps hit the stage-2 engine's prefix cache. Ties resolve as there: a step's W are
-picked by the same numpy calls on the candidates in the same order (``top_candidates``),
-the final order by a stable sort.
+trailing EOS). Here, token for token the same, but inside the engine:
 
-With ``fork=True`` (engines running our connector) every step's requests are kept
-when they end, and each next-step beam copies the partial last block of the request
-it extends instead of recomputing it (see ``connector.nixl_continuation``): a step
-then computes one token per beam rather than up to ``block_size``.
+- **Step 0** is one request over ``parent + suffix`` that carries the import
+  (``first_step_extra_args``) and returns ``2W`` logprobs; its W best tokens start the
+  beams (ties resolve by vLLM's numpy calls: ``connector.beam_search.top_candidates``).
+- **Steps 1 to T-1** run in the engine: W slot requests, slot ``i`` over ``parent +
+  [token i]``, each decoding ``T - 1`` tokens; at every engine step the logits processor
+  picks the W new beams and forces each slot's token, and the scheduler copies each
+  parent beam's KV into its children's slots (``connector.beam_slots``). No request is
+  made per step; slot 0's final output carries the beams.
+
+With ``fork`` (engines running our connector) the slots copy step 0's partial last
+block instead of recomputing it (``connector.beam_fork``): each computes one token at
+its first step; without it, up to ``block_size``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from connector.handoff import BEAM_KEY, KEY
+from connector.beam_processor import slot_spec
+from connector.beam_search import top_candidates
+from connector.handoff import BEAM_KEY, KEY, SLOT_KEY
 from kvhandoff.types import Beam, BeamParams, StageError
 
 if TYPE_CHECKING:
@@ -36,34 +42,14 @@ if TYPE_CHECKING:
 
 GenerateFn = Callable[[list[int], "SamplingParams", str], Awaitable["RequestOutput"]]
 
+__all__ = ["BeamSearchOutcome", "beam_score", "beam_search", "error_message",
+           "top_candidates", "vllm_beam_search"]
+
 
 @dataclass(slots=True)
 class _Sequence:
     tokens: list[int]  # prompt + generated, as in vLLM's BeamSearchSequence
     cum_logprob: float = 0.0
-    source: str | None = None  # the request whose output gave the last token
-
-
-def _fork_params(beams: list[_Sequence], names: list[str], previous: list[str],
-                 keep: bool, group: str) -> list[dict[str, Any]]:
-    """Per request of one step: its name, whether it is kept, which request it extends,
-    how many siblings extend that one, (first request) the kept ones nobody extends, and
-    the step it belongs to with its number of requests (D schedules them together)."""
-    children: dict[str, int] = {}
-    for seq in beams:
-        if seq.source is not None:
-            children[seq.source] = children.get(seq.source, 0) + 1
-    out = []
-    for i, (seq, name) in enumerate(zip(beams, names)):
-        beam: dict[str, Any] = {"id": name, "keep": keep, "step_group": group,
-                                "step_size": len(beams)}
-        if seq.source is not None:
-            beam["fork_from"] = seq.source
-            beam["fork_children"] = children[seq.source]
-        if i == 0:
-            beam["fork_release"] = [n for n in previous if n not in children]
-        out.append(beam)
-    return out
 
 
 def beam_score(tokens: list[int], cum_logprob: float, eos_token_id: int | None,
@@ -80,80 +66,88 @@ class BeamSearchOutcome:
     beams: list[Beam]
     first_output: Any  # the RequestOutput of step 0 (carries the import stats)
     first_step_s: float
-    #: Per step: tokens computed by the engine (prompt tokens minus cached tokens).
+    #: Per step: tokens computed by the engine (prompt tokens minus cached tokens; the
+    #: slots' later steps compute one token each).
     step_computed_tokens: list[int] = field(default_factory=list)
-    #: Tokens beam steps after the first computed beyond the one new token per beam: the
+    #: Tokens the slots' first step computed beyond the one new token per slot: the
     #: context they found neither cached nor forked (a partial last block without the
-    #: fork; prefix blocks evicted between steps when D's pool is under pressure).
+    #: fork; prefix blocks evicted after step 0 when D's pool is under pressure).
     recomputed_tokens: int = 0
 
 
 def error_message(out: Any) -> str:
     params = out.kv_transfer_params or {}
-    info = params.get("kvhandoff") or {}
+    info = params.get(KEY) or {}
     return info.get("error") or "the engine finished the request with an error"
 
 
-def _step_extras(beams: list[_Sequence], names: list[str], step: int, params: BeamParams,
-                 first_step_extra_args: dict[str, Any] | None, fork: bool,
-                 previous: list[str]) -> tuple[list[dict[str, Any] | None], list[str]]:
-    """Each request's ``extra_args`` for one step, and the names kept for the next."""
-    extras: list[dict[str, Any] | None] = [
-        first_step_extra_args if step == 0 else None for _ in beams
-    ]
-    if not fork:
-        return extras, previous
-    keep = step + 1 < params.max_tokens
-    group = names[0].rsplit("b", 1)[0]  # "<request id>-s<step>"
-    for i, beam in enumerate(_fork_params(beams, names, previous, keep, group)):
-        extra = dict(extras[i] or {})
-        extra["kv_transfer_params"] = {**(extra.get("kv_transfer_params") or {}), BEAM_KEY: beam}
-        extras[i] = extra
-    return extras, names if keep else []
-
-
 def _check_outputs(outputs: list[Any]) -> None:
-    """A step whose request the engine ended with an error or abort ends the search."""
+    """A request the engine ended with an error or abort ends the search."""
     for out in outputs:
         if out.outputs[0].finish_reason in ("error", "abort"):
-            reason = ((out.kv_transfer_params or {}).get("kvhandoff") or {}).get(
+            reason = ((out.kv_transfer_params or {}).get(KEY) or {}).get(
                 "reason", out.outputs[0].finish_reason
             )
             raise StageError("stage2", reason, error_message(out))
 
 
-def top_candidates(cum_logprobs: np.ndarray, width: int) -> np.ndarray:
-    """Indices of the ``width`` candidates of highest cumulative logprob, best first,
-    picked by the numpy calls vLLM's online beam search makes (vllm 0.32,
-    ``entrypoints/generate/beam_search/online.py``). Neither call is stable: among
-    exactly equal scores (frequent in bf16) the pick is numpy's, deterministic for a given
-    array, so the same candidates in the same order give vLLM's beams, ties included."""
-    if len(cum_logprobs) <= width:
-        return np.argsort(-cum_logprobs)
-    top = np.argpartition(-cum_logprobs, width - 1)[:width]
-    return top[np.argsort(-cum_logprobs[top])]
-
-
-def _extend(beams: list[_Sequence], outputs: list[Any], names: list[str], step: int,
-            request_id: str, eos_token_id: int | None, ignore_eos: bool,
-            completed: list[_Sequence], width: int) -> list[_Sequence]:
-    """The ``width`` best candidates of one step; those ending by EOS go to ``completed``.
-    Candidates are ranked before their token lists are built: at W=32 a step has 2048
-    of them, and copying each parent's ~600 tokens cost ~10 ms a step."""
-    candidates: list[tuple[float, _Sequence, int, str]] = []
-    for seq, out, name in zip(beams, outputs, names):
-        logprobs = out.outputs[0].logprobs
-        assert logprobs, f"{request_id}: step {step} returned no logprobs"
-        for token_id, lp in logprobs[0].items():
-            cum = seq.cum_logprob + lp.logprob
-            if token_id == eos_token_id and not ignore_eos:
-                completed.append(_Sequence(seq.tokens + [token_id], cum, name))
-                continue
-            candidates.append((cum, seq, token_id, name))
+def _first_step(out: Any, prompt: list[int], eos_token_id: int | None, ignore_eos: bool,
+                width: int, completed: list[_Sequence]) -> list[_Sequence]:
+    """Step 0's ``width`` best beams (those ending by EOS go to ``completed``), from its
+    logprobs dict as vLLM's beam search reads it."""
+    logprobs = out.outputs[0].logprobs
+    assert logprobs, "step 0 returned no logprobs"
+    candidates: list[tuple[float, int]] = []
+    for token_id, lp in logprobs[0].items():
+        if token_id == eos_token_id and not ignore_eos:
+            completed.append(_Sequence(prompt + [token_id], lp.logprob))
+            continue
+        candidates.append((0.0 + lp.logprob, token_id))
     cums = np.fromiter((c[0] for c in candidates), dtype=np.float64, count=len(candidates))
-    return [_Sequence(seq.tokens + [token_id], cum, name)
-            for cum, seq, token_id, name in (candidates[int(i)]
-                                             for i in top_candidates(cums, width))]
+    return [_Sequence(prompt + [candidates[int(i)][1]], candidates[int(i)][0])
+            for i in top_candidates(cums, width)]
+
+
+def _step0_extra(extra_args: dict[str, Any] | None, fork: bool, keep: bool, name: str,
+                 held_parent: str | None) -> dict[str, Any] | None:
+    """Step 0's ``extra_args``: the import's, plus (with fork) being kept for the slots
+    and copying a held parent's partial block."""
+    if not fork:
+        return extra_args
+    beam: dict[str, Any] = {"id": name, "keep": keep}
+    if held_parent:
+        beam.update(fork_from=held_parent, fork_children=1)
+    extra = dict(extra_args or {})
+    extra["kv_transfer_params"] = {**(extra.get("kv_transfer_params") or {}), BEAM_KEY: beam}
+    return extra
+
+
+async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamParams, *,
+                     eos_token_id: int | None, request_id: str, fork_from: str | None
+                     ) -> tuple[list[Any], dict[str, Any]]:
+    """Steps 1 to T-1 inside the engine: one slot per beam; their final outputs and the
+    search's result (``connector.beam_search.GroupSearch.result``)."""
+    from vllm import SamplingParams
+
+    group, width = f"{request_id}-g", len(beams)
+
+    def sampling(i: int, seq: _Sequence) -> SamplingParams:
+        beam = {"fork_from": fork_from, "fork_children": width} if fork_from else {}
+        spec = slot_spec(group=group, slot=i, width=params.beam_width,
+                         steps=params.max_tokens - 1, cum_logprob=seq.cum_logprob,
+                         eos_token_id=eos_token_id, ignore_eos=params.ignore_eos)
+        return SamplingParams(max_tokens=params.max_tokens - 1, temperature=0.0,
+                              ignore_eos=True, detokenize=False,
+                              extra_args={SLOT_KEY: spec,
+                                          "kv_transfer_params": {BEAM_KEY: beam}})
+
+    outputs = await asyncio.gather(*(generate(seq.tokens, sampling(i, seq), f"{group}{i}")
+                                     for i, seq in enumerate(beams)))
+    _check_outputs(outputs)
+    info = (outputs[0].kv_transfer_params or {}).get(KEY) or {}
+    if SLOT_KEY not in info:
+        raise StageError("stage2", info.get("reason", "beam_group"), error_message(outputs[0]))
+    return outputs, info[SLOT_KEY]
 
 
 async def beam_search(
@@ -167,54 +161,47 @@ async def beam_search(
     fork: bool = False,
     held_parent: str | None = None,
 ) -> BeamSearchOutcome:
-    """Run beam search; ``first_step_extra_args`` go on the single step-0 request;
-    ``fork`` shares each beam's partial last block with the next step (see above);
-    ``held_parent`` (with ``fork``): a parent held on this engine that step 0 copies
-    what its prefix-cache hit lacks from (``connector.beam_fork``)."""
+    """Run beam search (module docstring); ``first_step_extra_args`` go on step 0;
+    ``fork``: the slots copy step 0's partial last block; ``held_parent`` (with
+    ``fork``): a parent held on this engine that step 0 copies what its prefix-cache hit
+    lacks from (``connector.beam_fork``)."""
     from vllm import SamplingParams
-
-    def sampling(extra_args: dict[str, Any] | None) -> SamplingParams:
-        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width,
-                              detokenize=False, extra_args=extra_args)
 
     def score(seq: _Sequence) -> float:
         return beam_score(seq.tokens, seq.cum_logprob, eos_token_id, params.length_penalty)
 
-    beams = [_Sequence(tokens=list(prompt_token_ids), source=held_parent if fork else None)]
-    completed: list[_Sequence] = []
+    prompt = list(prompt_token_ids)
+    name = f"{request_id}-s0"
     t0 = time.perf_counter()
-    first_output, first_step_s = None, 0.0
-    step_computed: list[int] = []
+    first = await generate(prompt, SamplingParams(
+        max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width, detokenize=False,
+        extra_args=_step0_extra(first_step_extra_args, fork, params.max_tokens > 1, name,
+                                held_parent)), name)
+    first_step_s = time.perf_counter() - t0
+    _check_outputs([first])
+    if ((first.kv_transfer_params or {}).get(KEY) or {}).get("beam_fork_disabled"):
+        fork = False  # D admitted the import only without it: step 0 was not kept
+    step_computed = [len(first.prompt_token_ids) - (first.num_cached_tokens or 0)]
+    completed: list[_Sequence] = []
+    beams = _first_step(first, prompt, eos_token_id, params.ignore_eos, params.beam_width,
+                        completed)
     recomputed = 0
-    previous: list[str] = []
-    for step in range(params.max_tokens):
-        if not beams:
-            break
-        names = [f"{request_id}-s{step}b{i}" for i in range(len(beams))]
-        extras, previous = _step_extras(beams, names, step, params, first_step_extra_args,
-                                        fork, previous)
-        outputs = await asyncio.gather(*(
-            generate(seq.tokens, sampling(extra), name)
-            for seq, extra, name in zip(beams, extras, names)))
-        if step == 0:
-            first_output, first_step_s = outputs[0], time.perf_counter() - t0
-            info = ((first_output.kv_transfer_params or {}).get(KEY)) or {}
-            if info.get("beam_fork_disabled"):
-                fork, previous = False, []  # step 0 was not kept either
-        _check_outputs(outputs)
-        computed = [len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in outputs]
-        step_computed.append(sum(computed))
-        if step > 0:
-            recomputed += sum(max(n - 1, 0) for n in computed)
-        beams = _extend(beams, outputs, names, step, request_id, eos_token_id,
-                        params.ignore_eos, completed, params.beam_width)
-
-    completed.extend(beams)
+    if params.max_tokens > 1 and beams:
+        slots, result = await _run_slots(generate, beams, params, eos_token_id=eos_token_id,
+                                         request_id=request_id,
+                                         fork_from=name if fork else None)
+        computed = [len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in slots]
+        step_computed += [sum(computed)] + [len(beams)] * (params.max_tokens - 2)
+        recomputed = sum(max(n - 1, 0) for n in computed)
+        for key in ("completed", "live"):
+            completed.extend(_Sequence(beams[origin].tokens + list(tokens), float(cum))
+                             for origin, tokens, cum in result[key])
+    else:
+        completed.extend(beams)
     best = sorted(completed, key=score, reverse=True)[:params.beam_width]
     return BeamSearchOutcome(
-        beams=[_beam(seq, len(prompt_token_ids), eos_token_id, params.ignore_eos)
-               for seq in best],
-        first_output=first_output,
+        beams=[_beam(seq, len(prompt), eos_token_id, params.ignore_eos) for seq in best],
+        first_output=first,
         first_step_s=first_step_s,
         step_computed_tokens=step_computed,
         recomputed_tokens=recomputed,

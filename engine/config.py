@@ -24,6 +24,8 @@ DECODE_SCHEDULER = "decode_engine.scheduler.ContinuationScheduler"
 PREFILL_SCHEDULER = "prefill_engine.scheduler.PrefillScheduler"
 #: The logits processor of positional sampling (``engine.sampling``), in every engine.
 POSITIONAL_SAMPLER = "engine.sampling:PositionalSampler"
+#: Beam search inside the engine: each beam group's step (``connector.beam_processor``).
+BEAM_SLOT_PROCESSOR = "connector.beam_processor:BeamSlotProcessor"
 
 
 @dataclass(frozen=True)
@@ -185,8 +187,9 @@ class EngineConfig:
             # AsyncScheduler (which tracks the output placeholders an overlapped step
             # leaves), and on GPUs vLLM would otherwise turn it on.
             async_scheduling=False,
-            # Positional sampling (engine.sampling), for requests that ask for it.
-            logits_processors=[POSITIONAL_SAMPLER],
+            # Positional sampling (engine.sampling) and beam slots
+            # (connector.beam_processor), for the requests that ask for them.
+            logits_processors=[POSITIONAL_SAMPLER, BEAM_SLOT_PROCESSOR],
             disable_log_stats=False,
         )
 

@@ -6,17 +6,16 @@ Block arithmetic for a prompt of n tokens, block size B, beam width W, T beam to
     | full blocks: n // B, shared by all beams | tail: n % B + T tokens, one per beam |
     needed = n // B + W * cdiv(n % B + T, B)
 
-With beam fork on (the default), step k's requests (1 at step 0, then W) are kept
-until step k+1's requests were scheduled. Worst case at step k+1: every kept request
-still holds its private blocks (past the shared ``n // B``: ``priv(L) = cdiv(L, B) -
-n // B`` for L tokens), and each new request adds the blocks past its source's full ones::
+Beam search runs in W slots (``connector.beam_slots``), each over ``parent + [its first
+token]`` until T tokens. With beam fork on (the default), step 0's request is kept until
+every slot copied its partial last block: at the slots' first step it still holds its
+private block (``priv(n) = cdiv(n, B) - n // B``) beside the slots' first blocks::
 
     needed = n // B + max(W * cdiv(n % B + T, B),
-                          max over k of  W_k * priv(n + k)
-                                         + W * (cdiv(n + k + 1, B) - (n + k) // B))
+                          priv(n) + W * (cdiv(n + 1, B) - n // B))
 
 If the pool holds the beams without fork but not with it, the import is admitted with
-fork off for that request (its output says so and the beam search stops keeping).
+fork off for that request (its output says so and the slots compute their partial block).
 """
 
 from __future__ import annotations
@@ -33,14 +32,10 @@ def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
     num_full = num_prompt_tokens // block_size
     tail = num_prompt_tokens - num_full * block_size + beam_max_tokens
     peak = beam_width * cdiv(tail, block_size)
-    if beam_fork:
-        def private(num_tokens: int) -> int:
-            return cdiv(num_tokens, block_size) - num_full
-
-        for k in range(beam_max_tokens - 1):
-            n = num_prompt_tokens + k
-            kept = (1 if k == 0 else beam_width) * private(n)
-            peak = max(peak, kept + beam_width * (cdiv(n + 1, block_size) - n // block_size))
+    if beam_fork and beam_max_tokens > 1:
+        kept = cdiv(num_prompt_tokens, block_size) - num_full
+        first = cdiv(num_prompt_tokens + 1, block_size) - num_full
+        peak = max(peak, kept + beam_width * first)
     return num_full + peak
 
 

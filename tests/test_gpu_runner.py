@@ -62,16 +62,21 @@ def test_the_gpu_configs_engines_schedule_synchronously_as_on_cpu(model_dir):
     assert engine_args.async_scheduling is False
 
 
-def test_model_runner_v2_refuses_the_positional_sampler():
-    """Why the pin: V2's loader refuses the v1-interface class by name."""
+@pytest.mark.parametrize("name", ["POSITIONAL_SAMPLER", "BEAM_SLOT_PROCESSOR"])
+def test_model_runner_v2_refuses_our_logits_processors(name):
+    """Why the pin: V2's loader refuses the v1-interface classes by name (the positional
+    sampler and the beam slots' processor, both in every engine's list)."""
     from vllm.v1.worker.gpu.sample.logits_processor.loader import (
         _load_v2_logitsprocs_by_fqcns,
     )
 
-    from engine.config import POSITIONAL_SAMPLER
+    import engine.config
 
+    qualname = getattr(engine.config, name)
+    config = engine.config.EngineConfig(model="m", role="decode")
+    assert qualname in config.engine_args("x").logits_processors
     with pytest.raises(ValueError, match="is not a subclass of"):
-        _load_v2_logitsprocs_by_fqcns([POSITIONAL_SAMPLER])
+        _load_v2_logitsprocs_by_fqcns([qualname])
 
 
 @pytest.mark.engines

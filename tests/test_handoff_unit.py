@@ -82,14 +82,16 @@ def test_import_params_leave_out_p_s_cache_hits():
 
 @pytest.mark.parametrize("n,w,t,expected,with_fork", [
     (64, 1, 1, 2 + 1, 2 + 1),      # two full blocks shared, one tail block (no next step)
-    (65, 4, 3, 2 + 4 * 1, 2 + 4 + 4),  # 1 + 3 tail tokens fit one block per beam
-    # 31 + 3 tail tokens need two blocks per beam; at step 2, 32 kept requests hold one
-    # block each (now full, shared with their successors) and each successor adds one.
-    (95, 32, 3, 2 + 32 * 2, 2 + 32 + 32),
+    # 1 + 3 tail tokens fit one block per slot; with fork, step 0's kept request holds
+    # its own block while the slots start.
+    (65, 4, 3, 2 + 4 * 1, 2 + 1 + 4),
+    # 31 + 3 tail tokens need two blocks per slot: more than the slots' start.
+    (95, 32, 3, 2 + 32 * 2, 2 + 32 * 2),
+    (96, 4, 2, 3 + 4 * 1, 3 + 0 + 4),  # step 0 holds no private block
 ])
 def test_blocks_needed(n, w, t, expected, with_fork):
     assert blocks_needed(n, 32, w, t) == expected
-    # Beam fork keeps a step's requests until the next step's are scheduled.
+    # Beam fork keeps step 0's request until the slots copied from it.
     assert blocks_needed(n, 32, w, t, beam_fork=True) == with_fork
 
 

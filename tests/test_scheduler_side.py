@@ -76,15 +76,15 @@ def test_other_version_or_model_is_refused(model_dir, fingerprint, field, value,
 
 
 def test_capacity_refusal_names_the_numbers_and_does_not_block_the_queue(model_dir, fingerprint):
-    # 20 blocks; a 301-token prompt with 32 beams needs 9 + 32 + 32 = 73 (beam fork
-    # keeps a step's 32 requests while the next step's 32 copy their tails).
+    # 20 blocks; a 301-token prompt with 32 beams needs 9 + 1 + 32 = 42 (beam fork
+    # keeps step 0's request while the 32 slots copy its partial block).
     scheduler = make_scheduler(model_dir, num_blocks=21)
     parent = list(range(10, 310))
     big = make_import_request(parent + [7], make_export_params(parent, model_fingerprint=fingerprint),
                               request_id="big", beam_width=32)
     info = reject_at_admission(scheduler, big)
     assert info["reason"] == "capacity"
-    assert "needs 73 blocks" in info["error"] and "20 free of 20" in info["error"]
+    assert "needs 42 blocks" in info["error"] and "20 free of 20" in info["error"]
 
     # A request that fits is admitted right after.
     small_parent = list(range(10, 50))
@@ -133,9 +133,9 @@ def test_p_admits_a_moved_stage1_up_front_and_exports_it_again(model_dir, finger
         req.kv_transfer_params[REEXPORT_KEY] = True
         return req
 
-    # 10 usable blocks of 32 tokens: 100 tokens and 200 more to sample need 11.
+    # 10 usable blocks of 32 tokens: 100 tokens and 230 more to sample need 11.
     parent = list(range(10, 110))
-    info = reject_at_admission(scheduler, moved(parent, "too-long", 200))
+    info = reject_at_admission(scheduler, moved(parent, "too-long", 230))
     assert info["reason"] == "capacity"
     assert info["error"].startswith(
         f"prefill pool too small: needs 11 blocks of {BLOCK_SIZE} tokens"), info
@@ -384,14 +384,15 @@ def test_beam_fork_releases_unclaimed_sources(model_dir):
 
 
 def test_import_admitted_without_beam_fork_when_only_that_fits(model_dir, fingerprint):
-    """1504 tokens, 32 beams, 60 beam tokens: 143 blocks with fork, 111 without; with
-    120 free the import is admitted and fork is turned off for it."""
+    """1505 tokens, 32 beams, 3 beam tokens: 80 blocks with fork (step 0 keeps its
+    partial block while the 32 slots start), 79 without; with 79 free the import is
+    admitted and fork is turned off for it."""
     from connector.handoff import BEAM_KEY
 
-    scheduler = make_scheduler(model_dir, num_blocks=121)
-    parent = list(range(10, 1514))
+    scheduler = make_scheduler(model_dir, num_blocks=80)
+    parent = list(range(10, 1515))
     req = make_import_request(parent, make_export_params(parent[:-1], model_fingerprint=fingerprint),
-                              beam_width=32, beam_max_tokens=60)
+                              beam_width=32, beam_max_tokens=3)
     req.kv_transfer_params[BEAM_KEY] = {"id": "b0", "keep": True}
     scheduler.add_request(req)
     out = scheduler.schedule()

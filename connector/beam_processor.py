@@ -1,0 +1,212 @@
+"""The worker side of beam search inside the engine: a logits processor that runs each
+beam group's step and forces every slot's next token.
+
+Loaded by vLLM in each worker (``logits_processors=[..., "connector.beam_processor:
+BeamSlotProcessor"]``, ``engine.config``). A slot is a request sent with
+``SamplingParams(temperature=0, ignore_eos=True, max_tokens=T-1,
+extra_args={SLOT_KEY: spec})`` (``slot_spec``); the W slots of a group are scheduled
+together every step (``connector.beam_slots``). At each step :meth:`apply` takes the
+group's rows in slot order, lets ``connector.beam_search`` pick the W new beams, and
+turns each slot's row into one finite logit (0 at its token, -inf elsewhere), so vLLM's
+greedy sampler picks it. Rows of other requests are left as they are.
+
+What the step decided goes to the scheduler in this step's worker metadata
+(:class:`BeamStepMeta`): the parents of the new beams (the scheduler copies each
+parent's KV into its children's slots before the next forward), and, at the last step,
+the beams. vLLM builds that metadata in ``execute_model``, before sampling; the
+connector worker opens it (:meth:`Outbox.open_step`) and the processor fills it during
+sampling, before the step's output goes to the scheduler (``async_scheduling`` is off).
+A step the processor cannot run (a slot missing from the batch) is posted as an error:
+the scheduler ends the group; no beam is ever guessed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from connector.beam_search import GroupSearch, row_candidates
+from connector.handoff import SLOT_KEY
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+_SPEC_FIELDS = ("group", "slot", "width", "steps", "cum", "eos", "ignore_eos")
+
+
+def slot_spec(*, group: str, slot: int, width: int, steps: int, cum_logprob: float,
+              eos_token_id: int | None, ignore_eos: bool) -> dict[str, Any]:
+    """A slot's parameters (``extra_args[SLOT_KEY]``): its group, its index, the group's
+    width, the beam steps it runs, the cumulative logprob of the beam it starts with, and
+    the EOS rule of the search."""
+    return {"group": group, "slot": slot, "width": width, "steps": steps,
+            "cum": float(cum_logprob), "eos": eos_token_id, "ignore_eos": bool(ignore_eos)}
+
+
+class BeamStepMeta(KVConnectorWorkerMetadata):
+    """One step's records, by group: ``{"step": k, "parents": [...]}``, plus
+    ``"result"`` at the group's last step, or ``{"step": k, "error": why}``."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, dict[str, Any]] = {}
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # Tensor-parallel workers see the same logits and decide the same.
+        if isinstance(other, BeamStepMeta):
+            for group, record in other.groups.items():
+                self.groups.setdefault(group, record)
+        return self
+
+
+class Outbox:
+    """This worker process's hand-over from the processor to the connector worker: the
+    metadata of the step being run, while any group is active here."""
+
+    def __init__(self) -> None:
+        self.active = False  # set by the processor: slots are in the batch
+        self._current: BeamStepMeta | None = None
+
+    def open_step(self) -> BeamStepMeta | None:
+        """The connector worker, once per step (``build_connector_worker_meta``)."""
+        self._current = BeamStepMeta() if self.active else None
+        return self._current
+
+    def post(self, group: str, record: dict[str, Any]) -> None:
+        if self._current is None:
+            # Cannot happen with the connector loaded; the scheduler sees the step
+            # missing and ends the group.
+            logger.error("Beam group %s: no step metadata to post step %s to", group,
+                         record.get("step"))
+            return
+        self._current.groups[group] = record
+
+
+#: One per worker process: the processor and the connector worker meet here.
+OUTBOX = Outbox()
+
+
+@dataclass(slots=True)
+class _Slot:
+    group: str
+    slot: int
+    spec: dict[str, Any]
+
+
+def _slot_of(params: SamplingParams | None, prompt_token_ids: list[int] | None,
+             output_token_ids: list[int]) -> _Slot | None:
+    spec = ((params.extra_args or {}) if params is not None else {}).get(SLOT_KEY)
+    if spec is None:
+        return None
+    return _Slot(str(spec["group"]), int(spec["slot"]), spec)
+
+
+class BeamSlotProcessor(LogitsProcessor):
+    """Runs the beam groups whose slots are in the batch (module docstring)."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        spec = (sampling_params.extra_args or {}).get(SLOT_KEY)
+        if spec is None:
+            return
+        missing = [name for name in _SPEC_FIELDS if name not in spec]
+        if missing:
+            raise ValueError(f"{SLOT_KEY}: missing {missing}")
+        if sampling_params.temperature != 0.0 or not sampling_params.ignore_eos:
+            raise ValueError(f"{SLOT_KEY}: a slot is greedy (temperature 0) and ignores "
+                             "EOS; the search applies the EOS rule")
+        if not 0 <= int(spec["slot"]) < int(spec["width"]):
+            raise ValueError(f"{SLOT_KEY}: slot {spec['slot']} outside width {spec['width']}")
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device,
+                 is_pin_memory: bool) -> None:
+        self._rows: dict[int, _Slot] = {}
+        self._groups: dict[str, GroupSearch] = {}
+        self._failed: set[str] = set()
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self._rows, batch_update, _slot_of)
+        present = {row.group for row in self._rows.values()}
+        for group in [g for g in self._groups if g not in present]:
+            del self._groups[group]
+        self._failed &= present
+        OUTBOX.active = bool(self._rows)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._rows:
+            return logits
+        by_group: dict[str, dict[int, int]] = {}
+        for index, row in self._rows.items():
+            by_group.setdefault(row.group, {})[row.slot] = index
+        for group, rows in by_group.items():
+            if group not in self._failed:
+                self._step(group, rows, logits)
+        return logits
+
+    def _step(self, group: str, rows: dict[int, int], logits: torch.Tensor) -> None:
+        spec = self._rows[next(iter(rows.values()))].spec
+        width = int(spec["width"])
+        search = self._groups.get(group)
+        if search is None:
+            if len(rows) != width:
+                return self._fail(group, 0, f"{len(rows)} of its {width} slots in the "
+                                            "batch at its first step")
+            search = self._groups[group] = GroupSearch(
+                width=width, steps=int(spec["steps"]), eos_token_id=spec["eos"],
+                ignore_eos=bool(spec["ignore_eos"]),
+                cum_logprobs=np.array([self._rows[rows[i]].spec["cum"] for i in range(width)]))
+        if search.done:
+            return self._fail(group, search.step + 1, "a step past its last one")
+        live = search.num_live
+        if any(i not in rows for i in range(live)):
+            return self._fail(group, search.step + 1,
+                              f"{sum(i in rows for i in range(live))} of its {live} live "
+                              "beams in the batch")
+        index = torch.tensor([rows[i] for i in range(live)], device=logits.device)
+        parents, tokens = search.select(_candidates(logits.index_select(0, index), width))
+        _force(logits, rows, tokens)
+        record: dict[str, Any] = {"step": search.step, "parents": parents.tolist()}
+        if search.done:
+            record["result"] = search.result()
+        OUTBOX.post(group, record)
+
+    def _fail(self, group: str, step: int, why: str) -> None:
+        logger.error("Beam group %s fails at step %d: %s", group, step, why)
+        self._failed.add(group)
+        OUTBOX.post(group, {"step": step, "error": why})
+
+
+def _candidates(rows: torch.Tensor, width: int) -> Any:
+    """Each row's candidates as vLLM's beam search reads them from a ``2W``-logprobs
+    request: vLLM's own greedy pick, logprobs and ``torch.topk`` (its sampler's)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    logprobs = Sampler.compute_logprobs(rows)
+    top_logprobs, top_tokens = torch.topk(logprobs, min(2 * width, rows.shape[-1]), dim=-1)
+    sampled = Sampler.greedy_sample(rows).long()
+    sampled_logprobs = logprobs.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+    return row_candidates(sampled.cpu().numpy(), sampled_logprobs.cpu().numpy(),
+                          top_tokens.cpu().numpy(), top_logprobs.cpu().numpy())
+
+
+def _force(logits: torch.Tensor, rows: dict[int, int], tokens: np.ndarray) -> None:
+    """Slot ``j`` samples ``tokens[j]``; slots past the live beams sample token 0 (their
+    output is never read)."""
+    slots = sorted(rows)
+    index = torch.tensor([rows[s] for s in slots], device=logits.device)
+    forced = torch.tensor([int(tokens[s]) if s < len(tokens) else 0 for s in slots],
+                          device=logits.device)
+    logits.index_fill_(0, index, float("-inf"))
+    logits[index, forced] = 0.0

@@ -1,0 +1,266 @@
+"""The scheduler side of beam search inside the engine: beam groups and their slots.
+
+Stage 2's first step (the import, one request) gives the W best first tokens; then W
+requests ("slots") decode the group's beams, one engine step per beam step, until the
+search ends (``decode_engine.beam``). Slot ``i`` starts as ``parent + [first token i]``
+(``max_tokens`` = T - 1) and forks the first step's kept request (``connector.beam_fork``:
+the shared full blocks are prefix hits, the partial last one is copied). The logits
+processor (``connector.beam_processor``) picks each step's beams and forces the slots'
+tokens; this part, owned by the engine's scheduler (``connector.admission``), does the
+rest:
+
+- **Together.** A group's slots wait (the connector skips them) until all W arrived and
+  the step has room for all of them (running slots and token budget); then they go to
+  the front of the queue and start in one step. A group not scheduled whole ends with an
+  error; it never runs split.
+- **Forks are block copies.** After a step whose new beam ``j`` continues the beam of
+  slot ``p != j``, slot ``j``'s own blocks (from the one holding the parent's last token
+  on) become copies of slot ``p``'s, through vLLM's ``kv_cache_block_copies`` (gathered
+  before scattered, before the next forward). No request is created per step.
+- **Out of the prefix cache.** A slot's own blocks change under it, so vLLM's hashes of
+  them (made from the slot's own token list) would be wrong: they are evicted from the
+  prefix cache in the step that made them. A copy only ever writes a block its slot
+  alone holds (checked; a shared one ends the group).
+- **Results.** The beams of the last step reach the scheduler in the worker metadata
+  and go out on the final output of slot 0 (``kv_transfer_params[KEY][SLOT_KEY]``). A
+  step missing or out of order, or an error from the processor, ends every slot of the
+  group with ``FINISHED_ERROR`` and the reason.
+
+Who owns the blocks: each slot's are vLLM's request blocks, freed when it finishes; the
+shared prefix blocks are prefix-cache hits, held by every slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
+
+from connector.beam_processor import BeamStepMeta
+from connector.handoff import BEAM_KEY, KEY, SLOT_KEY
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: ``kv_transfer_params[BEAM_KEY]`` flag on a slot: not yet (the connector skips it).
+WAIT_KEY = "slot_wait"
+#: How long a group's first slot waits for the others.
+START_TIMEOUT_S = 30.0
+
+
+def slot_of(request: Request) -> dict[str, Any] | None:
+    """The request's slot parameters (None: not a beam slot)."""
+    params = request.sampling_params
+    return ((params.extra_args or {}) if params is not None else {}).get(SLOT_KEY)
+
+
+@dataclass(slots=True)
+class _Group:
+    width: int
+    first_block: int  # index of the first block each slot holds alone
+    tokens_each: int  # tokens a slot computes at its first step (worst case)
+    slots: dict[int, str] = field(default_factory=dict)  # slot -> request id
+    started: bool = False
+    step: int = 0  # beam steps decided so far
+    parents: list[int] | None = None  # the last step's, until copied
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    reported: bool = False  # the error was sent to the slots
+    arrived_at: float = field(default_factory=time.monotonic)  # its first slot
+
+    def ids(self) -> list[str]:
+        return [self.slots[i] for i in sorted(self.slots)]
+
+
+class SlotGroups:
+    """The beam groups on one engine (module docstring). ``fail`` ends a request with
+    ``FINISHED_ERROR`` and tells its client why (the admission scheduler's)."""
+
+    def __init__(self, block_size: int, fail: Callable[[Request, str, str], None]):
+        self._block_size = block_size
+        self._fail = fail
+        self._groups: dict[str, _Group] = {}
+        self._slot_of: dict[str, tuple[str, int]] = {}  # request id -> (group, slot)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def add(self, request: Request) -> None:
+        """A new request: a slot joins its group and waits for the others."""
+        spec = slot_of(request)
+        if spec is None:
+            return
+        name, slot, width = str(spec["group"]), int(spec["slot"]), int(spec["width"])
+        group = self._groups.get(name)
+        if group is None:
+            parent_len = request.num_prompt_tokens - 1
+            forked = bool(((request.kv_transfer_params or {}).get(BEAM_KEY) or {})
+                          .get("fork_from"))
+            group = self._groups[name] = _Group(
+                width=width, first_block=parent_len // self._block_size,
+                tokens_each=1 if forked else parent_len % self._block_size + 1)
+        group.slots[slot] = request.request_id
+        self._slot_of[request.request_id] = (name, slot)
+        params = request.kv_transfer_params = dict(request.kv_transfer_params or {})
+        params[BEAM_KEY] = {**(params.get(BEAM_KEY) or {}), WAIT_KEY: True}
+
+    def before_schedule(self, scheduler: Scheduler) -> None:
+        """Start the groups whose slots all arrived and fit this step; a group still
+        incomplete after ``START_TIMEOUT_S`` ends (its client went away mid-send)."""
+        now = time.monotonic()
+        claimed_seqs = claimed_tokens = 0  # by the groups started in this pass
+        for group in self._groups.values():
+            if group.started or group.error:
+                continue
+            if now - group.arrived_at > START_TIMEOUT_S:
+                group.error = (f"{len(group.slots)} of its {group.width} slots arrived "
+                               f"within {START_TIMEOUT_S:.0f}s")
+                continue
+            if len(group.slots) < group.width:
+                continue
+            members = [scheduler.requests.get(rid) for rid in group.ids()]
+            tokens = group.width * group.tokens_each
+            if any(m is None or m.status != RequestStatus.WAITING for m in members) \
+                    or not self._room(scheduler, group.width + claimed_seqs,
+                                      tokens + claimed_tokens):
+                continue
+            claimed_seqs += group.width
+            claimed_tokens += tokens
+            for member in members:
+                member.kv_transfer_params[BEAM_KEY][WAIT_KEY] = False
+            # First in the queue, slot 0 first: nothing ahead takes their budget.
+            scheduler.waiting.remove_requests(members)
+            for member in reversed(members):
+                scheduler.waiting.prepend_request(member)
+
+    @staticmethod
+    def _room(scheduler: Scheduler, seqs: int, tokens: int) -> bool:
+        """Whether ``seqs`` more requests computing ``tokens`` fit beside the running
+        ones (each computes at least one token) this step."""
+        running = scheduler.running
+        running_tokens = sum(max(r.num_tokens - r.num_computed_tokens, 1) for r in running)
+        return (len(running) + seqs <= scheduler.max_num_active_reqs
+                and running_tokens + tokens <= scheduler.max_num_scheduled_tokens)
+
+    def after_schedule(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
+        """Check every group runs whole; keep slot blocks out of the prefix cache; copy
+        the last step's parents into their children's slots."""
+        scheduled = output.num_scheduled_tokens
+        pool = scheduler.kv_cache_manager.block_pool
+        copies: list[KVCacheBlockCopy] = []
+        for name, group in self._groups.items():
+            ids = group.ids()
+            running = [rid in scheduled for rid in ids]
+            if not any(running) or group.error:
+                continue
+            if not group.started:
+                group.started = True
+                logger.debug("Beam group %s starts: %d slots", name, group.width)
+            if not all(running):
+                # The processor fails the step too; the slots must not run split.
+                group.error = (f"{sum(running)} of its {len(ids)} slots scheduled in "
+                               f"beam step {group.step + 1}")
+                continue
+            blocks = [scheduler.kv_cache_manager.get_block_ids(rid)[0][group.first_block:]
+                      if on else [] for rid, on in zip(ids, running)]
+            hashed = {b for own in blocks for b in own if pool.blocks[b].block_hash is not None}
+            if hashed:
+                pool.evict_blocks(hashed)
+            if group.parents is not None:
+                copies.extend(self._copies(name, group, blocks, pool))
+                group.parents = None
+        if copies:
+            output.kv_cache_block_copies = [*(output.kv_cache_block_copies or []), *copies]
+
+    def _copies(self, name: str, group: _Group, blocks: list[list[int]],
+                pool: Any) -> list[KVCacheBlockCopy]:
+        assert group.parents is not None
+        copies = []
+        for child, parent in enumerate(group.parents):
+            if child == parent:
+                continue
+            src, dst = blocks[parent], blocks[child]
+            if len(src) != len(dst) or not dst:
+                group.error = (f"slot {child} and its parent slot {parent} hold "
+                               f"{len(dst)} and {len(src)} blocks of their own")
+                return []
+            if any(pool.blocks[b].ref_cnt != 1 for b in dst):
+                group.error = f"slot {child}'s own blocks are shared"
+                return []
+            copies.extend(KVCacheBlockCopy(s, d) for s, d in zip(src, dst))
+        return copies
+
+    def on_step_output(self, scheduler_output: SchedulerOutput,
+                       model_runner_output: ModelRunnerOutput) -> None:
+        """Before vLLM reads a step's output: what the processor decided for each group
+        that ran in it."""
+        connector_output = model_runner_output.kv_connector_output
+        meta = connector_output.kv_connector_worker_meta if connector_output else None
+        records = meta.groups if isinstance(meta, BeamStepMeta) else {}
+        scheduled = scheduler_output.num_scheduled_tokens
+        for name, group in self._groups.items():
+            if group.error or not group.started or not any(r in scheduled for r in group.ids()):
+                continue
+            record = records.get(name)
+            if record is None:
+                group.error = f"no decision for beam step {group.step + 1}"
+            elif record.get("error"):
+                group.error = str(record["error"])
+            elif int(record["step"]) != group.step + 1:
+                group.error = (f"beam step {record['step']} arrived after step "
+                               f"{group.step}")
+            else:
+                group.step += 1
+                parents = [int(p) for p in record["parents"]]
+                if parents != list(range(len(parents))):
+                    group.parents = parents
+                if "result" in record:
+                    group.result = record["result"]
+
+    def after_output(self, scheduler: Scheduler, outputs: dict[int, EngineCoreOutputs]
+                     ) -> None:
+        """After vLLM read a step's output: slot 0's final output carries the beams; a
+        failed group's slots end with its error; finished groups are forgotten."""
+        for eco in outputs.values():
+            for out in eco.outputs:
+                where = self._slot_of.get(out.request_id)
+                if out.finish_reason is None or where is None:
+                    continue
+                group = self._groups[where[0]]
+                params = dict(out.kv_transfer_params or {})
+                if group.result is not None and not group.error:
+                    if where[1] == 0:
+                        params[KEY] = {**(params.get(KEY) or {}), SLOT_KEY: group.result}
+                else:
+                    # A slot ending without the group's beams says why, whichever step.
+                    out.finish_reason = FinishReason.ERROR
+                    params[KEY] = {**(params.get(KEY) or {}), "reason": "beam_group",
+                                   "error": f"beam search failed: {group.error or 'no beams'}"}
+                out.kv_transfer_params = params or None
+        for name, group in self._groups.items():
+            if group.error and not group.reported:
+                group.reported = True
+                logger.warning("Beam group %s ends: %s", name, group.error)
+                for rid in group.ids():
+                    request = scheduler.requests.get(rid)
+                    if request is not None and not request.is_finished():
+                        # Its output comes from the admission scheduler's _reject.
+                        self._fail(request, "beam_group", f"beam search failed: {group.error}")
+        gone = [rid for rid in self._slot_of if rid not in scheduler.requests]
+        for rid in gone:
+            name, _ = self._slot_of.pop(rid)
+            group = self._groups.get(name)
+            if group is not None and not any(r in scheduler.requests for r in group.ids()):
+                del self._groups[name]

@@ -1,0 +1,377 @@
+"""Beam search inside the engine, unit level: the logits processor and the search it runs,
+driven as vLLM drives them, against vLLM's own online beam search on a scripted model.
+
+The scripted engine below is a fake of the engine around the processor only: each
+engine step it builds the batch's logits from each slot's context, hands them to the
+real ``BeamSlotProcessor`` (as vLLM's sampler does, after ``update_state``), samples
+greedily, and makes slot ``j``'s context its parent slot's plus the forced token (what
+the scheduler's block copies do to the KV). The real engine runs in
+``tests/test_beam_engine.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from connector.beam_processor import OUTBOX, BeamSlotProcessor, slot_spec
+from connector.handoff import KEY, SLOT_KEY
+from decode_engine.beam import beam_search
+from kvhandoff.types import BeamParams, StageError
+
+EOS = 1
+VOCAB = 64
+
+
+def scripted_logits(tokens: list[int]) -> torch.Tensor:
+    """A context's logits, float32, in steps of 1/4: exact ties at every step, the cutoff
+    included (as bf16's coarse logits give)."""
+    rng = random.Random(str(tokens))
+    return torch.tensor([round(rng.gauss(0, 1.5) * 4) / 4 for _ in range(VOCAB)],
+                        dtype=torch.float32)
+
+
+def logprobs_dict(tokens: list[int], k: int) -> dict[int, SimpleNamespace]:
+    """What a vLLM request with ``logprobs=k`` returns for one position: the sampled
+    (greedy) token, then the top k, each token once (vLLM's sampler and dict)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    logits = scripted_logits(tokens).unsqueeze(0)
+    logprobs = Sampler.compute_logprobs(logits)[0]
+    sampled = int(Sampler.greedy_sample(logits)[0])
+    top = torch.topk(logprobs, min(k, VOCAB)).indices.tolist()
+    return {t: SimpleNamespace(logprob=float(logprobs[t]), rank=r, decoded_token=None)
+            for r, t in enumerate([sampled, *top])}
+
+
+class ScriptedEngine:
+    """Step 0 as one request; the slots as one batch run by the real processor."""
+
+    def __init__(self, copies: bool = True, drop_slot: int | None = None):
+        self.copies = copies  # False: the children's KV is not replaced (a fault)
+        self.drop_slot = drop_slot  # a slot missing from the batch (a fault)
+        self.slots: dict[int, tuple[list[int], object, asyncio.Future]] = {}
+        self.steps_run = 0
+
+    async def generate(self, tokens, sampling, request_id):
+        spec = (sampling.extra_args or {}).get(SLOT_KEY)
+        if spec is None:
+            return _output(tokens, [logprobs_dict(tokens, sampling.logprobs)], None)
+        BeamSlotProcessor.validate_params(sampling)
+        future = asyncio.get_running_loop().create_future()
+        self.slots[spec["slot"]] = (list(tokens), sampling, future)
+        if len(self.slots) == spec["width"]:
+            self._run(spec)
+        return await future
+
+    def _run(self, spec) -> None:
+        processor = BeamSlotProcessor(None, torch.device("cpu"), False)
+        order = sorted(self.slots)
+        rows = [i for i in order if i != self.drop_slot]
+        processor.update_state(SimpleNamespace(
+            batch_size=len(rows), removed=[], moved=[],
+            added=[(r, self.slots[i][1], self.slots[i][0], []) for r, i in enumerate(rows)]))
+        contexts = {i: self.slots[i][0] for i in order}
+        record = {}
+        for _ in range(spec["steps"]):
+            meta = OUTBOX.open_step()
+            logits = torch.stack([scripted_logits(contexts[i]) for i in rows])
+            forced = processor.apply(logits).argmax(dim=-1).tolist()
+            self.steps_run += 1
+            record = meta.groups[spec["group"]]
+            if "error" in record:
+                break
+            by_slot = dict(zip(rows, forced))
+            source = ({j: contexts[p] for j, p in enumerate(record["parents"])}
+                      if self.copies else contexts)
+            contexts = {i: source.get(i, contexts[i]) + [by_slot[i]] for i in order}
+        processor.update_state(SimpleNamespace(batch_size=0, removed=list(range(len(rows))),
+                                               moved=[], added=[]))
+        info = ({SLOT_KEY: record["result"]} if "result" in record
+                else {"reason": "beam_group", "error": record.get("error", "no result")})
+        for i in order:
+            tokens, _, future = self.slots[i]
+            future.set_result(_output(tokens, None, {KEY: info} if i == 0 else None,
+                                      "error" if "error" in record else "length"))
+
+
+def _output(tokens, logprobs, params, reason="length"):
+    return SimpleNamespace(
+        outputs=[SimpleNamespace(logprobs=logprobs, finish_reason=reason)],
+        prompt_token_ids=list(tokens), num_cached_tokens=len(tokens) - 1,
+        kv_transfer_params=params)
+
+
+def vllm_online(prompt: list[int], params: BeamParams) -> list[tuple[list[int], float]]:
+    """vLLM's own online beam search (its code, unchanged) over the scripted model."""
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+    from vllm.inputs import tokens_input
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import BeamSearchParams
+
+    async def generate(prompt_item, sampling, request_id, **_):
+        tokens = list(prompt_item["prompt_token_ids"])
+        yield RequestOutput(
+            request_id=request_id, prompt=None, prompt_token_ids=tokens,
+            prompt_logprobs=None, finished=True,
+            outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                                      logprobs=[logprobs_dict(tokens, sampling.logprobs)],
+                                      finish_reason="length")])
+
+    class Peer(BeamSearchOnlineMixin):
+        engine_client = SimpleNamespace(generate=generate, input_processor=SimpleNamespace(
+            resolve_watermarking=lambda p: None))
+        renderer = SimpleNamespace(get_tokenizer=lambda: SimpleNamespace(
+            eos_token_id=EOS, decode=lambda tokens, **_: ""))
+
+    search = BeamSearchParams(beam_width=params.beam_width, max_tokens=params.max_tokens,
+                              length_penalty=params.length_penalty,
+                              ignore_eos=params.ignore_eos, include_stop_str_in_output=True)
+
+    async def final():
+        outs = [out async for out in Peer().beam_search(tokens_input(prompt), "r", search)]
+        return [(list(c.token_ids), c.cumulative_logprob) for c in outs[-1].outputs]
+
+    return asyncio.run(final())
+
+
+def ours(prompt: list[int], params: BeamParams, engine: ScriptedEngine | None = None):
+    engine = engine or ScriptedEngine()
+    out = asyncio.run(beam_search(engine.generate, prompt, params, eos_token_id=EOS,
+                                  request_id="r"))
+    return [(b.token_ids, b.cum_logprob) for b in out.beams], out
+
+
+#: (width, beam tokens, length penalty, ignore_eos)
+CASES = [(1, 5, 1.0, False), (2, 4, 1.0, False), (3, 3, 1.0, False), (4, 6, 0.5, False),
+         (5, 3, 1.0, True), (8, 4, 2.0, False), (16, 3, 1.0, False), (32, 3, 1.0, True),
+         (7, 5, 1.0, False), (4, 1, 1.0, False)]
+
+
+@pytest.mark.parametrize("width,tokens,penalty,ignore_eos", CASES)
+def test_in_engine_beams_equal_vllms_online_beam_search(width, tokens, penalty, ignore_eos):
+    """Token ids, order and cumulative logprobs, bit for bit, ties included; EOS beams,
+    length penalty and ignore_eos as vLLM has them."""
+    for seed in range(3):
+        prompt = [3 + seed, 4, width, tokens]
+        params = BeamParams(beam_width=width, max_tokens=tokens, length_penalty=penalty,
+                            ignore_eos=ignore_eos)
+        got, outcome = ours(prompt, params)
+        assert got == vllm_online(prompt, params), (prompt, params)
+        assert outcome.step_computed_tokens == [1] + [width] * (tokens - 1)
+
+
+def test_the_cases_have_eos_beams_and_ties():
+    """The comparison above covers what it claims: some beams end by EOS and some steps
+    tie at the cutoff."""
+    ended = [b for w, t, lp, ie in CASES if not ie
+             for b, _ in ours([3, 4, w, t], BeamParams(w, t, length_penalty=lp))[0]
+             if b and b[-1] == EOS]
+    assert ended, "no case returns a beam ended by EOS"
+    logits = scripted_logits([3, 4, 16, 3])
+    assert len(set(logits.tolist())) < VOCAB / 2, "the scripted logits do not tie"
+
+
+def test_without_the_block_copies_the_beams_differ():
+    """Negative control: a slot whose KV is not replaced by its parent's (the copies
+    skipped) continues the wrong beam, and the result leaves vLLM's."""
+    differ = 0
+    for width, tokens, penalty, ignore_eos in CASES:
+        if tokens < 3:
+            continue
+        params = BeamParams(width, tokens, length_penalty=penalty, ignore_eos=ignore_eos)
+        prompt = [3, 4, width, tokens]
+        got, _ = ours(prompt, params, ScriptedEngine(copies=False))
+        differ += got != vllm_online(prompt, params)
+    assert differ >= 3
+
+
+def test_a_stable_pick_among_ties_leaves_vllms_beams(monkeypatch):
+    """Control for the ties: the same search picking a step's W in candidate order (a
+    stable sort) leaves vLLM's beams on some cases, so the comparison above sees ties."""
+    import numpy as np
+
+    import connector.beam_search
+
+    monkeypatch.setattr(connector.beam_search, "top_candidates",
+                        lambda cums, width: np.argsort(-cums, kind="stable")[:width])
+    differ = [case for case in CASES
+              if ours([3, 4, case[0], case[1]], BeamParams(*case[:2], length_penalty=case[2],
+                                                            ignore_eos=case[3]))[0]
+              != vllm_online([3, 4, case[0], case[1]],
+                             BeamParams(*case[:2], length_penalty=case[2], ignore_eos=case[3]))]
+    assert differ, "no case has a tie that numpy resolves otherwise than candidate order"
+
+
+def test_score_matches_vllm():
+    from vllm.entrypoints.generate.beam_search.utils import get_beam_search_score
+
+    from decode_engine.beam import beam_score
+
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))]
+        cum, lp = -rng.random() * 10, rng.choice([0.0, 0.5, 1.0, 2.0])
+        assert beam_score(tokens, cum, EOS, lp) == get_beam_search_score(tokens, cum, EOS, lp)
+
+
+def test_a_slot_missing_from_the_batch_fails_the_group_with_its_reason():
+    """The processor never guesses: a group whose slots are not all in the batch fails
+    at once, and the caller learns why."""
+    engine = ScriptedEngine(drop_slot=2)
+    with pytest.raises(StageError, match="3 of its 4 slots") as err:
+        ours([3, 4, 5], BeamParams(4, 4), engine)
+    assert err.value.reason == "beam_group" and engine.steps_run == 1
+
+
+def test_slot_params_are_checked_where_vllm_checks_them():
+    from vllm import SamplingParams
+
+    spec = slot_spec(group="g", slot=0, width=2, steps=3, cum_logprob=-1.0,
+                     eos_token_id=EOS, ignore_eos=False)
+    ok = SamplingParams(temperature=0.0, ignore_eos=True, extra_args={SLOT_KEY: spec})
+    BeamSlotProcessor.validate_params(ok)
+    for bad, match in [({"temperature": 0.7, "ignore_eos": True}, "greedy"),
+                       ({"temperature": 0.0, "ignore_eos": False}, "ignores"),
+                       ]:
+        with pytest.raises(ValueError, match=match):
+            BeamSlotProcessor.validate_params(SamplingParams(**bad, extra_args={SLOT_KEY: spec}))
+    with pytest.raises(ValueError, match="outside width"):
+        BeamSlotProcessor.validate_params(SamplingParams(
+            temperature=0.0, ignore_eos=True, extra_args={SLOT_KEY: {**spec, "slot": 2}}))
+    with pytest.raises(ValueError, match="missing"):
+        BeamSlotProcessor.validate_params(SamplingParams(
+            temperature=0.0, ignore_eos=True, extra_args={SLOT_KEY: {"group": "g"}}))
+
+
+# ---- the scheduler side: vLLM's real Scheduler with no model (tests/utils) -------------
+def _slot_request(prompt, *, group="g", slot, width, steps=2, fork_from=None):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from connector.handoff import BEAM_KEY
+    from tests.utils import BLOCK_SIZE
+
+    init_none_hash(sha256)
+    spec = slot_spec(group=group, slot=slot, width=width, steps=steps, cum_logprob=-1.0,
+                     eos_token_id=EOS, ignore_eos=False)
+    sampling = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True,
+                              extra_args={SLOT_KEY: spec})
+    sampling.update_from_generation_config({}, 1)
+    req = Request(request_id=f"{group}{slot}", prompt_token_ids=list(prompt),
+                  sampling_params=sampling, pooling_params=None,
+                  block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    req.kv_transfer_params = {BEAM_KEY: {"fork_from": fork_from, "fork_children": width}
+                              if fork_from else {}}
+    return req
+
+
+def _slot_step(scheduler, groups=None, finished_sending=()):
+    """One schedule() and a step output: token 5 for every scheduled request, and the
+    processor's records (``groups``) in the worker metadata."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from connector.beam_processor import BeamStepMeta
+
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    meta = None
+    if groups is not None:
+        meta = BeamStepMeta()
+        meta.groups.update(groups)
+    outputs = scheduler.update_from_output(out, ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[5] for _ in ids],
+        kv_connector_output=KVConnectorOutput(finished_sending=set(finished_sending),
+                                              kv_connector_worker_meta=meta)))
+    return out, {o.request_id: o for eco in outputs.values() for o in eco.outputs}
+
+
+def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir):
+    """Three slots over a 95-token parent (first block a slot holds alone: 2, full at
+    admission, so vLLM hashes it): they wait for each other and start in one step; their
+    own blocks are out of the prefix cache; a step whose beams continue slots 0, 0, 1
+    copies slot 0's blocks into slot 1's and slot 1's into slot 2's before the next
+    forward; slot 0's final output carries the beams; nothing is left."""
+    from connector.handoff import KEY
+    from tests.utils import assert_scheduler_clean, make_scheduler
+
+    scheduler = make_scheduler(model_dir)
+    parent = list(range(10, 105))
+    slots = [_slot_request(parent + [20 + i], slot=i, width=3) for i in range(3)]
+    scheduler.add_request(slots[0])
+    scheduler.add_request(slots[1])
+    out, _ = _slot_step(scheduler)
+    assert out.num_scheduled_tokens == {}, "two of three slots must wait"
+    scheduler.add_request(slots[2])
+    out, _ = _slot_step(scheduler, {"g": {"step": 1, "parents": [0, 0, 1]}})
+    assert sorted(out.num_scheduled_tokens) == ["g0", "g1", "g2"]
+    manager = scheduler.kv_cache_manager
+    own = {r.request_id: manager.get_block_ids(r.request_id)[0][2:] for r in slots}
+    pool = manager.block_pool
+    assert all(pool.blocks[b].block_hash is None for ids in own.values() for b in ids), \
+        "a slot's own block stayed in the prefix cache"
+
+    result = {"completed": [], "live": [[0, [5, 5], -2.0], [1, [5, 5], -2.5], [0, [5, 6], -3.0]]}
+    out, outputs = _slot_step(scheduler, {"g": {"step": 2, "parents": [0, 1, 2],
+                                                "result": result}})
+    cached = out.scheduled_cached_reqs
+    for rid, new in zip(cached.req_ids, cached.new_block_ids):
+        own[rid] = own[rid] + (list(new[0]) if new else [])
+    assert len(own["g0"]) == 2, "block 2 and the one step 2 writes into"
+    assert sorted(out.kv_cache_block_copies or []) == sorted(
+        [*zip(own["g0"], own["g1"]), *zip(own["g1"], own["g2"])])
+    assert outputs["g0"].kv_transfer_params[KEY][SLOT_KEY] == result
+    assert all(outputs[f"g{i}"].finish_reason is not None for i in range(3))
+    assert_scheduler_clean(scheduler)
+
+
+def test_a_group_waits_for_room_and_a_step_without_decision_ends_it(model_dir):
+    """16 running requests at most: a second group of 8 waits while 12 slots run, and
+    starts when they end. A step whose decision never arrived ends every slot of its
+    group with the reason; no block is left."""
+    from connector.handoff import KEY
+    from tests.utils import assert_scheduler_clean, make_scheduler
+
+    scheduler = make_scheduler(model_dir)
+    parent = list(range(10, 50))
+    first = [_slot_request(parent + [i], group="a", slot=i, width=12, steps=1)
+             for i in range(12)]
+    second = [_slot_request(parent + [i], group="b", slot=i, width=8, steps=1)
+              for i in range(8)]
+    for req in first + second:
+        scheduler.add_request(req)
+    result = {"completed": [], "live": [[i, [5], -1.0] for i in range(12)]}
+    out, outputs = _slot_step(scheduler, {"a": {"step": 1, "parents": list(range(12)),
+                                                "result": result}})
+    assert sorted(out.num_scheduled_tokens) == sorted(r.request_id for r in first)
+    assert outputs["a0"].kv_transfer_params[KEY][SLOT_KEY] == result
+
+    out, outputs = _slot_step(scheduler, {})  # group b ran; its decision is missing
+    assert sorted(out.num_scheduled_tokens) == sorted(r.request_id for r in second)
+    assert all(str(outputs[r.request_id].finish_reason).lower().endswith("error")
+               for r in second)
+    info = outputs["b0"].kv_transfer_params[KEY]
+    assert info["reason"] == "beam_group" and "no decision for beam step 1" in info["error"]
+    assert_scheduler_clean(scheduler)
+
+
+def test_an_incomplete_group_ends_after_its_start_timeout(model_dir, monkeypatch):
+    import connector.beam_slots
+    from connector.handoff import KEY
+    from tests.utils import assert_scheduler_clean, make_scheduler
+
+    monkeypatch.setattr(connector.beam_slots, "START_TIMEOUT_S", 0.0)
+    scheduler = make_scheduler(model_dir)
+    scheduler.add_request(_slot_request(list(range(10, 50)), slot=0, width=2))
+    out, outputs = _slot_step(scheduler)
+    assert out.num_scheduled_tokens == {}
+    info = outputs["g0"].kv_transfer_params[KEY]
+    assert info["reason"] == "beam_group" and "1 of its 2 slots arrived" in info["error"]
+    assert_scheduler_clean(scheduler)
