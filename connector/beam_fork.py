@@ -1,19 +1,19 @@
-"""Beam fork: each beam step copies its parent beam's partial last block instead of
-recomputing it. Mixed into the connector's scheduler and worker sides.
+"""Beam fork: a request copies the partial last block of a kept request it extends
+instead of recomputing it. Mixed into the connector's scheduler and worker sides.
 
-vLLM's prefix cache shares only full blocks, so every request of a beam-search step would
-recompute the partial last block of the sequence it extends (up to ``block_size`` tokens
-per beam per step). A beam-step request sent with ``kv_transfer_params[BEAM_KEY]`` =
-``{"id": name, "keep": True}`` keeps its blocks when it ends; a next-step request with
-``{"fork_from": name, "fork_children": k}`` loads the tokens its local prefix-cache hit
+vLLM's prefix cache shares only full blocks, so each beam slot (``connector.beam_slots``)
+would recompute the partial last block of the parent it starts from (up to
+``block_size`` tokens per slot). Stage 2's step 0 sent with ``kv_transfer_params[BEAM_KEY]``
+= ``{"id": name, "keep": True}`` keeps its blocks when it ends; a slot with
+``{"fork_from": name, "fork_children": W}`` loads the tokens its local prefix-cache hit
 does not cover by a block copy from the kept request, so it computes one token::
 
     kept request:  | full blocks (prefix-cached, shared) | partial block P |
     child:         | same full blocks (cache hit)        | copy of P | + 1 new token
 
 Who owns the blocks: a kept request's blocks stay allocated (vLLM's delay-free) until it
-is released, which happens once its ``k`` children were scheduled, when a later request
-lists it under ``fork_release`` (it got no children), or after ``beam_fork_hold_s``. The
+is released, which happens once its ``k`` children were scheduled, or after
+``beam_fork_hold_s`` (its children never came: the search failed or was cancelled). The
 worker reports a released request as "finished sending" and the scheduler frees it.
 
 A parent held on its own engine (the one-engine path of continuations) is a kept request
@@ -73,56 +73,9 @@ class BeamForkScheduler:
         self._fork_pending: dict[str, tuple[str, int]] = {}  # child -> (source, tokens)
         self._fork_copies: list[tuple[int, int]] = []  # (source block, child block)
         self._fork_release: set[str] = set()  # beam names
-        # step group -> [requests arrived, time.monotonic() of the first], in arrival
-        # order; kept 60 s (a step's late members still find their gang)
-        self._gangs: dict[str, list[float]] = {}
-        self._gang_wait_s = float(extra.get_from_extra_config("beam_step_gang_ms", 20)) / 1e3
-        # step group -> whether it runs in the step being scheduled (cleared each step)
-        self._gangs_this_step: dict[str, bool] = {}
 
     def _is_fork_child(self, beam: dict[str, Any] | None) -> bool:
         return bool(beam and beam.get("fork_from") and self._fork_enabled)
-
-    def _fork_on_new_request(self, beam: dict[str, Any] | None) -> None:
-        """A new request may release kept requests that got no children; a beam step's
-        request is counted in its step's gang."""
-        if beam and self._fork_enabled:
-            self._fork_release.update(n for n in beam.get("fork_release") or () if n in self._kept)
-        if beam and int(beam.get("step_size") or 1) > 1 and beam.get("step_group"):
-            now = time.monotonic()
-            gang = self._gangs.get(beam["step_group"])
-            if gang is None:
-                # Insertion order is arrival order: the stale are at the front.
-                while self._gangs:
-                    oldest = next(iter(self._gangs))
-                    if now - self._gangs[oldest][1] <= 60.0:
-                        break
-                    del self._gangs[oldest]
-                gang = self._gangs[beam["step_group"]] = [0, now]
-            gang[0] += 1
-
-    def _gang_ready(self, beam: dict[str, Any] | None) -> bool:
-        """Whether a beam step's request may be scheduled: once all its step's requests
-        have arrived, or ``beam_step_gang_ms`` after the first did. vLLM receives them one
-        message at a time, and a step scheduled with the first few runs the rest in a
-        second engine step: most W=32 beam steps took two engine steps without this
-        (docs/decisions.md, "Beam steps scheduled together")."""
-        if not beam or not beam.get("step_group"):
-            return True
-        group = beam["step_group"]
-        gang = self._gangs.get(group)
-        if gang is None:
-            return True
-        # Decided once per scheduler step, by the first member asked: the members are
-        # asked one after another, and the wait must not run out between two of them.
-        ready = self._gangs_this_step.get(group)
-        if ready is None:
-            arrived, first = gang
-            ready = self._gangs_this_step[group] = (
-                arrived >= int(beam.get("step_size") or 1)
-                or time.monotonic() - first >= self._gang_wait_s
-            )
-        return ready
 
     def _fork_match(self, request: Request, beam: dict[str, Any], num_computed: int) -> int:
         """Tokens a beam child can copy from its kept source (0: compute them)."""
@@ -191,7 +144,6 @@ class BeamForkScheduler:
 
     def _attach_fork_meta(self, meta: Any) -> None:
         """Each step: hand the worker the block copies and the releases due."""
-        self._gangs_this_step.clear()
         now = time.monotonic()
         for name, kept in self._kept.items():
             if now >= kept.expires_at and name not in self._fork_release:

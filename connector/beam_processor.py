@@ -4,7 +4,7 @@ beam group's step and forces every slot's next token.
 Loaded by vLLM in each worker (``logits_processors=[..., "connector.beam_processor:
 BeamSlotProcessor"]``, ``engine.config``). A slot is a request sent with
 ``SamplingParams(temperature=0, ignore_eos=True, max_tokens=T-1,
-extra_args={SLOT_KEY: spec})`` (``slot_spec``); the W slots of a group are scheduled
+extra_args={SLOT_KEY: spec})`` (``connector.beam_search.slot_spec``); the W slots of a group are scheduled
 together every step (``connector.beam_slots``). At each step :meth:`apply` takes the
 group's rows in slot order, lets ``connector.beam_search`` pick the W new beams, and
 turns each slot's row into one finite logit (0 at its token, -inf elsewhere), so vLLM's
@@ -23,6 +23,7 @@ the scheduler ends the group; no beam is ever guessed.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from connector.beam_search import GroupSearch, row_candidates
+from connector.beam_search import SPEC_FIELDS, GroupSearch, row_candidates
 from connector.handoff import SLOT_KEY
 
 if TYPE_CHECKING:
@@ -41,21 +42,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SPEC_FIELDS = ("group", "slot", "width", "steps", "cum", "eos", "ignore_eos")
-
-
-def slot_spec(*, group: str, slot: int, width: int, steps: int, cum_logprob: float,
-              eos_token_id: int | None, ignore_eos: bool) -> dict[str, Any]:
-    """A slot's parameters (``extra_args[SLOT_KEY]``): its group, its index, the group's
-    width, the beam steps it runs, the cumulative logprob of the beam it starts with, and
-    the EOS rule of the search."""
-    return {"group": group, "slot": slot, "width": width, "steps": steps,
-            "cum": float(cum_logprob), "eos": eos_token_id, "ignore_eos": bool(ignore_eos)}
-
-
 class BeamStepMeta(KVConnectorWorkerMetadata):
-    """One step's records, by group: ``{"step": k, "parents": [...]}``, plus
-    ``"result"`` at the group's last step, or ``{"step": k, "error": why}``."""
+    """One step's records, by group: ``{"step": k, "parents": [...], "select_ms": t}``
+    (``t``: the processor's time on the group), plus ``"result"`` at the group's last
+    step, or ``{"step": k, "error": why}``."""
 
     def __init__(self) -> None:
         self.groups: dict[str, dict[str, Any]] = {}
@@ -118,7 +108,7 @@ class BeamSlotProcessor(LogitsProcessor):
         spec = (sampling_params.extra_args or {}).get(SLOT_KEY)
         if spec is None:
             return
-        missing = [name for name in _SPEC_FIELDS if name not in spec]
+        missing = [name for name in SPEC_FIELDS if name not in spec]
         if missing:
             raise ValueError(f"{SLOT_KEY}: missing {missing}")
         if sampling_params.temperature != 0.0 or not sampling_params.ignore_eos:
@@ -174,10 +164,12 @@ class BeamSlotProcessor(LogitsProcessor):
             return self._fail(group, search.step + 1,
                               f"{sum(i in rows for i in range(live))} of its {live} live "
                               "beams in the batch")
+        t0 = time.perf_counter()
         index = torch.tensor([rows[i] for i in range(live)], device=logits.device)
         parents, tokens = search.select(_candidates(logits.index_select(0, index), width))
         _force(logits, rows, tokens)
-        record: dict[str, Any] = {"step": search.step, "parents": parents.tolist()}
+        record: dict[str, Any] = {"step": search.step, "parents": parents.tolist(),
+                                  "select_ms": (time.perf_counter() - t0) * 1e3}
         if search.done:
             record["result"] = search.result()
         OUTBOX.post(group, record)

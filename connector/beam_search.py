@@ -37,6 +37,19 @@ def top_candidates(cum_logprobs: np.ndarray, width: int) -> np.ndarray:
     return top[np.argsort(-cum_logprobs[top])]
 
 
+#: A slot's parameters, every one required (``slot_spec``).
+SPEC_FIELDS = ("group", "slot", "width", "steps", "cum", "eos", "ignore_eos")
+
+
+def slot_spec(*, group: str, slot: int, width: int, steps: int, cum_logprob: float,
+              eos_token_id: int | None, ignore_eos: bool) -> dict[str, Any]:
+    """A slot's parameters (``extra_args[SLOT_KEY]``): its group, its index, the group's
+    width, the beam steps it runs, the cumulative logprob of the beam it starts with, and
+    the EOS rule of the search."""
+    return {"group": group, "slot": slot, "width": width, "steps": steps,
+            "cum": float(cum_logprob), "eos": eos_token_id, "ignore_eos": bool(ignore_eos)}
+
+
 @dataclass(slots=True)
 class Candidates:
     """A step's candidates in vLLM's order, flat: row by row, each row's in the order of

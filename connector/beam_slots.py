@@ -22,7 +22,8 @@ rest:
   prefix cache in the step that made them. A copy only ever writes a block its slot
   alone holds (checked; a shared one ends the group).
 - **Results.** The beams of the last step reach the scheduler in the worker metadata
-  and go out on the final output of slot 0 (``kv_transfer_params[KEY][SLOT_KEY]``). A
+  and go out on the final output of slot 0 (``kv_transfer_params[KEY][SLOT_KEY]``),
+  with each step's processor time and blocks copied (``"steps"``). A
   step missing or out of order, or an error from the processor, ends every slot of the
   group with ``FINISHED_ERROR`` and the reason.
 
@@ -78,6 +79,9 @@ class _Group:
     result: dict[str, Any] | None = None
     error: str | None = None
     reported: bool = False  # the error was sent to the slots
+    # Per beam step: the processor's milliseconds, the blocks copied after it.
+    select_ms: list[float] = field(default_factory=list)
+    copied: list[int] = field(default_factory=list)
     arrived_at: float = field(default_factory=time.monotonic)  # its first slot
 
     def ids(self) -> list[str]:
@@ -179,8 +183,12 @@ class SlotGroups:
             if hashed:
                 pool.evict_blocks(hashed)
             if group.parents is not None:
-                copies.extend(self._copies(name, group, blocks, pool))
+                mine = self._copies(name, group, blocks, pool)
+                group.copied.append(len(mine))
+                copies.extend(mine)
                 group.parents = None
+            elif group.step:
+                group.copied.append(0)
         if copies:
             output.kv_cache_block_copies = [*(output.kv_cache_block_copies or []), *copies]
 
@@ -223,6 +231,7 @@ class SlotGroups:
                                f"{group.step}")
             else:
                 group.step += 1
+                group.select_ms.append(float(record.get("select_ms", 0.0)))
                 parents = [int(p) for p in record["parents"]]
                 if parents != list(range(len(parents))):
                     group.parents = parents
@@ -242,7 +251,9 @@ class SlotGroups:
                 params = dict(out.kv_transfer_params or {})
                 if group.result is not None and not group.error:
                     if where[1] == 0:
-                        params[KEY] = {**(params.get(KEY) or {}), SLOT_KEY: group.result}
+                        steps = {"select_ms": group.select_ms, "copied_blocks": group.copied}
+                        params[KEY] = {**(params.get(KEY) or {}),
+                                       SLOT_KEY: {**group.result, "steps": steps}}
                 else:
                     # A slot ending without the group's beams says why, whichever step.
                     out.finish_reason = FinishReason.ERROR

@@ -157,9 +157,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
     _nixl_handshake_listener = staticmethod(guarded_handshake_listener)
 
     def on_new_request(self, request: Request) -> None:
-        """Each request as it arrives (before scheduling): a beam step may release
-        kept requests that got no children."""
-        self._fork_on_new_request(beam_params(request))
+        """Each request as it arrives (before scheduling): releases and stops it asks
+        for."""
         params = request.kv_transfer_params or {}
         if params.get(RELEASE_KEY):
             self._release_holds([str(r) for r in params[RELEASE_KEY]])
@@ -244,8 +243,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         the tokens it copies from its kept source (synchronous)."""
         params = request.kv_transfer_params
         beam = beam_params(request)
-        if not self._gang_ready(beam) or (beam and beam.get(WAIT_KEY)):
-            return None, False  # vLLM skips it this step and asks again
+        if beam and beam.get(WAIT_KEY):
+            return None, False  # a beam slot whose group has not started: asked again
         if self._is_fork_child(beam):
             return self._fork_match(request, beam, num_computed_tokens), False
         if params and params.get(REEXPORT_KEY) and params.get("_remote_blocks_processed"):

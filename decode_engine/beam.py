@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from connector.beam_processor import slot_spec
-from connector.beam_search import top_candidates
+from connector.beam_search import slot_spec, top_candidates
 from connector.handoff import BEAM_KEY, KEY, SLOT_KEY
 from kvhandoff.types import Beam, BeamParams, StageError
 
@@ -73,6 +72,10 @@ class BeamSearchOutcome:
     #: context they found neither cached nor forked (a partial last block without the
     #: fork; prefix blocks evicted after step 0 when D's pool is under pressure).
     recomputed_tokens: int = 0
+    #: The slots' steps inside the engine: the logits processor's milliseconds per step
+    #: (``select_ms``) and the blocks copied after each (``copied_blocks``); None when
+    #: the search ended at step 0.
+    slot_steps: dict[str, list[float]] | None = None
 
 
 def error_message(out: Any) -> str:
@@ -185,7 +188,7 @@ async def beam_search(
     completed: list[_Sequence] = []
     beams = _first_step(first, prompt, eos_token_id, params.ignore_eos, params.beam_width,
                         completed)
-    recomputed = 0
+    recomputed, slot_steps = 0, None
     if params.max_tokens > 1 and beams:
         slots, result = await _run_slots(generate, beams, params, eos_token_id=eos_token_id,
                                          request_id=request_id,
@@ -193,6 +196,7 @@ async def beam_search(
         computed = [len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in slots]
         step_computed += [sum(computed)] + [len(beams)] * (params.max_tokens - 2)
         recomputed = sum(max(n - 1, 0) for n in computed)
+        slot_steps = result.get("steps")
         for key in ("completed", "live"):
             completed.extend(_Sequence(beams[origin].tokens + list(tokens), float(cum))
                              for origin, tokens, cum in result[key])
@@ -205,6 +209,7 @@ async def beam_search(
         first_step_s=first_step_s,
         step_computed_tokens=step_computed,
         recomputed_tokens=recomputed,
+        slot_steps=slot_steps,
     )
 
 

@@ -50,8 +50,8 @@ async def run_beam_stage(
         max_model_len=engine.max_model_len,
         num_new_tokens=beam.max_tokens,
     )
-    check_beam_width(beam.beam_width, engine.config.max_beam_width,
-                     "this engine (max_logprobs/2)")
+    check_beam_width(beam.beam_width, engine.max_beam_width,
+                     "this engine (max_logprobs/2, max_num_seqs, vocabulary/2)")
     # Reserved from now until it ends at the peak its beams can reach: what the router
     # and D's admission count against the pool, so beam steps never run out of blocks.
     reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, beam.beam_width,
@@ -86,6 +86,7 @@ async def run_beam_stage(
         elapsed_s=time.perf_counter() - t0,
         step_computed_tokens=outcome.step_computed_tokens,
         num_recomputed_beam_tokens=outcome.recomputed_tokens,
+        beam_steps=outcome.slot_steps,
     )
 
 

@@ -100,7 +100,7 @@ class RouterArgs(_Strict):
     #: PATH_AUTO runs requests whose parent can be at most this long colocated on P.
     colocated_below_tokens: int = Field(0, ge=0)
     #: Largest beam width the router accepts; D's ``max_logprobs`` must cover 2x.
-    max_beam_width: int = Field(MAX_BEAM_WIDTH, ge=1, le=MAX_BEAM_WIDTH)
+    max_beam_width: int = Field(64, ge=1, le=MAX_BEAM_WIDTH)
     #: Requests one router replica runs at once; beyond it, RESOURCE_EXHAUSTED at once
     #: (the standalone router's ``--max-inflight``).
     max_inflight: PositiveInt = 256

@@ -39,7 +39,8 @@ class EngineConfig:
     #: mean a fraction of *all* host RAM there.
     kv_cache_memory_bytes: int = 256 << 20
     max_model_len: int = 4096
-    max_num_seqs: int = 128
+    #: At least the widest beam group: its W slots run in one batch.
+    max_num_seqs: int = MAX_BEAM_WIDTH
     max_num_batched_tokens: int = 4096
     #: None = off on CPU hosts, vLLM's default elsewhere. vLLM 0.32's CPU worker cannot
     #: rewind a seeded request's sampler after a partial (chunked) prefill step
@@ -136,7 +137,9 @@ class EngineConfig:
 
     @property
     def max_beam_width(self) -> int:
-        return min(MAX_BEAM_WIDTH, self.max_logprobs // 2)
+        """The widest beam search this engine runs: step 0 asks for 2W logprobs, and
+        the W slots run in one batch."""
+        return min(MAX_BEAM_WIDTH, self.max_logprobs // 2, self.max_num_seqs)
 
     def engine_args(self, engine_id: str) -> AsyncEngineArgs:
         from vllm.config import KVTransferConfig

@@ -49,6 +49,9 @@ class VllmEngine:
         self.vocab_size: int = model_config.get_vocab_size()
         self.max_model_len: int = model_config.max_model_len
         self.eos_token_id: int | None = getattr(model_config.hf_config, "eos_token_id", None)
+        #: The widest beam search here: the configuration's, and 2W logprobs within the
+        #: vocabulary.
+        self.max_beam_width: int = min(config.max_beam_width, self.vocab_size // 2)
 
     @classmethod
     def start(cls, config: EngineConfig, **kwargs: Any):

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: vLLM's beam search caps beam width at 64 here too; logprobs = 2 * width.
-MAX_BEAM_WIDTH = 64
+#: Beam search runs W slots in one engine batch (``connector.beam_slots``): an engine
+#: takes widths up to its ``max_num_seqs`` and ``max_logprobs / 2`` (step 0 asks for 2W
+#: logprobs), within its vocabulary's half.
+MAX_BEAM_WIDTH = 512
 #: Most alternatives a sampled token's logprobs may list (OpenAI's completions limit).
 MAX_LOGPROBS = 20
 
@@ -222,3 +224,6 @@ class Stage2Result:
     num_recomputed_beam_tokens: int = 0
     #: D's blocks the import filled (num_imported_bytes = blocks x bytes per block).
     num_imported_blocks: int = 0
+    #: See ``decode_engine.beam.BeamSearchOutcome.slot_steps`` (in-process only; not on
+    #: the wire).
+    beam_steps: dict[str, list[float]] | None = None

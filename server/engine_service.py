@@ -208,7 +208,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             num_running_reqs=snap.num_running_reqs,
             num_waiting_reqs=snap.num_waiting_reqs,
             max_model_len=self.engine.max_model_len,
-            max_beam_width=self.engine.config.max_beam_width,
+            max_beam_width=self.engine.max_beam_width,
             vocab_size=self.engine.vocab_size,
             model_fingerprint=self.model_fingerprint,
             handoff_target=self.engine.handoff_target,

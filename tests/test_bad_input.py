@@ -43,7 +43,7 @@ def test_bad_prompts_are_refused_before_stage_1(pair, run, still_serving, overri
 
 @pytest.mark.parametrize("cls,kwargs,field", [
     (BeamParams, {"beam_width": 0}, "beam.beam_width"),
-    (BeamParams, {"beam_width": 65}, "beam.beam_width"),
+    (BeamParams, {"beam_width": 513}, "beam.beam_width"),
     (BeamParams, {"max_tokens": 0}, "beam.max_tokens"),
     # Found by tests/test_fuzz.py (seed 822988293): 2.98e13 overflowed the beam score,
     # the router answered INTERNAL (OverflowError).

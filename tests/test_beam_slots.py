@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connector.beam_processor import OUTBOX, BeamSlotProcessor, slot_spec
+from connector.beam_processor import OUTBOX, BeamSlotProcessor
+from connector.beam_search import slot_spec
 from connector.handoff import KEY, SLOT_KEY
 from decode_engine.beam import beam_search
 from kvhandoff.types import BeamParams, StageError
@@ -327,7 +328,9 @@ def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir):
     assert len(own["g0"]) == 2, "block 2 and the one step 2 writes into"
     assert sorted(out.kv_cache_block_copies or []) == sorted(
         [*zip(own["g0"], own["g1"]), *zip(own["g1"], own["g2"])])
-    assert outputs["g0"].kv_transfer_params[KEY][SLOT_KEY] == result
+    got = dict(outputs["g0"].kv_transfer_params[KEY][SLOT_KEY])
+    assert got.pop("steps") == {"select_ms": [0.0, 0.0], "copied_blocks": [4]}
+    assert got == result
     assert all(outputs[f"g{i}"].finish_reason is not None for i in range(3))
     assert_scheduler_clean(scheduler)
 
@@ -351,7 +354,9 @@ def test_a_group_waits_for_room_and_a_step_without_decision_ends_it(model_dir):
     out, outputs = _slot_step(scheduler, {"a": {"step": 1, "parents": list(range(12)),
                                                 "result": result}})
     assert sorted(out.num_scheduled_tokens) == sorted(r.request_id for r in first)
-    assert outputs["a0"].kv_transfer_params[KEY][SLOT_KEY] == result
+    got = dict(outputs["a0"].kv_transfer_params[KEY][SLOT_KEY])
+    assert got.pop("steps") == {"select_ms": [0.0], "copied_blocks": []}
+    assert got == result
 
     out, outputs = _slot_step(scheduler, {})  # group b ran; its decision is missing
     assert sorted(out.num_scheduled_tokens) == sorted(r.request_id for r in second)

@@ -72,7 +72,7 @@ def test_streaming_sends_stage1_tokens_then_the_result(router_client, assert_clu
     ({"prompt": [5, 100000]}, "outside the vocabulary"),
     ({"prompt": [10] * 4100}, "exceeds the model length"),
     ({"beam_width": 0}, "beam.beam_width"),
-    ({"beam_width": 65}, "beam.beam_width"),
+    ({"beam_width": 513}, "beam.beam_width"),
     ({"max_tokens": 0}, "stage1.max_tokens"),
     ({"beam_tokens": 0}, "beam.max_tokens"),
     ({"temperature": -1.0}, "stage1.temperature"),

@@ -18,7 +18,8 @@ from connector.logs import LEVEL_ENV
 def _verify(args: argparse.Namespace) -> int:
     from tools.harness import main_verify
 
-    return main_verify(args.model, args.quick, args.json, args.inject, args.hosts)
+    return main_verify(args.model, args.quick, args.json, args.inject, args.hosts,
+                       beam_width=args.beam_width)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -154,6 +155,9 @@ def _add_verify(sub: Any) -> None:
              "harness must then FAIL and name what differs, except for the fault listed "
              "as invisible by design. FAULT: " + "; ".join(
                  f"{f.name} ({f.what})" for f in FAULTS.values()))
+    verify.add_argument("--beam-width", type=int, default=None, metavar="W",
+                        help="run every case with beam width W (D's pool sized so the "
+                             "fill case still needs all of it)")
     verify.add_argument("--hosts", choices=["netns"], default=None,
                         help="netns: the Ps' and D's engine processes on separate network "
                              "hosts (network namespaces joined by veth pairs; needs root), "
@@ -312,6 +316,12 @@ def _add_bench(sub: Any) -> None:
                        help="the cost of moving a running request P -> D by parent length "
                             "(256 to 3968 tokens), and a drain of --requests (8) running "
                             "requests against waiting for them (built-in model unless --model)")
+    bench.add_argument("--beams", action="store_true",
+                       help="stage 2's beam search inside D against its floor and against "
+                            "vLLM's beam_search, W in --widths (4,32,128,512) x T in 3,8, "
+                            "with the slots' steps and D's peak memory (bench model unless "
+                            "--model; --prompt-tokens, --stage1-tokens)")
+    bench.add_argument("--widths", default=None, help="with --beams: e.g. 4,32")
     bench.add_argument("--hosts-link", action="store_true",
                        help="the link between two network hosts (namespaces; root): a TCP "
                             "copy, a NIXL READ over TCP, over UCX's choice (cma) and on "

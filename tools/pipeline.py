@@ -74,8 +74,8 @@ def check_request(req: TwoStageRequest, stage1_engine: PrefillEngine,
     validate_token_ids(req.suffix_token_ids, vocab_size=engine.vocab_size, field_name="suffix")
     validate_token_ids(req.stage1.stop_token_ids, vocab_size=engine.vocab_size,
                        field_name="stage1.stop_token_ids")
-    check_beam_width(req.beam.beam_width, stage2_engine.config.max_beam_width,
-                     "the stage-2 engine (max_logprobs/2)")
+    check_beam_width(req.beam.beam_width, stage2_engine.max_beam_width,
+                     "the stage-2 engine (max_logprobs/2, max_num_seqs, vocabulary/2)")
 
 
 def stage2_prompt(req: TwoStageRequest, stage1: Stage1Result) -> tuple[list[int], list[int]]:

@@ -2,7 +2,7 @@
 
 - ``stage2_floor``: stage 2 (a cold handoff, W beams x T tokens) against the import step
   plus T-1 engine steps decoding W sequences of the parent's length (from vLLM's
-  iteration stats), with the gap's parts;
+  iteration stats);
 - ``sweep_point``: a cold handoff of a parent of a given length: its READ, its import
   step and the step's pieces, against the prefill it replaces on D.
 
@@ -16,7 +16,6 @@ import statistics
 import time
 from typing import Any
 
-from connector.handoff import BEAM_KEY
 from kvhandoff.types import BeamParams
 from tools.bench.modes import Bench, make_prompts
 from tools.bench.types import BenchError
@@ -83,44 +82,24 @@ async def decode_step_ms(bench: Bench, prompt: list[int], width: int, steps: int
     return statistics.median(step_s) * 1e3
 
 
-async def new_requests_step_ms(bench: Bench, prompt: list[int], width: int) -> float:
-    """Wall time of a beam step without its block copies: ``width`` new one-token
-    requests scheduled together (as a beam step's are), each the block-aligned part of
-    ``prompt`` (cached on D) plus one different token, so each computes one token,
-    returning the beam search's ``2 x width`` logprobs."""
-    from vllm import SamplingParams
-
-    aligned = prompt[:(len(prompt) - 1) // bench.d.block_size * bench.d.block_size]
-    gang = {"kv_transfer_params": {BEAM_KEY: {"step_group": bench.new_id("gang"),
-                                              "step_size": width}}}
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width,
-                            detokenize=False, extra_args=gang)
-    t0 = time.perf_counter()
-    await asyncio.gather(*(bench.d.generate(aligned + [10 + i], params, bench.new_id("new"))
-                           for i in range(width)))
-    return (time.perf_counter() - t0) * 1e3
-
-
 async def stage2_floor(bench: Bench, prompt: list[int], width: int, tokens: int,
                        seed: int) -> dict[str, Any]:
     """Our stage 2 (cold handoff, ``width`` beams, ``tokens`` tokens) against its
     floor: the import step plus ``tokens - 1`` steps decoding ``width`` sequences.
-    The gap's parts: the same decode steps returning the beam search's logprobs, and
-    a round of ``width`` new one-token requests (what a beam step submits)."""
+    Beside it: the same decode steps returning ``2 x width`` logprobs each (what vLLM's
+    own beam search asks for; ours returns none after step 0). The slots' steps in
+    detail: ``tools.bench.beams``."""
     s = await bench.one("handoff", prompt, seed,
                         beam=BeamParams(beam_width=width, max_tokens=tokens))
     step_ms = await decode_step_ms(bench, s.stage2_prompt, width, max(tokens, 3))
     with_logprobs_ms = await decode_step_ms(bench, s.stage2_prompt, width, max(tokens, 3),
                                             logprobs=2 * width)
-    new_ms = statistics.median([await new_requests_step_ms(bench, s.stage2_prompt, width)
-                                for _ in range(3)])
     floor_ms = s.stage2_first_beam_ms + (tokens - 1) * step_ms
     return {"beam_width": width, "beam_tokens": tokens, "parent_tokens": s.parent_tokens,
             "stage2_total_ms": round(s.stage2_total_ms, 3),
             "import_step_ms": round(s.stage2_first_beam_ms, 3),
             "decode_step_ms": round(step_ms, 3),
             "decode_step_logprobs_ms": round(with_logprobs_ms, 3),
-            "new_requests_step_ms": round(new_ms, 3),
             "beam_step_ms": round((s.stage2_total_ms - s.stage2_first_beam_ms)
                                   / max(1, tokens - 1), 3),
             "floor_ms": round(floor_ms, 3),

@@ -2,7 +2,8 @@
 outputs (the printed report, ``--json``, ``--plot``). The flags themselves are defined in
 ``tools.cli``.
 
-One measurement per run: ``--http-two-calls`` (``tools.bench.http_two_calls``),
+One measurement per run: ``--beams`` (``tools.bench.beams``),
+``--http-two-calls`` (``tools.bench.http_two_calls``),
 ``--hosts-link`` (``tools.bench.hosts``), ``--moves`` (``tools.bench.moves``),
 ``--router-only`` (``tools.bench.router_overhead`` on processes), else the full bench
 (``tools.bench.run``, ``--quick`` for its small configuration). Each of the first four
@@ -72,6 +73,20 @@ def main_bench(args: argparse.Namespace) -> int:
             kw["seed"] = args.seed
         result = measure_moves(args.model, **kw)
         print(format_moves(result))
+        _write_json(args.json, result)
+        return 0
+
+    if args.beams:
+        from tools.bench.beams import WIDTHS, format_beams, run_beams
+
+        kw = {"model": args.model or "bench"}
+        for name in ("prompt_tokens", "stage1_tokens", "seed"):
+            if getattr(args, name) is not None:
+                kw[name] = getattr(args, name)
+        widths = tuple(int(x) for x in args.widths.split(",")) if args.widths else WIDTHS
+        result = asyncio.run(run_beams(BenchConfig(**kw), widths,
+                                       progress=lambda label: print(label, flush=True)))
+        print(format_beams(result))
         _write_json(args.json, result)
         return 0
 

@@ -70,7 +70,7 @@ def floor_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repeats of one (beam width, beam tokens) floor measurement."""
     out = dict(rows[0])
     for key in ("stage2_total_ms", "import_step_ms", "decode_step_ms", "decode_step_logprobs_ms",
-                "new_requests_step_ms", "beam_step_ms", "floor_ms", "ratio"):
+                "beam_step_ms", "floor_ms", "ratio"):
         out[key] = round(statistics.median(r[key] for r in rows), 3)
     out["repeats"] = len(rows)
     return out
@@ -156,15 +156,13 @@ def format_report(r: dict[str, Any]) -> str:
     if r.get("floor"):
         lines.append("")
         lines.append(f"{'W':>4}{'T':>4}{'stage2 ms':>11}{'import step':>13}{'decode step':>13}"
-                     f"{'floor ms':>10}{'ratio':>7}{'beam step':>11}{'+logprobs':>11}"
-                     f"{'W new reqs':>12}")
+                     f"{'floor ms':>10}{'ratio':>7}{'beam step':>11}{'+logprobs':>11}")
         for row in r["floor"]:
             lines.append(f"{row['beam_width']:>4}{row['beam_tokens']:>4}"
                          f"{row['stage2_total_ms']:>11.1f}{row['import_step_ms']:>13.1f}"
                          f"{row['decode_step_ms']:>13.1f}{row['floor_ms']:>10.1f}"
                          f"{row['ratio']:>7.2f}{row['beam_step_ms']:>11.1f}"
-                         f"{row['decode_step_logprobs_ms']:>11.1f}"
-                         f"{row['new_requests_step_ms']:>12.1f}")
+                         f"{row['decode_step_logprobs_ms']:>11.1f}")
     lines.append("")
     lines.append(f"{'parent':<8}{'MiB':>6}{'descs':>7}{'READ ms':>9}{'GB/s':>7}{'raw':>7}"
                  f"{'ratio':>7}{'raw@descs':>10}{'import step':>13}{'tail fwd':>10}{'budget':>8}"

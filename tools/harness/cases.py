@@ -4,7 +4,8 @@ and the corpus-style prompts it builds for them."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from kvhandoff.corpus import HISTORY_PREFIX, ITEMS
@@ -46,9 +47,10 @@ class Case:
     then_at: int | None = None
 
 
-def default_cases(quick: bool = False, via_p: bool = False) -> list[Case]:
+def default_cases(quick: bool = False, via_p: bool = False,
+                  beam_width: int | None = None) -> list[Case]:
     """The harness's cases; ``via_p``: also the moves to another P (the harness then
-    needs a second P)."""
+    needs a second P); ``beam_width``: every case at that width (named ``...-wW``)."""
     # B = 32. Parent edges: N - 1 = kB - 1, kB, kB + 1 for k = 2 and k = 8.
     cases = [
         Case("n64-edge-w4", 60, "length", 4, stage1_max_tokens=4),
@@ -90,6 +92,10 @@ def default_cases(quick: bool = False, via_p: bool = False) -> list[Case]:
                 "move-at-32-w4", "move-at-33-greedy-w4", "move-p-at-33-w4",
                 "move-twice-31-33-w4"}
         cases = [c for c in cases if c.name in keep]
+    if beam_width is not None:
+        cases = [replace(c, beam_width=beam_width,
+                         name=re.sub(r"-w\d+", f"-w{beam_width}", c.name, count=1))
+                 for c in cases]
     return cases
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.faults import FAULTS
+from kvhandoff.budget import blocks_needed
 from kvhandoff.model import DTYPE_BYTES, kv_bytes_per_block, model_dtype, resolve_model
 from tools.harness.cases import default_cases
 from tools.harness.report import CaseReport, HarnessReport, format_table, result_text, write_json
@@ -23,36 +24,46 @@ from tools.ucx_report import read_transports_in
 VERIFY_D_POOL_BLOCKS = 129
 
 
-def pair_settings(model_dir: Path) -> dict[str, Any]:
+def d_pool_blocks(beam_width: int | None) -> int:
+    """D's pool in blocks: what the longest stage 2 in a 4096-token context needs at
+    ``beam_width`` (the fill case's), plus vLLM's null block; 129 at the cases' own."""
+    if beam_width is None:
+        return VERIFY_D_POOL_BLOCKS
+    return 1 + blocks_needed(4096 - 8, 32, beam_width, 3, beam_fork=True)
+
+
+def pair_settings(model_dir: Path, beam_width: int | None = None) -> dict[str, Any]:
     """``local_pair`` settings for the harness on ``model_dir``: the model runs in the
     dtype it was saved in (bf16 models in bf16, as on GPUs), and D's pool holds
-    ``VERIFY_D_POOL_BLOCKS`` of its blocks in that dtype."""
+    ``d_pool_blocks(beam_width)`` of its blocks in that dtype."""
     dtype = model_dtype(model_dir)
-    d_pool = VERIFY_D_POOL_BLOCKS * kv_bytes_per_block(model_dir, block_size=32,
-                                                       dtype_bytes=DTYPE_BYTES[dtype])
+    d_pool = d_pool_blocks(beam_width) * kv_bytes_per_block(
+        model_dir, block_size=32, dtype_bytes=DTYPE_BYTES[dtype])
     return {"dtype": dtype, "decode_overrides": {"kv_cache_memory_bytes": d_pool}}
 
 
 async def verify(model: str | None, *, quick: bool, json_path: str | None,
                  lease_s: int = 30, inject: str | None = None,
                  on_hosts: dict[str, Any] | None = None,
-                 ucx_log_dir: Path = Path("out/verify-logs")) -> HarnessReport:
+                 ucx_log_dir: Path = Path("out/verify-logs"),
+                 beam_width: int | None = None) -> HarnessReport:
     """Start P, D and a second P on ``model``, run the harness (with ``inject``: every
     handoff carries that fault, and no second P), shut them down. ``on_hosts`` (tools.netns
     hosts ``p`` and ``d``): the Ps' processes on one host, D's on the other; the report
-    then names the transports UCX chose for the READs, which must be network ones."""
+    then names the transports UCX chose for the READs, which must be network ones.
+    ``beam_width``: every case at that width."""
 
     if on_hosts:
         for old in ucx_log_dir.glob("*.ucx.log"):
             old.unlink()
     async with local_pair(model, lease_s=lease_s, fault_injection=inject is not None,
-                          **pair_settings(resolve_model(model)),
+                          **pair_settings(resolve_model(model), beam_width),
                           second_prefill=inject is None, on_hosts=on_hosts,
                           ucx_log_dir=ucx_log_dir if on_hosts else None) as pair:
         harness = Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
                           think_end_id=pair.think_end_id, eos_id=pair.eos_id,
                           suffix_ids=pair.default_suffix_ids, p2=pair.p2)
-        cases = default_cases(quick, via_p=pair.p2 is not None)
+        cases = default_cases(quick, via_p=pair.p2 is not None, beam_width=beam_width)
 
         def progress(c: CaseReport) -> None:
             print(f"  [{len(done) + 1}/{len(cases)}] {c.name}: {result_text(c)}", flush=True)
@@ -72,7 +83,8 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
 
 
 def main_verify(model: str | None, quick: bool, json_path: str | None,
-                inject: str | None = None, hosts: str | None = None) -> int:
+                inject: str | None = None, hosts: str | None = None,
+                beam_width: int | None = None) -> int:
     """``kvhandoff verify``'s flags: run it, print the table; 0 when it passed, else 1.
     ``hosts``: None (one host) or ``"netns"``."""
     if inject is not None and inject not in FAULTS:
@@ -89,6 +101,6 @@ def main_verify(model: str | None, quick: bool, json_path: str | None,
         where = make_hosts(("p", "d"))
     with where as on_hosts:
         report = asyncio.run(verify(model, quick=quick, json_path=json_path, inject=inject,
-                                    on_hosts=on_hosts))
+                                    on_hosts=on_hosts, beam_width=beam_width))
     print(format_table(report))
     return 0 if report.ok else 1

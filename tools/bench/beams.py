@@ -1,0 +1,132 @@
+"""``kvhandoff bench --beams``: stage 2's beam search inside D against its floor and
+against vLLM's own beam search, for beam widths W and beam tokens T.
+
+For each W (increasing) and T, on one P+D pair in this process, the engines to itself:
+
+- **ours, cold**: a handoff (P's stage 1, D imports the parent over NIXL and runs the
+  search): stage 2's total and its import step;
+- **floor**: that import step plus T-1 engine steps decoding W sequences of the stage-2
+  prompt's length (vLLM's iteration stats: ``floor.decode_step_ms``); ratio = ours / floor;
+- **ours and vLLM's, warm**: the same stage-2 prompt on D again, ours (step 0 finds the
+  parent's full blocks in D's prefix cache) then vLLM's ``beam_search`` (the online one,
+  ``decode_engine.beam.vllm_beam_search``) in the same cache state; ratio = vLLM / ours;
+- **the slots' steps** (ours, warm): the logits processor's milliseconds a step, the
+  blocks copied after a step, the engine step with W slots (iteration stats), and what is
+  left of the slots' part ("front end": their submission, the final outputs);
+- **peak memory of D's engine-core process** (VmHWM: widths run in increasing order, so
+  each figure is the peak up to that width).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from decode_engine.beam import vllm_beam_search
+from decode_engine.engine import run_beam_stage
+from kvhandoff.types import BeamParams
+from tools.bench.floor import decode_step_ms
+from tools.bench.modes import Bench, make_prompts
+from tools.bench.types import BenchConfig
+from tools.local import local_pair
+
+WIDTHS = (4, 32, 128, 512)
+TOKENS = (3, 8)
+
+
+def _engine_core_hwm_mib(llm: Any) -> float | None:
+    """Peak resident memory (VmHWM) of ``llm``'s engine-core process, MiB (None if vLLM's
+    process list is not where 0.32 keeps it)."""
+    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    procs = getattr(manager, "processes", None)
+    if not procs:
+        return None
+    for line in Path(f"/proc/{procs[0].pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
+def _slot_step_ms(bench: Bench, width: int, since: int) -> float | None:
+    """Median engine step with ``width`` requests decoding, after iteration ``since``."""
+    steps = [statistics.median(it.inter_token_s) for it in bench.d.counters.recent_iterations
+             if it.index > since and len(it.inter_token_s) == width]
+    return statistics.median(steps) * 1e3 if steps else None
+
+
+async def beam_point(bench: Bench, prompt: list[int], width: int, tokens: int,
+                     seed: int) -> dict[str, Any]:
+    """One (W, T): the figures in the module docstring."""
+    beam = BeamParams(beam_width=width, max_tokens=tokens)
+    cold = await bench.one("handoff", prompt, seed, beam=beam)
+    step_ms = await decode_step_ms(bench, cold.stage2_prompt, width, max(tokens, 3))
+    floor_ms = cold.stage2_first_beam_ms + (tokens - 1) * step_ms
+    since = bench.d.counters.iterations
+    t0 = time.perf_counter()
+    ours = await run_beam_stage(bench.d, cold.stage2_prompt, beam, bench.new_id("warm"))
+    ours_ms = (time.perf_counter() - t0) * 1e3
+    slot_step = _slot_step_ms(bench, width, since)
+    t0 = time.perf_counter()
+    theirs = await vllm_beam_search(bench.d.llm, bench.tok, cold.stage2_prompt, beam,
+                                    bench.new_id("vllm"))
+    vllm_ms = (time.perf_counter() - t0) * 1e3
+    same = [b.token_ids for b in ours.beams] == [b.token_ids for b in theirs]
+    steps = getattr(ours, "beam_steps", None) or {}
+    select = steps.get("select_ms") or []
+    slots_ms = ours_ms - ours.first_step_s * 1e3
+    return {
+        "beam_width": width, "beam_tokens": tokens, "parent_tokens": cold.parent_tokens,
+        "stage2_cold_ms": round(cold.stage2_total_ms, 1),
+        "import_step_ms": round(cold.stage2_first_beam_ms, 1),
+        "decode_step_ms": round(step_ms, 1),
+        "floor_ms": round(floor_ms, 1),
+        "ratio_to_floor": round(cold.stage2_total_ms / floor_ms, 3),
+        "ours_warm_ms": round(ours_ms, 1), "vllm_warm_ms": round(vllm_ms, 1),
+        "vllm_over_ours": round(vllm_ms / ours_ms, 2), "same_beams_as_vllm": same,
+        "slot_step_ms": None if slot_step is None else round(slot_step, 1),
+        "select_ms_per_step": round(statistics.mean(select), 2) if select else None,
+        "copied_blocks_per_step": (round(statistics.mean(steps["copied_blocks"]), 1)
+                                   if steps.get("copied_blocks") else 0),
+        "front_end_ms": (None if slot_step is None else
+                         round(slots_ms - (tokens - 1) * slot_step, 1)),
+        "d_peak_rss_mib": _engine_core_hwm_mib(bench.d.llm),
+    }
+
+
+async def run_beams(cfg: BenchConfig, widths: tuple[int, ...] = WIDTHS,
+                    tokens: tuple[int, ...] = TOKENS, progress: Any = None
+                    ) -> dict[str, Any]:
+    """The grid on a fresh P+D pair sized for the widest W."""
+    widest = max(widths)
+    max_len = cfg.prompt_tokens + cfg.stage1_tokens + 64 + max(tokens)
+    max_len += -max_len % 32
+    common = dict(max_model_len=max_len, kv_cache_memory_bytes=2 << 30, lease_s=60,
+                  max_num_seqs=max(64, widest), max_logprobs=max(64, 2 * widest))
+    rows = []
+    async with local_pair(cfg.model, **common) as pair:
+        bench = Bench(pair, cfg)
+        prompt = make_prompts(bench.tok, 1, cfg.prompt_tokens, cfg.seed + 77)[0]
+        await bench.one("handoff", prompt[:64], 1, stage1_tokens=4)  # warm every path
+        await vllm_beam_search(bench.d.llm, bench.tok, prompt[:64], BeamParams(4, 2), "w")
+        for i, width in enumerate(sorted(widths)):
+            for j, t in enumerate(tokens):
+                rows.append(await beam_point(bench, prompt, width, t, cfg.seed + 80 + 10 * i + j))
+                if progress is not None:
+                    progress(f"W={width} T={t}")
+        await asyncio.sleep(0)
+    return {"model": str(pair.model_dir), "prompt_tokens": cfg.prompt_tokens,
+            "stage1_tokens": cfg.stage1_tokens, "rows": rows}
+
+
+def format_beams(result: dict[str, Any]) -> str:
+    cols = ["beam_width", "beam_tokens", "parent_tokens", "stage2_cold_ms", "floor_ms",
+            "ratio_to_floor", "ours_warm_ms", "vllm_warm_ms", "vllm_over_ours",
+            "slot_step_ms", "select_ms_per_step", "copied_blocks_per_step", "front_end_ms",
+            "d_peak_rss_mib", "same_beams_as_vllm"]
+    lines = ["  ".join(cols)]
+    for row in result["rows"]:
+        lines.append("  ".join(str(row.get(c)) for c in cols))
+    return "\n".join(lines)
