@@ -62,7 +62,10 @@ async def beam_point(bench: Bench, prompt: list[int], width: int, tokens: int,
     """One (W, T): the figures in the module docstring."""
     beam = BeamParams(beam_width=width, max_tokens=tokens)
     cold = await bench.one("handoff", prompt, seed, beam=beam)
-    step_ms = await decode_step_ms(bench, cold.stage2_prompt, width, max(tokens, 3))
+    # Long enough that all W, admitted over a few steps (their partial blocks share the
+    # token budget), decode together for a while.
+    step_ms = await decode_step_ms(bench, cold.stage2_prompt, width,
+                                   max(tokens, 3) + width // 32)
     floor_ms = cold.stage2_first_beam_ms + (tokens - 1) * step_ms
     since = bench.d.counters.iterations
     t0 = time.perf_counter()
@@ -115,7 +118,7 @@ async def run_beams(cfg: BenchConfig, widths: tuple[int, ...] = WIDTHS,
             for j, t in enumerate(tokens):
                 rows.append(await beam_point(bench, prompt, width, t, cfg.seed + 80 + 10 * i + j))
                 if progress is not None:
-                    progress(f"W={width} T={t}")
+                    progress(f"W={width} T={t}: {rows[-1]}")
         await asyncio.sleep(0)
     return {"model": str(pair.model_dir), "prompt_tokens": cfg.prompt_tokens,
             "stage1_tokens": cfg.stage1_tokens, "rows": rows}
