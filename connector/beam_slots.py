@@ -117,6 +117,8 @@ class SlotGroups:
                 tokens_each=1 if forked else parent_len % self._block_size + 1)
         group.slots[slot] = request.request_id
         self._slot_of[request.request_id] = (name, slot)
+        if group.error:
+            group.reported = False  # a slot late for a failed group ends with it
         params = request.kv_transfer_params = dict(request.kv_transfer_params or {})
         params[BEAM_KEY] = {**(params.get(BEAM_KEY) or {}), WAIT_KEY: True}
 

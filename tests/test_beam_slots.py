@@ -379,4 +379,9 @@ def test_an_incomplete_group_ends_after_its_start_timeout(model_dir, monkeypatch
     assert out.num_scheduled_tokens == {}
     info = outputs["g0"].kv_transfer_params[KEY]
     assert info["reason"] == "beam_group" and "1 of its 2 slots arrived" in info["error"]
+    # The late slot does not wait for a group that has ended.
+    scheduler.add_request(_slot_request(list(range(10, 50)), slot=1, width=2))
+    out, outputs = _slot_step(scheduler)
+    assert out.num_scheduled_tokens == {}
+    assert outputs["g1"].kv_transfer_params[KEY]["reason"] == "beam_group"
     assert_scheduler_clean(scheduler)
