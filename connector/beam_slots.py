@@ -98,9 +98,6 @@ class SlotGroups:
         self._groups: dict[str, _Group] = {}
         self._slot_of: dict[str, tuple[str, int]] = {}  # request id -> (group, slot)
 
-    def __len__(self) -> int:
-        return len(self._groups)
-
     def add(self, request: Request) -> None:
         """A new request: a slot joins its group and waits for the others."""
         spec = slot_of(request)
@@ -185,7 +182,7 @@ class SlotGroups:
             if hashed:
                 pool.evict_blocks(hashed)
             if group.parents is not None:
-                mine = self._copies(name, group, blocks, pool)
+                mine = self._copies(group, blocks, pool)
                 group.copied.append(len(mine))
                 copies.extend(mine)
                 group.parents = None
@@ -194,8 +191,8 @@ class SlotGroups:
         if copies:
             output.kv_cache_block_copies = [*(output.kv_cache_block_copies or []), *copies]
 
-    def _copies(self, name: str, group: _Group, blocks: list[list[int]],
-                pool: Any) -> list[KVCacheBlockCopy]:
+    @staticmethod
+    def _copies(group: _Group, blocks: list[list[int]], pool: Any) -> list[KVCacheBlockCopy]:
         assert group.parents is not None
         copies = []
         for child, parent in enumerate(group.parents):
