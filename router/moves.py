@@ -131,17 +131,20 @@ class MoveDesk:
                         else grpc.StatusCode.FAILED_PRECONDITION)
                 raise grpc_error(code, f"request {request_id!r} cannot move to {to}: "
                                        f"{why_not}")
+        # Read where it runs before the await: the move may complete (running.p becomes
+        # the destination) before stop() returns.
+        source = running.p
         running.move_reason, running.move_to = reason, dest
         try:
-            await self.stages.stop(running.p, running.s1_id,
+            await self.stages.stop(source, running.s1_id,
                                    dest.handoff_target if dest is not None else "")
         except BaseException:
             running.move_reason, running.move_to = "", None
             raise
         to_address = (dest or running.d).address
-        logger.info("%s: moving stage 1 from %s to %s (%s)", request_id, running.p.address,
+        logger.info("%s: moving stage 1 from %s to %s (%s)", request_id, source.address,
                     to_address, reason)
-        return router_pb2.MoveResponse(from_endpoint=running.p.address,
+        return router_pb2.MoveResponse(from_endpoint=source.address,
                                        to_endpoint=to_address)
 
     def _why_not_to(self, dest: Endpoint | None, running: Running, to: str) -> str:

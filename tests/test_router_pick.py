@@ -6,6 +6,7 @@ and the check of the token D samples again when it finishes a stage 1 whose P is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -562,3 +563,37 @@ def test_a_stage1_the_router_stops_reading_is_cancelled_on_p_at_once(model_dir):
 
     asyncio.run(read_one_batch_then_go())
     assert call.cancelled and p.outstanding == 0
+
+
+@pytest.mark.migration
+def test_a_move_answers_where_stage_1_ran_even_when_it_completes_during_the_stop(model_dir):
+    """Router.Move reads the source before it asks P to stop: a move that completes while
+    the stop call is still answering (the run switched ``running.p`` to the destination)
+    is answered from the source, not from the destination twice (a fresh-clone run saw
+    from == to). The control: the fake's switch really happens before the answer."""
+    from router import Endpoint
+    from router.moves import MoveDesk, Running
+
+    router = _router(model_dir, [100])
+    source, dest = router.prefill[0], Endpoint("p2", FakeEngineStub(100), None)
+    router.prefill.append(dest)
+    for ep in (*router.prefill, *router.decode):
+        ep.capacity = engine_pb2.Capacity(num_total_blocks=200)
+    plan = dataclasses.replace(_plan(), stage1=Stage1Params(max_tokens=10, positional=True,
+                                                             seed=1))
+    running = Running(plan, source, router.decode[0], s1_id="s1")
+
+    class Stages:  # the run moves on before the stop call answers
+        async def stop(self, p, s1_id, target):
+            assert (p, s1_id) == (source, "s1")
+            running.p = dest
+
+    desk = MoveDesk(router.pool, Stages())
+
+    async def move():
+        with desk.track(running):
+            return await desk.move(plan.request_id, to="p2")
+
+    answer = asyncio.run(move())
+    assert running.p is dest
+    assert (answer.from_endpoint, answer.to_endpoint) == ("p", "p2")
