@@ -131,7 +131,7 @@ class AdmissionScheduler(Scheduler):
         beam_width, beam_max_tokens = wanted.beam_width, wanted.beam_max_tokens
         needed = blocks_needed(
             request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,
-            self._beam_fork,
+            self._beam_fork, from_parent=wanted.beam_from_parent,
         )
         # Free now, and free once the stage 2s running here (D) reach their peaks.
         reserved = wanted.reserved_blocks

@@ -18,6 +18,10 @@ connector worker opens it (:meth:`Outbox.open_step`) and the processor fills it 
 sampling, before the step's output goes to the scheduler (``async_scheduling`` is off).
 A step the processor cannot run (a slot missing from the batch) is posted as an error:
 the scheduler ends the group; no beam is ever guessed.
+
+A group may name a catalog (``connector.catalog``): the processor loads the engine's
+catalogs once, at its start (``additional_config[CATALOGS_KEY]``), and limits each
+beam's candidates to the catalog's (``connector.beam_search.catalog_candidates``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from connector.beam_search import SPEC_FIELDS, GroupSearch, row_candidates
+from connector import catalog as catalogs
+from connector.beam_search import SPEC_FIELDS, GroupSearch, catalog_candidates, row_candidates
 from connector.handoff import SLOT_KEY
 
 if TYPE_CHECKING:
@@ -114,14 +119,19 @@ class BeamSlotProcessor(LogitsProcessor):
         if sampling_params.temperature != 0.0 or not sampling_params.ignore_eos:
             raise ValueError(f"{SLOT_KEY}: a slot is greedy (temperature 0) and ignores "
                              "EOS; the search applies the EOS rule")
-        if not 0 <= int(spec["slot"]) < int(spec["width"]):
-            raise ValueError(f"{SLOT_KEY}: slot {spec['slot']} outside width {spec['width']}")
+        if not 0 <= int(spec["slot"]) < int(spec["members"]):
+            raise ValueError(f"{SLOT_KEY}: slot {spec['slot']} outside the group's "
+                             f"{spec['members']}")
+        if not 0 <= int(spec["live"]) <= int(spec["members"]) <= int(spec["width"]):
+            raise ValueError(f"{SLOT_KEY}: live {spec['live']}, members {spec['members']}, "
+                             f"width {spec['width']} (live <= members <= width)")
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device,
                  is_pin_memory: bool) -> None:
         self._rows: dict[int, _Slot] = {}
         self._groups: dict[str, GroupSearch] = {}
         self._failed: set[str] = set()
+        self._catalogs = _load_catalogs(vllm_config)
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -147,16 +157,22 @@ class BeamSlotProcessor(LogitsProcessor):
 
     def _step(self, group: str, rows: dict[int, int], logits: torch.Tensor) -> None:
         spec = self._rows[next(iter(rows.values()))].spec
-        width = int(spec["width"])
+        width, members = int(spec["width"]), int(spec["members"])
         search = self._groups.get(group)
         if search is None:
-            if len(rows) != width:
-                return self._fail(group, 0, f"{len(rows)} of its {width} slots in the "
+            if len(rows) != members:
+                return self._fail(group, 0, f"{len(rows)} of its {members} slots in the "
                                             "batch at its first step")
+            catalog = None
+            if spec["catalog"] is not None:
+                catalog = self._catalogs.get(spec["catalog"])
+                if catalog is None:
+                    return self._fail(group, 0, f"no catalog {spec['catalog']!r} here")
             search = self._groups[group] = GroupSearch(
                 width=width, steps=int(spec["steps"]), eos_token_id=spec["eos"],
-                ignore_eos=bool(spec["ignore_eos"]),
-                cum_logprobs=np.array([self._rows[rows[i]].spec["cum"] for i in range(width)]))
+                ignore_eos=bool(spec["ignore_eos"]), catalog=catalog,
+                cum_logprobs=np.array([self._rows[rows[i]].spec["cum"]
+                                       for i in range(int(spec["live"]))]))
         if search.done:
             return self._fail(group, search.step + 1, "a step past its last one")
         live = search.num_live
@@ -165,8 +181,13 @@ class BeamSlotProcessor(LogitsProcessor):
                               f"{sum(i in rows for i in range(live))} of its {live} live "
                               "beams in the batch")
         t0 = time.perf_counter()
-        index = torch.tensor([rows[i] for i in range(live)], device=logits.device)
-        parents, tokens = search.select(_candidates(logits.index_select(0, index), width))
+        index = torch.tensor([rows[i] for i in range(live)], device=logits.device,
+                             dtype=torch.long)
+        if search.catalog is not None:
+            candidates = _catalog_candidates(logits.index_select(0, index), search)
+        else:
+            candidates = _candidates(logits.index_select(0, index), width)
+        parents, tokens = search.select(candidates)
         _force(logits, rows, tokens)
         record: dict[str, Any] = {"step": search.step, "parents": parents.tolist(),
                                   "select_ms": (time.perf_counter() - t0) * 1e3}
@@ -180,6 +201,19 @@ class BeamSlotProcessor(LogitsProcessor):
         OUTBOX.post(group, {"step": step, "error": why})
 
 
+def _load_catalogs(vllm_config: VllmConfig) -> dict[str, catalogs.Catalog]:
+    """The engine's catalogs (``additional_config[CATALOGS_KEY]``: name -> path). The
+    front end loaded and checked the same files before the engine started."""
+    extra = getattr(vllm_config, "additional_config", None)
+    paths = (extra.get(catalogs.CATALOGS_KEY) if isinstance(extra, dict) else None) or {}
+    if not paths:
+        return {}
+    model = vllm_config.model_config
+    eos = getattr(model.hf_config, "eos_token_id", None)
+    return {name: catalogs.load(name, path, model.get_vocab_size(), eos)
+            for name, path in paths.items()}
+
+
 def _candidates(rows: torch.Tensor, width: int) -> Any:
     """Each row's candidates as vLLM's beam search reads them from a ``2W``-logprobs
     request: vLLM's own greedy pick, logprobs and ``torch.topk`` (its sampler's)."""
@@ -191,6 +225,21 @@ def _candidates(rows: torch.Tensor, width: int) -> Any:
     sampled_logprobs = logprobs.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
     return row_candidates(sampled.cpu().numpy(), sampled_logprobs.cpu().numpy(),
                           top_tokens.cpu().numpy(), top_logprobs.cpu().numpy())
+
+
+def _catalog_candidates(rows: torch.Tensor, search: GroupSearch) -> Any:
+    """The candidates of a constrained group's rows: the catalog's tokens, scored by
+    vLLM's logprobs of the whole vocabulary."""
+    from vllm.v1.sample.sampler import Sampler
+
+    assert search.catalog is not None
+    logprobs = Sampler.compute_logprobs(rows)
+
+    def logprob_of(r: np.ndarray, t: np.ndarray) -> np.ndarray:
+        return logprobs[torch.from_numpy(r), torch.from_numpy(t)].cpu().numpy()
+
+    return catalog_candidates(search.catalog, search.nodes, logprob_of, search.width,
+                              search.eos_token_id, search.ignore_eos)
 
 
 def _force(logits: torch.Tensor, rows: dict[int, int], tokens: np.ndarray) -> None:

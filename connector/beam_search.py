@@ -15,14 +15,28 @@ beam: each row's candidates are the sampled (greedy) token and then the top ``2W
 the beam's cumulative logprob plus the token's (float32 logprob, float64 sum);
 EOS-ending candidates go to ``completed``, and the W best of the others are picked by
 :func:`top_candidates`, the same numpy calls, so that exact ties resolve as vLLM's.
+
+A search constrained to a catalog (``connector.catalog``) keeps vLLM's scores (the
+model's full-vocabulary logprobs) and rules, with each beam's candidates limited to the
+tokens that keep it inside the catalog (EOS only where it completes an item): each
+row's ``2W`` best allowed tokens by logprob, ties by token id (:func:`catalog_candidates`),
+and the W best candidates by a stable sort (ties: the earlier row, then the row's
+order). vLLM has no constrained search to agree with, so its tie rules are this
+module's; ``tools/harness/constrained.py`` is the reference written apart from it. A
+beam with no allowed token is dropped; the live beams returned are whole items only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from connector.catalog import Catalog
 
 
 def top_candidates(cum_logprobs: np.ndarray, width: int) -> np.ndarray:
@@ -38,16 +52,21 @@ def top_candidates(cum_logprobs: np.ndarray, width: int) -> np.ndarray:
 
 
 #: A slot's parameters, every one required (``slot_spec``).
-SPEC_FIELDS = ("group", "slot", "width", "steps", "cum", "eos", "ignore_eos")
+SPEC_FIELDS = ("group", "slot", "members", "width", "live", "steps", "cum", "eos",
+               "ignore_eos", "catalog")
 
 
-def slot_spec(*, group: str, slot: int, width: int, steps: int, cum_logprob: float,
-              eos_token_id: int | None, ignore_eos: bool) -> dict[str, Any]:
-    """A slot's parameters (``extra_args[SLOT_KEY]``): its group, its index, the group's
-    width, the beam steps it runs, the cumulative logprob of the beam it starts with, and
-    the EOS rule of the search."""
-    return {"group": group, "slot": slot, "width": width, "steps": steps,
-            "cum": float(cum_logprob), "eos": eos_token_id, "ignore_eos": bool(ignore_eos)}
+def slot_spec(*, group: str, slot: int, members: int, width: int, live: int, steps: int,
+              cum_logprob: float, eos_token_id: int | None, ignore_eos: bool,
+              catalog: str | None = None) -> dict[str, Any]:
+    """A slot's parameters (``extra_args[SLOT_KEY]``): its group, its index, the number
+    of slots in the group, the beam width, how many slots start with a live beam (the
+    first ``live``; the others wait to be forked into), the beam steps the slots run, the
+    cumulative logprob of the beam it starts with, the EOS rule of the search, and the
+    catalog the beams stay in (None: unconstrained)."""
+    return {"group": group, "slot": slot, "members": members, "width": width, "live": live,
+            "steps": steps, "cum": float(cum_logprob), "eos": eos_token_id,
+            "ignore_eos": bool(ignore_eos), "catalog": catalog}
 
 
 @dataclass(slots=True)
@@ -71,6 +90,26 @@ def row_candidates(sampled: np.ndarray, sampled_logprobs: np.ndarray, top_tokens
     keep = np.concatenate((np.ones((num_rows, 1), dtype=bool),
                            top_tokens != sampled[:, None]), axis=1)
     rows = np.broadcast_to(np.arange(num_rows)[:, None], keep.shape)
+    return Candidates(rows[keep], tokens[keep], logprobs[keep])
+
+
+def catalog_candidates(catalog: Catalog, nodes: np.ndarray,
+                       logprob_of: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                       width: int, eos_token_id: int | None, ignore_eos: bool) -> Candidates:
+    """The candidates of beams at trie ``nodes`` (row ``r`` at ``nodes[r]``): the tokens
+    the catalog allows next, plus EOS where a beam completes an item (unless EOS is
+    ignored); each row's ``2 * width`` of highest logprob (``logprob_of(rows, tokens)``,
+    float32), ordered by logprob then token id."""
+    rows, tokens = catalog.allowed(nodes)
+    if eos_token_id is not None and not ignore_eos:
+        ends = np.flatnonzero((nodes >= 0) & catalog.is_item[np.maximum(nodes, 0)])
+        rows = np.concatenate((rows, ends))
+        tokens = np.concatenate((tokens, np.full(len(ends), eos_token_id, dtype=np.int64)))
+    logprobs = np.asarray(logprob_of(rows, tokens), dtype=np.float32)
+    order = np.lexsort((tokens, -logprobs, rows))  # by row, best first, then token id
+    rows, tokens, logprobs = rows[order], tokens[order], logprobs[order]
+    starts = np.searchsorted(rows, rows)  # each row's first candidate
+    keep = np.arange(len(rows)) - starts < 2 * width
     return Candidates(rows[keep], tokens[keep], logprobs[keep])
 
 
@@ -98,8 +137,12 @@ class GroupSearch:
     eos_token_id: int | None
     ignore_eos: bool
     cum_logprobs: np.ndarray  # float64 [live]
+    #: Beams stay in this catalog (None: unconstrained).
+    catalog: Catalog | None = None
     origins: np.ndarray = field(init=False)  # int [live]
     tokens: list[list[int]] = field(init=False)
+    #: Constrained: each live beam's trie node.
+    nodes: np.ndarray = field(init=False)
     completed: list[Finished] = field(default_factory=list)
     step: int = 0
 
@@ -108,6 +151,7 @@ class GroupSearch:
         self.cum_logprobs = np.asarray(self.cum_logprobs, dtype=np.float64)
         self.origins = np.arange(live)
         self.tokens = [[] for _ in range(live)]
+        self.nodes = np.zeros(live, dtype=np.int64)
 
     @property
     def num_live(self) -> int:
@@ -115,7 +159,9 @@ class GroupSearch:
 
     @property
     def done(self) -> bool:
-        return self.step >= self.steps or self.num_live == 0
+        """Every step ran (a constrained search whose beams all ended or left no
+        candidate still runs its slots' steps, with no live beam)."""
+        return self.step >= self.steps
 
     def select(self, candidates: Candidates) -> tuple[np.ndarray, np.ndarray]:
         """One beam step over the live rows' candidates: returns (parents, tokens) for
@@ -132,18 +178,29 @@ class GroupSearch:
                 self.completed.append(Finished(int(self.origins[r]), self.tokens[r] + [int(eos)],
                                                float(cums[i])))
             rows, tokens, cums = rows[~is_eos], tokens[~is_eos], cums[~is_eos]
-        picked = top_candidates(cums, self.width)
+        if self.catalog is None:
+            picked = top_candidates(cums, self.width)
+        else:
+            picked = np.argsort(-cums, kind="stable")[:self.width]
         parents, new_tokens = rows[picked], tokens[picked]
         self.tokens = [self.tokens[p] + [int(t)] for p, t in zip(parents, new_tokens)]
         self.origins = self.origins[parents]
         self.cum_logprobs = cums[picked]
+        if self.catalog is not None:
+            self.nodes = self.catalog.step(self.nodes[parents], new_tokens)
         self.step += 1
         return parents, new_tokens
 
     def result(self) -> dict[str, Any]:
         """What the search returns once done: the completed beams then the live ones, in
-        vLLM's order (its final sort is stable)."""
+        vLLM's order (its final sort is stable); constrained, the live beams that are
+        whole items (``dropped``: how many were not)."""
         live = [Finished(int(o), t, float(c))
                 for o, t, c in zip(self.origins, self.tokens, self.cum_logprobs)]
+        dropped = 0
+        if self.catalog is not None:
+            whole = self.catalog.is_item[np.maximum(self.nodes, 0)] & (self.nodes >= 0)
+            dropped = int((~whole).sum())
+            live = [f for f, ok in zip(live, whole) if ok]
         return {"completed": [f.to_wire() for f in self.completed],
-                "live": [f.to_wire() for f in live]}
+                "live": [f.to_wire() for f in live], "dropped": dropped}

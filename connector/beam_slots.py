@@ -69,7 +69,7 @@ def slot_of(request: Request) -> dict[str, Any] | None:
 
 @dataclass(slots=True)
 class _Group:
-    width: int
+    members: int  # its slots
     first_block: int  # index of the first block each slot holds alone
     tokens_each: int  # tokens a slot computes at its first step (worst case)
     slots: dict[int, str] = field(default_factory=dict)  # slot -> request id
@@ -103,15 +103,17 @@ class SlotGroups:
         spec = slot_of(request)
         if spec is None:
             return
-        name, slot, width = str(spec["group"]), int(spec["slot"]), int(spec["width"])
+        name, slot, members = str(spec["group"]), int(spec["slot"]), int(spec["members"])
         group = self._groups.get(name)
         if group is None:
-            parent_len = request.num_prompt_tokens - 1
+            # A slot's own blocks start at the one holding its last prompt token (never
+            # a prefix-cache hit: vLLM computes at least that token).
+            last = request.num_prompt_tokens - 1
             forked = bool(((request.kv_transfer_params or {}).get(BEAM_KEY) or {})
                           .get("fork_from"))
             group = self._groups[name] = _Group(
-                width=width, first_block=parent_len // self._block_size,
-                tokens_each=1 if forked else parent_len % self._block_size + 1)
+                members=members, first_block=last // self._block_size,
+                tokens_each=1 if forked else last % self._block_size + 1)
         group.slots[slot] = request.request_id
         self._slot_of[request.request_id] = (name, slot)
         if group.error:
@@ -128,18 +130,18 @@ class SlotGroups:
             if group.started or group.error:
                 continue
             if now - group.arrived_at > START_TIMEOUT_S:
-                group.error = (f"{len(group.slots)} of its {group.width} slots arrived "
+                group.error = (f"{len(group.slots)} of its {group.members} slots arrived "
                                f"within {START_TIMEOUT_S:.0f}s")
                 continue
-            if len(group.slots) < group.width:
+            if len(group.slots) < group.members:
                 continue
             members = [scheduler.requests.get(rid) for rid in group.ids()]
-            tokens = group.width * group.tokens_each
+            tokens = group.members * group.tokens_each
             if any(m is None or m.status != RequestStatus.WAITING for m in members) \
-                    or not self._room(scheduler, group.width + claimed_seqs,
+                    or not self._room(scheduler, group.members + claimed_seqs,
                                       tokens + claimed_tokens):
                 continue
-            claimed_seqs += group.width
+            claimed_seqs += group.members
             claimed_tokens += tokens
             for member in members:
                 member.kv_transfer_params[BEAM_KEY][WAIT_KEY] = False
@@ -170,7 +172,7 @@ class SlotGroups:
                 continue
             if not group.started:
                 group.started = True
-                logger.debug("Beam group %s starts: %d slots", name, group.width)
+                logger.debug("Beam group %s starts: %d slots", name, group.members)
             if not all(running):
                 # The processor fails the step too; the slots must not run split.
                 group.error = (f"{sum(running)} of its {len(ids)} slots scheduled in "

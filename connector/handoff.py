@@ -194,6 +194,8 @@ class ImportRequest:
     beam_max_tokens: int
     reserved_blocks: int = 0
     fault: str | None = None
+    #: The beams start at the parent itself (a constrained search: ``kvhandoff.budget``).
+    beam_from_parent: bool = False
 
     @classmethod
     def for_beams(cls, export: Mapping[str, Any], beam: BeamParams,
@@ -201,7 +203,7 @@ class ImportRequest:
         """What a stage 2 with ``beam`` asks of D for P's ``export`` (D's engine adds the
         blocks its running stage 2s reserve)."""
         return cls(export, beam_width=beam.beam_width, beam_max_tokens=beam.max_tokens,
-                   fault=fault)
+                   fault=fault, beam_from_parent=beam.catalog is not None)
 
     def to_params(self) -> dict[str, Any]:
         """The request's ``kv_transfer_params`` (the one place they are built): a fresh
@@ -216,6 +218,7 @@ class ImportRequest:
             params[KEY] = dict(fields) if isinstance(fields, dict) else {"malformed": fields}
             params[KEY].update(beam_width=self.beam_width,
                                beam_max_tokens=self.beam_max_tokens,
+                               beam_from_parent=self.beam_from_parent,
                                reserved_blocks=self.reserved_blocks)
         params["do_remote_prefill"] = True
         params["do_remote_decode"] = False
@@ -232,7 +235,8 @@ class ImportRequest:
                             beam_width=int(fields.get("beam_width", 1)),
                             beam_max_tokens=int(fields.get("beam_max_tokens", 1)),
                             reserved_blocks=int(fields.get("reserved_blocks", 0)),
-                            fault=params.get(FAULT_KEY))
+                            fault=params.get(FAULT_KEY),
+                            beam_from_parent=bool(fields.get("beam_from_parent", False)))
 
 
 def validate_import(

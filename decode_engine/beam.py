@@ -20,6 +20,12 @@ trailing EOS). Here, token for token the same, but inside the engine:
 With ``fork`` (engines running our connector) the slots copy step 0's partial last
 block instead of recomputing it (``connector.beam_fork``): each computes one token at
 its first step; without it, up to ``block_size``.
+
+**Constrained to a catalog** (``params.catalog``), step 0 is the import only (one
+token, no logprobs: vLLM's logprobs are the top of the whole vocabulary, and the first
+token must be the catalog's); the W slots all start at ``parent + suffix`` with one live
+beam, run all T steps in the engine, and return only whole items
+(``connector.beam_search``: the rules; ``tools/harness/constrained.py``: the reference).
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ class BeamSearchOutcome:
     #: (``select_ms``) and the blocks copied after each (``copied_blocks``); None when
     #: the search ended at step 0.
     slot_steps: dict[str, list[float]] | None = None
+    #: Constrained: live beams at the last step that were not whole items (left out).
+    num_dropped: int = 0
 
 
 def error_message(out: Any) -> str:
@@ -126,26 +134,32 @@ def _step0_extra(extra_args: dict[str, Any] | None, fork: bool, keep: bool, name
 
 
 async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamParams, *,
-                     eos_token_id: int | None, request_id: str, fork_from: str | None
-                     ) -> tuple[list[Any], dict[str, Any]]:
-    """Steps 1 to T-1 inside the engine: one slot per beam; their final outputs and the
+                     eos_token_id: int | None, request_id: str, fork_from: str | None,
+                     members: int | None = None) -> tuple[list[Any], dict[str, Any]]:
+    """The steps inside the engine: a slot per beam (``members`` slots, the first
+    ``len(beams)`` starting with a live beam, the rest copies of slot 0 waiting to be
+    forked into), each running the search's remaining steps; their final outputs and the
     search's result (``connector.beam_search.GroupSearch.result``)."""
     from vllm import SamplingParams
 
-    group, width = f"{request_id}-g", len(beams)
+    group, live = f"{request_id}-g", len(beams)
+    members = members or live
+    steps = params.max_tokens - (1 if params.catalog is None else 0)
 
     def sampling(i: int, seq: _Sequence) -> SamplingParams:
-        beam = {"fork_from": fork_from, "fork_children": width} if fork_from else {}
-        spec = slot_spec(group=group, slot=i, width=params.beam_width,
-                         steps=params.max_tokens - 1, cum_logprob=seq.cum_logprob,
-                         eos_token_id=eos_token_id, ignore_eos=params.ignore_eos)
-        return SamplingParams(max_tokens=params.max_tokens - 1, temperature=0.0,
+        beam = {"fork_from": fork_from, "fork_children": members} if fork_from else {}
+        spec = slot_spec(group=group, slot=i, members=members, width=params.beam_width,
+                         live=live, steps=steps, cum_logprob=seq.cum_logprob,
+                         eos_token_id=eos_token_id, ignore_eos=params.ignore_eos,
+                         catalog=params.catalog)
+        return SamplingParams(max_tokens=steps, temperature=0.0,
                               ignore_eos=True, detokenize=False,
                               extra_args={SLOT_KEY: spec,
                                           "kv_transfer_params": {BEAM_KEY: beam}})
 
+    starts = [beams[min(i, live - 1)] for i in range(members)]
     outputs = await asyncio.gather(*(generate(seq.tokens, sampling(i, seq), f"{group}{i}")
-                                     for i, seq in enumerate(beams)))
+                                     for i, seq in enumerate(starts)))
     _check_outputs(outputs)
     info = (outputs[0].kv_transfer_params or {}).get(KEY) or {}
     if SLOT_KEY not in info:
@@ -175,9 +189,12 @@ async def beam_search(
 
     prompt = list(prompt_token_ids)
     name = f"{request_id}-s0"
+    constrained = params.catalog is not None
+    fork = fork and not constrained
     t0 = time.perf_counter()
     first = await generate(prompt, SamplingParams(
-        max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width, detokenize=False,
+        max_tokens=1, temperature=0.0, detokenize=False,
+        logprobs=None if constrained else 2 * params.beam_width,
         extra_args=_step0_extra(first_step_extra_args, fork, params.max_tokens > 1, name,
                                 held_parent)), name)
     first_step_s = time.perf_counter() - t0
@@ -186,17 +203,25 @@ async def beam_search(
         fork = False  # D admitted the import only without it: step 0 was not kept
     step_computed = [len(first.prompt_token_ids) - (first.num_cached_tokens or 0)]
     completed: list[_Sequence] = []
-    beams = _first_step(first, prompt, eos_token_id, params.ignore_eos, params.beam_width,
-                        completed)
-    recomputed, slot_steps = 0, None
-    if params.max_tokens > 1 and beams:
+    if constrained:  # the slots make every beam step, the first included
+        beams, members = [_Sequence(prompt)], params.beam_width
+    else:
+        beams = _first_step(first, prompt, eos_token_id, params.ignore_eos,
+                            params.beam_width, completed)
+        members = len(beams)
+    recomputed, slot_steps, dropped = 0, None, 0
+    if (params.max_tokens > 1 or constrained) and beams:
         slots, result = await _run_slots(generate, beams, params, eos_token_id=eos_token_id,
                                          request_id=request_id,
-                                         fork_from=name if fork else None)
+                                         fork_from=name if fork else None, members=members)
         computed = [len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in slots]
-        step_computed += [sum(computed)] + [len(beams)] * (params.max_tokens - 2)
-        recomputed = sum(max(n - 1, 0) for n in computed)
+        later_steps = params.max_tokens - (1 if constrained else 2)
+        step_computed += [sum(computed)] + [members] * later_steps
+        # Beyond one token per slot (constrained: each slot recomputes the parent's last
+        # partial block by design; counted as computed, not recomputed).
+        recomputed = 0 if constrained else sum(max(n - 1, 0) for n in computed)
         slot_steps = result.get("steps")
+        dropped = int(result.get("dropped", 0))
         for key in ("completed", "live"):
             completed.extend(_Sequence(beams[origin].tokens + list(tokens), float(cum))
                              for origin, tokens, cum in result[key])
@@ -210,6 +235,7 @@ async def beam_search(
         step_computed_tokens=step_computed,
         recomputed_tokens=recomputed,
         slot_steps=slot_steps,
+        num_dropped=dropped,
     )
 
 

@@ -22,6 +22,7 @@ from kvhandoff.budget import stage2_reservation
 from kvhandoff.types import (
     Beam,
     BeamParams,
+    InvalidRequest,
     Stage1Params,
     Stage2Result,
     StageError,
@@ -52,11 +53,13 @@ async def run_beam_stage(
     )
     check_beam_width(beam.beam_width, engine.max_beam_width,
                      "this engine (max_logprobs/2, max_num_seqs, vocabulary/2)")
+    check_catalog(engine, beam)
     # Reserved from now until it ends at the peak its beams can reach: what the router
     # and D's admission count against the pool, so beam steps never run out of blocks.
     reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, beam.beam_width,
                                   beam.max_tokens, engine.config.beam_fork,
-                                  engine.num_total_blocks)
+                                  engine.num_total_blocks,
+                                  from_parent=beam.catalog is not None)
     engine.num_reserved_blocks += reserved
     t0 = time.perf_counter()
     try:
@@ -87,7 +90,25 @@ async def run_beam_stage(
         step_computed_tokens=outcome.step_computed_tokens,
         num_recomputed_beam_tokens=outcome.recomputed_tokens,
         beam_steps=outcome.slot_steps,
+        num_beams_short=beam.beam_width - len(outcome.beams),
+        num_dropped_beams=outcome.num_dropped,
     )
+
+
+def check_catalog(engine: VllmEngine, beam: BeamParams) -> None:
+    """A constrained search names a catalog this engine loaded, and grows its beams long
+    enough for an item (before any import is read)."""
+    if beam.catalog is None:
+        return
+    catalog = engine.catalogs.get(beam.catalog)
+    if catalog is None:
+        raise StageError("stage2", "catalog",
+                         f"no catalog {beam.catalog!r} on this engine (it has "
+                         f"{sorted(engine.catalogs) or 'none'})")
+    if beam.max_tokens < catalog.min_item_len:
+        raise InvalidRequest("beam.max_tokens",
+                             f"{beam.max_tokens} is shorter than catalog {beam.catalog!r}'s "
+                             f"shortest item ({catalog.min_item_len} tokens)")
 
 
 async def run_sample_stage(

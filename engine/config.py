@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from connector.catalog import CATALOGS_KEY
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
 from kvhandoff.types import MAX_BEAM_WIDTH
 
@@ -96,6 +97,9 @@ class EngineConfig:
     #: Negative controls only (``connector.faults``): honour a fault a request names.
     #: Off in every server; the harness turns it on for ``kvhandoff verify --inject``.
     fault_injection: bool = False
+    #: Catalogs beams may be constrained to, (name, path) pairs (``connector.catalog``):
+    #: loaded and checked at start by the front end and by each worker.
+    catalogs: tuple[tuple[str, str], ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -112,6 +116,9 @@ class EngineConfig:
             raise ValueError("lease_safety_margin_s must be in [0, lease_s)")
         if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 0:
             raise ValueError("onednn_cache_capacity must be >= 0 (or None: oneDNN's default)")
+        names = [name for name, _ in self.catalogs]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"catalog names must be distinct and non-empty: {names}")
 
     @property
     def enable_chunked_prefill(self) -> bool | None:
@@ -193,6 +200,7 @@ class EngineConfig:
             # Positional sampling (engine.sampling) and beam slots
             # (connector.beam_processor), for the requests that ask for them.
             logits_processors=[POSITIONAL_SAMPLER, BEAM_SLOT_PROCESSOR],
+            additional_config={CATALOGS_KEY: dict(self.catalogs)} if self.catalogs else {},
             disable_log_stats=False,
         )
 

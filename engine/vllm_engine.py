@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from connector.catalog import Catalog, load
 from connector.faults import FAULTS
 from engine.config import EngineConfig, engine_env, environment
 from engine.stats import EngineCounters, PoolSnapshot, stats_logger_factory
@@ -27,12 +28,32 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+def load_catalogs(config: EngineConfig) -> dict[str, Catalog]:
+    """The configuration's catalogs, checked against the model's vocabulary and EOS (read
+    from its ``config.json``, as vLLM does)."""
+    if not config.catalogs:
+        return {}
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(config.model)
+    vocab = hf.vocab_size
+    eos = getattr(hf, "eos_token_id", None)
+    catalogs = {name: load(name, path, vocab, eos) for name, path in config.catalogs}
+    for c in catalogs.values():
+        logger.info("Catalog %r: %d items, %d trie nodes, items of %d-%d tokens (%s)",
+                    c.name, c.num_items, c.num_nodes, c.min_item_len, c.max_item_len,
+                    c.digest)
+    return catalogs
+
+
 class VllmEngine:
     """An AsyncLLM with the kvhandoff connector; base of PrefillEngine/DecodeEngine."""
 
     def __init__(self, config: EngineConfig, llm: AsyncLLM, engine_id: str,
-                 stats: dict[str, Any]):
+                 stats: dict[str, Any], catalogs: dict[str, Catalog] | None = None):
         self.config = config
+        #: Catalogs beams may be constrained to, by name (loaded by ``start``).
+        self.catalogs: dict[str, Catalog] = catalogs or {}
         self.llm = llm
         self.engine_id = engine_id
         #: What P addresses (and signs) handoffs for this engine with.
@@ -65,6 +86,8 @@ class VllmEngine:
             check_listenable(config.side_channel_host, config.side_channel_port,
                              "the NIXL side channel")
         port = config.side_channel_port or free_port(config.side_channel_host)
+        # A bad catalog fails the start here, with its file and line, before vLLM starts.
+        catalogs = load_catalogs(config)
         env = engine_env(config, port)
         stats: dict[str, Any] = {}
         t0 = time.perf_counter()
@@ -78,6 +101,7 @@ class VllmEngine:
                 ),
                 engine_id,
                 stats,
+                catalogs,
                 **kwargs,
             )
         logger.info("Engine %s (%s) up in %.1fs, NIXL side channel %s:%d",

@@ -16,6 +16,12 @@ private block (``priv(n) = cdiv(n, B) - n // B``) beside the slots' first blocks
 
 If the pool holds the beams without fork but not with it, the import is admitted with
 fork off for that request (its output says so and the slots compute their partial block).
+
+A search constrained to a catalog (``from_parent``) starts every slot at the parent
+itself, without fork: the blocks before the one holding the parent's last token are
+shared, each slot computes that one and grows its own::
+
+    needed = (n - 1) // B + W * cdiv((n - 1) % B + 1 + T, B)
 """
 
 from __future__ import annotations
@@ -27,8 +33,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
-                  beam_max_tokens: int, beam_fork: bool = False) -> int:
-    """Blocks D must have free to import a parent and grow ``beam_width`` beams."""
+                  beam_max_tokens: int, beam_fork: bool = False,
+                  from_parent: bool = False) -> int:
+    """Blocks D must have free to import a parent and grow ``beam_width`` beams
+    (``from_parent``: the slots start at the parent, fork or not: module docstring)."""
+    if from_parent:
+        num_full = (num_prompt_tokens - 1) // block_size
+        tail = num_prompt_tokens - num_full * block_size + beam_max_tokens
+        return num_full + beam_width * cdiv(tail, block_size)
     num_full = num_prompt_tokens // block_size
     tail = num_prompt_tokens - num_full * block_size + beam_max_tokens
     peak = beam_width * cdiv(tail, block_size)
@@ -40,9 +52,13 @@ def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
 
 
 def stage2_reservation(num_prompt_tokens: int, block_size: int, beam_width: int,
-                       beam_max_tokens: int, beam_fork: bool, num_total_blocks: int) -> int:
+                       beam_max_tokens: int, beam_fork: bool, num_total_blocks: int,
+                       from_parent: bool = False) -> int:
     """Blocks a stage 2 is counted at while it runs on D: its peak with beam fork, or
     without it when that peak exceeds the whole pool (admission then turns fork off)."""
+    if from_parent:
+        return blocks_needed(num_prompt_tokens, block_size, beam_width, beam_max_tokens,
+                             from_parent=True)
     if beam_fork:
         peak = blocks_needed(num_prompt_tokens, block_size, beam_width, beam_max_tokens, True)
         if peak <= num_total_blocks:

@@ -23,6 +23,7 @@ _REASON_CODES = {
     "signature": grpc.StatusCode.PERMISSION_DENIED,
     "target": grpc.StatusCode.PERMISSION_DENIED,
     "abort": grpc.StatusCode.CANCELLED,
+    "catalog": grpc.StatusCode.NOT_FOUND,
 }
 
 

@@ -99,8 +99,12 @@ class BeamParams:
     max_tokens: int = 3
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    #: Beams stay in this catalog of D's (``connector.catalog``); None: unconstrained.
+    catalog: str | None = None
 
     def __post_init__(self) -> None:
+        if self.catalog == "":
+            raise InvalidRequest("beam.catalog", "an empty name (leave it unset for none)")
         if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
             raise InvalidRequest(
                 "beam.beam_width", f"must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}"
@@ -227,3 +231,7 @@ class Stage2Result:
     #: See ``decode_engine.beam.BeamSearchOutcome.slot_steps`` (in-process only; not on
     #: the wire).
     beam_steps: dict[str, list[float]] | None = None
+    #: Beams fewer than the width asked for (a catalog that could not fill it), and the
+    #: live beams left out at the last step for not being whole items.
+    num_beams_short: int = 0
+    num_dropped_beams: int = 0

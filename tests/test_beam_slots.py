@@ -52,25 +52,28 @@ def logprobs_dict(tokens: list[int], k: int) -> dict[int, SimpleNamespace]:
 class ScriptedEngine:
     """Step 0 as one request; the slots as one batch run by the real processor."""
 
-    def __init__(self, copies: bool = True, drop_slot: int | None = None):
+    def __init__(self, copies: bool = True, drop_slot: int | None = None,
+                 vllm_config=None):
         self.copies = copies  # False: the children's KV is not replaced (a fault)
         self.drop_slot = drop_slot  # a slot missing from the batch (a fault)
+        self.vllm_config = vllm_config  # what the processor is made with (its catalogs)
         self.slots: dict[int, tuple[list[int], object, asyncio.Future]] = {}
         self.steps_run = 0
 
     async def generate(self, tokens, sampling, request_id):
         spec = (sampling.extra_args or {}).get(SLOT_KEY)
         if spec is None:
-            return _output(tokens, [logprobs_dict(tokens, sampling.logprobs)], None)
+            return _output(tokens, None if sampling.logprobs is None
+                           else [logprobs_dict(tokens, sampling.logprobs)], None)
         BeamSlotProcessor.validate_params(sampling)
         future = asyncio.get_running_loop().create_future()
         self.slots[spec["slot"]] = (list(tokens), sampling, future)
-        if len(self.slots) == spec["width"]:
+        if len(self.slots) == spec["members"]:
             self._run(spec)
         return await future
 
     def _run(self, spec) -> None:
-        processor = BeamSlotProcessor(None, torch.device("cpu"), False)
+        processor = BeamSlotProcessor(self.vllm_config, torch.device("cpu"), False)
         order = sorted(self.slots)
         rows = [i for i in order if i != self.drop_slot]
         processor.update_state(SimpleNamespace(
@@ -141,7 +144,7 @@ def vllm_online(prompt: list[int], params: BeamParams) -> list[tuple[list[int], 
 
 
 def ours(prompt: list[int], params: BeamParams, engine: ScriptedEngine | None = None):
-    engine = engine or ScriptedEngine()
+    engine = engine if engine is not None else ScriptedEngine()
     out = asyncio.run(beam_search(engine.generate, prompt, params, eos_token_id=EOS,
                                   request_id="r"))
     return [(b.token_ids, b.cum_logprob) for b in out.beams], out
@@ -232,8 +235,8 @@ def test_a_slot_missing_from_the_batch_fails_the_group_with_its_reason():
 def test_slot_params_are_checked_where_vllm_checks_them():
     from vllm import SamplingParams
 
-    spec = slot_spec(group="g", slot=0, width=2, steps=3, cum_logprob=-1.0,
-                     eos_token_id=EOS, ignore_eos=False)
+    spec = slot_spec(group="g", slot=0, members=2, width=2, live=2, steps=3,
+                     cum_logprob=-1.0, eos_token_id=EOS, ignore_eos=False)
     ok = SamplingParams(temperature=0.0, ignore_eos=True, extra_args={SLOT_KEY: spec})
     BeamSlotProcessor.validate_params(ok)
     for bad, match in [({"temperature": 0.7, "ignore_eos": True}, "greedy"),
@@ -241,7 +244,7 @@ def test_slot_params_are_checked_where_vllm_checks_them():
                        ]:
         with pytest.raises(ValueError, match=match):
             BeamSlotProcessor.validate_params(SamplingParams(**bad, extra_args={SLOT_KEY: spec}))
-    with pytest.raises(ValueError, match="outside width"):
+    with pytest.raises(ValueError, match="outside the group"):
         BeamSlotProcessor.validate_params(SamplingParams(
             temperature=0.0, ignore_eos=True, extra_args={SLOT_KEY: {**spec, "slot": 2}}))
     with pytest.raises(ValueError, match="missing"):
@@ -260,8 +263,8 @@ def _slot_request(prompt, *, group="g", slot, width, steps=2, fork_from=None):
     from tests.utils import BLOCK_SIZE
 
     init_none_hash(sha256)
-    spec = slot_spec(group=group, slot=slot, width=width, steps=steps, cum_logprob=-1.0,
-                     eos_token_id=EOS, ignore_eos=False)
+    spec = slot_spec(group=group, slot=slot, members=width, width=width, live=width,
+                     steps=steps, cum_logprob=-1.0, eos_token_id=EOS, ignore_eos=False)
     sampling = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True,
                               extra_args={SLOT_KEY: spec})
     sampling.update_from_generation_config({}, 1)

@@ -1,0 +1,158 @@
+"""Beams constrained to a catalog, unit level: the trie (``connector.catalog``), its
+file's checks, and the in-engine search (the real processor driven as vLLM drives it,
+``tests/test_beam_slots.py``'s scripted engine) against the reference written apart from
+it (``tools/harness/constrained.py``) on a scripted model with ties. The real engine:
+``tests/test_catalog_engine.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from connector.catalog import CATALOGS_KEY, CatalogError, build, load, parse_spec
+from kvhandoff.types import BeamParams
+from tests.test_beam_slots import EOS, VOCAB, ScriptedEngine, ours, scripted_logits
+from tools.harness.constrained import constrained_beam_search
+
+pytestmark = pytest.mark.beams
+
+
+def _items(seed: int, n: int, lengths=(3,), codes: int = 6) -> list[list[int]]:
+    """``n`` distinct items over a few codes (tokens 2..VOCAB), of the given lengths."""
+    rng = random.Random(seed)
+    vocab = [t for t in range(2, VOCAB) if t != EOS]
+    books = [rng.sample(vocab, codes) for _ in range(max(lengths))]
+    items: set[tuple[int, ...]] = set()
+    while len(items) < n:
+        length = rng.choice(lengths)
+        items.add(tuple(rng.choice(books[i]) for i in range(length)))
+    return [list(i) for i in sorted(items, key=lambda i: rng.random())]
+
+
+def test_the_trie_holds_exactly_the_items():
+    items = _items(0, 150, lengths=(2, 3, 4))
+    catalog = build("c", items, VOCAB)
+    prefixes = {tuple(i[:k]) for i in items for k in range(len(i) + 1)}
+    whole = {tuple(i) for i in items}
+    assert catalog.num_items == len(whole)
+    assert (catalog.min_item_len, catalog.max_item_len) == (2, 4)
+    rng = random.Random(1)
+    probes = list(prefixes) + [tuple(rng.randrange(VOCAB) for _ in range(rng.randint(0, 4)))
+                               for _ in range(300)]
+    for probe in probes:
+        node = catalog.walk(list(probe))
+        assert (node >= 0) == (probe in prefixes), probe
+        assert catalog.holds(list(probe)) == (probe in whole), probe
+    nodes = np.array([catalog.walk(list(p)) for p in probes])
+    rows, tokens = catalog.allowed(nodes)
+    for r, probe in enumerate(probes):
+        nxt = sorted({i[len(probe)] for i in items
+                      if len(i) > len(probe) and tuple(i[:len(probe)]) == probe})
+        assert tokens[rows == r].tolist() == nxt, probe
+
+
+@pytest.mark.parametrize("line,match", [
+    ("1 2 99999", "line 2: token id 99999 is outside the vocabulary"),
+    (f"3 {EOS} 4", f"line 2: EOS \\({EOS}\\) inside an item"),
+    ("3 x 4", "line 2: not token ids"),
+])
+def test_a_bad_item_is_refused_with_its_line(tmp_path, line, match):
+    path = tmp_path / "items.txt"
+    path.write_text(f"# a comment\n{line}\n2 3 4\n")
+    with pytest.raises(CatalogError, match=re.escape(f"catalog 'shop': {path}, ") + match):
+        load("shop", path, VOCAB, EOS)
+    path.write_text("# nothing\n\n")
+    with pytest.raises(CatalogError, match="lists no items"):
+        load("shop", path, VOCAB, EOS)
+    with pytest.raises(CatalogError, match="cannot read"):
+        load("shop", tmp_path / "missing.txt", VOCAB, EOS)
+    with pytest.raises(CatalogError, match="NAME=PATH"):
+        parse_spec("shop")
+    assert parse_spec("shop=/a=b") == ("shop", "/a=b")
+
+
+def _engine(tmp_path, items, copies=True) -> ScriptedEngine:
+    path = tmp_path / "items.txt"
+    path.write_text("".join(" ".join(map(str, i)) + "\n" for i in items))
+    config = SimpleNamespace(additional_config={CATALOGS_KEY: {"shop": str(path)}},
+                             model_config=SimpleNamespace(
+                                 hf_config=SimpleNamespace(eos_token_id=EOS),
+                                 get_vocab_size=lambda: VOCAB))
+    return ScriptedEngine(copies=copies, vllm_config=config)
+
+
+def reference(prompt, items, params):
+    from vllm.v1.sample.sampler import Sampler
+
+    async def next_logprobs(tokens):
+        return Sampler.compute_logprobs(scripted_logits(tokens).unsqueeze(0))[0].tolist()
+
+    beams = asyncio.run(constrained_beam_search(next_logprobs, prompt, items, params, EOS))
+    return [(b.token_ids, b.cum_logprob) for b in beams]
+
+
+#: (width, beam tokens, length penalty, ignore_eos, item lengths, items)
+CASES = [(1, 3, 1.0, False, (3,), 60), (4, 3, 1.0, False, (3,), 60),
+         (4, 4, 0.5, False, (2, 3, 4), 80), (8, 5, 1.0, False, (2, 3), 50),
+         (32, 3, 1.0, False, (3,), 200), (32, 4, 1.0, True, (3, 4), 150),
+         (16, 3, 2.0, False, (3,), 9)]
+
+
+@pytest.mark.parametrize("width,tokens,penalty,ignore_eos,lengths,n", CASES)
+def test_in_engine_constrained_beams_equal_the_reference(tmp_path, width, tokens, penalty,
+                                                         ignore_eos, lengths, n):
+    """Token ids, order and cumulative logprobs, bit for bit, on a model whose logits tie
+    at every step; every beam a whole item (plus EOS where the model ended it); a
+    catalog too small for W returns fewer, and the search says how many it left out."""
+    for seed in range(3):
+        items = _items(seed, n, lengths)
+        prompt = [3 + seed, 4, width, tokens]
+        params = BeamParams(beam_width=width, max_tokens=tokens, length_penalty=penalty,
+                            ignore_eos=ignore_eos, catalog="shop")
+        got, outcome = ours(prompt, params, _engine(tmp_path, items))
+        assert got == reference(prompt, items, params), (seed, params)
+        whole = {tuple(i) for i in items}
+        for beam, _ in got:
+            assert tuple(beam[:-1] if beam[-1] == EOS else beam) in whole, beam
+        assert len(got) <= width and outcome.step_computed_tokens[1:] == [width] * tokens
+        if n < width:
+            assert len(got) < width
+
+
+def test_the_cases_leave_the_catalog_unconstrained_and_have_eos_beams(tmp_path):
+    """The comparison above means something: unconstrained, the same model's beams leave
+    the catalog; constrained, some beams end by EOS."""
+    items = _items(0, 60, (3,))
+    whole = {tuple(i) for i in items}
+    free, _ = ours([3, 4, 4, 3], BeamParams(4, 3))
+    assert any(tuple(b) not in whole for b, _ in free)
+    ended = [b for seed in range(3) for b, _ in
+             ours([3 + seed, 4, 8, 5], BeamParams(8, 5, catalog="shop"),
+                  _engine(tmp_path, _items(seed, 50, (2, 3))))[0] if b[-1] == EOS]
+    assert ended
+
+
+def test_without_the_block_copies_constrained_beams_differ(tmp_path):
+    """Negative control: the slots' KV not replaced by their parents' leaves the
+    reference on most cases."""
+    differ = 0
+    for width, tokens, penalty, ignore_eos, lengths, n in CASES:
+        items = _items(0, n, lengths)
+        params = BeamParams(width, tokens, length_penalty=penalty, ignore_eos=ignore_eos,
+                            catalog="shop")
+        prompt = [3, 4, width, tokens]
+        got, _ = ours(prompt, params, _engine(tmp_path, items, copies=False))
+        differ += got != reference(prompt, items, params)
+    assert differ >= 3
+
+
+def test_an_unknown_catalog_fails_the_group(tmp_path):
+    from kvhandoff.types import StageError
+
+    with pytest.raises(StageError, match="no catalog 'other' here"):
+        ours([3, 4], BeamParams(4, 3, catalog="other"), _engine(tmp_path, _items(0, 20)))
