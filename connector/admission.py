@@ -140,7 +140,8 @@ class AdmissionScheduler(Scheduler):
         beam = params.get(BEAM_KEY)
         if needed > free and beam is not None:
             plain = blocks_needed(
-                request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens
+                request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,
+                from_parent=wanted.beam_from_parent,
             )
             if plain <= free:
                 logger.info(

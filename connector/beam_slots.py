@@ -72,6 +72,7 @@ class _Group:
     members: int  # its slots
     first_block: int  # index of the first block each slot holds alone
     tokens_each: int  # tokens a slot computes at its first step (worst case)
+    own_blocks: int  # blocks a slot holds alone at its first step
     slots: dict[int, str] = field(default_factory=dict)  # slot -> request id
     started: bool = False
     step: int = 0  # beam steps decided so far
@@ -113,7 +114,9 @@ class SlotGroups:
                           .get("fork_from"))
             group = self._groups[name] = _Group(
                 members=members, first_block=last // self._block_size,
-                tokens_each=1 if forked else last % self._block_size + 1)
+                tokens_each=1 if forked else last % self._block_size + 1,
+                own_blocks=-(-request.num_prompt_tokens // self._block_size)
+                - last // self._block_size)
         group.slots[slot] = request.request_id
         self._slot_of[request.request_id] = (name, slot)
         if group.error:
@@ -125,7 +128,8 @@ class SlotGroups:
         """Start the groups whose slots all arrived and fit this step; a group still
         incomplete after ``START_TIMEOUT_S`` ends (its client went away mid-send)."""
         now = time.monotonic()
-        claimed_seqs = claimed_tokens = 0  # by the groups started in this pass
+        claimed_seqs = claimed_tokens = claimed_blocks = 0  # by the groups started here
+        pool = scheduler.kv_cache_manager.block_pool
         for group in self._groups.values():
             if group.started or group.error:
                 continue
@@ -137,12 +141,21 @@ class SlotGroups:
                 continue
             members = [scheduler.requests.get(rid) for rid in group.ids()]
             tokens = group.members * group.tokens_each
+            # Each slot's own blocks at its first step, and the shared ones (a prefix hit
+            # on a cached block takes it from the free count too).
+            blocks = group.members * group.own_blocks + group.first_block
+            if blocks > pool.num_gpu_blocks - 1:
+                group.error = (f"its {group.members} slots need {blocks} blocks at their "
+                               f"first step; the pool holds {pool.num_gpu_blocks - 1}")
+                continue
             if any(m is None or m.status != RequestStatus.WAITING for m in members) \
                     or not self._room(scheduler, group.members + claimed_seqs,
-                                      tokens + claimed_tokens):
+                                      tokens + claimed_tokens) \
+                    or blocks + claimed_blocks > pool.get_num_free_blocks():
                 continue
             claimed_seqs += group.members
             claimed_tokens += tokens
+            claimed_blocks += blocks
             for member in members:
                 member.kv_transfer_params[BEAM_KEY][WAIT_KEY] = False
             # First in the queue, slot 0 first: nothing ahead takes their budget.

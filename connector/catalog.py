@@ -56,6 +56,12 @@ class Catalog:
     def max_item_len(self) -> int:
         return int(self.depth[self.is_item].max(initial=0))
 
+    def max_live(self, steps: int) -> int:
+        """The most beams a search of ``steps`` tokens can have alive at once: distinct
+        live beams sit at distinct nodes of one depth."""
+        counts = np.bincount(self.depth, minlength=steps + 1)[1:steps + 1]
+        return int(counts.max(initial=0))
+
     def allowed(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every (row, token) a beam at ``nodes[row]`` may take next, row by row, each
         row's tokens ascending (a dead node, -1, allows nothing)."""

@@ -24,7 +24,8 @@ its first step; without it, up to ``block_size``.
 **Constrained to a catalog** (``params.catalog``), step 0 is the import only (one
 token, no logprobs: vLLM's logprobs are the top of the whole vocabulary, and the first
 token must be the catalog's); the W slots all start at ``parent + suffix`` with one live
-beam, run all T steps in the engine, and return only whole items
+beam (with fork each copies step 0's block holding the parent's last token and computes
+that token), run all T steps in the engine, and return only whole items
 (``connector.beam_search``: the rules; ``tools/harness/constrained.py``: the reference).
 """
 
@@ -177,11 +178,13 @@ async def beam_search(
     first_step_extra_args: dict[str, Any] | None = None,
     fork: bool = False,
     held_parent: str | None = None,
+    max_live: int | None = None,
 ) -> BeamSearchOutcome:
     """Run beam search (module docstring); ``first_step_extra_args`` go on step 0;
     ``fork``: the slots copy step 0's partial last block; ``held_parent`` (with
     ``fork``): a parent held on this engine that step 0 copies what its prefix-cache hit
-    lacks from (``connector.beam_fork``)."""
+    lacks from (``connector.beam_fork``); ``max_live`` (constrained): the most beams the
+    catalog lets live at once, the slots made (``Catalog.max_live``; default W)."""
     from vllm import SamplingParams
 
     def score(seq: _Sequence) -> float:
@@ -190,13 +193,13 @@ async def beam_search(
     prompt = list(prompt_token_ids)
     name = f"{request_id}-s0"
     constrained = params.catalog is not None
-    fork = fork and not constrained
     t0 = time.perf_counter()
     first = await generate(prompt, SamplingParams(
         max_tokens=1, temperature=0.0, detokenize=False,
         logprobs=None if constrained else 2 * params.beam_width,
-        extra_args=_step0_extra(first_step_extra_args, fork, params.max_tokens > 1, name,
-                                held_parent)), name)
+        extra_args=_step0_extra(first_step_extra_args, fork,
+                                params.max_tokens > 1 or constrained, name, held_parent)),
+        name)
     first_step_s = time.perf_counter() - t0
     _check_outputs([first])
     if ((first.kv_transfer_params or {}).get(KEY) or {}).get("beam_fork_disabled"):
@@ -204,7 +207,8 @@ async def beam_search(
     step_computed = [len(first.prompt_token_ids) - (first.num_cached_tokens or 0)]
     completed: list[_Sequence] = []
     if constrained:  # the slots make every beam step, the first included
-        beams, members = [_Sequence(prompt)], params.beam_width
+        beams = [_Sequence(prompt)]
+        members = min(params.beam_width, max_live or params.beam_width)
     else:
         beams = _first_step(first, prompt, eos_token_id, params.ignore_eos,
                             params.beam_width, completed)
@@ -217,9 +221,7 @@ async def beam_search(
         computed = [len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in slots]
         later_steps = params.max_tokens - (1 if constrained else 2)
         step_computed += [sum(computed)] + [members] * later_steps
-        # Beyond one token per slot (constrained: each slot recomputes the parent's last
-        # partial block by design; counted as computed, not recomputed).
-        recomputed = 0 if constrained else sum(max(n - 1, 0) for n in computed)
+        recomputed = sum(max(n - 1, 0) for n in computed)
         slot_steps = result.get("steps")
         dropped = int(result.get("dropped", 0))
         for key in ("completed", "live"):

@@ -53,10 +53,12 @@ async def run_beam_stage(
     )
     check_beam_width(beam.beam_width, engine.max_beam_width,
                      "this engine (max_logprobs/2, max_num_seqs, vocabulary/2)")
-    check_catalog(engine, beam)
+    # The slots a constrained search makes: no more than its catalog lets live at once.
+    slots = check_catalog(engine, beam)
     # Reserved from now until it ends at the peak its beams can reach: what the router
-    # and D's admission count against the pool, so beam steps never run out of blocks.
-    reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, beam.beam_width,
+    # and D's admission count against the pool, so beam steps never run out of blocks
+    # (they count W slots; a catalog may need fewer).
+    reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, slots,
                                   beam.max_tokens, engine.config.beam_fork,
                                   engine.num_total_blocks,
                                   from_parent=beam.catalog is not None)
@@ -72,6 +74,7 @@ async def run_beam_stage(
             first_step_extra_args=first_step_extra_args,
             fork=engine.config.beam_fork,
             held_parent=held_parent or None,
+            max_live=slots,
         )
     finally:
         engine.num_reserved_blocks -= reserved
@@ -95,11 +98,12 @@ async def run_beam_stage(
     )
 
 
-def check_catalog(engine: VllmEngine, beam: BeamParams) -> None:
+def check_catalog(engine: VllmEngine, beam: BeamParams) -> int:
     """A constrained search names a catalog this engine loaded, and grows its beams long
-    enough for an item (before any import is read)."""
+    enough for an item (checked before any import is read); returns the slots the search
+    makes (W, or fewer where the catalog cannot keep W beams alive)."""
     if beam.catalog is None:
-        return
+        return beam.beam_width
     catalog = engine.catalogs.get(beam.catalog)
     if catalog is None:
         raise StageError("stage2", "catalog",
@@ -107,8 +111,9 @@ def check_catalog(engine: VllmEngine, beam: BeamParams) -> None:
                          f"{sorted(engine.catalogs) or 'none'})")
     if beam.max_tokens < catalog.min_item_len:
         raise InvalidRequest("beam.max_tokens",
-                             f"{beam.max_tokens} is shorter than catalog {beam.catalog!r}'s "
-                             f"shortest item ({catalog.min_item_len} tokens)")
+                             f"{beam.max_tokens} is shorter than the shortest item of "
+                             f"catalog {beam.catalog!r} ({catalog.min_item_len} tokens)")
+    return max(1, min(beam.beam_width, catalog.max_live(beam.max_tokens)))
 
 
 async def run_sample_stage(

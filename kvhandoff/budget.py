@@ -18,10 +18,11 @@ If the pool holds the beams without fork but not with it, the import is admitted
 fork off for that request (its output says so and the slots compute their partial block).
 
 A search constrained to a catalog (``from_parent``) starts every slot at the parent
-itself, without fork: the blocks before the one holding the parent's last token are
-shared, each slot computes that one and grows its own::
+itself: the blocks before the one holding the parent's last token are shared, each slot
+holds that one (copied from step 0's kept request with fork, computed without) and grows
+its own; with fork, step 0's kept block is held beside them until the slots copied it::
 
-    needed = (n - 1) // B + W * cdiv((n - 1) % B + 1 + T, B)
+    needed = (n - 1) // B + W * cdiv((n - 1) % B + 1 + T, B) [+ 1 with fork]
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
     if from_parent:
         num_full = (num_prompt_tokens - 1) // block_size
         tail = num_prompt_tokens - num_full * block_size + beam_max_tokens
-        return num_full + beam_width * cdiv(tail, block_size)
+        return num_full + beam_width * cdiv(tail, block_size) + (1 if beam_fork else 0)
     num_full = num_prompt_tokens // block_size
     tail = num_prompt_tokens - num_full * block_size + beam_max_tokens
     peak = beam_width * cdiv(tail, block_size)
@@ -56,11 +57,10 @@ def stage2_reservation(num_prompt_tokens: int, block_size: int, beam_width: int,
                        from_parent: bool = False) -> int:
     """Blocks a stage 2 is counted at while it runs on D: its peak with beam fork, or
     without it when that peak exceeds the whole pool (admission then turns fork off)."""
-    if from_parent:
-        return blocks_needed(num_prompt_tokens, block_size, beam_width, beam_max_tokens,
-                             from_parent=True)
     if beam_fork:
-        peak = blocks_needed(num_prompt_tokens, block_size, beam_width, beam_max_tokens, True)
+        peak = blocks_needed(num_prompt_tokens, block_size, beam_width, beam_max_tokens, True,
+                             from_parent)
         if peak <= num_total_blocks:
             return peak
-    return blocks_needed(num_prompt_tokens, block_size, beam_width, beam_max_tokens)
+    return blocks_needed(num_prompt_tokens, block_size, beam_width, beam_max_tokens,
+                         from_parent=from_parent)

@@ -66,6 +66,19 @@ def semantic_id(history: tuple[str, ...] | list[str]) -> list[str]:
             f"<c{ITEM_CATEGORY[before]}>"]
 
 
+#: The built-in shop: the semantic ids of the items it sells, a fixed share of all 512.
+SHOP_SEED = 20261127
+SHOP_SHARE = 0.375
+
+
+def shop_items() -> list[list[str]]:
+    """The semantic ids of the items the built-in shop sells (``--catalog shop=builtin``):
+    192 of the 512 ids the rule can give, so the model's best id is not always one."""
+    every = [[f"<a{a}>", f"<b{b}>", f"<c{c}>"] for a in range(8) for b in range(8)
+             for c in range(8)]
+    return sorted(random.Random(SHOP_SEED).sample(every, int(len(every) * SHOP_SHARE)))
+
+
 def thinking_for(history: tuple[str, ...], rng: random.Random) -> str:
     last, before, first = history[-1], history[-2], history[0]
     words = ["recent", CATEGORY_NAMES[ITEM_CATEGORY[last]], last,

@@ -227,6 +227,32 @@ def resolve_model(model: str | None) -> Path:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def builtin_catalog(model_dir: str | Path) -> Path:
+    """The built-in shop's catalog for ``model_dir`` (``corpus.shop_items`` as its
+    tokenizer's ids, one item per line), written once next to the cached models."""
+    from transformers import AutoTokenizer
+
+    from kvhandoff.corpus import shop_items
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    lines = []
+    for item in shop_items():
+        ids = tokenizer.convert_tokens_to_ids(item)
+        if tokenizer.unk_token_id in ids or None in ids:
+            raise ValueError(f"{model_dir}: the built-in catalog needs the built-in "
+                             f"tokenizer's semantic-id tokens ({item} are not all tokens)")
+        lines.append(" ".join(map(str, ids)))
+    text = "# the built-in shop: <a*><b*><c*> semantic ids, one item per line\n"
+    text += "\n".join(lines) + "\n"
+    path = cache_dir() / "catalogs" / f"shop-{hashlib.sha256(text.encode()).hexdigest()[:12]}.txt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return path
+
+
 def model_dtype(model_dir: str | Path) -> str:
     """The dtype a model directory was saved in (its config's ``torch_dtype``, or
     ``dtype`` in newer configs), float32 when it names none we run."""

@@ -262,6 +262,8 @@ class HttpFront:
             req.beam.max_tokens = body.max_tokens
         if body.length_penalty is not None:
             req.beam.length_penalty = body.length_penalty
+        if body.catalog is not None:
+            req.beam.catalog = body.catalog
 
     async def _continuation(self, body: CompletionRequest) -> JSONResponse:
         req = router_pb2.ContinueRequest(parent_id=body.continuation_of,

@@ -61,6 +61,8 @@ class CompletionRequest(BaseModel):
     n: int = 1
     use_beam_search: bool = False
     length_penalty: float | None = None
+    #: Keep the beams in this catalog of the engines' (``--catalog NAME=PATH``).
+    catalog: str | None = None
     ignore_eos: bool = False
     timeout_ms: int | None = None
     # A continuation of a parent (a previous completion's id).
@@ -149,6 +151,8 @@ def beams_json(model: str, resp: router_pb2.GenerateResponse) -> dict[str, Any]:
                  "cached_tokens": s.num_found_on_d_tokens,
                  "computed_tokens": s.num_computed_tokens_first_step}}
     return completion(model, resp.request_id, choices, usage, parent_id=resp.parent_id,
+                      num_beams_short=resp.num_beams_short,
+                      num_dropped_beams=resp.num_dropped_beams,
                       recomputed=s.recomputed, handoff_failure=s.handoff_failure,
                       decode_endpoint=s.decode_endpoint,
                       stage2_first_step_ms=resp.timings.stage2_first_step_ms,

@@ -189,6 +189,8 @@ def to_response(out: Outcome, tokenizer: Any,
             router_overhead_ms=0.0 if received_at is None else max(
                 (time.perf_counter() - received_at) * 1e3 - out.engine_ms, 0.0)),
         moves=out.moves,
+        num_beams_short=s2.num_beams_short,
+        num_dropped_beams=s2.num_dropped_beams,
         stage1_seed=out.plan.stage1.seed or 0,
         stage1_positional=out.plan.stage1.positional,
         stats=router_pb2.HandoffStats(

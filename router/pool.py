@@ -245,11 +245,13 @@ class EnginePool:
         def need(ep: Endpoint) -> int:  # what D reserves for it
             cap = ep.capacity
             return stage2_reservation(num_prompt_tokens, cap.block_size, beam.beam_width,
-                                      beam.max_tokens, cap.beam_fork, cap.num_total_blocks)
+                                      beam.max_tokens, cap.beam_fork, cap.num_total_blocks,
+                                      from_parent=beam.catalog is not None)
 
         def can_hold(ep: Endpoint) -> bool:
             return (beam.beam_width <= ep.capacity.max_beam_width
-                    and need(ep) <= ep.capacity.num_total_blocks)
+                    and need(ep) <= ep.capacity.num_total_blocks
+                    and (beam.catalog is None or beam.catalog in ep.capacity.catalogs))
 
         ticket = object()
         wait_until = self._wait_until(deadline)
@@ -268,6 +270,7 @@ class EnginePool:
                 live = [ep for ep in decode if ep.takes_work]
                 if not live:
                     self._raise_unless_answered_lately(decode, "decode")
+                check_catalog(beam, live, "decode")
                 holding = [ep for ep in live if can_hold(ep)]
                 if live and not holding:
                     biggest = max(live, key=lambda ep: ep.capacity.num_total_blocks)
@@ -308,6 +311,19 @@ class EnginePool:
             self.room_changed()
         else:
             self.refresh_soon(claim.endpoint)
+
+
+def check_catalog(beam: BeamParams, live: list[Endpoint], role: str) -> None:
+    """NOT_FOUND when ``beam`` names a catalog that none of the engines in rotation
+    (``live``, when any) loaded."""
+    if beam.catalog is None or not live:
+        return
+    if not any(beam.catalog in ep.capacity.catalogs for ep in live):
+        theirs = sorted({c for ep in live for c in ep.capacity.catalogs})
+        raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                         f"no {role} engine has catalog {beam.catalog!r} (theirs: "
+                         f"{', '.join(theirs) or 'none'}; engines load them with "
+                         "--catalog NAME=PATH)")
 
 
 def _none_in_rotation(endpoints: list[Endpoint], role: str, waited_s: float) -> RouterError:

@@ -77,12 +77,13 @@ def beam_from_pb(msg: common_pb2.BeamSearch) -> BeamParams:
         beam_width=msg.beam_width if msg.HasField("beam_width") else 4,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else 3,
         length_penalty=msg.length_penalty if msg.HasField("length_penalty") else 1.0,
+        catalog=msg.catalog or None,
     )
 
 
 def beam_to_pb(p: BeamParams) -> common_pb2.BeamSearch:
     return common_pb2.BeamSearch(beam_width=p.beam_width, max_tokens=p.max_tokens,
-                                 length_penalty=p.length_penalty)
+                                 length_penalty=p.length_penalty, catalog=p.catalog or "")
 
 
 def beams_to_pb(beams: list[Beam]) -> list[common_pb2.Beam]:

@@ -191,6 +191,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             num_computed_tokens_first_step=result.num_computed_tokens_first_step,
             num_computed_tokens_total=result.num_computed_tokens_total,
             num_recomputed_beam_tokens=result.num_recomputed_beam_tokens,
+            num_beams_short=max(result.num_beams_short, 0),
+            num_dropped_beams=result.num_dropped_beams,
             first_step_ms=result.first_step_s * 1e3,
             total_ms=result.elapsed_s * 1e3,
         )
@@ -214,6 +216,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             handoff_target=self.engine.handoff_target,
             num_reserved_blocks=self.engine.num_reserved_blocks,
             beam_fork=self.engine.config.beam_fork,
+            catalogs=sorted(self.engine.catalogs),
         )
 
     async def Release(self, request: engine_pb2.ReleaseRequest, context):

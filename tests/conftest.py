@@ -189,12 +189,16 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def pair(run, model_dir):
     """A real P and D on the built-in model, NIXL over loopback, and a second P (``p2``:
-    the harness's moves between Ps). Fault injection is allowed (tests/test_harness.py's
-    negative controls); no other test names a fault."""
+    the harness's moves between Ps), each with the built-in catalog ``shop``. Fault
+    injection is allowed (the negative controls of tests/test_harness.py and
+    tests/test_catalog_engine.py); no other test names a fault."""
+    from kvhandoff.model import builtin_catalog
     from tools.local import local_pair
 
     def start():
+        # Every engine of the group has the built-in shop (tests/test_catalog_engine.py).
         cm = local_pair(model_dir, lease_s=LEASE_S, fault_injection=True, second_prefill=True,
+                        catalogs=(("shop", str(builtin_catalog(model_dir))),),
                         prefill_overrides={"kv_cache_memory_bytes": P_POOL_BYTES},
                         decode_overrides={"kv_cache_memory_bytes": D_POOL_BYTES})
         return run(cm.__aenter__()), lambda: run(cm.__aexit__(None, None, None))
@@ -224,7 +228,8 @@ CLUSTER_LEASE_S = 30
 def cluster(model_dir, tmp_path_factory):
     """P, D and the router as separate `kvhandoff serve` processes on loopback; the
     engines take injected faults (``--fault-injection``: the end-to-end negative
-    controls), the router serves HTTP too (``http``: its base URL)."""
+    controls) and have the built-in catalog ``shop``, the router serves HTTP too
+    (``http``: its base URL)."""
     from kvhandoff.ports import free_port
     from tools.launch import local_cluster
 
@@ -232,7 +237,7 @@ def cluster(model_dir, tmp_path_factory):
         http_port = free_port()
         cm = local_cluster(model_dir, tmp_path_factory.mktemp("cluster-logs"),
                            decode_mib=CLUSTER_D_MIB, prefill_mib=64, lease_s=CLUSTER_LEASE_S,
-                           engine_flags=("--fault-injection",),
+                           engine_flags=("--fault-injection", "--catalog", "shop=builtin"),
                            router_flags=("--http-port", str(http_port)))
         return ({**cm.__enter__(), "http": f"http://127.0.0.1:{http_port}"},
                 lambda: cm.__exit__(None, None, None))

@@ -266,3 +266,53 @@ def test_deadline_during_stage2_is_deadline_exceeded_and_frees_both(router_clien
     assert time.monotonic() - t0 < timeout + 10
     assert_idle_within([cluster["prefill"], *cluster["decode"]])  # half of stage 2 left
     assert_cluster_clean()
+
+
+@pytest.mark.beams
+def test_beams_in_a_catalog_over_grpc_and_http_equal_colocated_and_fail_when_faulted(
+        router_client, cluster, model_dir, assert_cluster_clean):
+    """``beam.catalog`` through the router: by handoff, identical to the colocated
+    reference (ids and logprobs), every beam an item of the shop; unknown catalogs are
+    NOT_FOUND before stage 1 (no D has it; no P for the colocated path) and 404 over
+    HTTP; over HTTP (``extra_body`` ``catalog``, the openai client) the beams are items
+    too. The negative control: the same handoff with D's import faulted fails the check."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from kvhandoff.corpus import shop_items
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    shop = {tuple(tokenizer.convert_tokens_to_ids(item)) for item in shop_items()}
+    prompt = "history: kettle tent coat mug lamp phone novel tea\n<think>"
+    kw = dict(prompt=prompt, max_tokens=48, seed=4, beam_width=8, catalog="shop")
+    got = router_client.generate(make_request(path="handoff", **kw))
+    ref = router_client.generate(make_request(path="colocated", **kw))
+    assert ref.stats.path == common_pb2.PATH_COLOCATED
+    assert_handed_off(got)
+    assert_identical(got, ref)
+    assert got.beams and all(tuple(b.token_ids) in shop for b in got.beams)
+    assert got.num_beams_short == 8 - len(got.beams)
+    for path, role in (("handoff", "decode"), ("colocated", "prefill")):
+        with pytest.raises(grpc.RpcError) as e:
+            router_client.generate(make_request(path=path, **{**kw, "catalog": "nope"}))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert f"no {role} engine has catalog 'nope' (theirs: shop;" in e.value.details()
+    client = openai.OpenAI(base_url=cluster["http"] + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model=model_dir, prompt=prompt + " recent tech so</think>\n"
+                                    "<|sid_begin|>", max_tokens=3, n=4,
+                                    extra_body={"use_beam_search": True, "catalog": "shop"})
+    assert len(out.choices) == 4
+    assert all(tuple(c.model_extra["token_ids"]) in shop for c in out.choices)
+    with pytest.raises(openai.NotFoundError, match="catalog 'nope'"):
+        client.completions.create(model=model_dir, prompt=prompt, max_tokens=3, n=4,
+                                  extra_body={"use_beam_search": True, "catalog": "nope"})
+    # A prompt no engine holds, so D reads (and the fault corrupts) the whole parent.
+    kw["prompt"] = "history: boots map rope torch kayak compass stove tent\n<think>"
+    ref = router_client.generate(make_request(path="colocated", **kw))
+    faulted = make_request(path="handoff", **kw)
+    faulted.fault = "zero-block"
+    bad = router_client.generate(faulted)
+    assert_handed_off(bad)
+    with pytest.raises(AssertionError):
+        assert_identical(bad, ref)
+    assert_cluster_clean()

@@ -44,6 +44,13 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs["dtype"] = args.dtype or model_dtype(model_dir)
     if args.fault_injection:
         kwargs["fault_injection"] = True
+    if args.catalog:
+        from connector.catalog import parse_spec
+        from kvhandoff.model import builtin_catalog
+
+        kwargs["catalogs"] = tuple(
+            (name, str(builtin_catalog(model_dir)) if path == "builtin" else path)
+            for name, path in map(parse_spec, args.catalog))
     return kwargs
 
 
@@ -183,6 +190,10 @@ def _add_serve(sub: Any) -> None:
                        help="prefill/decode: accept requests that name an injected fault of "
                             "connector.faults (negative controls of the tests and the "
                             "harness; a request naming one is refused without this flag)")
+    serve.add_argument("--catalog", action="append", default=[], metavar="NAME=PATH",
+                       help="prefill/decode: a catalog of items beams may be constrained "
+                            "to (one item per line: its token ids); PATH 'builtin' is the "
+                            "built-in model's shop; repeat for several")
     serve.add_argument("--side-channel-host", default="127.0.0.1",
                        help="NIXL side channel address (a node IP across hosts)")
     serve.add_argument("--side-channel-port", type=int, default=0,
@@ -268,6 +279,9 @@ def _add_client(sub: Any) -> None:
     client.add_argument("--seed", type=int, default=None)
     client.add_argument("--beam-width", type=int, default=4)
     client.add_argument("--beam-tokens", type=int, default=3)
+    client.add_argument("--catalog", default=None, metavar="NAME",
+                        help="keep the beams in this catalog of the engines' (--catalog at "
+                             "their start)")
     client.add_argument("--path", choices=["auto", "handoff", "colocated"], default="auto")
     client.add_argument("--stream", action="store_true")
     client.add_argument("--timeout", type=float, default=120.0)

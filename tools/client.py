@@ -18,7 +18,8 @@ PATHS = {"auto": common_pb2.PATH_AUTO, "handoff": common_pb2.PATH_HANDOFF,
 def make_request(*, prompt: str | list[int], max_tokens: int = 64, temperature: float = 1.0,
                  seed: int | None = None, beam_width: int = 4, beam_tokens: int = 3,
                  path: str = "auto", request_id: str = "",
-                 suffix: str | list[int] | None = None) -> router_pb2.GenerateRequest:
+                 suffix: str | list[int] | None = None,
+                 catalog: str | None = None) -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(request_id=request_id, path=PATHS[path])
     if isinstance(prompt, str):
         req.prompt_text = prompt
@@ -34,6 +35,8 @@ def make_request(*, prompt: str | list[int], max_tokens: int = 64, temperature: 
         req.stage1.seed = seed
     req.beam.beam_width = beam_width
     req.beam.max_tokens = beam_tokens
+    if catalog:
+        req.beam.catalog = catalog
     return req
 
 
@@ -85,6 +88,10 @@ def format_response(resp: router_pb2.GenerateResponse) -> str:
     ]
     for i, b in enumerate(resp.beams):
         lines.append(f"  beam {i}: {list(b.token_ids)} {b.text!r} logp={b.cum_logprob:.4f}")
+    if resp.num_beams_short or resp.num_dropped_beams:
+        lines.append(f"  the catalog filled {len(resp.beams)} beams ({resp.num_beams_short} "
+                     f"short of the width; {resp.num_dropped_beams} left out for not being "
+                     "whole items)")
     return "\n".join(lines)
 
 
@@ -98,7 +105,7 @@ def main_client(args: argparse.Namespace) -> int:
         return 2
     req = make_request(prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                        seed=args.seed, beam_width=args.beam_width, beam_tokens=args.beam_tokens,
-                       path=args.path)
+                       path=args.path, catalog=args.catalog)
     tls = channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key)
     with RouterClient(args.router, tls) as client:
         try:

@@ -1,6 +1,9 @@
 """``kvhandoff demo``: P, D and the router as separate processes on loopback, a batch of
 two-stage requests through the router over gRPC, each checked against the colocated
-reference, then everything shut down. Exit code 0 only if every request verified.
+reference; then the same requests with their beams kept in the built-in shop
+(``--catalog shop=builtin``: every beam an item, identical to colocated, and how many
+beams the open search returned outside it); then everything shut down. Exit code 0
+only if every request verified.
 
 ``--hosts netns``: P, D and the router each on its own network host (tools.netns), the
 client on the router's host, the KV read over the link by TCP; the demo also reports the
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from kvhandoff.corpus import Example, make_example, semantic_id
+from kvhandoff.corpus import Example, make_example, semantic_id, shop_items
 from kvhandoff.model import resolve_model
 from tools.client import RouterClient, make_request
 from tools.harness import LOGPROB_TOLERANCE
@@ -56,6 +59,62 @@ def _send_all(router: str, prompts: list[str], beam_width: int) -> list:
         with ThreadPoolExecutor(4) as pool:
             return list(tqdm(pool.map(both, range(len(prompts))), total=len(prompts),
                              desc="two-stage requests", unit="req"))
+
+
+def _send_in_catalog(router: str, prompts: list[str], beam_width: int) -> list:
+    """Each prompt again with its beams kept in the built-in shop, by handoff and on the
+    colocated path (same seeds: the same thinking); a failed pair is its status."""
+    with RouterClient(router) as client:
+        def both(i: int):
+            kw = dict(prompt=prompts[i], max_tokens=96, seed=i, beam_width=beam_width,
+                      catalog="shop")
+            try:
+                got = client.generate(make_request(path="handoff", request_id=f"shop-{i}",
+                                                   **kw))
+                ref = client.generate(make_request(path="colocated",
+                                                   request_id=f"shop-ref-{i}", **kw))
+            except grpc.RpcError as e:
+                return f"{e.code().name}: {e.details()}"
+            return got, ref
+
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(both, range(len(prompts))))
+
+
+def _catalog_summary(results: list, in_catalog: list, shop: set[tuple[int, ...]]) -> dict:
+    """How many beams the open search returned outside the shop, and whether every
+    constrained beam is an item and equals the colocated reference; printed."""
+    free = [list(b.token_ids) for r in results if not isinstance(r, str) for b in r[0].beams]
+    free_top = [list(r[0].beams[0].token_ids) for r in results
+                if not isinstance(r, str) and r[0].beams]
+    done = [r for r in in_catalog if not isinstance(r, str)]
+    kept = [list(b.token_ids) for got, _ in done for b in got.beams]
+    identical = sum(_same_beams(got, ref) for got, ref in done)
+    summary = {
+        "catalog": "shop", "num_items": len(shop),
+        "open_beams": len(free), "open_beams_outside": sum(tuple(b) not in shop for b in free),
+        "open_top_outside": sum(tuple(b) not in shop for b in free_top),
+        "requests": len(in_catalog), "failed": [r for r in in_catalog if isinstance(r, str)],
+        "beams": len(kept), "beams_outside": sum(tuple(b) not in shop for b in kept),
+        "identical_to_colocated": identical,
+        "beams_short": sum(got.num_beams_short for got, _ in done)}
+    print(f"\ncatalog 'shop' ({len(shop)} items): the open search returned "
+          f"{summary['open_beams_outside']} of {len(free)} beams outside it (top beam outside "
+          f"in {summary['open_top_outside']}/{len(free_top)}); kept in it, "
+          f"{len(kept) - summary['beams_outside']}/{len(kept)} beams are items, "
+          f"{identical}/{len(in_catalog)} requests identical to the colocated reference"
+          + (f", {len(summary['failed'])} failed: {summary['failed'][0]}"
+             if summary["failed"] else ""))
+    summary["ok"] = (not summary["failed"] and summary["beams_outside"] == 0
+                     and identical == len(in_catalog) and len(kept) > 0)
+    return summary
+
+
+def _same_beams(got, ref) -> bool:
+    return (list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+            and [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+            and all(abs(a.cum_logprob - b.cum_logprob) <= LOGPROB_TOLERANCE
+                    for a, b in zip(got.beams, ref.beams)))
 
 
 def _post(url: str, body: dict) -> dict:
@@ -109,10 +168,7 @@ def _row(i: int, got, ref, example: Example, tokenizer, think_end: int) -> dict:
     """One request's line of the table (printed) and of the JSON report."""
     # A handoff the router had to recompute (flagged) must be identical too, but only
     # the others demonstrate the handoff.
-    same = (list(got.thinking_token_ids) == list(ref.thinking_token_ids)
-            and [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
-            and all(abs(a.cum_logprob - b.cum_logprob) <= LOGPROB_TOLERANCE
-                    for a, b in zip(got.beams, ref.beams)))
+    same = _same_beams(got, ref)
     s = got.stats
     top = _sid_tokens(tokenizer, got.beams[0].token_ids) if got.beams else []
     rule = semantic_id(example.history)
@@ -183,6 +239,11 @@ def main_demo(args: argparse.Namespace) -> int:
     examples = demo_examples(args.requests)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
     think_end = tokenizer.convert_tokens_to_ids("</think>")
+    # The built-in shop needs the built-in tokenizer's semantic-id tokens.
+    shop = {tuple(tokenizer.convert_tokens_to_ids(item)) for item in shop_items()}
+    if any(tokenizer.unk_token_id in item or None in item for item in shop):
+        shop = set()
+        print("(this model's tokenizer lacks the built-in semantic ids: no catalog part)")
     from kvhandoff.ports import free_port
 
     http_port = free_port()
@@ -191,7 +252,7 @@ def main_demo(args: argparse.Namespace) -> int:
         on_hosts = stack.enter_context(hosts(("p", "d", "r"))) if args.hosts == "netns" else None
         cluster = stack.enter_context(local_cluster(
             args.model, log_dir, router_flags=("--http-port", str(http_port)),
-            on_hosts=on_hosts))
+            engine_flags=("--catalog", "shop=builtin") if shop else (), on_hosts=on_hosts))
         http_host = on_hosts["r"].address if on_hosts else "127.0.0.1"
         where = (f"P on {on_hosts['p'].address}, D on {on_hosts['d'].address}, router on "
                  f"{http_host} (separate network namespaces)" if on_hosts else
@@ -200,13 +261,19 @@ def main_demo(args: argparse.Namespace) -> int:
               f"http://{http_host}:{http_port} (OpenAI-compatible)", flush=True)
         base = f"http://{http_host}:{http_port}"
         prompts = [ex.prompt for ex in examples]
+        in_catalog: list = []
         if on_hosts:  # this process cannot reach the router's host: the client runs there
             results = call(on_hosts["r"], _send_all, cluster["router"], prompts, args.beam_width)
             two_calls = call(on_hosts["r"], _two_calls, base, examples[0].prompt,
                              args.beam_width, results[0])
+            if shop:
+                in_catalog = call(on_hosts["r"], _send_in_catalog, cluster["router"], prompts,
+                                  args.beam_width)
         else:
             results = _send_all(cluster["router"], prompts, args.beam_width)
             two_calls = _two_calls(base, examples[0].prompt, args.beam_width, results[0])
+            if shop:
+                in_catalog = _send_in_catalog(cluster["router"], prompts, args.beam_width)
     transport = _transport_line(log_dir) if on_hosts else None
     print(f"\n{'req':<8}{'stage1':>7}{'parent':>7}{'imported':>9}{'D comp':>7}{'KiB':>6}"
           f"{'first beam ms':>14}  {'top beam':<16}{'rule':<16}{'logp':>8}  verified")
@@ -219,6 +286,7 @@ def main_demo(args: argparse.Namespace) -> int:
             rows.append(_row(i, *result, examples[i], tokenizer, think_end))
     handed = [r for r in rows if "error" not in r and not r["recomputed"]]
     _print_summary(rows, handed)
+    catalog = _catalog_summary(results, in_catalog, shop) if shop else None
     # Every request identical, and the handoff itself, not its fallback: every request
     # but one (a first READ can stall past P's lease on a loaded 2-core host; it is
     # recomputed, flagged) went by handoff.
@@ -226,10 +294,13 @@ def main_demo(args: argparse.Namespace) -> int:
           and two_calls["verified"])
     if transport is not None:  # across hosts the KV must have crossed the network
         ok = ok and transport["network"]
+    if catalog is not None:  # every beam kept in the catalog is an item, and identical
+        ok = ok and catalog["ok"]
     if args.json:
         Path(args.json).write_text(json.dumps({"ok": ok, "requests": rows,
                                                "num_handoff": len(handed),
                                                "two_calls": two_calls,
                                                "hosts": args.hosts or None,
+                                               "catalog": catalog,
                                                "transport": transport}, indent=1) + "\n")
     return 0 if ok else 1

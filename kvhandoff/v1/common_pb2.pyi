@@ -61,14 +61,16 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class BeamSearch(_message.Message):
-    __slots__ = ("beam_width", "max_tokens", "length_penalty")
+    __slots__ = ("beam_width", "max_tokens", "length_penalty", "catalog")
     BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_FIELD_NUMBER: _ClassVar[int]
     beam_width: int
     max_tokens: int
     length_penalty: float
-    def __init__(self, beam_width: _Optional[int] = ..., max_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ...) -> None: ...
+    catalog: str
+    def __init__(self, beam_width: _Optional[int] = ..., max_tokens: _Optional[int] = ..., length_penalty: _Optional[float] = ..., catalog: _Optional[str] = ...) -> None: ...
 
 class Beam(_message.Message):
     __slots__ = ("token_ids", "text", "cum_logprob", "finish_reason")

@@ -76,7 +76,7 @@ class Stage2Event(_message.Message):
     def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., result: _Optional[_Union[Stage2Response, _Mapping]] = ...) -> None: ...
 
 class Stage2Response(_message.Message):
-    __slots__ = ("beams", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens_first_step", "num_computed_tokens_total", "first_step_ms", "total_ms", "num_recomputed_beam_tokens")
+    __slots__ = ("beams", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens_first_step", "num_computed_tokens_total", "first_step_ms", "total_ms", "num_recomputed_beam_tokens", "num_beams_short", "num_dropped_beams")
     BEAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMPORTED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,8 @@ class Stage2Response(_message.Message):
     FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOMPUTED_BEAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAMS_SHORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_BEAMS_FIELD_NUMBER: _ClassVar[int]
     beams: _containers.RepeatedCompositeFieldContainer[_common_pb2.Beam]
     num_imported_tokens: int
     num_imported_bytes: int
@@ -93,14 +95,16 @@ class Stage2Response(_message.Message):
     first_step_ms: float
     total_ms: float
     num_recomputed_beam_tokens: int
-    def __init__(self, beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., first_step_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_recomputed_beam_tokens: _Optional[int] = ...) -> None: ...
+    num_beams_short: int
+    num_dropped_beams: int
+    def __init__(self, beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., first_step_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., num_beams_short: _Optional[int] = ..., num_dropped_beams: _Optional[int] = ...) -> None: ...
 
 class CapacityRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint", "handoff_target", "num_reserved_blocks", "beam_fork")
+    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint", "handoff_target", "num_reserved_blocks", "beam_fork", "catalogs")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +119,7 @@ class Capacity(_message.Message):
     HANDOFF_TARGET_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BEAM_FORK_FIELD_NUMBER: _ClassVar[int]
+    CATALOGS_FIELD_NUMBER: _ClassVar[int]
     role: str
     engine_id: str
     num_total_blocks: int
@@ -129,7 +134,8 @@ class Capacity(_message.Message):
     handoff_target: str
     num_reserved_blocks: int
     beam_fork: bool
-    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., handoff_target: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., beam_fork: _Optional[bool] = ...) -> None: ...
+    catalogs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., handoff_target: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., beam_fork: _Optional[bool] = ..., catalogs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -234,7 +234,7 @@ class HandoffStats(_message.Message):
     def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., handoff_failure: _Optional[str] = ..., num_found_on_d_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids", "parent_id", "stage1_seed", "stage1_positional", "moves")
+    __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids", "parent_id", "stage1_seed", "stage1_positional", "moves", "num_beams_short", "num_dropped_beams")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THINKING_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,8 @@ class GenerateResponse(_message.Message):
     STAGE1_SEED_FIELD_NUMBER: _ClassVar[int]
     STAGE1_POSITIONAL_FIELD_NUMBER: _ClassVar[int]
     MOVES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAMS_SHORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_BEAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     thinking_token_ids: _containers.RepeatedScalarFieldContainer[int]
     thinking_text: str
@@ -261,7 +263,9 @@ class GenerateResponse(_message.Message):
     stage1_seed: int
     stage1_positional: bool
     moves: _containers.RepeatedCompositeFieldContainer[Move]
-    def __init__(self, request_id: _Optional[str] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., stage1_finish_reason: _Optional[str] = ..., suffix_token_ids: _Optional[_Iterable[int]] = ..., beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stats: _Optional[_Union[HandoffStats, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., parent_id: _Optional[str] = ..., stage1_seed: _Optional[int] = ..., stage1_positional: _Optional[bool] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ...) -> None: ...
+    num_beams_short: int
+    num_dropped_beams: int
+    def __init__(self, request_id: _Optional[str] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., stage1_finish_reason: _Optional[str] = ..., suffix_token_ids: _Optional[_Iterable[int]] = ..., beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stats: _Optional[_Union[HandoffStats, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., parent_id: _Optional[str] = ..., stage1_seed: _Optional[int] = ..., stage1_positional: _Optional[bool] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., num_beams_short: _Optional[int] = ..., num_dropped_beams: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamEvent(_message.Message):
     __slots__ = ("stage1_tokens", "result")
