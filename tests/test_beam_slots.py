@@ -388,3 +388,40 @@ def test_an_incomplete_group_ends_after_its_start_timeout(model_dir, monkeypatch
     assert out.num_scheduled_tokens == {}
     assert outputs["g1"].kv_transfer_params[KEY]["reason"] == "beam_group"
     assert_scheduler_clean(scheduler)
+
+
+def test_a_group_starts_only_with_blocks_for_its_first_step_and_one_too_big_ends(model_dir):
+    """Each slot holds its own block from its first step: a group of 6 over a 40-token
+    parent (blocks of 32: 1 shared, 1 own each: 7) waits while another request holds 5
+    of the pool's 11 blocks, and starts when they are free; a group that needs more than
+    the whole pool ends at once with the numbers (it was scheduled split before and
+    failed a step later)."""
+    from connector.handoff import KEY
+    from tests.utils import BLOCK_SIZE, assert_scheduler_clean, make_scheduler
+
+    assert BLOCK_SIZE == 32
+    scheduler = make_scheduler(model_dir, num_blocks=12)
+    parent = list(range(10, 50))
+    hog = _slot_request(list(range(300, 450)), group="h", slot=0, width=1, steps=1)
+    scheduler.add_request(hog)
+    group = [_slot_request(parent + [i], slot=i, width=6, steps=1) for i in range(6)]
+    for req in group:
+        scheduler.add_request(req)
+    out, _ = _slot_step(scheduler, {"h": {"step": 1, "parents": [0],
+                                          "result": {"completed": [], "live": []}}})
+    assert sorted(out.num_scheduled_tokens) == ["h0"], "6 slots need 7 blocks, 6 were free"
+    result = {"completed": [], "live": [[i, [5], -1.0] for i in range(6)]}
+    out, outputs = _slot_step(scheduler, {"g": {"step": 1, "parents": list(range(6)),
+                                                "result": result}})
+    assert sorted(out.num_scheduled_tokens) == [f"g{i}" for i in range(6)]
+    assert outputs["g0"].kv_transfer_params[KEY][SLOT_KEY]["live"] == result["live"]
+
+    wide = [_slot_request(parent + [i], group="w", slot=i, width=12, steps=1)
+            for i in range(12)]
+    for req in wide:
+        scheduler.add_request(req)
+    out, outputs = _slot_step(scheduler)
+    assert out.num_scheduled_tokens == {}
+    info = outputs["w0"].kv_transfer_params[KEY]
+    assert "its 12 slots need 13 blocks at their first step; the pool holds 11" in info["error"]
+    assert_scheduler_clean(scheduler)
