@@ -333,8 +333,9 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--beams", action="store_true",
                        help="stage 2's beam search inside D against its floor and against "
                             "vLLM's beam_search, W in --widths (4,32,128,512) x T in 3,8, "
-                            "with the slots' steps and D's peak memory (bench model unless "
-                            "--model; --prompt-tokens, --stage1-tokens)")
+                            "with the slots' steps and D's peak memory; then open vs "
+                            "constrained to a synthetic catalog at W 32 and 512 (bench "
+                            "model unless --model; --prompt-tokens, --stage1-tokens)")
     bench.add_argument("--widths", default=None, help="with --beams: e.g. 4,32")
     bench.add_argument("--hosts-link", action="store_true",
                        help="the link between two network hosts (namespaces; root): a TCP "

@@ -14,13 +14,19 @@ For each W (increasing) and T, on one P+D pair in this process, the engines to i
   blocks copied after a step, the engine step with W slots (iteration stats), and what is
   left of the slots' part ("front end": their submission, the final outputs);
 - **peak memory of D's engine-core process** (VmHWM: widths run in increasing order, so
-  each figure is the peak up to that width).
+  each figure is the peak up to that width);
+- **constrained to a catalog** (``catalog`` rows, W in ``CATALOG_WIDTHS``, T = 3): a
+  synthetic semantic-id catalog (three codebooks of 256 tokens, ``CATALOG_ITEMS`` items:
+  every depth keeps more than W beams alive), stage 2 warm on D open and constrained,
+  alternated (open first) ``CATALOG_REPEATS`` times in the same cache state: the medians,
+  their ratio, and the processor's milliseconds a step each way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,49 @@ from tools.local import local_pair
 
 WIDTHS = (4, 32, 128, 512)
 TOKENS = (3, 8)
+CATALOG_WIDTHS = (32, 512)
+CATALOG_ITEMS = 20_000
+CATALOG_REPEATS = 3
+
+
+def synthetic_catalog(path: Path, seed: int) -> Path:
+    """Semantic ids of three tokens, one from each of three codebooks of 256 ordinary
+    tokens (ids 10-777 of a 1024-token vocabulary), ``CATALOG_ITEMS`` distinct ones."""
+    import random
+
+    rng = random.Random(seed)
+    items: set[tuple[int, int, int]] = set()
+    while len(items) < CATALOG_ITEMS:
+        items.add((10 + rng.randrange(256), 266 + rng.randrange(256), 522 + rng.randrange(256)))
+    path.write_text("".join(f"{a} {b} {c}\n" for a, b, c in sorted(items)))
+    return path
+
+
+async def catalog_point(bench: Bench, prompt: list[int], width: int) -> dict[str, Any]:
+    """Open and constrained stage 2 warm on D, alternated (module docstring)."""
+    cold = await bench.one("handoff", prompt, 1, beam=BeamParams(beam_width=4, max_tokens=3))
+    runs: dict[str, list[Any]] = {"open": [], "catalog": []}
+    times: dict[str, list[float]] = {"open": [], "catalog": []}
+    for _ in range(CATALOG_REPEATS):
+        for kind in ("open", "catalog"):
+            beam = BeamParams(beam_width=width, max_tokens=3,
+                              catalog="bench" if kind == "catalog" else None)
+            t0 = time.perf_counter()
+            runs[kind].append(await run_beam_stage(bench.d, cold.stage2_prompt, beam,
+                                                   bench.new_id(kind)))
+            times[kind].append((time.perf_counter() - t0) * 1e3)
+
+    def select_ms(kind: str) -> float | None:
+        steps = [ms for r in runs[kind] for ms in ((r.beam_steps or {}).get("select_ms") or [])]
+        return round(statistics.mean(steps), 2) if steps else None
+
+    open_ms, catalog_ms = statistics.median(times["open"]), statistics.median(times["catalog"])
+    return {"beam_width": width, "beam_tokens": 3, "catalog_items": CATALOG_ITEMS,
+            "open_warm_ms": round(open_ms, 1), "catalog_warm_ms": round(catalog_ms, 1),
+            "catalog_over_open": round(catalog_ms / open_ms, 3),
+            "open_select_ms_per_step": select_ms("open"),
+            "catalog_select_ms_per_step": select_ms("catalog"),
+            "catalog_beams": len(runs["catalog"][-1].beams)}
 
 
 def _engine_core_hwm_mib(llm: Any) -> float | None:
@@ -108,7 +157,9 @@ async def run_beams(cfg: BenchConfig, widths: tuple[int, ...] = WIDTHS,
     max_len += -max_len % 32
     common = dict(max_model_len=max_len, kv_cache_memory_bytes=2 << 30, lease_s=60,
                   max_num_seqs=max(64, widest), max_logprobs=max(64, 2 * widest))
-    rows = []
+    rows, catalog_rows = [], []
+    catalog = synthetic_catalog(Path(tempfile.mkdtemp()) / "bench-catalog.txt", cfg.seed)
+    common["catalogs"] = (("bench", str(catalog)),)
     async with local_pair(cfg.model, **common) as pair:
         bench = Bench(pair, cfg)
         prompt = make_prompts(bench.tok, 1, cfg.prompt_tokens, cfg.seed + 77)[0]
@@ -119,9 +170,13 @@ async def run_beams(cfg: BenchConfig, widths: tuple[int, ...] = WIDTHS,
                 rows.append(await beam_point(bench, prompt, width, t, cfg.seed + 80 + 10 * i + j))
                 if progress is not None:
                     progress(f"W={width} T={t}: {rows[-1]}")
+        for width in [w for w in CATALOG_WIDTHS if w <= widest]:
+            catalog_rows.append(await catalog_point(bench, prompt, width))
+            if progress is not None:
+                progress(f"catalog W={width}: {catalog_rows[-1]}")
         await asyncio.sleep(0)
     return {"model": str(pair.model_dir), "prompt_tokens": cfg.prompt_tokens,
-            "stage1_tokens": cfg.stage1_tokens, "rows": rows}
+            "stage1_tokens": cfg.stage1_tokens, "rows": rows, "catalog": catalog_rows}
 
 
 def format_beams(result: dict[str, Any]) -> str:
@@ -132,4 +187,8 @@ def format_beams(result: dict[str, Any]) -> str:
     lines = ["  ".join(cols)]
     for row in result["rows"]:
         lines.append("  ".join(str(row.get(c)) for c in cols))
+    if result.get("catalog"):
+        cols = list(result["catalog"][0])
+        lines += ["", "  ".join(cols)]
+        lines += ["  ".join(str(row.get(c)) for c in cols) for row in result["catalog"]]
     return "\n".join(lines)
