@@ -124,7 +124,8 @@ class HandleStub:
         if not (request.HasField("handoff") and self.block_size):
             return 0
         return blocks_needed(len(request.prompt_token_ids), self.block_size,
-                             request.beam.beam_width, request.beam.max_tokens, True)
+                             request.beam.beam_width, request.beam.max_tokens, True,
+                             from_parent=bool(request.beam.catalog))
 
     async def _unary(self, response: Any, timeout: float | None) -> bytes:
         async with self._call(response, timeout):

@@ -95,6 +95,19 @@ def test_blocks_needed(n, w, t, expected, with_fork):
     assert blocks_needed(n, 32, w, t, beam_fork=True) == with_fork
 
 
+@pytest.mark.parametrize("n,w,t,expected", [
+    # Slots start at the parent: its last token's block is each slot's own.
+    (65, 4, 3, 2 + 4 * 1),         # 1 + 3 tokens in the own block
+    (64, 4, 3, 1 + 4 * 2),         # the full last block (32) + 3: two own blocks each
+    (95, 32, 3, 2 + 32 * 2),       # 31 + 3 tokens
+])
+def test_blocks_needed_when_the_slots_start_at_the_parent(n, w, t, expected):
+    """A search kept in a catalog (``kvhandoff.budget``): one more own block per slot
+    where the parent ends a block; with fork, step 0's kept block besides."""
+    assert blocks_needed(n, 32, w, t, from_parent=True) == expected
+    assert blocks_needed(n, 32, w, t, beam_fork=True, from_parent=True) == expected + 1
+
+
 def test_suffix_does_not_repeat_think_end():
     assert continuation_prompt([5, 3], [3, 9, 4], think_end_id=3) == [5, 3, 9, 4]
     assert continuation_prompt([5, 1], [3, 9, 4], think_end_id=3) == [5, 1, 3, 9, 4]
