@@ -83,7 +83,7 @@ class AdmissionScheduler(Scheduler):
         # Admitted imports whose request has not finished yet.
         self._importing: set[str] = set()
         # Beam search inside the engine: the groups of beam slots (connector.beam_slots).
-        self._slots = SlotGroups(self.block_size, self._reject)
+        self._slots = SlotGroups(self.block_size, self._reject, _block_hasher(self))
 
     @property
     def num_total_blocks(self) -> int:
@@ -91,8 +91,10 @@ class AdmissionScheduler(Scheduler):
         return self.kv_cache_config.num_blocks - 1
 
     def add_request(self, request: Request) -> None:
-        self._slots.add(request)
+        clones = self._slots.add(request)
         super().add_request(request)
+        for clone in clones:  # a beam group's other slots, made from its leader
+            self.add_request(clone)
 
     def schedule(self, *args: Any, **kwargs: Any):
         self._admit_new_imports()
@@ -211,3 +213,15 @@ class AdmissionScheduler(Scheduler):
                 )
             )
         return outputs
+
+
+def _block_hasher(scheduler: Any) -> Any:
+    """vLLM's request block hasher, as its engine core builds it (for requests made in
+    the scheduler: ``connector.beam_slots``'s cloned slots)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    if not scheduler.cache_config.enable_prefix_caching:
+        return None
+    return get_request_block_hasher(scheduler.hash_block_size, get_hash_fn_by_name(
+        scheduler.cache_config.prefix_caching_hash_algo))

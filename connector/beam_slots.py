@@ -33,12 +33,14 @@ shared prefix blocks are prefix-cache hits, held by every slot.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
@@ -61,6 +63,10 @@ WAIT_KEY = "slot_wait"
 START_TIMEOUT_S = 30.0
 
 
+#: A slot made here from its group's leader: ``<leader's request id>`` + this + its index.
+CLONE_SEP = ".slot"
+
+
 def slot_of(request: Request) -> dict[str, Any] | None:
     """The request's slot parameters (None: not a beam slot)."""
     params = request.sampling_params
@@ -73,6 +79,7 @@ class _Group:
     first_block: int  # index of the first block each slot holds alone
     tokens_each: int  # tokens a slot computes at its first step (worst case)
     own_blocks: int  # blocks a slot holds alone at its first step
+    first_computed: int = 0  # tokens its slots computed at their first step
     slots: dict[int, str] = field(default_factory=dict)  # slot -> request id
     started: bool = False
     step: int = 0  # beam steps decided so far
@@ -91,19 +98,53 @@ class _Group:
 
 class SlotGroups:
     """The beam groups on one engine (module docstring). ``fail`` ends a request with
-    ``FINISHED_ERROR`` and tells its client why (the admission scheduler's)."""
+    ``FINISHED_ERROR`` and tells its client why (the admission scheduler's);
+    ``block_hasher``: vLLM's, for the slots made here."""
 
-    def __init__(self, block_size: int, fail: Callable[[Request, str, str], None]):
+    def __init__(self, block_size: int, fail: Callable[[Request, str, str], None],
+                 block_hasher: Callable[[Request], list[Any]] | None = None):
         self._block_size = block_size
         self._fail = fail
+        self._block_hasher = block_hasher
         self._groups: dict[str, _Group] = {}
         self._slot_of: dict[str, tuple[str, int]] = {}  # request id -> (group, slot)
 
-    def add(self, request: Request) -> None:
-        """A new request: a slot joins its group and waits for the others."""
+    def add(self, request: Request) -> list[Request]:
+        """A new request: a slot joins its group and waits for the others. A leader
+        (slot 0 naming ``clones``) comes alone from the front end: the group's other
+        slots are made here, returned for the scheduler to add."""
         spec = slot_of(request)
         if spec is None:
-            return
+            return []
+        self._join(request, spec)
+        return [self._clone(request, spec, i, token, cum)
+                for i, (token, cum) in enumerate(spec.get("clones") or [], start=1)]
+
+    def _clone(self, leader: Request, spec: dict[str, Any], slot: int, token: int | None,
+               cum: float) -> Request:
+        """Slot ``slot`` of the leader's group: the leader's prompt with its own last
+        token (``token``; None: the same prompt), its own slot parameters; its outputs
+        go to a client that never asked for them and drops them."""
+        from vllm.v1.request import Request
+
+        params = leader.sampling_params
+        assert params is not None and params.extra_args is not None
+        prompt = list(leader.prompt_token_ids or [])
+        if token is not None:
+            prompt[-1] = int(token)
+        own = {k: v for k, v in spec.items() if k != "clones"}
+        extra = {**params.extra_args, SLOT_KEY: {**own, "slot": slot, "cum": float(cum)},
+                 "kv_transfer_params": copy.deepcopy(
+                     params.extra_args.get("kv_transfer_params"))}
+        clone = Request(request_id=f"{leader.request_id}{CLONE_SEP}{slot}",
+                        prompt_token_ids=prompt,
+                        sampling_params=msgspec.structs.replace(params, extra_args=extra),
+                        pooling_params=None, client_index=leader.client_index,
+                        arrival_time=leader.arrival_time, priority=leader.priority,
+                        block_hasher=self._block_hasher)
+        return clone
+
+    def _join(self, request: Request, spec: dict[str, Any]) -> None:
         name, slot, members = str(spec["group"]), int(spec["slot"]), int(spec["members"])
         group = self._groups.get(name)
         if group is None:
@@ -141,17 +182,19 @@ class SlotGroups:
                 continue
             members = [scheduler.requests.get(rid) for rid in group.ids()]
             tokens = group.members * group.tokens_each
-            # Each slot's own blocks at its first step, and the shared ones (a prefix hit
-            # on a cached block takes it from the free count too).
-            blocks = group.members * group.own_blocks + group.first_block
+            if any(m is None or m.status != RequestStatus.WAITING for m in members):
+                continue
+            # Each slot's own blocks at its first step, and the shared ones it takes from
+            # the free count: those not cached, and cached ones no request holds.
+            blocks = group.members * group.own_blocks + _shared_from_free(
+                pool, members[0], group.first_block)
             if blocks > pool.num_gpu_blocks - 1:
                 group.error = (f"its {group.members} slots need {blocks} blocks at their "
                                f"first step; the pool holds {pool.num_gpu_blocks - 1}")
                 continue
-            if any(m is None or m.status != RequestStatus.WAITING for m in members) \
-                    or not self._room(scheduler, group.members + claimed_seqs,
-                                      tokens + claimed_tokens) \
-                    or blocks + claimed_blocks > pool.get_num_free_blocks():
+            if (not self._room(scheduler, group.members + claimed_seqs,
+                               tokens + claimed_tokens)
+                    or blocks + claimed_blocks > pool.get_num_free_blocks()):
                 continue
             claimed_seqs += group.members
             claimed_tokens += tokens
@@ -185,6 +228,7 @@ class SlotGroups:
                 continue
             if not group.started:
                 group.started = True
+                group.first_computed = sum(scheduled.get(rid, 0) for rid in ids)
                 logger.debug("Beam group %s starts: %d slots", name, group.members)
             if not all(running):
                 # The processor fails the step too; the slots must not run split.
@@ -265,7 +309,8 @@ class SlotGroups:
                 params = dict(out.kv_transfer_params or {})
                 if group.result is not None and not group.error:
                     if where[1] == 0:
-                        steps = {"select_ms": group.select_ms, "copied_blocks": group.copied}
+                        steps = {"select_ms": group.select_ms, "copied_blocks": group.copied,
+                                 "first_computed": group.first_computed}
                         params[KEY] = {**(params.get(KEY) or {}),
                                        SLOT_KEY: {**group.result, "steps": steps}}
                 else:
@@ -287,5 +332,28 @@ class SlotGroups:
         for rid in gone:
             name, _ = self._slot_of.pop(rid)
             group = self._groups.get(name)
-            if group is not None and not any(r in scheduler.requests for r in group.ids()):
+            if group is None:
+                continue
+            left = [r for r in group.ids() if r in scheduler.requests]
+            if not left:
                 del self._groups[name]
+            elif group.result is None and not group.error:
+                # A slot ended before its group (its client aborted the leader): the
+                # others have no one to answer; they end too.
+                group.error = f"slot {rid} ended before its group"
+                group.reported = True
+                logger.info("Beam group %s: %s ended; ending its %d other slots", name,
+                            rid, len(left))
+                scheduler.finish_requests(left, RequestStatus.FINISHED_ABORTED)
+
+
+def _shared_from_free(pool: Any, leader: Request, num_blocks: int) -> int:
+    """Of the first ``num_blocks`` blocks of ``leader``'s prompt (the group's shared
+    prefix), those its first step takes from the pool's free count: not cached (the
+    first slot computes it; the others hit it), or cached with no request holding it."""
+    hashes = leader.block_hashes[:num_blocks]
+    taken = num_blocks - len(hashes)
+    for block_hash in hashes:
+        cached = pool.get_cached_block(block_hash, [0])
+        taken += cached is None or cached[0].ref_cnt == 0
+    return taken

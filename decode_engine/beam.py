@@ -12,10 +12,12 @@ trailing EOS). Here, token for token the same, but inside the engine:
   (``first_step_extra_args``) and returns ``2W`` logprobs; its W best tokens start the
   beams (ties resolve by vLLM's numpy calls: ``connector.beam_search.top_candidates``).
 - **Steps 1 to T-1** run in the engine: W slot requests, slot ``i`` over ``parent +
-  [token i]``, each decoding ``T - 1`` tokens; at every engine step the logits processor
-  picks the W new beams and forces each slot's token, and the scheduler copies each
-  parent beam's KV into its children's slots (``connector.beam_slots``). No request is
-  made per step; slot 0's final output carries the beams.
+  [token i]``, each decoding ``T - 1`` tokens (slot 0 is sent, the engine's scheduler
+  makes the others from it: one prompt through the front end, not W); at every engine
+  step the logits processor picks the W new beams and forces each slot's token, and the
+  scheduler copies each parent beam's KV into its children's slots
+  (``connector.beam_slots``). No request is made per step; slot 0's final output
+  carries the beams.
 
 With ``fork`` (engines running our connector) the slots copy step 0's partial last
 block instead of recomputing it (``connector.beam_fork``): each computes one token at
@@ -31,7 +33,6 @@ that token), run all T steps in the engine, and return only whole items
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -138,34 +139,35 @@ async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamP
                      eos_token_id: int | None, request_id: str, fork_from: str | None,
                      members: int | None = None) -> tuple[list[Any], dict[str, Any]]:
     """The steps inside the engine: a slot per beam (``members`` slots, the first
-    ``len(beams)`` starting with a live beam, the rest copies of slot 0 waiting to be
-    forked into), each running the search's remaining steps; their final outputs and the
-    search's result (``connector.beam_search.GroupSearch.result``)."""
+    ``len(beams)`` starting with a live beam, the rest waiting to be forked into), each
+    running the search's remaining steps. Only slot 0 is sent; the engine makes the
+    others from it (``connector.beam_slots``). Slot 0's final output and the search's
+    result (``connector.beam_search.GroupSearch.result``)."""
     from vllm import SamplingParams
 
     group, live = f"{request_id}-g", len(beams)
     members = members or live
     steps = params.max_tokens - (1 if params.catalog is None else 0)
 
-    def sampling(i: int, seq: _Sequence) -> SamplingParams:
-        beam = {"fork_from": fork_from, "fork_children": members} if fork_from else {}
-        spec = slot_spec(group=group, slot=i, members=members, width=params.beam_width,
-                         live=live, steps=steps, cum_logprob=seq.cum_logprob,
-                         eos_token_id=eos_token_id, ignore_eos=params.ignore_eos,
-                         catalog=params.catalog)
-        return SamplingParams(max_tokens=steps, temperature=0.0,
-                              ignore_eos=True, detokenize=False,
-                              extra_args={SLOT_KEY: spec,
-                                          "kv_transfer_params": {BEAM_KEY: beam}})
-
     starts = [beams[min(i, live - 1)] for i in range(members)]
-    outputs = await asyncio.gather(*(generate(seq.tokens, sampling(i, seq), f"{group}{i}")
-                                     for i, seq in enumerate(starts)))
-    _check_outputs(outputs)
-    info = (outputs[0].kv_transfer_params or {}).get(KEY) or {}
+    beam = {"fork_from": fork_from, "fork_children": members} if fork_from else {}
+    spec = slot_spec(group=group, slot=0, members=members, width=params.beam_width,
+                     live=live, steps=steps, cum_logprob=starts[0].cum_logprob,
+                     eos_token_id=eos_token_id, ignore_eos=params.ignore_eos,
+                     catalog=params.catalog)
+    # The other slots are made in the engine from this one (connector.beam_slots): each
+    # the same prompt with its own last token (open search) or the same prompt.
+    spec["clones"] = [[seq.tokens[-1] if params.catalog is None else None, seq.cum_logprob]
+                      for seq in starts[1:]]
+    sampling = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True,
+                              detokenize=False, extra_args={
+                                  SLOT_KEY: spec, "kv_transfer_params": {BEAM_KEY: beam}})
+    leader = await generate(starts[0].tokens, sampling, f"{group}0")
+    _check_outputs([leader])
+    info = (leader.kv_transfer_params or {}).get(KEY) or {}
     if SLOT_KEY not in info:
-        raise StageError("stage2", info.get("reason", "beam_group"), error_message(outputs[0]))
-    return outputs, info[SLOT_KEY]
+        raise StageError("stage2", info.get("reason", "beam_group"), error_message(leader))
+    return [leader], info[SLOT_KEY]
 
 
 async def beam_search(
@@ -218,11 +220,11 @@ async def beam_search(
         slots, result = await _run_slots(generate, beams, params, eos_token_id=eos_token_id,
                                          request_id=request_id,
                                          fork_from=name if fork else None, members=members)
-        computed = [len(out.prompt_token_ids) - (out.num_cached_tokens or 0) for out in slots]
+        slot_steps = result.get("steps") or {}
+        first_computed = int(slot_steps.get("first_computed", members))
         later_steps = params.max_tokens - (1 if constrained else 2)
-        step_computed += [sum(computed)] + [members] * later_steps
-        recomputed = sum(max(n - 1, 0) for n in computed)
-        slot_steps = result.get("steps")
+        step_computed += [first_computed] + [members] * later_steps
+        recomputed = max(first_computed - members, 0)
         dropped = int(result.get("dropped", 0))
         for key in ("completed", "live"):
             completed.extend(_Sequence(beams[origin].tokens + list(tokens), float(cum))

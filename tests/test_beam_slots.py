@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm import SamplingParams
 
 from connector.beam_processor import OUTBOX, BeamSlotProcessor
 from connector.beam_search import slot_spec
@@ -68,6 +69,15 @@ class ScriptedEngine:
         BeamSlotProcessor.validate_params(sampling)
         future = asyncio.get_running_loop().create_future()
         self.slots[spec["slot"]] = (list(tokens), sampling, future)
+        # The leader brings its group's other slots (the scheduler makes them:
+        # connector.beam_slots, tested below over vLLM's Scheduler).
+        own = {k: v for k, v in spec.items() if k != "clones"}
+        for i, (token, cum) in enumerate(spec.get("clones") or [], start=1):
+            clone = SamplingParams(**{**_fields(sampling), "extra_args": {
+                **sampling.extra_args, SLOT_KEY: {**own, "slot": i, "cum": cum}}})
+            BeamSlotProcessor.validate_params(clone)
+            prompt = list(tokens[:-1]) + [token] if token is not None else list(tokens)
+            self.slots[i] = (prompt, clone, asyncio.get_running_loop().create_future())
         if len(self.slots) == spec["members"]:
             self._run(spec)
         return await future
@@ -101,6 +111,12 @@ class ScriptedEngine:
             tokens, _, future = self.slots[i]
             future.set_result(_output(tokens, None, {KEY: info} if i == 0 else None,
                                       "error" if "error" in record else "length"))
+
+
+def _fields(params) -> dict:
+    return {"max_tokens": params.max_tokens, "temperature": params.temperature,
+            "ignore_eos": params.ignore_eos, "detokenize": params.detokenize,
+            "extra_args": params.extra_args}
 
 
 def _output(tokens, logprobs, params, reason="length"):
@@ -316,6 +332,7 @@ def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir):
     scheduler.add_request(slots[2])
     out, _ = _slot_step(scheduler, {"g": {"step": 1, "parents": [0, 0, 1]}})
     assert sorted(out.num_scheduled_tokens) == ["g0", "g1", "g2"]
+    first_computed = sum(out.num_scheduled_tokens.values())
     manager = scheduler.kv_cache_manager
     own = {r.request_id: manager.get_block_ids(r.request_id)[0][2:] for r in slots}
     pool = manager.block_pool
@@ -332,7 +349,8 @@ def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir):
     assert sorted(out.kv_cache_block_copies or []) == sorted(
         [*zip(own["g0"], own["g1"]), *zip(own["g1"], own["g2"])])
     got = dict(outputs["g0"].kv_transfer_params[KEY][SLOT_KEY])
-    assert got.pop("steps") == {"select_ms": [0.0, 0.0], "copied_blocks": [4]}
+    assert got.pop("steps") == {"select_ms": [0.0, 0.0], "copied_blocks": [4],
+                                "first_computed": first_computed}
     assert got == result
     assert all(outputs[f"g{i}"].finish_reason is not None for i in range(3))
     assert_scheduler_clean(scheduler)
@@ -358,7 +376,8 @@ def test_a_group_waits_for_room_and_a_step_without_decision_ends_it(model_dir):
                                                 "result": result}})
     assert sorted(out.num_scheduled_tokens) == sorted(r.request_id for r in first)
     got = dict(outputs["a0"].kv_transfer_params[KEY][SLOT_KEY])
-    assert got.pop("steps") == {"select_ms": [0.0], "copied_blocks": []}
+    assert got.pop("steps") == {"select_ms": [0.0], "copied_blocks": [],
+                                "first_computed": sum(out.num_scheduled_tokens.values())}
     assert got == result
 
     out, outputs = _slot_step(scheduler, {})  # group b ran; its decision is missing
@@ -424,4 +443,57 @@ def test_a_group_starts_only_with_blocks_for_its_first_step_and_one_too_big_ends
     assert out.num_scheduled_tokens == {}
     info = outputs["w0"].kv_transfer_params[KEY]
     assert "its 12 slots need 13 blocks at their first step; the pool holds 11" in info["error"]
+    assert_scheduler_clean(scheduler)
+
+
+def _leader(prompt, *, group="g", members, clones, steps=2):
+    """Slot 0 as the front end sends it: its spec lists the other slots to make."""
+    req = _slot_request(prompt, group=group, slot=0, width=members, steps=steps)
+    req.sampling_params.extra_args[SLOT_KEY]["clones"] = clones
+    return req
+
+
+def test_the_scheduler_makes_a_groups_slots_from_its_leader(model_dir):
+    """Only slot 0 comes from the front end: the scheduler adds the others (the
+    leader's prompt with each one's own last token, its own slot and score), they start
+    together with it, slot 0's output carries the beams, and the made slots end with
+    the group; nothing is left."""
+    from connector.beam_slots import CLONE_SEP
+    from connector.handoff import KEY
+    from tests.utils import assert_scheduler_clean, make_scheduler
+
+    scheduler = make_scheduler(model_dir)
+    parent = list(range(10, 70))
+    leader = _leader(parent + [20], members=3, clones=[[21, -1.5], [22, -2.0]], steps=1)
+    scheduler.add_request(leader)
+    made = [scheduler.requests[f"{leader.request_id}{CLONE_SEP}{i}"] for i in (1, 2)]
+    assert [r.prompt_token_ids for r in made] == [parent + [21], parent + [22]]
+    specs = [r.sampling_params.extra_args[SLOT_KEY] for r in made]
+    assert [(s["slot"], s["cum"], "clones" in s) for s in specs] == [(1, -1.5, False),
+                                                                      (2, -2.0, False)]
+    assert len(made[0].block_hashes) == len(leader.block_hashes) == 1  # vLLM's hasher
+    result = {"completed": [], "live": [[0, [5], -1.0], [1, [5], -2.0], [2, [5], -3.0]]}
+    out, outputs = _slot_step(scheduler, {"g": {"step": 1, "parents": [0, 1, 2],
+                                                "result": result}})
+    assert sorted(out.num_scheduled_tokens) == sorted([leader.request_id]
+                                                      + [r.request_id for r in made])
+    assert outputs[leader.request_id].kv_transfer_params[KEY][SLOT_KEY]["live"] == \
+        result["live"]
+    assert_scheduler_clean(scheduler)
+
+
+def test_a_leader_aborted_by_its_client_ends_the_slots_made_from_it(model_dir):
+    from vllm.v1.request import RequestStatus
+
+    from tests.utils import assert_scheduler_clean, make_scheduler
+
+    scheduler = make_scheduler(model_dir)
+    leader = _leader(list(range(10, 70)) + [20], members=4,
+                     clones=[[21, -1.0], [22, -1.0], [23, -1.0]], steps=4)
+    scheduler.add_request(leader)
+    out, _ = _slot_step(scheduler, {"g": {"step": 1, "parents": [0, 1, 2, 3]}})
+    assert len(out.num_scheduled_tokens) == 4
+    scheduler.finish_requests([leader.request_id], RequestStatus.FINISHED_ABORTED)
+    _slot_step(scheduler, {"g": {"step": 2, "parents": [0, 1, 2, 3]}})
+    assert not scheduler.requests, "the made slots outlived their leader"
     assert_scheduler_clean(scheduler)
