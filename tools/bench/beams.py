@@ -100,9 +100,11 @@ def _engine_core_hwm_mib(llm: Any) -> float | None:
 
 
 def _slot_step_ms(bench: Bench, width: int, since: int) -> float | None:
-    """Median engine step with ``width`` requests decoding, after iteration ``since``."""
-    steps = [statistics.median(it.inter_token_s) for it in bench.d.counters.recent_iterations
-             if it.index > since and len(it.inter_token_s) == width]
+    """Median engine step of the slots, after iteration ``since`` (D runs nothing else
+    then): the time between slot 0's tokens (the front end knows slot 0 alone, the
+    engine makes the others: vLLM's iteration stats list its inter-token time only)."""
+    steps = [max(it.inter_token_s) for it in bench.d.counters.recent_iterations
+             if it.index > since and it.inter_token_s]
     return statistics.median(steps) * 1e3 if steps else None
 
 
