@@ -17,6 +17,8 @@ from kvhandoff.types import MAX_BEAM_WIDTH
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from engine.kv_events import EventEndpoints
+
 Role = Literal["prefill", "decode"]
 
 CONNECTOR_CLASS = "ContinuationConnector"
@@ -97,6 +99,9 @@ class EngineConfig:
     #: Negative controls only (``connector.faults``): honour a fault a request names.
     #: Off in every server; the harness turns it on for ``kvhandoff verify --inject``.
     fault_injection: bool = False
+    #: Publish vLLM's KV-cache events for the router's placement (``engine.kv_events``:
+    #: on this engine's ``side_channel_host``, ports picked at start).
+    kv_events: bool = True
     #: Catalogs beams may be constrained to, (name, path) pairs (``connector.catalog``):
     #: loaded and checked at start by the front end and by each worker.
     catalogs: tuple[tuple[str, str], ...] = ()
@@ -148,7 +153,10 @@ class EngineConfig:
         the W slots run in one batch."""
         return min(MAX_BEAM_WIDTH, self.max_logprobs // 2, self.max_num_seqs)
 
-    def engine_args(self, engine_id: str) -> AsyncEngineArgs:
+    def engine_args(self, engine_id: str, events: EventEndpoints | None = None
+                    ) -> AsyncEngineArgs:
+        """vLLM's arguments; ``events``: where the engine core publishes its KV events
+        (``engine.kv_events``; None: it does not)."""
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -201,6 +209,7 @@ class EngineConfig:
             # (connector.beam_processor), for the requests that ask for them.
             logits_processors=[POSITIONAL_SAMPLER, BEAM_SLOT_PROCESSOR],
             additional_config={CATALOGS_KEY: dict(self.catalogs)} if self.catalogs else {},
+            kv_events_config=events.vllm_config() if events is not None else None,
             disable_log_stats=False,
         )
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from connector.catalog import Catalog, load
 from connector.faults import FAULTS
 from engine.config import EngineConfig, engine_env, environment
+from engine.kv_events import EventEndpoints, EventRelay
 from engine.stats import EngineCounters, PoolSnapshot, stats_logger_factory
 from kvhandoff.ports import check_listenable, free_port
 
@@ -54,6 +55,9 @@ class VllmEngine:
         self.config = config
         #: Catalogs beams may be constrained to, by name (loaded by ``start``).
         self.catalogs: dict[str, Catalog] = catalogs or {}
+        #: Where its KV events are read (None: not published); set by ``start``.
+        self.kv_events: EventEndpoints | None = None
+        self._relay: EventRelay | None = None
         self.llm = llm
         self.engine_id = engine_id
         #: What P addresses (and signs) handoffs for this engine with.
@@ -88,6 +92,8 @@ class VllmEngine:
         port = config.side_channel_port or free_port(config.side_channel_host)
         # A bad catalog fails the start here, with its file and line, before vLLM starts.
         catalogs = load_catalogs(config)
+        events = (EventEndpoints.pick(engine_id, config.side_channel_host)
+                  if config.kv_events else None)
         env = engine_env(config, port)
         stats: dict[str, Any] = {}
         t0 = time.perf_counter()
@@ -97,16 +103,21 @@ class VllmEngine:
             engine = cls(
                 config,
                 AsyncLLM.from_engine_args(
-                    config.engine_args(engine_id), stat_loggers=[stats_logger_factory(stats)]
+                    config.engine_args(engine_id, events),
+                    stat_loggers=[stats_logger_factory(stats)]
                 ),
                 engine_id,
                 stats,
                 catalogs,
                 **kwargs,
             )
-        logger.info("Engine %s (%s) up in %.1fs, NIXL side channel %s:%d",
+        if events is not None:
+            engine.kv_events, engine._relay = events, EventRelay(events)
+        logger.info("Engine %s (%s) up in %.1fs, NIXL side channel %s:%d%s",
                     engine_id, config.role, time.perf_counter() - t0,
-                    config.side_channel_host, port)
+                    config.side_channel_host, port,
+                    f", KV events {events.endpoint} (replay {events.replay_endpoint})"
+                    if events is not None else "")
         return engine
 
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -216,6 +227,9 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         """Stop the engine-core and worker processes. Idempotent."""
+        relay, self._relay = self._relay, None
+        if relay is not None:
+            relay.close()
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.shutdown()

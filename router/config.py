@@ -58,8 +58,13 @@ class RouterConfig:
     #: Sample positionally (engine.sampling) unless a request says otherwise; False:
     #: vLLM's own sampling unless a request asks for positional.
     positional_sampling: bool = True
+    #: Where requests go: "cache" weighs what each engine's prefix cache holds (its KV
+    #: events) against its queue (router.placement); "load": the queue and room alone.
+    placement: str = "load"
 
     def __post_init__(self) -> None:
+        if self.placement not in ("cache", "load"):
+            raise ValueError(f"placement must be 'cache' or 'load', not {self.placement!r}")
         if not self.prefill:
             raise ValueError("at least one prefill endpoint is needed")
         if self.colocated_below_tokens < 0:

@@ -66,7 +66,7 @@ class Continuations:
         continuation can wait for it). ``plan.path`` COLOCATED: P holds it for
         continuations on P; else P exports it to a D and holds the export."""
         t0 = time.perf_counter()
-        p = await self.pool.pick_prefill(plan.deadline)
+        p = await self.pool.pick_prefill(plan.deadline, prompt_ids=plan.prompt_ids)
         local = plan.path == common_pb2.PATH_COLOCATED
         record = ParentRecord(plan.request_id, self.config.model_name, list(plan.prompt_ids),
                               prefill=p.address, prefill_ep=p, local=local, stage1=plan.stage1)

@@ -112,6 +112,10 @@ class EngineObserver:
     def capacity_answer(self, role: str, address: str, seconds: float, code: str) -> None:
         """A GetCapacity call to ``address`` ended with ``code`` after ``seconds``."""
 
+    def placed(self, role: str, address: str, cached_blocks: int) -> None:
+        """A request was placed on ``address``, whose prefix cache held
+        ``cached_blocks`` leading blocks of its prompt (by the engine's KV events)."""
+
     def warm_up(self, source: str, dest: str, outcome: str) -> None:
         """A warm-up from ``source`` to ``dest`` ended: "imported", "recomputed" or
         "failed"."""

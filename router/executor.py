@@ -53,7 +53,8 @@ class Executor:
         if not handoff:  # stage 2 runs on P: a catalog it lacks is refused before stage 1
             check_catalog(plan.beam, [ep for ep in self.pool.prefill if ep.takes_work],
                           "prefill")
-        p = plan.pinned[0] if plan.pinned else await self.pool.pick_prefill(plan.deadline)
+        p = plan.pinned[0] if plan.pinned else await self.pool.pick_prefill(
+            plan.deadline, prompt_ids=plan.prompt_ids)
         out = Outcome(plan, p.address, None)
         running = Running(plan, p, None, s1_id=f"{plan.request_id}-s1")
         try:
@@ -73,7 +74,8 @@ class Executor:
         elif handoff:
             # D is chosen first: P addresses (and signs) the handoff to it.
             running.set_claim(await self.pool.pick_decode(longest_stage2(plan), plan.beam,
-                                                          plan.deadline))
+                                                          plan.deadline,
+                                                          prompt_ids=plan.prompt_ids))
         out.decode = running.d.address if running.d is not None else None
         handoff_msg = None
         async for item in self._stage1_resuming(running, plan, out, export=handoff,

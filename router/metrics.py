@@ -88,6 +88,15 @@ class RouterMetrics:
             "Warm-up handoffs (P -> D) and moves (P -> P) the router ran, before serving "
             "and for the pairs of an engine that answers again, by outcome (imported, "
             "recomputed, failed)", ["source", "dest", "outcome"], registry=r)
+        self.placements = Counter(
+            "kvhandoff_router_placements",
+            "Requests placed on an engine, by role and whether its prefix cache held a "
+            "prefix of the prompt (hit: by its KV events)", ["role", "endpoint", "hit"],
+            registry=r)
+        self.placement_hit_blocks = Counter(
+            "kvhandoff_router_placement_hit_blocks",
+            "Leading prompt blocks the chosen engine held when a request was placed",
+            ["role", "endpoint"], registry=r)
         self.capacity_rpc_seconds = Histogram(
             "kvhandoff_router_capacity_rpc_seconds",
             "GetCapacity round trips from the router, answered or not", ["role"],
@@ -115,6 +124,10 @@ class RouterMetrics:
 
     def warm_up(self, source: str, dest: str, outcome: str) -> None:
         self.warmups.labels(source, dest, outcome).inc()
+
+    def placed(self, role: str, address: str, cached_blocks: int) -> None:
+        self.placements.labels(role, address, "yes" if cached_blocks else "no").inc()
+        self.placement_hit_blocks.labels(role, address).inc(cached_blocks)
 
     def serve(self, host: str, port: int) -> int:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -191,6 +204,7 @@ class _EngineCollector:
             for ep in endpoints:
                 draining.add_metric([role, ep.address], int(ep.draining))
         yield draining
+        yield from _cache_index_metrics(self.router)
         reg = self.router.parents
         yield GaugeMetricFamily("kvhandoff_router_parents", "Parents the registry keeps for "
                                 "continuations", value=len(reg))
@@ -214,3 +228,29 @@ class _EngineCollector:
         for outcome in ("imported", "recomputed", "not_found", "refused"):
             conts.add_metric([outcome], reg.continuations[outcome])
         yield conts
+
+
+def _cache_index_metrics(router):
+    """Each engine's index of its prefix cache (``router.cache_index``): its size, and
+    its feed's replays, restarts seen and resyncs that could not make it whole."""
+    caches = router.pool.caches
+    size = GaugeMetricFamily("kvhandoff_router_cache_index_blocks",
+                             "Blocks the router's index says the engine's prefix cache "
+                             "holds (from its KV events)", labels=["role", "endpoint"])
+    counts = {name: CounterMetricFamily(f"kvhandoff_router_cache_index_{name}", doc,
+                                        labels=["role", "endpoint"])
+              for name, doc in (("replays", "Replays of an engine's KV events asked for "
+                                            "(start, gap, engine restart)"),
+                                ("incomplete", "Times an engine's index was cleared: its "
+                                               "events could not be made whole"),
+                                ("restarts", "Engine restarts seen in its KV events"))}
+    for role, endpoints in (("prefill", router.prefill), ("decode", router.decode)):
+        for ep in endpoints:
+            feed = caches.feed(ep.address) if caches is not None else None
+            if feed is None:
+                continue
+            size.add_metric([role, ep.address], len(feed.index))
+            for name, family in counts.items():
+                family.add_metric([role, ep.address], getattr(feed.stats, name))
+    yield size
+    yield from counts.values()

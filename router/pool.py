@@ -22,7 +22,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -30,6 +30,8 @@ from kvhandoff.budget import stage2_reservation
 from kvhandoff.tls import aio_channel
 from kvhandoff.types import BeamParams
 from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
+from router import placement
+from router.cache_index import EngineCaches
 from router.config import RouterConfig
 from router.endpoint import Claim, Endpoint, EngineObserver
 from router.errors import RouterError, code_of, details_of, grpc_error
@@ -79,6 +81,9 @@ class EnginePool:
         self._changed = asyncio.Event()
         #: GetCapacity calls in flight, by address.
         self._refreshing: dict[str, asyncio.Task] = {}
+        #: What each engine's prefix cache holds, from its KV events (None: placement by
+        #: load alone, ``RouterConfig.placement``).
+        self.caches = EngineCaches(logger) if config.placement == "cache" else None
 
     @property
     def endpoints(self) -> list[Endpoint]:
@@ -102,6 +107,8 @@ class EnginePool:
         return ", ".join(ep.address for ep in self.endpoints)
 
     async def close(self) -> None:
+        if self.caches is not None:
+            await self.caches.close()
         for task in self._refreshing.values():
             task.cancel()
         for ep in self.endpoints:
@@ -169,6 +176,8 @@ class EnginePool:
         came_back = not ep.in_rotation
         ep.capacity, ep.capacity_at = capacity, asked_at
         ep.settle_claims()
+        if self.caches is not None:
+            self.caches.follow(ep.address, capacity)
         if came_back:
             logger.log(logging.INFO if first else logging.WARNING,
                        "engine %s (%s) in rotation: it answered (out before: %s)",
@@ -207,18 +216,40 @@ class EnginePool:
         return wait_until if deadline is None else min(wait_until, deadline)
 
     # ---- picks --------------------------------------------------------------------------
+    def cached_blocks(self, ep: Endpoint, token_ids: Sequence[int] | None) -> int:
+        """Leading blocks of ``token_ids`` ``ep``'s prefix cache holds, by its events."""
+        if self.caches is None or not token_ids:
+            return 0
+        return self.caches.cached_blocks(ep.address, token_ids)
+
+    def prefill_picker(self, prompt_ids: Sequence[int] | None,
+                       exclude: Endpoint | None = None) -> placement.Picker:
+        """Stage 1's placement (``router.placement``): a P taking work, scored by the
+        prompt's prefix it holds against its queue."""
+        return placement.Picker(
+            filters=(placement.takes_work, placement.not_excluded(exclude)),
+            scorers=(placement.cached_prefix(lambda ep: self.cached_blocks(ep, prompt_ids),
+                                             lambda ep: ep.capacity.block_size),
+                     placement.queue()))
+
     async def pick_prefill(self, deadline: float | None,
-                           exclude: Endpoint | None = None) -> Endpoint:
-        """The P taking work (in rotation, not drained; not ``exclude``) with the fewest
-        requests outstanding. With none the request waits for one (``decode_wait_s``,
-        its ``deadline``) while some P answered lately; UNAVAILABLE if none did."""
+                           exclude: Endpoint | None = None,
+                           prompt_ids: Sequence[int] | None = None) -> Endpoint:
+        """The P for a stage 1 (``prefill_picker``: with no cache information, the one
+        with the fewest requests outstanding). With none taking work the request waits
+        for one (``decode_wait_s``, its ``deadline``) while some P answered lately;
+        UNAVAILABLE if none did."""
         wait_until = self._wait_until(deadline)
+        picker = self.prefill_picker(prompt_ids, exclude)
         while True:
             changed = self._changed
             candidates = [ep for ep in self.prefill if ep is not exclude]
             live = [ep for ep in candidates if ep.takes_work]
             if live:
-                return min(live, key=lambda ep: ep.outstanding)
+                chosen = picker.pick(live)
+                self.observer.placed("prefill", chosen.address,
+                                     self.cached_blocks(chosen, prompt_ids))
+                return chosen
             self._raise_unless_answered_lately(candidates, "prefill")
             left = wait_until - time.monotonic()
             if left <= 0:
@@ -232,13 +263,15 @@ class EnginePool:
 
     async def pick_decode(self, num_prompt_tokens: int, beam: BeamParams,
                           deadline: float | None, *, fresh: bool = False,
-                          only: list[Endpoint] | None = None) -> Claim:
+                          only: list[Endpoint] | None = None,
+                          prompt_ids: Sequence[int] | None = None) -> Claim:
         """A claim on the D with the most unclaimed blocks among those with room for a
         stage 2 of ``num_prompt_tokens`` and ``beam``; the caller owns it and releases
         it. With no room on any D the request waits its turn (FIFO) for up to
         ``decode_wait_s`` and its ``deadline``. ``fresh`` asks every D first (after a
         failed handoff); ``only`` limits the choice to those Ds (a held parent's
-        continuation: the D its handoff names)."""
+        continuation: the D its handoff names); ``prompt_ids`` (what stage 2 will read):
+        among those with room, the D whose prefix cache holds most of it wins."""
         cfg = self.config
         decode = only if only is not None else self.decode
 
@@ -278,7 +311,11 @@ class EnginePool:
                 my_turn = not self._decode_queue or self._decode_queue[0] is ticket
                 fitting = [ep for ep in holding if need(ep) <= ep.num_unclaimed_blocks]
                 if my_turn and fitting:
-                    d = max(fitting, key=lambda ep: (ep.num_unclaimed_blocks, -ep.outstanding))
+                    # The D holding the longest prefix of the prompt (its blocks need no
+                    # READ); then the most room, the fewest outstanding.
+                    d = max(fitting, key=lambda ep: (self.cached_blocks(ep, prompt_ids),
+                                                     ep.num_unclaimed_blocks, -ep.outstanding))
+                    self.observer.placed("decode", d.address, self.cached_blocks(d, prompt_ids))
                     claim = Claim(d, need(d), on_release=self._released)
                     d.claims.add(claim)
                     return claim

@@ -201,6 +201,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if self.engine is None:
             await abort_with(context, EngineStarting())
         snap = self.engine.pool()
+        events = self.engine.kv_events
         return engine_pb2.Capacity(
             role=self.role,
             engine_id=self.engine.engine_id,
@@ -217,6 +218,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             num_reserved_blocks=self.engine.num_reserved_blocks,
             beam_fork=self.engine.config.beam_fork,
             catalogs=sorted(self.engine.catalogs),
+            kv_events_endpoint=events.endpoint if events else "",
+            kv_events_replay_endpoint=events.replay_endpoint if events else "",
         )
 
     async def Release(self, request: engine_pb2.ReleaseRequest, context):

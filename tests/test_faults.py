@@ -69,11 +69,17 @@ def fleet(model_dir, tmp_path_factory):
                                                 f"{p2.address},{p.address}", "--decode",
                                                 f"{d0.address},{d1.address}"],
                         log_dir, "router-resume")
-        servers += [router, strict, resume]
-        for router_server in (router, strict, resume):
+        # "resume"'s engines, placed by what their prefix caches hold (their KV events).
+        cache = spawn("router", free_port(), ["--model", model_dir, "--prefill",
+                                               f"{p2.address},{p.address}", "--decode",
+                                               f"{d0.address},{d1.address}",
+                                               "--placement", "cache"],
+                       log_dir, "router-cache")
+        servers += [router, strict, resume, cache]
+        for router_server in (router, strict, resume, cache):
             wait_serving(router_server.address, servers)
         fleet = {"p": p, "p2": p2, "d0": d0, "d1": d1, "router": router, "strict": strict,
-                 "resume": resume,
+                 "resume": resume, "cache": cache,
                  "engine_args": engine, "log_dir": log_dir, "servers": servers}
         yield fleet
     finally:
@@ -125,6 +131,39 @@ def _kill(server) -> None:
 #: over before the test's kill landed (CI); the move test's kill lands after P's ~50-150
 #: tokens and D's 20. 600 tokens: about 3 s alone here.
 LONG_STAGE1_TOKENS = 600
+
+
+@pytest.mark.fleet
+def test_cache_placement_sends_stage_1_to_the_p_holding_the_prompts_prefix(fleet):
+    """The "cache" router (P2 listed first, as "resume") reads every engine's KV events:
+    a prompt whose 400-token prefix P holds (a request through the router over P alone)
+    goes to P, counted as a hit; the control, "resume" (placement by load), sends the
+    same to P2, the first of two idle Ps. Both answer identically (same parent, same
+    seed, positional sampling)."""
+    p, p2 = fleet["p"], fleet["p2"]
+    prefix = list(range(700, 1100))
+    with RouterClient(fleet["router"].address) as client:
+        client.generate(make_request(prompt=prefix + [5], max_tokens=4, seed=1,
+                                     path="colocated"), timeout=120)
+    deadline = time.monotonic() + 10
+    while metric_sum(fleet["cache"].metrics_url, "kvhandoff_router_cache_index_blocks",
+                     endpoint=p.address) < len(prefix) // 32:
+        assert time.monotonic() < deadline, "the cache router never learned P's blocks"
+        time.sleep(0.1)
+    results = {}
+    for name in ("cache", "resume"):
+        with RouterClient(fleet[name].address) as client:
+            results[name] = client.generate(make_request(
+                prompt=prefix + [6, 7], max_tokens=4, seed=2, beam_width=2,
+                path="handoff", request_id=f"placed-{name}"), timeout=120)
+    assert results["cache"].stats.prefill_endpoint == p.address
+    assert results["resume"].stats.prefill_endpoint == p2.address
+    assert list(results["cache"].thinking_token_ids) == list(
+        results["resume"].thinking_token_ids)
+    assert metric_sum(fleet["cache"].metrics_url, "kvhandoff_router_placements_total",
+                      role="prefill", endpoint=p.address, hit="yes") >= 1
+    assert metric_sum(fleet["cache"].metrics_url, "kvhandoff_router_cache_index_incomplete_total",
+                      endpoint=p.address) == 0
 
 
 def _long_request(seed: int, path: str = "handoff"):

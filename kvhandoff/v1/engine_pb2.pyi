@@ -104,7 +104,7 @@ class CapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint", "handoff_target", "num_reserved_blocks", "beam_fork", "catalogs")
+    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint", "handoff_target", "num_reserved_blocks", "beam_fork", "catalogs", "kv_events_endpoint", "kv_events_replay_endpoint")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,8 @@ class Capacity(_message.Message):
     NUM_RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BEAM_FORK_FIELD_NUMBER: _ClassVar[int]
     CATALOGS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     role: str
     engine_id: str
     num_total_blocks: int
@@ -135,7 +137,9 @@ class Capacity(_message.Message):
     num_reserved_blocks: int
     beam_fork: bool
     catalogs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., handoff_target: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., beam_fork: _Optional[bool] = ..., catalogs: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_events_endpoint: str
+    kv_events_replay_endpoint: str
+    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., handoff_target: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., beam_fork: _Optional[bool] = ..., catalogs: _Optional[_Iterable[str]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

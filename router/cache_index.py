@@ -1,0 +1,320 @@
+"""What each engine's prefix cache holds, as the router knows it from vLLM's KV events.
+
+Every engine publishes vLLM's KV-cache events (``KVEventsConfig``, ZMQ PUB with a replay
+ROUTER; ``engine.config``): ``BlockStored`` (a run of full blocks: their token ids, the
+engine's hashes, its parent block's hash), ``BlockRemoved`` (hashes) and
+``AllBlocksCleared``. The router keeps one :class:`BlockIndex` per engine, keyed by its
+*own* chained key of each block's tokens (:func:`prefix_keys`: no hash seed is shared
+with the engines), and asks it how many leading blocks of a prompt the engine holds.
+
+The index is a hint, never an answer: a block it lists may be gone by the time a
+request lands (the engine recomputes what it lacks), and a block it misses costs only a
+better placement. It is bounded (``max_blocks``; the oldest stored blocks are forgotten
+first, counted) and cleared whenever it cannot be trusted (:class:`EventFeed`: a gap in
+the sequence numbers that the replay cannot fill, an engine restart).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int, adapter: str | None = None
+                ) -> list[int]:
+    """The router's key of each full block of ``token_ids``: chained, so a key names the
+    whole prefix up to its block; ``adapter`` (a LoRA's name) keeps adapters apart."""
+    keys: list[int] = []
+    key = hash(("kvhandoff", adapter))
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        key = hash((key, tuple(token_ids[start:start + block_size])))
+        keys.append(key)
+    return keys
+
+
+@dataclass
+class IndexStats:
+    stored: int = 0
+    removed: int = 0
+    #: Stored blocks whose parent the index did not know (its events were missed).
+    orphans: int = 0
+    #: Blocks forgotten to stay within ``max_blocks``.
+    evicted: int = 0
+    clears: int = 0
+
+
+class BlockIndex:
+    """One engine's blocks (module docstring). Not thread-safe: one owner."""
+
+    def __init__(self, block_size: int, max_blocks: int):
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        # engine hash -> router key, oldest first; a key may have several engine hashes
+        # (the same prefix stored twice), so keys are counted.
+        self._by_hash: OrderedDict[object, int] = OrderedDict()
+        self._keys: dict[int, int] = {}
+        self.stats = IndexStats()
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def store(self, parent_hash: object | None, block_hashes: Sequence[object],
+              token_ids: Sequence[int], adapter: str | None = None) -> None:
+        """A ``BlockStored`` event: ``block_hashes[i]`` holds
+        ``token_ids[i * B:(i + 1) * B]``, after the block ``parent_hash`` (None: the
+        first block of a prompt)."""
+        if parent_hash is None:
+            key = hash(("kvhandoff", adapter))
+        else:
+            parent = self._by_hash.get(parent_hash)
+            if parent is None:
+                self.stats.orphans += len(block_hashes)
+                return
+            key = parent
+        size = self.block_size
+        for i, engine_hash in enumerate(block_hashes):
+            tokens = tuple(token_ids[i * size:(i + 1) * size])
+            if len(tokens) < size:
+                break
+            key = hash((key, tokens))
+            self._put(engine_hash, key)
+            self.stats.stored += 1
+        while len(self._by_hash) > self.max_blocks:
+            _, old = self._by_hash.popitem(last=False)
+            self._drop(old)
+            self.stats.evicted += 1
+
+    def _put(self, engine_hash: object, key: int) -> None:
+        old = self._by_hash.pop(engine_hash, None)
+        if old is not None:
+            self._drop(old)
+        self._by_hash[engine_hash] = key
+        self._keys[key] = self._keys.get(key, 0) + 1
+
+    def _drop(self, key: int) -> None:
+        left = self._keys[key] - 1
+        if left:
+            self._keys[key] = left
+        else:
+            del self._keys[key]
+
+    def remove(self, block_hashes: Iterable[object]) -> None:
+        """A ``BlockRemoved`` event."""
+        for engine_hash in block_hashes:
+            key = self._by_hash.pop(engine_hash, None)
+            if key is not None:
+                self._drop(key)
+                self.stats.removed += 1
+
+    def clear(self) -> None:
+        """``AllBlocksCleared``, or an index that can no longer be trusted."""
+        self._by_hash.clear()
+        self._keys.clear()
+        self.stats.clears += 1
+
+    def cached_blocks(self, keys: Sequence[int]) -> int:
+        """How many leading blocks of a prompt (its :func:`prefix_keys`) the engine
+        holds."""
+        for i, key in enumerate(keys):
+            if key not in self._keys:
+                return i
+        return len(keys)
+
+
+# ---- the feed: one engine's events into its index ------------------------------------
+#: vLLM's replay end marker (``ZmqEventPublisher.END_SEQ``).
+_END_SEQ = -1
+#: How long a replay may take before the index is given up as incomplete.
+REPLAY_TIMEOUT_S = 5.0
+
+
+@dataclass
+class FeedStats:
+    batches: int = 0
+    #: Replays asked for: at the start, after a gap, after an engine restart.
+    replays: int = 0
+    #: Times the index was cleared because the events could not be made whole (a replay
+    #: that started past what was missed, or did not answer in time).
+    incomplete: int = 0
+    restarts: int = 0
+
+
+def decode_batch(payload: bytes) -> tuple[float, list]:
+    """A ``KVEventBatch`` (msgpack ``[ts, events, dp_rank]``, each event a map tagged
+    with its ``type``): its time and events."""
+    import msgspec
+
+    batch = msgspec.msgpack.decode(payload)
+    return float(batch[0]), list(batch[1])
+
+
+def apply_events(index: BlockIndex, events: list) -> None:
+    """A batch's events into ``index``."""
+    for event in events:
+        kind = event.get("type") if isinstance(event, dict) else None
+        if kind == "BlockStored":
+            if event.get("medium") not in (None, "GPU", "CPU"):
+                continue  # an offloading tier's copy, not the engine's own pool
+            index.store(event.get("parent_block_hash"), event["block_hashes"],
+                        event["token_ids"], event.get("lora_name"))
+        elif kind == "BlockRemoved":
+            index.remove(event["block_hashes"])
+        elif kind == "AllBlocksCleared":
+            index.clear()
+
+
+class EventFeed:
+    """Keeps one engine's :class:`BlockIndex` in step with its events: a SUB socket on
+    its PUB endpoint; a replay from its ROUTER endpoint at the start (what was stored
+    before the router listened), after a gap in the sequence numbers and after the
+    engine restarted (numbers start again at 0). Events it cannot make whole clear the
+    index (counted, logged): the placement then treats the engine as holding nothing."""
+
+    def __init__(self, name: str, endpoint: str, replay_endpoint: str, index: BlockIndex,
+                 logger: object | None = None):
+        self.name, self.endpoint, self.replay_endpoint = name, endpoint, replay_endpoint
+        self.index = index
+        self.stats = FeedStats()
+        self._next: int | None = None  # the sequence number expected next
+        self._last_ts = float("-inf")  # the latest batch's time applied
+        self._log = logger
+
+    def _warn(self, message: str, *args: object) -> None:
+        if self._log is not None:
+            self._log.warning("KV events of %s: " + message, self.name, *args)
+
+    async def run(self) -> None:
+        """Until cancelled."""
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(self.endpoint)
+        try:
+            await self._replay(ctx, 0)
+            while True:
+                _, seq_bytes, payload = await sub.recv_multipart()
+                await self._on(ctx, int.from_bytes(seq_bytes, "big", signed=True), payload)
+        finally:
+            sub.close(linger=0)
+
+    async def _on(self, ctx: object, seq: int, payload: bytes) -> None:
+        ts, events = decode_batch(payload)
+        if self._next is not None and seq < self._next:
+            if ts <= self._last_ts:
+                return  # already applied (a replay overlapped the stream)
+            # Numbers went back with time going on: the engine restarted.
+            self._warn("sequence restarted at %d (expected %d): the engine restarted",
+                       seq, self._next)
+            self.stats.restarts += 1
+            self.index.clear()
+            self._next = None
+            await self._replay(ctx, 0)
+            if self._next is not None and seq < self._next:
+                return
+        elif self._next is not None and seq > self._next:
+            await self._replay(ctx, self._next)
+            if self._next is not None and seq < self._next:
+                return
+            if self._next is not None and seq > self._next:
+                self._incomplete(f"events {self._next}-{seq - 1} missed and not replayed")
+        self._apply(seq, ts, events)
+
+    def _apply(self, seq: int, ts: float, events: list) -> None:
+        apply_events(self.index, events)
+        self.stats.batches += 1
+        self._next, self._last_ts = seq + 1, max(self._last_ts, ts)
+
+    async def _replay(self, ctx: object, start: int) -> None:
+        """Ask the engine for its buffered batches from ``start`` on and apply them."""
+        import asyncio
+
+        import zmq
+
+        self.stats.replays += 1
+        sock = ctx.socket(zmq.DEALER)  # type: ignore[attr-defined]
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        try:
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            first = None
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
+                seq = int.from_bytes(frames[-2], "big", signed=True)
+                if seq == _END_SEQ:
+                    break
+                first = seq if first is None else first
+                if self._next is not None and seq < self._next:
+                    continue
+                self._apply(seq, *decode_batch(frames[-1]))
+            if first is not None and first > start:
+                self._incomplete(f"replay from {start} began at {first}")
+        except TimeoutError:
+            self._incomplete(f"no replay within {REPLAY_TIMEOUT_S:g} s")
+        finally:
+            sock.close(linger=0)
+
+    def _incomplete(self, why: str) -> None:
+        self._warn("index cleared: %s", why)
+        self.stats.incomplete += 1
+        self.index.clear()
+
+
+# ---- the router's view of every engine -----------------------------------------------
+class EngineCaches:
+    """One :class:`BlockIndex` and :class:`EventFeed` per engine that publishes its KV
+    events (``Capacity.kv_events_endpoint``): started at its first snapshot that names
+    them, started again when they change (a restarted engine on new ports), stopped by
+    :meth:`close`. ``index_factor``: blocks an index keeps, times the engine's pool."""
+
+    def __init__(self, logger: object | None = None, index_factor: int = 2):
+        self._log = logger
+        self._factor = index_factor
+        self._feeds: dict[str, tuple[str, EventFeed, object]] = {}  # address -> feed
+
+    def follow(self, address: str, capacity: object) -> None:
+        """After a snapshot of the engine at ``address``."""
+        import asyncio
+
+        endpoint = getattr(capacity, "kv_events_endpoint", "")
+        current = self._feeds.get(address)
+        if current is not None and current[0] == endpoint:
+            return
+        if current is not None:
+            current[2].cancel()  # type: ignore[attr-defined]
+            del self._feeds[address]
+        if not endpoint:
+            return
+        index = BlockIndex(capacity.block_size,  # type: ignore[attr-defined]
+                           self._factor * max(capacity.num_total_blocks, 1))  # type: ignore[attr-defined]
+        feed = EventFeed(address, endpoint, capacity.kv_events_replay_endpoint,  # type: ignore[attr-defined]
+                         index, self._log)
+        task = asyncio.get_running_loop().create_task(feed.run(), name=f"kv-events-{address}")
+        self._feeds[address] = (endpoint, feed, task)
+
+    def cached_blocks(self, address: str, token_ids: Sequence[int],
+                      adapter: str | None = None) -> int:
+        """Leading full blocks of ``token_ids`` the engine holds, as far as its events
+        say (0 with no events)."""
+        current = self._feeds.get(address)
+        if current is None:
+            return 0
+        index = current[1].index
+        return index.cached_blocks(prefix_keys(token_ids, index.block_size, adapter))
+
+    def feed(self, address: str) -> EventFeed | None:
+        current = self._feeds.get(address)
+        return None if current is None else current[1]
+
+    async def close(self) -> None:
+        import asyncio
+
+        tasks = [task for _, _, task in self._feeds.values()]
+        for task in tasks:
+            task.cancel()  # type: ignore[attr-defined]
+        await asyncio.gather(*tasks, return_exceptions=True)  # type: ignore[arg-type]
+        self._feeds.clear()

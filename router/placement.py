@@ -1,0 +1,61 @@
+"""Where a request runs: small parts in a row, the shape of llm-d's endpoint picker.
+
+Filters keep the engines that may take it (in rotation and not drained; room for it);
+scorers value each in tokens (the prefill a cached prefix saves, the work queued ahead
+of it); the picker takes the best, ties to the one with fewer requests outstanding, then
+the first listed. Without cache information every engine scores its queue alone, which
+is the router's placement before the cache was known: the fewest outstanding first.
+
+The stated rule: an outstanding request counts as ``LOAD_TOKENS`` tokens of work, so an
+engine is worth one more request in its queue only for at least that many cached tokens
+of the prompt (a full P is not chosen for a few cached blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: What one outstanding request weighs against cached tokens.
+LOAD_TOKENS = 512
+
+Filter = Callable[[Any], bool]
+Scorer = Callable[[Any], float]
+
+
+def takes_work(ep: Any) -> bool:
+    return bool(ep.takes_work)
+
+
+def not_excluded(excluded: Any) -> Filter:
+    return lambda ep: ep is not excluded
+
+
+def cached_prefix(cached_blocks: Callable[[Any], int], block_size: Callable[[Any], int]
+                  ) -> Scorer:
+    """Tokens of the prompt the engine holds in its prefix cache."""
+    return lambda ep: float(cached_blocks(ep) * block_size(ep))
+
+
+def queue(load_tokens: int = LOAD_TOKENS) -> Scorer:
+    """The work ahead of it: ``load_tokens`` per request outstanding."""
+    return lambda ep: -float(ep.outstanding * load_tokens)
+
+
+@dataclass(frozen=True)
+class Picker:
+    filters: tuple[Filter, ...]
+    scorers: tuple[Scorer, ...]
+
+    def ranked(self, endpoints: Sequence[Any]) -> list[tuple[float, Any]]:
+        """The kept endpoints with their scores, best first (ties: fewer outstanding,
+        then the order given)."""
+        kept = [ep for ep in endpoints if all(f(ep) for f in self.filters)]
+        scored = [(sum(s(ep) for s in self.scorers), i, ep) for i, ep in enumerate(kept)]
+        scored.sort(key=lambda t: (-t[0], t[2].outstanding, t[1]))
+        return [(score, ep) for score, _, ep in scored]
+
+    def pick(self, endpoints: Sequence[Any]) -> Any | None:
+        ranked = self.ranked(endpoints)
+        return ranked[0][1] if ranked else None

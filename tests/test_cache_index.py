@@ -1,0 +1,159 @@
+"""The router's picture of each engine's prefix cache (``router.cache_index``), unit
+level: the index against a dict of the blocks stored, and the feed against vLLM's own
+event publisher (``ZmqEventPublisher``, real ZMQ on loopback): a late start, a gap, a
+replay buffer that no longer reaches back, an engine restart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from router.cache_index import BlockIndex, EventFeed, prefix_keys
+
+pytestmark = pytest.mark.fleet
+
+B = 4
+
+
+def _stored(parent, hashes, tokens, lora=None):
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                       block_size=B, lora_id=None, medium="CPU", lora_name=lora)
+
+
+def test_the_index_knows_the_longest_cached_prefix():
+    index = BlockIndex(B, max_blocks=100)
+    prompt = list(range(100, 120))  # five blocks
+    index.store(None, [b"h0", b"h1"], prompt[:8])
+    index.store(b"h1", [b"h2"], prompt[8:12])
+    keys = prefix_keys(prompt, B)
+    assert index.cached_blocks(keys) == 3
+    assert index.cached_blocks(prefix_keys(prompt[:4] + [0] * 16, B)) == 1
+    assert index.cached_blocks(prefix_keys(prompt, B, adapter="other")) == 0
+    index.remove([b"h1"])
+    assert index.cached_blocks(keys) == 1  # block 1 gone: the prefix stops there
+    index.store(b"unknown", [b"h9"], prompt[12:16])  # its parent's events were missed
+    assert index.stats.orphans == 1 and index.cached_blocks(keys) == 1
+    index.clear()
+    assert index.cached_blocks(keys) == 0 and len(index) == 0
+
+
+def test_the_index_is_bounded_oldest_first():
+    index = BlockIndex(B, max_blocks=3)
+    a, b = list(range(0, 12)), list(range(50, 62))
+    index.store(None, [1, 2, 3], a)
+    index.store(None, [4, 5], b[:8])
+    assert len(index) == 3 and index.stats.evicted == 2
+    assert index.cached_blocks(prefix_keys(a, B)) == 0  # its first two were forgotten
+    assert index.cached_blocks(prefix_keys(b, B)) == 2
+
+
+class Engine:
+    """vLLM's publisher as an engine core runs it: PUB bound on an ipc path (vLLM binds
+    ipc and wildcard endpoints, connects to the rest), replay ROUTER on loopback."""
+
+    def __init__(self, pub: str, replay: int, buffer_steps: int = 100):
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        self.publisher = ZmqEventPublisher(
+            data_parallel_rank=0, endpoint=pub,
+            replay_endpoint=f"tcp://127.0.0.1:{replay}", buffer_steps=buffer_steps)
+
+    def publish(self, *events) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
+
+    def close(self) -> None:
+        self.publisher.shutdown()
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+def test_the_feed_follows_vllms_publisher_through_gaps_and_restarts(tmp_path):
+    from kvhandoff.ports import free_port
+
+    pub, replay = f"ipc://{tmp_path}/events", free_port()
+    prompt = list(range(200, 240))  # ten blocks
+    keys = prefix_keys(prompt, B)
+
+    async def scenario():
+        engine = Engine(pub, replay)
+        index = BlockIndex(B, max_blocks=1000)
+        feed = EventFeed("e", pub, f"tcp://127.0.0.1:{replay}", index)
+        # Stored before the router listened: the replay at the start brings it.
+        engine.publish(_stored(None, [0, 1], prompt[:8]))
+        await asyncio.sleep(0.2)
+        task = asyncio.create_task(feed.run())
+        await _until(lambda: index.cached_blocks(keys) == 2)
+        await asyncio.sleep(0.3)  # SUB joined
+        engine.publish(_stored(1, [2], prompt[8:12]))
+        await _until(lambda: index.cached_blocks(keys) == 3)
+        # Missed while the router was away: the next batch shows the gap; the replay
+        # fills it.
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        engine.publish(_stored(2, [3], prompt[12:16]))
+        engine.publish(_stored(3, [4], prompt[16:20]))
+        task = asyncio.create_task(feed.run())
+        await asyncio.sleep(0.5)
+        engine.publish(_stored(4, [5], prompt[20:24]))
+        await _until(lambda: index.cached_blocks(keys) == 6)
+        replays = feed.stats.replays
+        assert feed.stats.incomplete == 0 and replays >= 2
+        # The engine restarts (its numbers start again): the index starts over from what
+        # the new engine stored.
+        engine.close()
+        await asyncio.sleep(0.3)
+        engine = Engine(pub, replay)
+        await asyncio.sleep(0.5)
+        engine.publish(_stored(None, [10], prompt[:4]))
+        await _until(lambda: feed.stats.restarts == 1)
+        await _until(lambda: index.cached_blocks(keys) == 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_gap_the_replay_no_longer_reaches_clears_the_index(tmp_path):
+    """Negative control of the replay: a buffer of two batches cannot give back three
+    missed ones, so the index is cleared (counted) rather than left with a hole."""
+    from kvhandoff.ports import free_port
+
+    pub, replay = f"ipc://{tmp_path}/events", free_port()
+    prompt = list(range(300, 340))
+    keys = prefix_keys(prompt, B)
+
+    async def scenario():
+        engine = Engine(pub, replay, buffer_steps=2)
+        index = BlockIndex(B, max_blocks=1000)
+        feed = EventFeed("e", pub, f"tcp://127.0.0.1:{replay}", index)
+        task = asyncio.create_task(feed.run())
+        await asyncio.sleep(0.5)
+        engine.publish(_stored(None, [0], prompt[:4]))
+        await _until(lambda: index.cached_blocks(keys) == 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for i in range(1, 5):
+            engine.publish(_stored(i - 1, [i], prompt[4 * i:4 * i + 4]))
+        task = asyncio.create_task(feed.run())
+        await asyncio.sleep(0.5)
+        engine.publish(_stored(4, [5], prompt[20:24]))
+        await _until(lambda: feed.stats.incomplete >= 1)
+        assert index.cached_blocks(keys) == 0
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        engine.close()
+
+    asyncio.run(scenario())

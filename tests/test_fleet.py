@@ -1,0 +1,91 @@
+"""The router's picture of real engines' prefix caches, from their own KV events
+(``engine.kv_events`` relays vLLM's publisher; ``router.cache_index`` reads it):
+stage 1 on one P shows there and not on the other, a handoff shows on D, D's cache
+emptied shows as empty, a feed started late learns what was stored before it (the
+replay), and placement follows. Unit level: ``tests/test_cache_index.py``,
+``tests/test_placement.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from connector.handoff import ImportRequest
+from kvhandoff.types import BeamParams, Stage1Params
+from router import placement
+from router.cache_index import EngineCaches
+from tools.harness.cases import history_prompt
+
+pytestmark = [pytest.mark.fleet, pytest.mark.engines]
+
+
+def _capacity(engine) -> SimpleNamespace:
+    """What GetCapacity says of the engine's events and pool."""
+    return SimpleNamespace(kv_events_endpoint=engine.kv_events.endpoint,
+                           kv_events_replay_endpoint=engine.kv_events.replay_endpoint,
+                           block_size=engine.block_size,
+                           num_total_blocks=engine.num_total_blocks)
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+@pytest.mark.timeout(600)
+def test_engines_kv_events_tell_the_router_where_a_prefix_is_cached(pair, run,
+                                                                    assert_pools_clean):
+    prompt = history_prompt(600, "fleet-events", pair.tokenizer)
+    full = len(prompt) // pair.p.block_size
+    stage1 = Stage1Params(max_tokens=8, temperature=0.0, stop_token_ids=())
+
+    async def scenario():
+        caches = EngineCaches()
+        try:
+            caches.follow("p", _capacity(pair.p))
+            caches.follow("d", _capacity(pair.d))
+            # Stage 1 on P2 before the router listens to it: the replay at the start of
+            # its feed brings what it stored.
+            s1 = await pair.p2.run_stage1(prompt, stage1, "fleet-p2", export=False)
+            caches.follow("p2", _capacity(pair.p2))
+            await _until(lambda: caches.cached_blocks("p2", prompt) == full)
+            assert caches.cached_blocks("p", prompt) == 0
+            assert caches.feed("p2").stats.replays >= 1
+
+            eps = [SimpleNamespace(address=a, outstanding=n, takes_work=True,
+                                   capacity=SimpleNamespace(block_size=pair.p.block_size))
+                   for a, n in (("p", 0), ("p2", 1))]
+            picker = placement.Picker(
+                filters=(placement.takes_work,),
+                scorers=(placement.cached_prefix(
+                    lambda ep: caches.cached_blocks(ep.address, prompt),
+                    lambda ep: ep.capacity.block_size), placement.queue()))
+            assert picker.pick(eps).address == "p2"  # 576 cached tokens > one request
+            assert picker.pick([*eps[:1], SimpleNamespace(**{**vars(eps[1]),
+                                                             "outstanding": 2})]).address == "p"
+
+            # A handoff: the parent's blocks D imported are in D's prefix cache.
+            s1 = await pair.p.run_stage1(prompt, stage1, "fleet-p", export=True)
+            parent = prompt + s1.token_ids + pair.default_suffix_ids
+            beam = BeamParams(beam_width=2, max_tokens=2)
+            await pair.d.run_stage2(parent, beam, "fleet-d",
+                                    handoff=ImportRequest.for_beams(s1.handoff_params, beam))
+            await _until(lambda: caches.cached_blocks("d", parent) >= full)
+            await _until(lambda: caches.cached_blocks("p", prompt) == full)
+            # D's cache emptied: its index follows (vLLM publishes a step's events with
+            # the step: one tiny request carries the reset's).
+            await pair.d.empty_prefix_cache()
+            await pair.d.run_one_step()
+            await _until(lambda: caches.cached_blocks("d", parent) == 0)
+            stats = caches.feed("d").stats
+            assert stats.incomplete == 0 and stats.restarts == 0
+        finally:
+            await caches.close()
+
+    run(scenario())
+    assert_pools_clean()
