@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connector.handoff import BEAM_KEY, FORK_TOKENS_KEY
+from connector.handoff import BEAM_KEY, FORK_TOKENS_KEY, is_made_slot
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -106,7 +106,11 @@ class BeamForkScheduler:
             self._fork_copies.extend(
                 zip(source.block_ids[0][first:last], child_blocks[first:last])
             )
-            self.stats.data[FORK_TOKENS_KEY].append(num_external_tokens)
+            if not is_made_slot(request.request_id):
+                # vLLM's front end counts external tokens of the requests it knows: a
+                # slot made in the engine is not one of them (``EngineCounters``
+                # subtracts these from its external tokens).
+                self.stats.data[FORK_TOKENS_KEY].append(num_external_tokens)
         if source.held:
             return
         if source.num_children is None:

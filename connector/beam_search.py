@@ -23,7 +23,9 @@ row's ``2W`` best allowed tokens by logprob, ties by token id (:func:`catalog_ca
 and the W best candidates by a stable sort (ties: the earlier row, then the row's
 order). vLLM has no constrained search to agree with, so its tie rules are this
 module's; ``tools/harness/constrained.py`` is the reference written apart from it. A
-beam with no allowed token is dropped; the live beams returned are whole items only.
+beam that is a whole item with no token after it in the catalog and no EOS to take (EOS
+ignored, or none) is complete as it is, listed before the step's EOS beams; the live
+beams returned at the end are whole items only (the others are counted, dropped).
 """
 
 from __future__ import annotations
@@ -171,6 +173,11 @@ class GroupSearch:
         assert len(rows) == 0 or rows.max() < self.num_live, "a row past the live beams"
         cums = self.cum_logprobs[rows] + candidates.logprobs.astype(np.float64)
         eos = None if self.ignore_eos else self.eos_token_id
+        if self.catalog is not None and eos is None:
+            # A whole item with nothing after it, and no EOS to end it by: complete.
+            for r in np.flatnonzero(self.catalog.ends_here(self.nodes)):
+                self.completed.append(Finished(int(self.origins[r]), list(self.tokens[r]),
+                                               float(self.cum_logprobs[r])))
         if eos is not None:
             is_eos = tokens == eos
             for i in np.flatnonzero(is_eos):

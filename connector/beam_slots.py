@@ -4,15 +4,22 @@ Stage 2's first step (the import, one request) gives the W best first tokens; th
 requests ("slots") decode the group's beams, one engine step per beam step, until the
 search ends (``decode_engine.beam``). Slot ``i`` starts as ``parent + [first token i]``
 (``max_tokens`` = T - 1) and forks the first step's kept request (``connector.beam_fork``:
-the shared full blocks are prefix hits, the partial last one is copied). The logits
+the shared full blocks are prefix hits, the partial last one is copied); kept in a
+catalog, every slot starts at ``parent`` itself and runs all T steps. The logits
 processor (``connector.beam_processor``) picks each step's beams and forces the slots'
 tokens; this part, owned by the engine's scheduler (``connector.admission``), does the
 rest:
 
-- **Together.** A group's slots wait (the connector skips them) until all W arrived and
-  the step has room for all of them (running slots and token budget); then they go to
-  the front of the queue and start in one step. A group not scheduled whole ends with an
-  error; it never runs split.
+- **Made here.** The front end sends slot 0 (the "leader") alone; its parameters list
+  the others (their last prompt token and score), which this part makes as vLLM
+  ``Request``s with vLLM's block hasher and adds to the scheduler. Their outputs go to a
+  client that never asked for them and drops them; a leader that ends before its group
+  started (its client aborted) ends them too.
+- **Together.** A group's slots wait (the connector skips them) until all arrived and
+  the step has room for all of them (running slots, token budget, and the blocks their
+  first step takes from the free count); then they go to the front of the queue and
+  start in one step. A group not scheduled whole ends with an error; it never runs
+  split; one bigger than the pool ends at once.
 - **Forks are block copies.** After a step whose new beam ``j`` continues the beam of
   slot ``p != j``, slot ``j``'s own blocks (from the one holding the parent's last token
   on) become copies of slot ``p``'s, through vLLM's ``kv_cache_block_copies`` (gathered
@@ -46,7 +53,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from connector.beam_processor import BeamStepMeta
-from connector.handoff import BEAM_KEY, KEY, SLOT_KEY
+from connector.handoff import BEAM_KEY, CLONE_SEP, KEY, SLOT_KEY
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -61,10 +68,6 @@ logger = logging.getLogger(__name__)
 WAIT_KEY = "slot_wait"
 #: How long a group's first slot waits for the others.
 START_TIMEOUT_S = 30.0
-
-
-#: A slot made here from its group's leader: ``<leader's request id>`` + this + its index.
-CLONE_SEP = ".slot"
 
 
 def slot_of(request: Request) -> dict[str, Any] | None:
@@ -176,7 +179,11 @@ class SlotGroups:
                 continue
             if now - group.arrived_at > START_TIMEOUT_S:
                 group.error = (f"{len(group.slots)} of its {group.members} slots arrived "
-                               f"within {START_TIMEOUT_S:.0f}s")
+                               f"within {START_TIMEOUT_S:.0f}s"
+                               if len(group.slots) < group.members else
+                               f"no room for its {group.members} slots within "
+                               f"{START_TIMEOUT_S:.0f}s (sequences, token budget or "
+                               "blocks: the running requests kept them)")
                 continue
             if len(group.slots) < group.members:
                 continue

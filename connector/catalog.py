@@ -62,6 +62,12 @@ class Catalog:
         counts = np.bincount(self.depth, minlength=steps + 1)[1:steps + 1]
         return int(counts.max(initial=0))
 
+    def ends_here(self, nodes: np.ndarray) -> np.ndarray:
+        """Per beam: at a whole item that no item continues (a leaf)."""
+        nodes = np.asarray(nodes, dtype=np.int64)
+        safe = np.maximum(nodes, 0)
+        return (nodes >= 0) & self.is_item[safe] & (np.diff(self.offsets)[safe] == 0)
+
     def allowed(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every (row, token) a beam at ``nodes[row]`` may take next, row by row, each
         row's tokens ascending (a dead node, -1, allows nothing)."""

@@ -46,6 +46,15 @@ SLOT_KEY = "kvhandoff_slot"
 #: Connector stats key: prompt tokens beam steps copied from a kept beam (beam fork). vLLM
 #: counts them as external (KV-connector) tokens; they were copied on D, not transferred.
 FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"
+#: A beam slot made in the engine from its group's leader (``connector.beam_slots``):
+#: ``<leader's request id>`` + this + its index. The front end never sees its outputs.
+CLONE_SEP = ".slot"
+
+
+def is_made_slot(request_id: str) -> bool:
+    """Whether ``request_id`` names a slot made in the engine (``CLONE_SEP`` + index)."""
+    head, sep, index = request_id.rpartition(CLONE_SEP)
+    return bool(head and sep and index.isdigit())
 
 #: ``kv_transfer_params`` key on P's stage-1 request: hold the export for its whole lease
 #: (a parent for continuations): P keeps the blocks after a READ, so several

@@ -149,13 +149,18 @@ def decode_batch(payload: bytes) -> tuple[float, list]:
     return float(batch[0]), list(batch[1])
 
 
+#: The engine's own pool (vLLM's ``MEDIUM_GPU``, on CPU hosts too); offloading tiers
+#: publish other media ("CPU", "STORAGE") for their own copies.
+ENGINE_MEDIA = (None, "GPU")
+
+
 def apply_events(index: BlockIndex, events: list) -> None:
-    """A batch's events into ``index``."""
+    """A batch's events into ``index`` (the engine pool's only)."""
     for event in events:
         kind = event.get("type") if isinstance(event, dict) else None
+        if kind in ("BlockStored", "BlockRemoved") and event.get("medium") not in ENGINE_MEDIA:
+            continue
         if kind == "BlockStored":
-            if event.get("medium") not in (None, "GPU", "CPU"):
-                continue  # an offloading tier's copy, not the engine's own pool
             index.store(event.get("parent_block_hash"), event["block_hashes"],
                         event["token_ids"], event.get("lora_name"))
         elif kind == "BlockRemoved":
@@ -172,13 +177,17 @@ class EventFeed:
     index (counted, logged): the placement then treats the engine as holding nothing."""
 
     def __init__(self, name: str, endpoint: str, replay_endpoint: str, index: BlockIndex,
-                 logger: object | None = None):
+                 logger: object | None = None, max_queued: int = 10_000):
         self.name, self.endpoint, self.replay_endpoint = name, endpoint, replay_endpoint
         self.index = index
         self.stats = FeedStats()
         self._next: int | None = None  # the sequence number expected next
         self._last_ts = float("-inf")  # the latest batch's time applied
+        self._known_from: int | None = None  # set once a replay answered
         self._log = logger
+        #: Batches ZMQ may queue for this feed (its SUB's high-water mark): beyond, the
+        #: publisher drops them and the gap is replayed.
+        self.max_queued = max_queued
 
     def _warn(self, message: str, *args: object) -> None:
         if self._log is not None:
@@ -191,11 +200,13 @@ class EventFeed:
 
         ctx = zmq.asyncio.Context.instance()
         sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, self.max_queued)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(self.endpoint)
         try:
-            await self._replay(ctx, 0)
+            # What the engine stored before (or while) this feed did not listen.
+            await self._replay(ctx, self._next or 0)
             while True:
                 _, seq_bytes, payload = await sub.recv_multipart()
                 await self._on(ctx, int.from_bytes(seq_bytes, "big", signed=True), payload)
@@ -212,7 +223,7 @@ class EventFeed:
                        seq, self._next)
             self.stats.restarts += 1
             self.index.clear()
-            self._next = None
+            self._next = self._known_from = None
             await self._replay(ctx, 0)
             if self._next is not None and seq < self._next:
                 return
@@ -251,8 +262,15 @@ class EventFeed:
                 if self._next is not None and seq < self._next:
                     continue
                 self._apply(seq, *decode_batch(frames[-1]))
-            if first is not None and first > start:
+            if first is not None and first > start and self._known_from is not None:
                 self._incomplete(f"replay from {start} began at {first}")
+            elif first is not None and first > start:
+                # A first replay that no longer reaches the engine's first batch: what was
+                # cached before it is unknown (not wrong); blocks stored on those are
+                # skipped as orphans until they are stored again.
+                self._warn("replay began at %d: earlier blocks unknown", first)
+            if self._known_from is None:
+                self._known_from = start
         except TimeoutError:
             self._incomplete(f"no replay within {REPLAY_TIMEOUT_S:g} s")
         finally:

@@ -26,7 +26,7 @@ from router.endpoint import Claim, Endpoint
 from router.errors import RouterError, code_of, details_of, grpc_error
 from router.moves import MoveDesk, Running
 from router.plan import Outcome, Plan
-from router.pool import EnginePool, check_catalog
+from router.pool import EnginePool
 from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
@@ -50,11 +50,11 @@ class Executor:
         """Yield stage-1 token batches as P samples them, then the Outcome."""
         t0 = time.perf_counter()
         handoff = plan.path == common_pb2.PATH_HANDOFF
-        if not handoff:  # stage 2 runs on P: a catalog it lacks is refused before stage 1
-            check_catalog(plan.beam, [ep for ep in self.pool.prefill if ep.takes_work],
-                          "prefill")
+        # Colocated, stage 2 runs on P: a P that loaded its catalog (NOT_FOUND before
+        # stage 1 when none did).
         p = plan.pinned[0] if plan.pinned else await self.pool.pick_prefill(
-            plan.deadline, prompt_ids=plan.prompt_ids)
+            plan.deadline, prompt_ids=plan.prompt_ids,
+            catalog=None if handoff else plan.beam.catalog)
         out = Outcome(plan, p.address, None)
         running = Running(plan, p, None, s1_id=f"{plan.request_id}-s1")
         try:

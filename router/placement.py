@@ -32,6 +32,13 @@ def not_excluded(excluded: Any) -> Filter:
     return lambda ep: ep is not excluded
 
 
+def has_catalog(catalog: str | None) -> Filter:
+    """With a catalog: engines that loaded it (its stage 2 runs on the one picked)."""
+    if catalog is None:
+        return lambda ep: True
+    return lambda ep: catalog in ep.capacity.catalogs
+
+
 def cached_prefix(cached_blocks: Callable[[Any], int], block_size: Callable[[Any], int]
                   ) -> Scorer:
     """Tokens of the prompt the engine holds in its prefix cache."""

@@ -223,30 +223,35 @@ class EnginePool:
         return self.caches.cached_blocks(ep.address, token_ids)
 
     def prefill_picker(self, prompt_ids: Sequence[int] | None,
-                       exclude: Endpoint | None = None) -> placement.Picker:
-        """Stage 1's placement (``router.placement``): a P taking work, scored by the
+                       exclude: Endpoint | None = None,
+                       catalog: str | None = None) -> placement.Picker:
+        """Stage 1's placement (``router.placement``): a P taking work (with
+        ``catalog``, one that loaded it: its stage 2 runs there too), scored by the
         prompt's prefix it holds against its queue."""
         return placement.Picker(
-            filters=(placement.takes_work, placement.not_excluded(exclude)),
+            filters=(placement.takes_work, placement.not_excluded(exclude),
+                     placement.has_catalog(catalog)),
             scorers=(placement.cached_prefix(lambda ep: self.cached_blocks(ep, prompt_ids),
                                              lambda ep: ep.capacity.block_size),
                      placement.queue()))
 
     async def pick_prefill(self, deadline: float | None,
                            exclude: Endpoint | None = None,
-                           prompt_ids: Sequence[int] | None = None) -> Endpoint:
+                           prompt_ids: Sequence[int] | None = None,
+                           catalog: str | None = None) -> Endpoint:
         """The P for a stage 1 (``prefill_picker``: with no cache information, the one
         with the fewest requests outstanding). With none taking work the request waits
         for one (``decode_wait_s``, its ``deadline``) while some P answered lately;
         UNAVAILABLE if none did."""
         wait_until = self._wait_until(deadline)
-        picker = self.prefill_picker(prompt_ids, exclude)
+        picker = self.prefill_picker(prompt_ids, exclude, catalog)
         while True:
             changed = self._changed
             candidates = [ep for ep in self.prefill if ep is not exclude]
             live = [ep for ep in candidates if ep.takes_work]
-            if live:
-                chosen = picker.pick(live)
+            check_catalog(catalog, live, "prefill")
+            chosen = picker.pick(live)
+            if chosen is not None:
                 self.observer.placed("prefill", chosen.address,
                                      self.cached_blocks(chosen, prompt_ids))
                 return chosen
@@ -303,10 +308,13 @@ class EnginePool:
                 live = [ep for ep in decode if ep.takes_work]
                 if not live:
                     self._raise_unless_answered_lately(decode, "decode")
-                check_catalog(beam, live, "decode")
+                check_catalog(beam.catalog, live, "decode")
                 holding = [ep for ep in live if can_hold(ep)]
                 if live and not holding:
-                    biggest = max(live, key=lambda ep: ep.capacity.num_total_blocks)
+                    # The largest of those that could run it (the catalog's, if any).
+                    biggest = max((ep for ep in live if beam.catalog is None
+                                   or beam.catalog in ep.capacity.catalogs),
+                                  key=lambda ep: ep.capacity.num_total_blocks)
                     raise _too_small(need(biggest), biggest, num_prompt_tokens, beam)
                 my_turn = not self._decode_queue or self._decode_queue[0] is ticket
                 fitting = [ep for ep in holding if need(ep) <= ep.num_unclaimed_blocks]
@@ -350,15 +358,15 @@ class EnginePool:
             self.refresh_soon(claim.endpoint)
 
 
-def check_catalog(beam: BeamParams, live: list[Endpoint], role: str) -> None:
-    """NOT_FOUND when ``beam`` names a catalog that none of the engines in rotation
-    (``live``, when any) loaded."""
-    if beam.catalog is None or not live:
+def check_catalog(catalog: str | None, live: list[Endpoint], role: str) -> None:
+    """NOT_FOUND when ``catalog`` is one that none of the engines in rotation (``live``,
+    when any) loaded."""
+    if catalog is None or not live:
         return
-    if not any(beam.catalog in ep.capacity.catalogs for ep in live):
+    if not any(catalog in ep.capacity.catalogs for ep in live):
         theirs = sorted({c for ep in live for c in ep.capacity.catalogs})
         raise grpc_error(grpc.StatusCode.NOT_FOUND,
-                         f"no {role} engine has catalog {beam.catalog!r} (theirs: "
+                         f"no {role} engine has catalog {catalog!r} (theirs: "
                          f"{', '.join(theirs) or 'none'}; engines load them with "
                          "--catalog NAME=PATH)")
 

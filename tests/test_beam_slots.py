@@ -411,8 +411,8 @@ def test_an_incomplete_group_ends_after_its_start_timeout(model_dir, monkeypatch
 
 def test_a_group_starts_only_with_blocks_for_its_first_step_and_one_too_big_ends(model_dir):
     """Each slot holds its own block from its first step: a group of 6 over a 40-token
-    parent (blocks of 32: 1 shared, 1 own each: 7) waits while another request holds 5
-    of the pool's 11 blocks, and starts when they are free; a group that needs more than
+    parent (blocks of 32: 1 shared, 1 own each: 7) waits while a running request holds 5
+    of the pool's 11 blocks, and starts when it has ended; a group that needs more than
     the whole pool ends at once with the numbers (it was scheduled split before and
     failed a step later)."""
     from connector.handoff import KEY
@@ -421,14 +421,17 @@ def test_a_group_starts_only_with_blocks_for_its_first_step_and_one_too_big_ends
     assert BLOCK_SIZE == 32
     scheduler = make_scheduler(model_dir, num_blocks=12)
     parent = list(range(10, 50))
-    hog = _slot_request(list(range(300, 450)), group="h", slot=0, width=1, steps=1)
+    # A plain request holding 5 blocks for three steps (scheduled before the group).
+    hog = _plain_request(list(range(300, 450)), max_tokens=3)
     scheduler.add_request(hog)
+    _slot_step(scheduler)
     group = [_slot_request(parent + [i], slot=i, width=6, steps=1) for i in range(6)]
     for req in group:
         scheduler.add_request(req)
-    out, _ = _slot_step(scheduler, {"h": {"step": 1, "parents": [0],
-                                          "result": {"completed": [], "live": []}}})
-    assert sorted(out.num_scheduled_tokens) == ["h0"], "6 slots need 7 blocks, 6 were free"
+    for _ in range(2):  # the hog decodes on; 6 slots need 7 blocks, 6 are free
+        out, _ = _slot_step(scheduler)
+        assert sorted(out.num_scheduled_tokens) == ["hog"], out.num_scheduled_tokens
+    assert "hog" not in scheduler.requests
     result = {"completed": [], "live": [[i, [5], -1.0] for i in range(6)]}
     out, outputs = _slot_step(scheduler, {"g": {"step": 1, "parents": list(range(6)),
                                                 "result": result}})
@@ -446,6 +449,21 @@ def test_a_group_starts_only_with_blocks_for_its_first_step_and_one_too_big_ends
     assert_scheduler_clean(scheduler)
 
 
+def _plain_request(prompt, *, max_tokens):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from tests.utils import BLOCK_SIZE
+
+    init_none_hash(sha256)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    sampling.update_from_generation_config({}, 1)
+    return Request(request_id="hog", prompt_token_ids=list(prompt), sampling_params=sampling,
+                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+
+
 def _leader(prompt, *, group="g", members, clones, steps=2):
     """Slot 0 as the front end sends it: its spec lists the other slots to make."""
     req = _slot_request(prompt, group=group, slot=0, width=members, steps=steps)
@@ -458,8 +476,7 @@ def test_the_scheduler_makes_a_groups_slots_from_its_leader(model_dir):
     leader's prompt with each one's own last token, its own slot and score), they start
     together with it, slot 0's output carries the beams, and the made slots end with
     the group; nothing is left."""
-    from connector.beam_slots import CLONE_SEP
-    from connector.handoff import KEY
+    from connector.handoff import CLONE_SEP, KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
     scheduler = make_scheduler(model_dir)
@@ -483,6 +500,9 @@ def test_the_scheduler_makes_a_groups_slots_from_its_leader(model_dir):
 
 
 def test_a_leader_aborted_by_its_client_ends_the_slots_made_from_it(model_dir):
+    """The client aborts slot 0 before its group started: the slots made from it have
+    no one to answer and end in the next step (without the rule they would wait out the
+    group's start timeout, holding their requests)."""
     from vllm.v1.request import RequestStatus
 
     from tests.utils import assert_scheduler_clean, make_scheduler
@@ -491,9 +511,9 @@ def test_a_leader_aborted_by_its_client_ends_the_slots_made_from_it(model_dir):
     leader = _leader(list(range(10, 70)) + [20], members=4,
                      clones=[[21, -1.0], [22, -1.0], [23, -1.0]], steps=4)
     scheduler.add_request(leader)
-    out, _ = _slot_step(scheduler, {"g": {"step": 1, "parents": [0, 1, 2, 3]}})
-    assert len(out.num_scheduled_tokens) == 4
+    assert len(scheduler.requests) == 4
     scheduler.finish_requests([leader.request_id], RequestStatus.FINISHED_ABORTED)
-    _slot_step(scheduler, {"g": {"step": 2, "parents": [0, 1, 2, 3]}})
+    out, _ = _slot_step(scheduler)
+    assert out.num_scheduled_tokens == {}, "a group missing its leader started"
     assert not scheduler.requests, "the made slots outlived their leader"
     assert_scheduler_clean(scheduler)

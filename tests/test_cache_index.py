@@ -17,11 +17,12 @@ pytestmark = pytest.mark.fleet
 B = 4
 
 
-def _stored(parent, hashes, tokens, lora=None):
+def _stored(parent, hashes, tokens, lora=None, medium="GPU"):
+    """A store in the engine's own pool (vLLM's MEDIUM_GPU, on CPU hosts too)."""
     from vllm.distributed.kv_events import BlockStored
 
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                       block_size=B, lora_id=None, medium="CPU", lora_name=lora)
+                       block_size=B, lora_id=None, medium=medium, lora_name=lora)
 
 
 def test_the_index_knows_the_longest_cached_prefix():
@@ -55,12 +56,13 @@ class Engine:
     """vLLM's publisher as an engine core runs it: PUB bound on an ipc path (vLLM binds
     ipc and wildcard endpoints, connects to the rest), replay ROUTER on loopback."""
 
-    def __init__(self, pub: str, replay: int, buffer_steps: int = 100):
+    def __init__(self, pub: str, replay: int, buffer_steps: int = 100, hwm: int = 100_000):
         from vllm.distributed.kv_events import ZmqEventPublisher
 
         self.publisher = ZmqEventPublisher(
             data_parallel_rank=0, endpoint=pub,
-            replay_endpoint=f"tcp://127.0.0.1:{replay}", buffer_steps=buffer_steps)
+            replay_endpoint=f"tcp://127.0.0.1:{replay}", buffer_steps=buffer_steps,
+            hwm=hwm)
 
     def publish(self, *events) -> None:
         from vllm.distributed.kv_events import KVEventBatch
@@ -152,6 +154,41 @@ def test_a_gap_the_replay_no_longer_reaches_clears_the_index(tmp_path):
         engine.publish(_stored(4, [5], prompt[20:24]))
         await _until(lambda: feed.stats.incomplete >= 1)
         assert index.cached_blocks(keys) == 0
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_batches_dropped_while_the_router_was_busy_are_replayed(tmp_path):
+    """A running feed whose queue is full (a router busy for a second, the publisher's
+    and the feed's queues bounded): ZMQ drops batches, the next one shows the gap, the
+    replay fills it, and the index ends whole. Offloading tiers' stores (medium "CPU")
+    are not the engine's pool and stay out."""
+    from kvhandoff.ports import free_port
+
+    pub, replay = f"ipc://{tmp_path}/events", free_port()
+    count = 3000
+    prompt = list(range(1, 4 * count + 5))
+    keys = prefix_keys(prompt, B)
+
+    async def scenario():
+        engine = Engine(pub, replay, buffer_steps=2 * count, hwm=1)
+        index = BlockIndex(B, max_blocks=10 * count)
+        feed = EventFeed("e", pub, f"tcp://127.0.0.1:{replay}", index, max_queued=1)
+        task = asyncio.create_task(feed.run())
+        await asyncio.sleep(0.5)
+        engine.publish(_stored(None, [0], prompt[:4]))
+        await _until(lambda: index.cached_blocks(keys) == 1)
+        for i in range(1, count):  # the publisher's thread sends while this loop sleeps
+            engine.publish(_stored(i - 1, [i], prompt[4 * i:4 * i + 4]))
+        time.sleep(1.0)
+        engine.publish(_stored(count - 1, [count], prompt[4 * count:4 * count + 4]))
+        engine.publish(_stored(None, [10 ** 6], [9, 9, 9, 9], medium="CPU"))
+        await _until(lambda: index.cached_blocks(keys) == count + 1, timeout_s=20)
+        assert feed.stats.replays >= 2 and feed.stats.incomplete == 0, feed.stats
+        assert index.cached_blocks(prefix_keys([9, 9, 9, 9], B)) == 0
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         engine.close()

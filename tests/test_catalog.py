@@ -92,15 +92,18 @@ def reference(prompt, items, params):
     async def next_logprobs(tokens):
         return Sampler.compute_logprobs(scripted_logits(tokens).unsqueeze(0))[0].tolist()
 
-    beams = asyncio.run(constrained_beam_search(next_logprobs, prompt, items, params, EOS))
-    return [(b.token_ids, b.cum_logprob) for b in beams]
+    ref = asyncio.run(constrained_beam_search(next_logprobs, prompt, items, params, EOS))
+    return [(b.token_ids, b.cum_logprob) for b in ref.beams], ref.dropped
 
 
 #: (width, beam tokens, length penalty, ignore_eos, item lengths, items)
 CASES = [(1, 3, 1.0, False, (3,), 60), (4, 3, 1.0, False, (3,), 60),
          (4, 4, 0.5, False, (2, 3, 4), 80), (8, 5, 1.0, False, (2, 3), 50),
          (32, 3, 1.0, False, (3,), 200), (32, 4, 1.0, True, (3, 4), 150),
-         (16, 3, 2.0, False, (3,), 9)]
+         (16, 3, 2.0, False, (3,), 9),
+         # Beams still inside longer items at the last step (dropped, counted); items
+         # that end before T with EOS ignored (complete at their leaf).
+         (8, 3, 1.0, False, (2, 4), 80), (8, 5, 1.0, True, (2, 3), 40)]
 
 
 @pytest.mark.parametrize("width,tokens,penalty,ignore_eos,lengths,n", CASES)
@@ -115,7 +118,9 @@ def test_in_engine_constrained_beams_equal_the_reference(tmp_path, width, tokens
         params = BeamParams(beam_width=width, max_tokens=tokens, length_penalty=penalty,
                             ignore_eos=ignore_eos, catalog="shop")
         got, outcome = ours(prompt, params, _engine(tmp_path, items))
-        assert got == reference(prompt, items, params), (seed, params)
+        want, dropped = reference(prompt, items, params)
+        assert got == want, (seed, params)
+        assert outcome.num_dropped == dropped, (seed, params)
         whole = {tuple(i) for i in items}
         for beam, _ in got:
             assert tuple(beam[:-1] if beam[-1] == EOS else beam) in whole, beam
@@ -126,7 +131,8 @@ def test_in_engine_constrained_beams_equal_the_reference(tmp_path, width, tokens
 
 def test_the_cases_leave_the_catalog_unconstrained_and_have_eos_beams(tmp_path):
     """The comparison above means something: unconstrained, the same model's beams leave
-    the catalog; constrained, some beams end by EOS."""
+    the catalog; constrained, some beams end by EOS, some are dropped, and with EOS
+    ignored some items shorter than T are returned."""
     items = _items(0, 60, (3,))
     whole = {tuple(i) for i in items}
     free, _ = ours([3, 4, 4, 3], BeamParams(4, 3))
@@ -135,6 +141,28 @@ def test_the_cases_leave_the_catalog_unconstrained_and_have_eos_beams(tmp_path):
              ours([3 + seed, 4, 8, 5], BeamParams(8, 5, catalog="shop"),
                   _engine(tmp_path, _items(seed, 50, (2, 3))))[0] if b[-1] == EOS]
     assert ended
+    _, outcome = ours([3, 4, 8, 3], BeamParams(8, 3, catalog="shop"),
+                      _engine(tmp_path, _items(0, 80, (2, 4))))
+    assert outcome.num_dropped > 0
+    short, _ = ours([3, 4, 8, 5], BeamParams(8, 5, ignore_eos=True, catalog="shop"),
+                    _engine(tmp_path, _items(0, 40, (2, 3))))
+    assert any(len(b) < 5 for b, _ in short)
+
+
+def test_a_search_makes_no_more_slots_than_the_catalog_keeps_alive(tmp_path):
+    """Nine items of three tokens keep at most nine beams alive: a W=16 search makes 9
+    slots (``max_live``), and its beams equal the reference's."""
+    from decode_engine.beam import beam_search
+
+    items = _items(0, 9)
+    engine = _engine(tmp_path, items)
+    catalog = build("shop", items, VOCAB)
+    params = BeamParams(16, 3, catalog="shop")
+    out = asyncio.run(beam_search(engine.generate, [3, 4, 16], params, eos_token_id=EOS,
+                                  request_id="r", max_live=catalog.max_live(3)))
+    assert catalog.max_live(3) == 9 and len(engine.slots) == 9
+    assert [(b.token_ids, b.cum_logprob) for b in out.beams] == \
+        reference([3, 4, 16], items, params)[0]
 
 
 def test_without_the_block_copies_constrained_beams_differ(tmp_path):
@@ -147,7 +175,7 @@ def test_without_the_block_copies_constrained_beams_differ(tmp_path):
                             catalog="shop")
         prompt = [3, 4, width, tokens]
         got, _ = ours(prompt, params, _engine(tmp_path, items, copies=False))
-        differ += got != reference(prompt, items, params)
+        differ += got != reference(prompt, items, params)[0]
     assert differ >= 3
 
 

@@ -53,7 +53,7 @@ def test_constrained_beams_equal_the_reference_by_handoff_and_on_one_engine(
     local = run(run_beam_stage(pair.p, stage2, beam, f"cat-l{width}"))
     reference = run(constrained_beam_search(
         engine_logprobs(pair.p, pair.p.vocab_size, f"cat-r{width}"), stage2,
-        [list(i) for i in _shop(pair)], beam, pair.eos_id))
+        [list(i) for i in _shop(pair)], beam, pair.eos_id)).beams
     _same(local.beams, reference)
     results = [local]
     if width <= 32:  # D's pool (128 blocks) holds 32 slots, not the shop's 192

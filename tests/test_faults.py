@@ -1,6 +1,7 @@
-"""Faults with real processes: two Ps, two Ds (signed handoffs) and three routers (policy
+"""Faults with real processes: two Ps, two Ds (signed handoffs) and four routers (policy
 "recompute", the default, over P and both Ds; policy "fail" over P and D1 only; "resume"
-over P2 then P, and both Ds). Each test ends with
+over P2 then P, and both Ds; "cache" over the same, placed by their prefix caches). Each
+test ends with
 the surviving pools clean. The tests run in file order and share the processes."""
 
 from __future__ import annotations
@@ -141,13 +142,18 @@ def test_cache_placement_sends_stage_1_to_the_p_holding_the_prompts_prefix(fleet
     same to P2, the first of two idle Ps. Both answer identically (same parent, same
     seed, positional sampling)."""
     p, p2 = fleet["p"], fleet["p2"]
-    prefix = list(range(700, 1100))
+    prefix = list(range(400, 800))
+
+    def indexed() -> float:  # P's blocks in the cache router's index
+        return metric_sum(fleet["cache"].metrics_url, "kvhandoff_router_cache_index_blocks",
+                          endpoint=p.address)
+
+    before = indexed()
     with RouterClient(fleet["router"].address) as client:
         client.generate(make_request(prompt=prefix + [5], max_tokens=4, seed=1,
                                      path="colocated"), timeout=120)
     deadline = time.monotonic() + 10
-    while metric_sum(fleet["cache"].metrics_url, "kvhandoff_router_cache_index_blocks",
-                     endpoint=p.address) < len(prefix) // 32:
+    while indexed() < before + len(prefix) // 32:
         assert time.monotonic() < deadline, "the cache router never learned P's blocks"
         time.sleep(0.1)
     results = {}
@@ -569,7 +575,7 @@ def _reads_not_warm_ups(fleet, d) -> float:
     """NIXL READs ``d`` completed less the warm-up handoffs to it the routers counted."""
     warm_ups = sum(metric_sum(fleet[r].metrics_url, "kvhandoff_router_warmups_total",
                               dest=d.address, outcome="imported")
-                   for r in ("router", "strict", "resume"))
+                   for r in ("router", "strict", "resume", "cache"))
     return metric_sum(d.metrics_url, "kvhandoff_engine_nixl_transfers_total") - warm_ups
 
 

@@ -292,17 +292,24 @@ def test_beams_in_a_catalog_over_grpc_and_http_equal_colocated_and_fail_when_fau
     assert_identical(got, ref)
     assert got.beams and all(tuple(b.token_ids) in shop for b in got.beams)
     assert got.num_beams_short == 8 - len(got.beams)
+    # The control: the same request unconstrained leaves the shop (the catalog reached
+    # the engine's search, not only the router's checks).
+    open_ = router_client.generate(make_request(path="handoff", **{**kw, "catalog": None}))
+    assert any(tuple(b.token_ids) not in shop for b in open_.beams)
     for path, role in (("handoff", "decode"), ("colocated", "prefill")):
         with pytest.raises(grpc.RpcError) as e:
             router_client.generate(make_request(path=path, **{**kw, "catalog": "nope"}))
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
         assert f"no {role} engine has catalog 'nope' (theirs: shop;" in e.value.details()
     client = openai.OpenAI(base_url=cluster["http"] + "/v1", api_key="unused", max_retries=0)
-    out = client.completions.create(model=model_dir, prompt=prompt + " recent tech so</think>\n"
-                                    "<|sid_begin|>", max_tokens=3, n=4,
-                                    extra_body={"use_beam_search": True, "catalog": "shop"})
-    assert len(out.choices) == 4
-    assert all(tuple(c.model_extra["token_ids"]) in shop for c in out.choices)
+    text = prompt + " recent tech so</think>\n<|sid_begin|>"
+    outs = {catalog: client.completions.create(
+        model=model_dir, prompt=text, max_tokens=3, n=16,
+        extra_body={"use_beam_search": True, **({"catalog": catalog} if catalog else {})})
+        for catalog in ("shop", None)}
+    assert len(outs["shop"].choices) == 16
+    assert all(tuple(c.model_extra["token_ids"]) in shop for c in outs["shop"].choices)
+    assert any(tuple(c.model_extra["token_ids"]) not in shop for c in outs[None].choices)
     with pytest.raises(openai.NotFoundError, match="catalog 'nope'"):
         client.completions.create(model=model_dir, prompt=prompt, max_tokens=3, n=4,
                                   extra_body={"use_beam_search": True, "catalog": "nope"})
@@ -315,4 +322,6 @@ def test_beams_in_a_catalog_over_grpc_and_http_equal_colocated_and_fail_when_fau
     assert_handed_off(bad)
     with pytest.raises(AssertionError):
         assert_identical(bad, ref)
+    # (Its unfaulted pair is the first prompt's: D's prefix cache now holds this
+    # parent's corrupted blocks, and a process cluster cannot empty it.)
     assert_cluster_clean()

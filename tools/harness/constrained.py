@@ -13,14 +13,17 @@ selection are plain Python sorts. The rules it implements (the ones
 - candidates are listed beam by beam (beams in order), each beam's best first; EOS
   candidates complete their beam; the W best of the rest by cumulative logprob, a stable
   sort (ties: listed first);
+- a beam that is a whole item no item continues, with no EOS to take (ignored, or
+  none), is complete as it is (listed before the step's EOS beams);
 - after T steps, the live beams that are whole items join the completed ones, which are
   ranked by vLLM's score (cumulative logprob / length ** length_penalty, a stable sort)
-  and the best W returned.
+  and the best W returned; the others are counted (``Reference.dropped``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvhandoff.types import Beam, BeamParams
@@ -44,9 +47,16 @@ def read_items(path: str) -> list[list[int]]:
             if line.strip() and not line.strip().startswith("#")]
 
 
+@dataclass
+class Reference:
+    beams: list[Beam]
+    #: Live beams at the last step that were not whole items (left out).
+    dropped: int
+
+
 async def constrained_beam_search(next_logprobs: NextLogprobs, prompt: list[int],
                                   items: list[list[int]], params: BeamParams,
-                                  eos_token_id: int | None) -> list[Beam]:
+                                  eos_token_id: int | None) -> Reference:
     """Beam search over ``prompt`` whose beams stay in ``items`` (module docstring)."""
     width = params.beam_width
     use_eos = eos_token_id is not None and not params.ignore_eos
@@ -60,6 +70,8 @@ async def constrained_beam_search(next_logprobs: NextLogprobs, prompt: list[int]
             if use_eos and -1 in node:
                 allowed.append(eos_token_id)
             if not allowed:
+                if -1 in node:  # a whole item nothing continues, no EOS to take
+                    completed.append((tokens, cum))
                 continue
             logprobs = await next_logprobs(prompt + tokens)
             ranked = sorted(allowed, key=lambda t: (-logprobs[t], t))[:2 * width]
@@ -74,6 +86,7 @@ async def constrained_beam_search(next_logprobs: NextLogprobs, prompt: list[int]
         live = sorted(rest, key=lambda c: -c[1])[:width]  # sorted() is stable
         if not live:
             break
+    dropped = sum(-1 not in node for _, _, node in live)
     completed += [(tokens, cum) for tokens, cum, node in live if -1 in node]
 
     def score(beam: tuple[list[int], float]) -> float:
@@ -83,9 +96,10 @@ async def constrained_beam_search(next_logprobs: NextLogprobs, prompt: list[int]
         return cum / (max(length, 1) ** params.length_penalty)
 
     best = sorted(completed, key=score, reverse=True)[:width]
-    return [Beam(token_ids=tokens, cum_logprob=cum,
-                 finish_reason="stop" if use_eos and tokens[-1] == eos_token_id else "length")
-            for tokens, cum in best]
+    return Reference([Beam(token_ids=tokens, cum_logprob=cum,
+                           finish_reason="stop" if use_eos and tokens and tokens[-1] == eos_token_id
+                           else "length")
+                      for tokens, cum in best], dropped)
 
 
 def engine_logprobs(engine: Any, vocab_size: int, request_id: str) -> NextLogprobs:
