@@ -137,12 +137,12 @@ def _step0_extra(extra_args: dict[str, Any] | None, fork: bool, keep: bool, name
 
 async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamParams, *,
                      eos_token_id: int | None, request_id: str, fork_from: str | None,
-                     members: int | None = None) -> tuple[list[Any], dict[str, Any]]:
+                     members: int | None = None) -> dict[str, Any]:
     """The steps inside the engine: a slot per beam (``members`` slots, the first
     ``len(beams)`` starting with a live beam, the rest waiting to be forked into), each
     running the search's remaining steps. Only slot 0 is sent; the engine makes the
-    others from it (``connector.beam_slots``). Slot 0's final output and the search's
-    result (``connector.beam_search.GroupSearch.result``)."""
+    others from it (``connector.beam_slots``). The search's result, from slot 0's final
+    output (``connector.beam_search.GroupSearch.result``, with the steps' figures)."""
     from vllm import SamplingParams
 
     group, live = f"{request_id}-g", len(beams)
@@ -167,7 +167,7 @@ async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamP
     info = (leader.kv_transfer_params or {}).get(KEY) or {}
     if SLOT_KEY not in info:
         raise StageError("stage2", info.get("reason", "beam_group"), error_message(leader))
-    return [leader], info[SLOT_KEY]
+    return info[SLOT_KEY]
 
 
 async def beam_search(
@@ -217,9 +217,9 @@ async def beam_search(
         members = len(beams)
     recomputed, slot_steps, dropped = 0, None, 0
     if (params.max_tokens > 1 or constrained) and beams:
-        slots, result = await _run_slots(generate, beams, params, eos_token_id=eos_token_id,
-                                         request_id=request_id,
-                                         fork_from=name if fork else None, members=members)
+        result = await _run_slots(generate, beams, params, eos_token_id=eos_token_id,
+                                  request_id=request_id, fork_from=name if fork else None,
+                                  members=members)
         slot_steps = result.get("steps") or {}
         first_computed = int(slot_steps.get("first_computed", members))
         later_steps = params.max_tokens - (1 if constrained else 2)

@@ -17,6 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
+from router.errors import grpc_error
+
 #: What one outstanding request weighs against cached tokens.
 LOAD_TOKENS = 512
 
@@ -66,3 +70,16 @@ class Picker:
     def pick(self, endpoints: Sequence[Any]) -> Any | None:
         ranked = self.ranked(endpoints)
         return ranked[0][1] if ranked else None
+
+
+def check_catalog(catalog: str | None, live: Sequence[Any], role: str) -> None:
+    """NOT_FOUND when ``catalog`` is one that none of the engines in rotation (``live``,
+    when any) loaded."""
+    if catalog is None or not live:
+        return
+    if not any(catalog in ep.capacity.catalogs for ep in live):
+        theirs = sorted({c for ep in live for c in ep.capacity.catalogs})
+        raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                         f"no {role} engine has catalog {catalog!r} (theirs: "
+                         f"{', '.join(theirs) or 'none'}; engines load them with "
+                         "--catalog NAME=PATH)")

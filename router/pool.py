@@ -35,6 +35,7 @@ from router.cache_index import EngineCaches
 from router.config import RouterConfig
 from router.endpoint import Claim, Endpoint, EngineObserver
 from router.errors import RouterError, code_of, details_of, grpc_error
+from router.placement import check_catalog
 
 logger = logging.getLogger(__name__)
 
@@ -356,19 +357,6 @@ class EnginePool:
             self.room_changed()
         else:
             self.refresh_soon(claim.endpoint)
-
-
-def check_catalog(catalog: str | None, live: list[Endpoint], role: str) -> None:
-    """NOT_FOUND when ``catalog`` is one that none of the engines in rotation (``live``,
-    when any) loaded."""
-    if catalog is None or not live:
-        return
-    if not any(catalog in ep.capacity.catalogs for ep in live):
-        theirs = sorted({c for ep in live for c in ep.capacity.catalogs})
-        raise grpc_error(grpc.StatusCode.NOT_FOUND,
-                         f"no {role} engine has catalog {catalog!r} (theirs: "
-                         f"{', '.join(theirs) or 'none'}; engines load them with "
-                         "--catalog NAME=PATH)")
 
 
 def _none_in_rotation(endpoints: list[Endpoint], role: str, waited_s: float) -> RouterError:

@@ -11,6 +11,8 @@ import pytest
 from decode_engine.beam import beam_search, vllm_beam_search
 from kvhandoff.types import BeamParams
 
+pytestmark = pytest.mark.beams
+
 
 @pytest.mark.engines
 @pytest.mark.parametrize("width,length_penalty", [(1, 1.0), (4, 1.0), (8, 0.5)])

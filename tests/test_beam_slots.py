@@ -28,6 +28,8 @@ from kvhandoff.types import BeamParams, StageError
 EOS = 1
 VOCAB = 64
 
+pytestmark = pytest.mark.beams
+
 
 def scripted_logits(tokens: list[int]) -> torch.Tensor:
     """A context's logits, float32, in steps of 1/4: exact ties at every step, the cutoff
