@@ -127,6 +127,12 @@ class BlockIndex:
 _END_SEQ = -1
 #: How long a replay may take before the index is given up as incomplete.
 REPLAY_TIMEOUT_S = 5.0
+#: A feed whose loop failed starts again after this long (its index empty meanwhile).
+FEED_RETRY_S = 1.0
+
+
+class MalformedBatch(ValueError):
+    """A published batch that is not a ``KVEventBatch`` of vLLM's shape."""
 
 
 @dataclass
@@ -138,6 +144,12 @@ class FeedStats:
     #: that started past what was missed, or did not answer in time).
     incomplete: int = 0
     restarts: int = 0
+    #: Batches that could not be read (not msgpack, or not vLLM's shape): each clears
+    #: the index, since an event was lost.
+    malformed: int = 0
+    #: Times the feed's loop failed (a socket error, an unexpected reply) and was
+    #: started again after ``FEED_RETRY_S``, its index cleared.
+    failures: int = 0
 
 
 def decode_batch(payload: bytes) -> tuple[float, list]:
@@ -145,8 +157,11 @@ def decode_batch(payload: bytes) -> tuple[float, list]:
     with its ``type``): its time and events."""
     import msgspec
 
-    batch = msgspec.msgpack.decode(payload)
-    return float(batch[0]), list(batch[1])
+    try:
+        batch = msgspec.msgpack.decode(payload)
+        return float(batch[0]), list(batch[1])
+    except (msgspec.DecodeError, TypeError, ValueError, IndexError, KeyError) as e:
+        raise MalformedBatch(f"{type(e).__name__}: {e}") from e
 
 
 #: The engine's own pool (vLLM's ``MEDIUM_GPU``, on CPU hosts too); offloading tiers
@@ -155,26 +170,33 @@ ENGINE_MEDIA = (None, "GPU")
 
 
 def apply_events(index: BlockIndex, events: list) -> None:
-    """A batch's events into ``index`` (the engine pool's only)."""
+    """A batch's events into ``index`` (the engine pool's only). Raises
+    :class:`MalformedBatch` at the first event it cannot read (those before it are
+    applied)."""
     for event in events:
         kind = event.get("type") if isinstance(event, dict) else None
-        if kind in ("BlockStored", "BlockRemoved") and event.get("medium") not in ENGINE_MEDIA:
-            continue
-        if kind == "BlockStored":
-            index.store(event.get("parent_block_hash"), event["block_hashes"],
-                        event["token_ids"], event.get("lora_name"))
-        elif kind == "BlockRemoved":
-            index.remove(event["block_hashes"])
-        elif kind == "AllBlocksCleared":
-            index.clear()
+        try:
+            if kind in ("BlockStored", "BlockRemoved") and event.get("medium") not in ENGINE_MEDIA:
+                continue
+            if kind == "BlockStored":
+                index.store(event.get("parent_block_hash"), list(event["block_hashes"]),
+                            list(event["token_ids"]), event.get("lora_name"))
+            elif kind == "BlockRemoved":
+                index.remove(list(event["block_hashes"]))
+            elif kind == "AllBlocksCleared":
+                index.clear()
+        except (KeyError, TypeError, ValueError) as e:
+            raise MalformedBatch(f"{kind} event: {type(e).__name__}: {e}") from e
 
 
 class EventFeed:
     """Keeps one engine's :class:`BlockIndex` in step with its events: a SUB socket on
     its PUB endpoint; a replay from its ROUTER endpoint at the start (what was stored
     before the router listened), after a gap in the sequence numbers and after the
-    engine restarted (numbers start again at 0). Events it cannot make whole clear the
-    index (counted, logged): the placement then treats the engine as holding nothing."""
+    engine restarted (numbers start again at 0). Events it cannot make whole, and
+    batches it cannot read, clear the index (counted, logged): the placement then treats
+    the engine as holding nothing until new events come. A loop that fails (a socket
+    error) is logged, counted and started again; only a cancel ends :meth:`run`."""
 
     def __init__(self, name: str, endpoint: str, replay_endpoint: str, index: BlockIndex,
                  logger: object | None = None, max_queued: int = 10_000):
@@ -194,7 +216,26 @@ class EventFeed:
             self._log.warning("KV events of %s: " + message, self.name, *args)
 
     async def run(self) -> None:
-        """Until cancelled."""
+        """Until cancelled; a failed loop starts again after ``FEED_RETRY_S``, with its
+        index cleared and a replay."""
+        import asyncio
+
+        while True:
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the feed must outlive any one failure
+                self.stats.failures += 1
+                if self._log is not None:
+                    self._log.warning("KV events of %s: feed failed (%s: %s); index "
+                                      "cleared, again in %g s", self.name,
+                                      type(e).__name__, e, FEED_RETRY_S)
+                self.index.clear()
+                self._next = self._known_from = None
+                await asyncio.sleep(FEED_RETRY_S)
+
+    async def _follow(self) -> None:
         import zmq
         import zmq.asyncio
 
@@ -214,7 +255,11 @@ class EventFeed:
             sub.close(linger=0)
 
     async def _on(self, ctx: object, seq: int, payload: bytes) -> None:
-        ts, events = decode_batch(payload)
+        try:
+            ts, events = decode_batch(payload)
+        except MalformedBatch as e:
+            self._malformed(seq, e)
+            return
         if self._next is not None and seq < self._next:
             if ts <= self._last_ts:
                 return  # already applied (a replay overlapped the stream)
@@ -236,9 +281,21 @@ class EventFeed:
         self._apply(seq, ts, events)
 
     def _apply(self, seq: int, ts: float, events: list) -> None:
-        apply_events(self.index, events)
+        try:
+            apply_events(self.index, events)
+        except MalformedBatch as e:
+            self._malformed(seq, e)
+            return
         self.stats.batches += 1
         self._next, self._last_ts = seq + 1, max(self._last_ts, ts)
+
+    def _malformed(self, seq: int, error: MalformedBatch) -> None:
+        """Batch ``seq`` could not be read: it is skipped (its number counts as seen, so
+        no replay asks for it again) and the index, which missed its events, cleared."""
+        self.stats.malformed += 1
+        self._incomplete(f"batch {seq} unreadable ({error})")
+        if self._next is None or seq >= self._next:
+            self._next = seq + 1
 
     async def _replay(self, ctx: object, start: int) -> None:
         """Ask the engine for its buffered batches from ``start`` on and apply them."""
@@ -261,7 +318,10 @@ class EventFeed:
                 first = seq if first is None else first
                 if self._next is not None and seq < self._next:
                     continue
-                self._apply(seq, *decode_batch(frames[-1]))
+                try:
+                    self._apply(seq, *decode_batch(frames[-1]))
+                except MalformedBatch as e:
+                    self._malformed(seq, e)
             if first is not None and first > start and self._known_from is not None:
                 self._incomplete(f"replay from {start} began at {first}")
             elif first is not None and first > start:

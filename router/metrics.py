@@ -232,7 +232,8 @@ class _EngineCollector:
 
 def _cache_index_metrics(router):
     """Each engine's index of its prefix cache (``router.cache_index``): its size, and
-    its feed's replays, restarts seen and resyncs that could not make it whole."""
+    its feed's replays, restarts seen, resyncs that could not make it whole, batches it
+    could not read and failures of the feed itself."""
     caches = router.pool.caches
     size = GaugeMetricFamily("kvhandoff_router_cache_index_blocks",
                              "Blocks the router's index says the engine's prefix cache "
@@ -243,7 +244,11 @@ def _cache_index_metrics(router):
                                             "(start, gap, engine restart)"),
                                 ("incomplete", "Times an engine's index was cleared: its "
                                                "events could not be made whole"),
-                                ("restarts", "Engine restarts seen in its KV events"))}
+                                ("restarts", "Engine restarts seen in its KV events"),
+                                ("malformed", "Batches of KV events that could not be "
+                                              "read (skipped, index cleared)"),
+                                ("failures", "Times the feed of an engine's KV events "
+                                             "failed and was started again"))}
     for role, endpoints in (("prefill", router.prefill), ("decode", router.decode)):
         for ep in endpoints:
             feed = caches.feed(ep.address) if caches is not None else None

@@ -194,3 +194,99 @@ def test_batches_dropped_while_the_router_was_busy_are_replayed(tmp_path):
         engine.close()
 
     asyncio.run(scenario())
+
+
+class RawEngine:
+    """A publisher that can send anything (vLLM's only sends what it encoded): PUB on
+    ``pub``, a replay ROUTER on ``replay`` that answers the first ``bad_replies`` asks
+    with a one-frame reply (not vLLM's shape) and the rest with an empty replay."""
+
+    def __init__(self, pub: str, replay: int, bad_replies: int = 0):
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(pub)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(f"tcp://127.0.0.1:{replay}")
+        self.bad_replies = bad_replies
+        self.asks = 0
+
+    def answer_replays(self) -> None:
+        import zmq
+
+        while self.router.poll(0, zmq.POLLIN):
+            identity, _, _start = self.router.recv_multipart()
+            self.asks += 1
+            if self.asks <= self.bad_replies:
+                self.router.send_multipart((identity, b"garbage"))
+            else:
+                self.router.send_multipart((identity, b"", (-1).to_bytes(8, "big", signed=True),
+                                            b""))
+
+    def send(self, seq: int, payload: bytes) -> None:
+        self.pub.send_multipart((b"", seq.to_bytes(8, "big", signed=True), payload))
+
+    def batch(self, seq: int, *events) -> None:
+        import msgspec
+
+        self.send(seq, msgspec.msgpack.encode([time.time(), list(events), 0]))
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def _raw_stored(parent, hashes, tokens):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": B, "medium": "GPU"}
+
+
+def test_unreadable_batches_and_a_failed_loop_clear_the_index_and_the_feed_goes_on(tmp_path):
+    """A batch that is not msgpack, and one whose event lacks its token ids, are each
+    skipped and counted, the index cleared (it missed their events); a replay answered
+    in a shape the feed cannot read fails its loop, which is counted and started again.
+    The feed keeps following the engine through all of it."""
+    import router.cache_index as cache_index
+    from kvhandoff.ports import free_port
+
+    pub, replay = f"ipc://{tmp_path}/events", free_port()
+    prompt = list(range(400, 420))
+    keys = prefix_keys(prompt, B)
+
+    async def scenario():
+        engine = RawEngine(pub, replay, bad_replies=1)
+        index = BlockIndex(B, max_blocks=100)
+        feed = EventFeed("e", pub, f"tcp://127.0.0.1:{replay}", index)
+
+        async def replays():
+            while True:
+                engine.answer_replays()
+                await asyncio.sleep(0.01)
+
+        answering = asyncio.create_task(replays())
+        task = asyncio.create_task(feed.run())
+        # The first replay's answer is unreadable: the loop fails, and starts again.
+        await _until(lambda: feed.stats.failures == 1 and engine.asks >= 2,
+                     timeout_s=cache_index.FEED_RETRY_S + 5)
+        await asyncio.sleep(0.3)  # SUB joined
+        engine.batch(0, _raw_stored(None, [0], prompt[:4]))
+        await _until(lambda: index.cached_blocks(keys) == 1)
+        engine.send(1, b"\xc1 not msgpack")
+        await _until(lambda: feed.stats.malformed == 1)
+        assert index.cached_blocks(keys) == 0 and feed.stats.incomplete == 1
+        engine.batch(2, _raw_stored(None, [0], prompt[:4]))
+        await _until(lambda: index.cached_blocks(keys) == 1)
+        engine.batch(3, {"type": "BlockStored", "block_hashes": [1], "medium": "GPU"})
+        await _until(lambda: feed.stats.malformed == 2)
+        assert index.cached_blocks(keys) == 0
+        engine.batch(4, _raw_stored(None, [0], prompt[:4]), _raw_stored(0, [1], prompt[4:8]))
+        await _until(lambda: index.cached_blocks(keys) == 2)
+        # Numbers 1 and 3 count as seen: no replay was asked for them.
+        assert engine.asks == 2 and not task.done(), feed.stats
+        assert feed.stats.failures == 1 and feed.stats.batches == 3
+        for t in (task, answering):
+            t.cancel()
+        await asyncio.gather(task, answering, return_exceptions=True)
+        engine.close()
+
+    asyncio.run(scenario())
