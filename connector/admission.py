@@ -182,7 +182,7 @@ class AdmissionScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any
                            ) -> dict[int, EngineCoreOutputs]:
-        self._slots.on_step_output(scheduler_output, model_runner_output)
+        self._slots.on_step_output(scheduler_output, model_runner_output, self.requests)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for eco in outputs.values():
             for out in eco.outputs:

@@ -161,9 +161,10 @@ class GroupSearch:
 
     @property
     def done(self) -> bool:
-        """Every step ran (a constrained search whose beams all ended or left no
-        candidate still runs its slots' steps, with no live beam)."""
-        return self.step >= self.steps
+        """Every step ran, or a step left no live beam (all ended by EOS, as whole
+        items, or with no candidate): nothing is left to search, and the slots end
+        with this step (``connector.beam_slots`` caps their ``max_tokens``)."""
+        return self.step >= self.steps or (self.step > 0 and self.num_live == 0)
 
     def select(self, candidates: Candidates) -> tuple[np.ndarray, np.ndarray]:
         """One beam step over the live rows' candidates: returns (parents, tokens) for

@@ -276,9 +276,12 @@ class SlotGroups:
         return copies
 
     def on_step_output(self, scheduler_output: SchedulerOutput,
-                       model_runner_output: ModelRunnerOutput) -> None:
+                       model_runner_output: ModelRunnerOutput,
+                       requests: dict[str, Request]) -> None:
         """Before vLLM reads a step's output: what the processor decided for each group
-        that ran in it."""
+        that ran in it. A group whose search ended before its last step (no live beam
+        left) has its slots' ``max_tokens`` capped at this step's token, so vLLM
+        finishes them with this output, by length, as at the last step."""
         connector_output = model_runner_output.kv_connector_output
         meta = connector_output.kv_connector_worker_meta if connector_output else None
         records = meta.groups if isinstance(meta, BeamStepMeta) else {}
@@ -302,6 +305,11 @@ class SlotGroups:
                     group.parents = parents
                 if "result" in record:
                     group.result = record["result"]
+                    for rid in group.ids():
+                        request = requests.get(rid)
+                        if request is not None:
+                            request.max_tokens = min(request.max_tokens,
+                                                     request.num_output_tokens + 1)
 
     def after_output(self, scheduler: Scheduler, outputs: dict[int, EngineCoreOutputs]
                      ) -> None:

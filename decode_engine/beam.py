@@ -222,8 +222,10 @@ async def beam_search(
                                   members=members)
         slot_steps = result.get("steps") or {}
         first_computed = int(slot_steps.get("first_computed", members))
-        later_steps = params.max_tokens - (1 if constrained else 2)
-        step_computed += [first_computed] + [members] * later_steps
+        # The slots' steps that ran: fewer than planned when no live beam was left.
+        planned = params.max_tokens - (0 if constrained else 1)
+        ran = len(slot_steps.get("select_ms") or ()) or planned
+        step_computed += [first_computed] + [members] * (ran - 1)
         recomputed = max(first_computed - members, 0)
         dropped = int(result.get("dropped", 0))
         for key in ("completed", "live"):

@@ -92,22 +92,25 @@ class ScriptedEngine:
             batch_size=len(rows), removed=[], moved=[],
             added=[(r, self.slots[i][1], self.slots[i][0], []) for r, i in enumerate(rows)]))
         contexts = {i: self.slots[i][0] for i in order}
-        record = {}
+        record, select_ms = {}, []
         for _ in range(spec["steps"]):
             meta = OUTBOX.open_step()
             logits = torch.stack([scripted_logits(contexts[i]) for i in rows])
             forced = processor.apply(logits).argmax(dim=-1).tolist()
             self.steps_run += 1
             record = meta.groups[spec["group"]]
-            if "error" in record:
-                break
+            select_ms.append(record.get("select_ms", 0.0))
+            if "error" in record or "result" in record:
+                break  # the scheduler ends the slots with the result (or the error)
             by_slot = dict(zip(rows, forced))
             source = ({j: contexts[p] for j, p in enumerate(record["parents"])}
                       if self.copies else contexts)
             contexts = {i: source.get(i, contexts[i]) + [by_slot[i]] for i in order}
         processor.update_state(SimpleNamespace(batch_size=0, removed=list(range(len(rows))),
                                                moved=[], added=[]))
-        info = ({SLOT_KEY: record["result"]} if "result" in record
+        # As the scheduler answers (connector.beam_slots): the result, the steps' figures.
+        info = ({SLOT_KEY: {**record["result"], "steps": {"select_ms": select_ms}}}
+                if "result" in record
                 else {"reason": "beam_group", "error": record.get("error", "no result")})
         for i in order:
             tokens, _, future = self.slots[i]

@@ -124,7 +124,9 @@ def test_in_engine_constrained_beams_equal_the_reference(tmp_path, width, tokens
         whole = {tuple(i) for i in items}
         for beam, _ in got:
             assert tuple(beam[:-1] if beam[-1] == EOS else beam) in whole, beam
-        assert len(got) <= width and outcome.step_computed_tokens[1:] == [width] * tokens
+        ran = len(outcome.slot_steps["select_ms"])
+        assert len(got) <= width and outcome.step_computed_tokens[1:] == [width] * ran
+        assert ran <= tokens
         if n < width:
             assert len(got) < width
 
@@ -184,3 +186,21 @@ def test_an_unknown_catalog_fails_the_group(tmp_path):
 
     with pytest.raises(StageError, match="no catalog 'other' here"):
         ours([3, 4], BeamParams(4, 3, catalog="other"), _engine(tmp_path, _items(0, 20)))
+
+
+def test_a_search_whose_beams_all_ended_stops_there(tmp_path):
+    """Items of two tokens, EOS not ignored, T = 6: after two tokens every beam is at a
+    leaf, whose only candidate is EOS, so every beam completes at step 3 and the slots
+    end there (not at step 6), with the reference's beams. With EOS ignored the leaves
+    complete at step 3 too (a whole item with nothing after it)."""
+    for ignore_eos in (False, True):
+        items = _items(5, 30, (2,))
+        prompt = [7, 4, 8, 6]
+        params = BeamParams(beam_width=8, max_tokens=6, ignore_eos=ignore_eos,
+                            catalog="shop")
+        engine = _engine(tmp_path, items)
+        got, outcome = ours(prompt, params, engine)
+        assert got == reference(prompt, items, params)[0]
+        assert engine.steps_run == 3 and len(outcome.slot_steps["select_ms"]) == 3
+        assert outcome.step_computed_tokens[1:] == [8] * 3
+        assert all(len(beam) == (2 if ignore_eos else 3) for beam, _ in got)
