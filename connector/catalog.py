@@ -56,11 +56,15 @@ class Catalog:
     def max_item_len(self) -> int:
         return int(self.depth[self.is_item].max(initial=0))
 
+    def nodes_at_depth(self) -> list[int]:
+        """``[i]``: the distinct prefixes of ``i + 1`` tokens (trie nodes at that depth);
+        what ``GetCapacity`` tells the router (``Capacity.catalog_widths``)."""
+        return [int(n) for n in np.bincount(self.depth)[1:]]
+
     def max_live(self, steps: int) -> int:
         """The most beams a search of ``steps`` tokens can have alive at once: distinct
-        live beams sit at distinct nodes of one depth."""
-        counts = np.bincount(self.depth, minlength=steps + 1)[1:steps + 1]
-        return int(counts.max(initial=0))
+        live beams sit at distinct nodes of one depth (``kvhandoff.budget.live_slots``)."""
+        return max(self.nodes_at_depth()[:steps], default=0)
 
     def ends_here(self, nodes: np.ndarray) -> np.ndarray:
         """Per beam: at a whole item that no item continues (a leaf)."""

@@ -18,7 +18,7 @@ from typing import Any
 from connector.handoff import BEAM_KEY, KEY, ImportRequest
 from decode_engine.beam import beam_search, error_message
 from engine import VllmEngine
-from kvhandoff.budget import stage2_reservation
+from kvhandoff.budget import live_slots, stage2_reservation
 from kvhandoff.types import (
     Beam,
     BeamParams,
@@ -56,8 +56,7 @@ async def run_beam_stage(
     # The slots a constrained search makes: no more than its catalog lets live at once.
     slots = check_catalog(engine, beam)
     # Reserved from now until it ends at the peak its beams can reach: what the router
-    # and D's admission count against the pool, so beam steps never run out of blocks
-    # (they count W slots; a catalog may need fewer).
+    # and D's admission count against the pool, so beam steps never run out of blocks.
     reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, slots,
                                   beam.max_tokens, engine.config.beam_fork,
                                   engine.num_total_blocks,
@@ -113,7 +112,7 @@ def check_catalog(engine: VllmEngine, beam: BeamParams) -> int:
         raise InvalidRequest("beam.max_tokens",
                              f"{beam.max_tokens} is shorter than the shortest item of "
                              f"catalog {beam.catalog!r} ({catalog.min_item_len} tokens)")
-    return max(1, min(beam.beam_width, catalog.max_live(beam.max_tokens)))
+    return live_slots(beam.beam_width, catalog.nodes_at_depth(), beam.max_tokens)
 
 
 async def run_sample_stage(
@@ -207,8 +206,11 @@ class DecodeEngine(VllmEngine):
             f"{request_id}: the import request was built for other beams"
         if handoff.fault is not None:
             self.check_fault(handoff.fault)
-        # The stage 2s already running here: admission leaves their peaks free.
-        params = replace(handoff, reserved_blocks=self.num_reserved_blocks).to_params()
+        # The stage 2s already running here: admission leaves their peaks free. It
+        # counts the slots the search makes (a catalog may keep fewer than W alive).
+        slots = beam.beam_width if sampling is not None else check_catalog(self, beam)
+        params = replace(handoff, beam_width=slots,
+                         reserved_blocks=self.num_reserved_blocks).to_params()
         if sampling is not None:
             result = await run_sample_stage(
                 self, prompt_token_ids, sampling, request_id,

@@ -52,6 +52,15 @@ def blocks_needed(num_prompt_tokens: int, block_size: int, beam_width: int,
     return num_full + peak
 
 
+def live_slots(beam_width: int, nodes_at_depth: list[int] | None, steps: int) -> int:
+    """The slots a search of ``steps`` tokens makes: W, or for one kept in a catalog
+    (``nodes_at_depth``: its trie's widths, ``Catalog.nodes_at_depth``) no more than the
+    catalog can keep alive at once."""
+    if nodes_at_depth is None:
+        return beam_width
+    return max(1, min(beam_width, max(nodes_at_depth[:steps], default=0)))
+
+
 def stage2_reservation(num_prompt_tokens: int, block_size: int, beam_width: int,
                        beam_max_tokens: int, beam_fork: bool, num_total_blocks: int,
                        from_parent: bool = False) -> int:

@@ -43,6 +43,18 @@ def has_catalog(catalog: str | None) -> Filter:
     return lambda ep: catalog in ep.capacity.catalogs
 
 
+def catalog_widths(capacity: Any, catalog: str | None) -> list[int] | None:
+    """The widths by depth of ``catalog`` on an engine (``Capacity.catalog_widths``):
+    what ``kvhandoff.budget.live_slots`` needs to count a kept search's slots. None
+    with no catalog, or from an engine that does not say (W slots are counted)."""
+    if catalog is None:
+        return None
+    for widths in getattr(capacity, "catalog_widths", ()):
+        if widths.name == catalog:
+            return list(widths.nodes_at_depth)
+    return None
+
+
 def cached_prefix(cached_blocks: Callable[[Any], int], block_size: Callable[[Any], int]
                   ) -> Scorer:
     """Tokens of the prompt the engine holds in its prefix cache."""

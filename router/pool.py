@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from kvhandoff.budget import stage2_reservation
+from kvhandoff.budget import live_slots, stage2_reservation
 from kvhandoff.tls import aio_channel
 from kvhandoff.types import BeamParams
 from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
@@ -35,7 +35,7 @@ from router.cache_index import EngineCaches
 from router.config import RouterConfig
 from router.endpoint import Claim, Endpoint, EngineObserver
 from router.errors import RouterError, code_of, details_of, grpc_error
-from router.placement import check_catalog
+from router.placement import catalog_widths, check_catalog
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +283,9 @@ class EnginePool:
 
         def need(ep: Endpoint) -> int:  # what D reserves for it
             cap = ep.capacity
-            return stage2_reservation(num_prompt_tokens, cap.block_size, beam.beam_width,
+            slots = live_slots(beam.beam_width, catalog_widths(cap, beam.catalog),
+                               beam.max_tokens)
+            return stage2_reservation(num_prompt_tokens, cap.block_size, slots,
                                       beam.max_tokens, cap.beam_fork, cap.num_total_blocks,
                                       from_parent=beam.catalog is not None)
 

@@ -218,6 +218,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             num_reserved_blocks=self.engine.num_reserved_blocks,
             beam_fork=self.engine.config.beam_fork,
             catalogs=sorted(self.engine.catalogs),
+            catalog_widths=[engine_pb2.CatalogWidths(name=name,
+                                                     nodes_at_depth=catalog.nodes_at_depth())
+                            for name, catalog in sorted(self.engine.catalogs.items())],
             kv_events_endpoint=events.endpoint if events else "",
             kv_events_replay_endpoint=events.replay_endpoint if events else "",
         )

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from connector.catalog import CATALOGS_KEY, CatalogError, build, load, parse_spec
+from kvhandoff.budget import live_slots
 from kvhandoff.types import BeamParams
 from tests.test_beam_slots import EOS, VOCAB, ScriptedEngine, ours, scripted_logits
 from tools.harness.constrained import constrained_beam_search
@@ -54,6 +55,12 @@ def test_the_trie_holds_exactly_the_items():
         nxt = sorted({i[len(probe)] for i in items
                       if len(i) > len(probe) and tuple(i[:len(probe)]) == probe})
         assert tokens[rows == r].tolist() == nxt, probe
+    # Its widths by depth (what the router counts slots by) are its prefixes' counts.
+    widths = [sum(len(p) == d for p in prefixes) for d in range(1, 5)]
+    assert catalog.nodes_at_depth() == widths
+    assert [catalog.max_live(t) for t in range(1, 5)] == [max(widths[:t]) for t in range(1, 5)]
+    assert live_slots(64, catalog.nodes_at_depth(), 2) == min(64, max(widths[:2]))
+    assert live_slots(64, None, 2) == 64
 
 
 @pytest.mark.parametrize("line,match", [

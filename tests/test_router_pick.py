@@ -597,3 +597,36 @@ def test_a_move_answers_where_stage_1_ran_even_when_it_completes_during_the_stop
     answer = asyncio.run(move())
     assert running.p is dest
     assert (answer.from_endpoint, answer.to_endpoint) == ("p", "p2")
+
+
+def test_a_search_kept_in_a_catalog_is_counted_at_the_slots_it_makes(model_dir):
+    """A D that says how wide its catalog is (``Capacity.catalog_widths``): a W=32
+    search kept in a catalog of 3 items makes 3 slots, and the router counts those: a
+    parent that 32 slots would not fit beside in 200 blocks is placed. Without the
+    widths the same search is refused as too big (32 slots counted)."""
+    from router import Plan
+
+    class CatalogStub(FakeEngineStub):
+        def __init__(self, widths):
+            super().__init__(200)
+            self.widths = widths
+
+        async def GetCapacity(self, request, timeout=None):  # noqa: N802
+            cap = await super().GetCapacity(request, timeout)
+            cap.catalogs.append("shop")
+            if self.widths is not None:
+                cap.catalog_widths.append(engine_pb2.CatalogWidths(
+                    name="shop", nodes_at_depth=self.widths))
+            return cap
+
+    plan = Plan("r", [1] * 100, [2], Stage1Params(max_tokens=10),
+                BeamParams(beam_width=32, max_tokens=3, catalog="shop"),
+                common_pb2.PATH_HANDOFF, None)
+    for widths in ([2, 3, 3], None):
+        router = _router(model_dir, [200])
+        router.pool.decode[0].stub = CatalogStub(widths)
+        if widths is not None:
+            assert asyncio.run(_pick(router, 5500, plan)).address == "d0"
+        else:
+            with pytest.raises(RouterError, match="decode pool too small"):
+                asyncio.run(_pick(router, 5500, plan))

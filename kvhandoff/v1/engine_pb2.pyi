@@ -104,7 +104,7 @@ class CapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint", "handoff_target", "num_reserved_blocks", "beam_fork", "catalogs", "kv_events_endpoint", "kv_events_replay_endpoint")
+    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint", "handoff_target", "num_reserved_blocks", "beam_fork", "catalogs", "kv_events_endpoint", "kv_events_replay_endpoint", "catalog_widths")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class Capacity(_message.Message):
     CATALOGS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_WIDTHS_FIELD_NUMBER: _ClassVar[int]
     role: str
     engine_id: str
     num_total_blocks: int
@@ -139,7 +140,16 @@ class Capacity(_message.Message):
     catalogs: _containers.RepeatedScalarFieldContainer[str]
     kv_events_endpoint: str
     kv_events_replay_endpoint: str
-    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., handoff_target: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., beam_fork: _Optional[bool] = ..., catalogs: _Optional[_Iterable[str]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ...) -> None: ...
+    catalog_widths: _containers.RepeatedCompositeFieldContainer[CatalogWidths]
+    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., handoff_target: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., beam_fork: _Optional[bool] = ..., catalogs: _Optional[_Iterable[str]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., catalog_widths: _Optional[_Iterable[_Union[CatalogWidths, _Mapping]]] = ...) -> None: ...
+
+class CatalogWidths(_message.Message):
+    __slots__ = ("name", "nodes_at_depth")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NODES_AT_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    nodes_at_depth: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., nodes_at_depth: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
