@@ -109,14 +109,19 @@ def num_imported_with_fault(fault: str | None, num_importable: int,
 
 
 def corrupt_imported(fault: str, views: list[tuple[Any, int]], block_ids: list[int],
-                     ratio: int) -> None:
-    """D worker, after a READ completed: corrupt the request's imported blocks.
+                     ratio: int) -> bool:
+    """D worker, after a READ completed: corrupt the request's imported blocks; False
+    (nothing touched) where the import has fewer blocks than the fault needs (a short
+    parent: the harness counts it as a case the fault does not apply to).
 
     ``views`` are the KV tensors with their block dimension, one per layer in layer
     order; ``block_ids`` the request's logical local blocks; ``ratio`` kernel blocks per
     logical block.
     """
     import torch
+
+    if len(block_ids) < max(FAULTS[fault].min_full_blocks, 1):
+        return False
 
     def kernel(i: int) -> torch.Tensor:
         return torch.arange(block_ids[i] * ratio, (block_ids[i] + 1) * ratio)
@@ -141,6 +146,7 @@ def corrupt_imported(fault: str, views: list[tuple[Any, int]], block_ids: list[i
                           src_t.index_select(src_dim, idx.to(src_t.device)))
     else:
         raise ValueError(f"not a decode-worker fault: {fault}")
+    return True
 
 
 def scribble(views: list[tuple[Any, int]], block_ids: list[int], ratio: int) -> None:

@@ -142,9 +142,12 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
             meta = self._recving_metadata.get(req_id)
             if fault is None or meta is None:
                 continue
-            logger.warning("Injected fault %r into %s's imported blocks", fault, req_id)
-            corrupt_imported(fault, self._kv_views, list(meta.local_block_ids[0]),
-                             self._kernel_blocks_per_block)
+            blocks = list(meta.local_block_ids[0])
+            if corrupt_imported(fault, self._kv_views, blocks, self._kernel_blocks_per_block):
+                logger.warning("Injected fault %r into %s's imported blocks", fault, req_id)
+            else:
+                logger.warning("Fault %r not injected into %s: %d imported blocks are too "
+                               "few for it", fault, req_id, len(blocks))
 
     def _local_deadline(self, meta: Any) -> float | None:
         remote = meta.remote

@@ -111,3 +111,23 @@ def test_blocks_needed_when_the_slots_start_at_the_parent(n, w, t, expected):
 def test_suffix_does_not_repeat_think_end():
     assert continuation_prompt([5, 3], [3, 9, 4], think_end_id=3) == [5, 3, 9, 4]
     assert continuation_prompt([5, 1], [3, 9, 4], think_end_id=3) == [5, 1, 3, 9, 4]
+
+
+@pytest.mark.parametrize("fault", ["zero-block", "duplicate-block", "swap-full-blocks",
+                                   "layer-swap"])
+def test_a_worker_fault_leaves_an_import_too_short_for_it_alone(fault):
+    """D's worker faults touch one or two imported blocks: an import with fewer (a short
+    parent, ``kvhandoff verify --inject`` on every case) is left as read, not indexed
+    past its end (that killed D's engine core), and the fault says it did nothing."""
+    import torch
+
+    from connector.faults import FAULTS, corrupt_imported
+
+    need = max(FAULTS[fault].min_full_blocks, 1)
+    for blocks in (list(range(need - 1)), list(range(need))):
+        views = [(torch.arange(4 * 3, dtype=torch.float32).reshape(4, 3) + 100 * layer, 0)
+                 for layer in range(2)]
+        before = [t.clone() for t, _ in views]
+        done = corrupt_imported(fault, views, [b + 1 for b in blocks], 1)
+        changed = any(not torch.equal(t, b) for (t, _), b in zip(views, before))
+        assert done == changed == (len(blocks) >= need), (fault, blocks)
