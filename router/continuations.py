@@ -83,7 +83,7 @@ class Continuations:
                 releases = self._end_holds_for(record.num_blocks, cap.num_total_blocks)
                 record.not_held_reason = registry.may_hold(record.num_blocks,
                                                            cap.num_total_blocks)
-            d = None if local else self._parent_target()
+            d = None if local else self._parent_target(plan.prompt_ids)
             if not local and d is None and not record.not_held_reason:
                 record.not_held_reason = "no decode engine in rotation to address it to"
             hold = not record.not_held_reason
@@ -163,12 +163,19 @@ class Continuations:
                 logger.warning("Release on %s failed (%s): %d held parents kept until "
                                "their leases end", ep.address, e, len(names))
 
-    def _parent_target(self) -> Endpoint | None:
-        """The D a parent's handoff is addressed to: the one in rotation with the most
-        room (its continuations run there while P holds the parent)."""
+    def _parent_target(self, prompt_ids: list[int]) -> Endpoint | None:
+        """The D a parent's handoff is addressed to (its continuations run there while
+        P holds the parent): the one in rotation whose prefix cache holds most of the
+        prompt (with ``--placement cache``: it reads only the rest), then the most
+        room."""
         live = [ep for ep in self.pool.decode if ep.takes_work]
-        return max(live, key=lambda ep: (ep.num_unclaimed_blocks, -ep.outstanding),
-                   default=None)
+        d = max(live, key=lambda ep: (self.pool.cached_blocks(ep, prompt_ids),
+                                      ep.num_unclaimed_blocks, -ep.outstanding),
+                default=None)
+        if d is not None:
+            self.pool.observer.placed("decode", d.address,
+                                      self.pool.cached_blocks(d, prompt_ids))
+        return d
 
     async def _parent_of(self, req: router_pb2.ContinueRequest,
                          deadline: float | None) -> ParentRecord:

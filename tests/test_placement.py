@@ -86,3 +86,23 @@ def test_the_pool_places_stage_1_and_stage_2_where_the_prefix_is(model_dir):
     assert asyncio.run(picks(FakeCaches({"p2": 20, "d1": 5}))) == ("p2", "d1")
     assert asyncio.run(picks(FakeCaches({}))) == ("p", "d0")
     assert asyncio.run(picks(None)) == ("p", "d0")
+
+
+def test_a_parent_is_addressed_to_the_d_holding_its_prompt(model_dir):
+    """A parent's handoff (StartParent: its continuations run on that D) goes to the D
+    whose prefix cache holds most of the prompt, else to the one with the most room
+    (the control: nothing cached, the roomier D)."""
+    from kvhandoff.v1 import engine_pb2
+
+    def target(caches):
+        router = _router(model_dir, [100, 150])
+        for ep in router.decode:
+            ep.capacity = engine_pb2.Capacity(num_total_blocks=200, block_size=32,
+                                               num_free_blocks=ep.stub.num_free_blocks)
+            ep.out_reason = None
+        router.pool.caches = caches
+        return router.continuations._parent_target(list(range(2000))).address
+
+    assert target(FakeCaches({"d0": 12})) == "d0"
+    assert target(FakeCaches({})) == "d1"
+    assert target(None) == "d1"
