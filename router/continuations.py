@@ -165,13 +165,11 @@ class Continuations:
 
     def _parent_target(self, prompt_ids: list[int]) -> Endpoint | None:
         """The D a parent's handoff is addressed to (its continuations run there while
-        P holds the parent): the one in rotation whose prefix cache holds most of the
-        prompt (with ``--placement cache``: it reads only the rest), then the most
-        room."""
+        P holds the parent): the best of those in rotation by ``EnginePool.decode_rank``
+        (with ``--placement cache``, the prompt it holds against its queue: it reads
+        only the rest)."""
         live = [ep for ep in self.pool.decode if ep.takes_work]
-        d = max(live, key=lambda ep: (self.pool.cached_blocks(ep, prompt_ids),
-                                      ep.num_unclaimed_blocks, -ep.outstanding),
-                default=None)
+        d = max(live, key=lambda ep: self.pool.decode_rank(ep, prompt_ids), default=None)
         if d is not None:
             self.pool.observer.placed("decode", d.address,
                                       self.pool.cached_blocks(d, prompt_ids))

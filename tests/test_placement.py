@@ -90,19 +90,23 @@ def test_the_pool_places_stage_1_and_stage_2_where_the_prefix_is(model_dir):
 
 def test_a_parent_is_addressed_to_the_d_holding_its_prompt(model_dir):
     """A parent's handoff (StartParent: its continuations run on that D) goes to the D
-    whose prefix cache holds most of the prompt, else to the one with the most room
-    (the control: nothing cached, the roomier D)."""
+    whose prefix cache holds most of the prompt, weighed against its queue as stage 1
+    is (512 tokens a request outstanding), else to the one with the most room (the
+    control: nothing cached, the roomier D)."""
     from kvhandoff.v1 import engine_pb2
 
-    def target(caches):
+    def target(caches, busy_d0: int = 0):
         router = _router(model_dir, [100, 150])
         for ep in router.decode:
             ep.capacity = engine_pb2.Capacity(num_total_blocks=200, block_size=32,
                                                num_free_blocks=ep.stub.num_free_blocks)
             ep.out_reason = None
+        router.decode[0].outstanding = busy_d0
         router.pool.caches = caches
         return router.continuations._parent_target(list(range(2000))).address
 
     assert target(FakeCaches({"d0": 12})) == "d0"
+    assert target(FakeCaches({"d0": 12}), busy_d0=1) == "d1"  # 384 tokens < one request
+    assert target(FakeCaches({"d0": 20}), busy_d0=1) == "d0"  # 640 > 512
     assert target(FakeCaches({})) == "d1"
     assert target(None) == "d1"

@@ -343,6 +343,13 @@ def _add_bench(sub: Any) -> None:
                             "constrained to a synthetic catalog at W 32 and 512 (bench "
                             "model unless --model; --prompt-tokens, --stage1-tokens)")
     bench.add_argument("--widths", default=None, help="with --beams: e.g. 4,32")
+    bench.add_argument("--fleet", action="store_true",
+                       help="least-loaded against cache-aware placement on 2 P and 2 D "
+                            "(processes, fresh for each): users whose histories grow "
+                            "behind a shared prefix, second continuations; prefix hits, "
+                            "KV read, first token and first beam, throughput, identity "
+                            "(default model: the built-in one; --requests: users, "
+                            "--concurrency: users at a time)")
     bench.add_argument("--hosts-link", action="store_true",
                        help="the link between two network hosts (namespaces; root): a TCP "
                             "copy, a NIXL READ over TCP, over UCX's choice (cma) and on "

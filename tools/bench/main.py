@@ -2,7 +2,8 @@
 outputs (the printed report, ``--json``, ``--plot``). The flags themselves are defined in
 ``tools.cli``.
 
-One measurement per run: ``--beams`` (``tools.bench.beams``),
+One measurement per run: ``--beams`` (``tools.bench.beams``), ``--fleet``
+(``tools.bench.fleet``),
 ``--http-two-calls`` (``tools.bench.http_two_calls``),
 ``--hosts-link`` (``tools.bench.hosts``), ``--moves`` (``tools.bench.moves``),
 ``--router-only`` (``tools.bench.router_overhead`` on processes), else the full bench
@@ -89,6 +90,22 @@ def main_bench(args: argparse.Namespace) -> int:
         print(format_beams(result))
         _write_json(args.json, result)
         return 0
+
+    if args.fleet:
+        from tools.bench.fleet import FleetConfig, format_fleet, plot_fleet, run_fleet
+
+        kw = {"users": args.requests} if args.requests else {}
+        if args.concurrency:
+            kw["concurrency"] = int(args.concurrency)
+        if args.seed is not None:
+            kw["seed"] = args.seed
+        result = run_fleet(args.model, FleetConfig(**kw))
+        print(format_fleet(result))
+        _write_json(args.json, result)
+        if args.plot:
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+            plot_fleet(result, args.plot)
+        return 0 if not result["identity_differences"] else 1
 
     if args.router_only:
         result = {"router_cluster": measure_router_overhead_on_cluster(
