@@ -43,7 +43,10 @@ class RouterServer:
         config = RouterConfig(prefill=("serve:Prefill",), decode=("serve:Decode",),
                               model=str(resolve_model(model)),
                               colocated_below_tokens=colocated_below_tokens,
-                              max_inflight=max_inflight)
+                              max_inflight=max_inflight,
+                              # One endpoint per role stands for all its replicas, and
+                              # Serve picks the replica: no one engine's events to follow.
+                              placement="load")
         self.router = Router(config, endpoints=(
             [Endpoint("serve:Prefill", HandleStub(prefill), None)],
             [Endpoint("serve:Decode", HandleStub(decode), None)]))

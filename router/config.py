@@ -59,8 +59,9 @@ class RouterConfig:
     #: vLLM's own sampling unless a request asks for positional.
     positional_sampling: bool = True
     #: Where requests go: "cache" weighs what each engine's prefix cache holds (its KV
-    #: events) against its queue (router.placement); "load": the queue and room alone.
-    placement: str = "load"
+    #: events) against its queue (router.placement), and falls back to "load" (the
+    #: queue and room alone) where an engine's events are not followed.
+    placement: str = "cache"
 
     def __post_init__(self) -> None:
         if self.placement not in ("cache", "load"):

@@ -165,11 +165,11 @@ class Continuations:
 
     def _parent_target(self, prompt_ids: list[int]) -> Endpoint | None:
         """The D a parent's handoff is addressed to (its continuations run there while
-        P holds the parent): the best of those in rotation by ``EnginePool.decode_rank``
-        (with ``--placement cache``, the prompt it holds against its queue: it reads
-        only the rest)."""
+        P holds the parent): the best of those in rotation by
+        ``EnginePool.decode_ranker`` (with ``--placement cache``, the prompt it holds
+        against its queue: it reads only the rest)."""
         live = [ep for ep in self.pool.decode if ep.takes_work]
-        d = max(live, key=lambda ep: self.pool.decode_rank(ep, prompt_ids), default=None)
+        d = max(live, key=self.pool.decode_ranker(live, prompt_ids), default=None)
         if d is not None:
             self.pool.observer.placed("decode", d.address,
                                       self.pool.cached_blocks(d, prompt_ids))

@@ -223,18 +223,22 @@ class EnginePool:
             return 0
         return self.caches.cached_blocks(ep.address, token_ids)
 
-    def decode_rank(self, ep: Endpoint, prompt_ids: Sequence[int] | None
-                    ) -> tuple[float, int, int]:
-        """How a D with room ranks for a stage 2 on ``prompt_ids`` (higher first). By
-        load (no cache information): the most room, then the fewest outstanding. With
-        its KV events: the prompt tokens it holds against its queue, by stage 1's rule
-        (``router.placement``: ``LOAD_TOKENS`` per request outstanding), then room."""
-        score = 0.0
-        if self.caches is not None:
-            score = (placement.cached_prefix(lambda e: self.cached_blocks(e, prompt_ids),
-                                             lambda e: e.capacity.block_size)(ep)
-                     + placement.queue()(ep))
-        return score, ep.num_unclaimed_blocks, -ep.outstanding
+    def decode_ranker(self, candidates: Sequence[Endpoint],
+                      prompt_ids: Sequence[int] | None
+                      ) -> Callable[[Endpoint], tuple[float, int, int]]:
+        """How Ds with room rank for a stage 2 on ``prompt_ids`` (higher first). By load
+        (``--placement load``, or a candidate whose KV events the router does not follow:
+        a missing index degrades to this): the most room, then the fewest outstanding.
+        With every candidate's events: the prompt tokens it holds against its queue, by
+        stage 1's rule (``router.placement``: ``LOAD_TOKENS`` per request outstanding),
+        then room."""
+        caches = self.caches
+        if caches is None or any(caches.feed(ep.address) is None for ep in candidates):
+            return lambda ep: (0.0, ep.num_unclaimed_blocks, -ep.outstanding)
+        held = placement.cached_prefix(lambda e: self.cached_blocks(e, prompt_ids),
+                                       lambda e: e.capacity.block_size)
+        queue = placement.queue()
+        return lambda ep: (held(ep) + queue(ep), ep.num_unclaimed_blocks, -ep.outstanding)
 
     def prefill_picker(self, prompt_ids: Sequence[int] | None,
                        exclude: Endpoint | None = None,
@@ -335,9 +339,9 @@ class EnginePool:
                 my_turn = not self._decode_queue or self._decode_queue[0] is ticket
                 fitting = [ep for ep in holding if need(ep) <= ep.num_unclaimed_blocks]
                 if my_turn and fitting:
-                    # decode_rank: by load, or the prompt it holds (those blocks need no
-                    # READ) against its queue.
-                    d = max(fitting, key=lambda ep: self.decode_rank(ep, prompt_ids))
+                    # By load, or the prompt it holds (those blocks need no READ)
+                    # against its queue.
+                    d = max(fitting, key=self.decode_ranker(fitting, prompt_ids))
                     self.observer.placed("decode", d.address, self.cached_blocks(d, prompt_ids))
                     claim = Claim(d, need(d), on_release=self._released)
                     d.claims.add(claim)

@@ -58,6 +58,10 @@ class FakeCaches:
     def follow(self, address, capacity):
         pass
 
+    def feed(self, address):
+        """Every engine's events are followed (nothing cached where not said)."""
+        return object()
+
     async def close(self):
         pass
 
@@ -110,3 +114,10 @@ def test_a_parent_is_addressed_to_the_d_holding_its_prompt(model_dir):
     assert target(FakeCaches({"d0": 20}), busy_d0=1) == "d0"  # 640 > 512
     assert target(FakeCaches({})) == "d1"
     assert target(None) == "d1"
+
+    class Unfollowed(FakeCaches):
+        def feed(self, address):
+            return None if address == "d1" else object()
+
+    # d1's events are not followed (yet): no D is judged on half the picture; by load.
+    assert target(Unfollowed({"d0": 20})) == "d1"

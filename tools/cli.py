@@ -256,11 +256,11 @@ def _add_router_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--parent-hold-s", type=float, default=0.0,
                        help="router: how long P holds a parent's blocks for continuations "
                             "(seconds, at most P's --lease-s; 0 = P's lease)")
-    serve.add_argument("--placement", choices=["load", "cache"], default="load",
-                       help="router: where requests go: 'load' (the P with the fewest "
-                            "requests outstanding, the D with the most room) or 'cache' "
-                            "(also what each engine's prefix cache holds, from its KV "
-                            "events: router.placement)")
+    serve.add_argument("--placement", choices=["load", "cache"], default="cache",
+                       help="router: where requests go: 'cache' (the default: what each "
+                            "engine's prefix cache holds, from its KV events, weighed "
+                            "against its queue: router.placement) or 'load' (the P with "
+                            "the fewest requests outstanding, the D with the most room)")
     serve.add_argument("--sampling", choices=["positional", "vllm"], default="positional",
                        help="router: how stage 1 samples unless a request says: positional "
                             "(each token a function of seed, position and logits: the same "
