@@ -75,6 +75,28 @@ def test_no_bound_a_case_can_pass_with_reaches_a_faults_shift():
 # --- the decision ------------------------------------------------------------------
 
 
+def test_vllms_own_spread_across_engines_sets_the_bound_too():
+    """The W=64 fill case (measured: handoff 1.07e-5 off the colocated run, vLLM's
+    beam_search on D 3.3e-6 off the same on P, the batch rerun 0): the engines' own
+    spread sets a bound of 3.3e-5 and the case passes; without it, held to the floor,
+    it failed. vLLM's runs choosing other beams on the two engines make the case noisy
+    (a fail), and a fault's shift still fails it."""
+    vllm = shifted(-5.6e-6)
+    elsewhere = shifted(-5.6e-6 + 3.3e-6)
+    got = shifted(1.07e-5)
+    verdict = judge_beams(got, beams(*REF), beams(*REF), vllm, elsewhere)
+    assert verdict.ok, verdict.failures
+    assert verdict.noise.value == pytest.approx(3.3e-6)
+    assert verdict.noise.bound == pytest.approx(3.3e-5)
+    assert not judge_beams(got, beams(*REF), beams(*REF), vllm).ok  # the floor alone
+    swapped = beams(*REF[:2], token_ids=[[11], [10]])
+    noisy = judge_beams(got, beams(*REF), beams(*REF), vllm, swapped)
+    assert not noisy.ok and noisy.noise.unreproducible == "engine"
+    assert "vLLM's beam_search on D chose other beams" in noisy.failures[0]
+    assert not judge_beams(shifted(SMALLEST_FAULT_SHIFT), beams(*REF), beams(*REF), vllm,
+                           elsewhere).ok
+
+
 def test_equal_tokens_within_the_bound_pass():
     # The issue's case: 1.08e-5 off the colocated run, 1.88e-5 off vLLM's beam_search,
     # on an engine whose rerun moved the logprobs by 2e-6 (bound 2e-5).
@@ -143,9 +165,8 @@ def test_noise_above_the_ceiling_fails_and_does_not_widen_the_bound():
     verdict = judge_beams(beams(*REF), beams(*REF), shifted(2 * NOISE_CEILING), beams(*REF))
     assert not verdict.ok and verdict.noise.is_noisy
     assert verdict.noise.bound == LOGPROB_TOLERANCE
-    assert verdict.failures == (f"noisy: the colocated reference's rerun under another "
-                                f"batch differs by 2.00e-03 > ceiling {NOISE_CEILING:.0e}; "
-                                "the bound is not widened",)
+    assert verdict.failures == (f"noisy: the engine's own runs differ by 2.00e-03 > "
+                                f"ceiling {NOISE_CEILING:.0e}; the bound is not widened",)
     # A fault on a noisy engine is named too, at the floor.
     faulty = judge_beams(shifted(0.3), beams(*REF), shifted(2 * NOISE_CEILING), beams(*REF))
     assert any(f.startswith("cumulative logprobs differ by 3.00e-01 > bound 1.00e-05")

@@ -14,15 +14,19 @@ A case passes when
 Every rule that fails is named in the report's ``failures``.
 
 The logprob bound (``judge_beams``, the one rule for the engines' path and the unit
-tests). The colocated reference's stage 2 is run twice on P, the second time beside an
-unrelated request (another batch, so another float summation order). Its *noise* is the
-largest |delta cumulative logprob| between the two runs, and the handoff is held to::
+tests). The engine's own spread is measured twice, without any handoff: the colocated
+reference's stage 2 run again on P beside an unrelated request (another batch, so
+another float summation order), and vLLM's beam_search run on D from an empty prefix
+cache against the same on P (another engine, the prompt computed in D's own chunks: on
+CPU the shape of the computation moves results where the batch does not;
+docs/decisions.md, "bf16: the shape of the computation"). The case's *noise* is the
+largest |delta cumulative logprob| within either pair, and the handoff is held to::
 
     bound = max(LOGPROB_TOLERANCE, NOISE_FACTOR * noise)      # floor 1e-5, factor 10
 
 The guard: a bound that grows with the noise must not swallow a fault (the injected ones
 move cumulative logprobs by 0.1 or more). A case whose noise exceeds ``NOISE_CEILING``
-(1e-3), or whose two reference runs chose different token ids, is *noisy*: it FAILS, and
+(1e-3), or either of whose pairs chose different token ids, is *noisy*: it FAILS, and
 its beams are judged at the floor; the bound is never widened past
 ``NOISE_FACTOR * NOISE_CEILING`` (1e-2), ten times below the smallest fault's shift.
 Token ids are compared exactly whatever the noise.
@@ -82,18 +86,32 @@ def logprob_bound(noise: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Noise:
-    """The engine's own noise on a case: the colocated reference's stage 2 against its
-    rerun under another batch composition."""
+    """The engine's own noise on a case, the larger of two spreads measured without any
+    handoff: the colocated reference's stage 2 against its rerun under another batch
+    composition, and vLLM's ``beam_search`` on P against the same on D from an empty
+    prefix cache (another engine, the whole prompt computed in D's own chunks: the
+    shape of the computation, which on CPU moves results where the batch does not)."""
 
-    #: The largest |delta cumulative logprob| between the two runs.
+    #: The largest |delta cumulative logprob| within either pair.
     value: float
-    #: The two runs chose the same beams (token ids and order).
+    #: Each pair chose the same beams (token ids and order).
     reproducible: bool
+    #: Which pair chose other beams, when one did: "batch" or "engine".
+    unreproducible: str = ""
 
     @classmethod
-    def measure(cls, reference: list[Beam], rerun: list[Beam]) -> Noise:
+    def measure(cls, reference: list[Beam], rerun: list[Beam],
+                vllm: list[Beam] | None = None, vllm_elsewhere: list[Beam] | None = None
+                ) -> Noise:
         same, diff = compare_beams(rerun, reference)
-        return cls(diff, same)
+        which = "" if same else "batch"
+        if vllm is not None and vllm_elsewhere is not None:
+            same_there, diff_there = compare_beams(vllm_elsewhere, vllm)
+            diff = max(diff, diff_there)
+            if not same_there:
+                which = which or "engine"
+            same = same and same_there
+        return cls(diff, same, which)
 
     @property
     def is_noisy(self) -> bool:
@@ -107,12 +125,14 @@ class Noise:
     def failure(self) -> str | None:
         """Why the case is noisy (None: it is not)."""
         if not self.reproducible:
-            return ("noisy: the colocated reference's rerun under another batch chose "
-                    "other beams (token ids differ)")
+            where = ("vLLM's beam_search on D chose other beams than on P"
+                     if self.unreproducible == "engine" else
+                     "the colocated reference's rerun under another batch chose other "
+                     "beams")
+            return f"noisy: {where} (token ids differ)"
         if self.is_noisy:
-            return (f"noisy: the colocated reference's rerun under another batch differs "
-                    f"by {self.value:.2e} > ceiling {NOISE_CEILING:.0e}; the bound is not "
-                    "widened")
+            return (f"noisy: the engine's own runs differ by {self.value:.2e} > ceiling "
+                    f"{NOISE_CEILING:.0e}; the bound is not widened")
         return None
 
 
@@ -144,11 +164,12 @@ class BeamVerdict:
 
 
 def judge_beams(got: list[Beam], colocated: list[Beam], colocated_rerun: list[Beam],
-                vllm: list[Beam]) -> BeamVerdict:
+                vllm: list[Beam], vllm_elsewhere: list[Beam] | None = None) -> BeamVerdict:
     """The handoff's beams ``got`` against the colocated reference's (measured run
     ``colocated``, its rerun under another batch ``colocated_rerun``) and vLLM's beam
-    search ``vllm``, by the bound in the module docstring."""
-    noise = Noise.measure(colocated, colocated_rerun)
+    search ``vllm`` (on P; ``vllm_elsewhere``: the same on D from an empty cache), by
+    the bound in the module docstring."""
+    noise = Noise.measure(colocated, colocated_rerun, vllm, vllm_elsewhere)
     bound = noise.bound
     ours = BeamMatch(*compare_beams(got, colocated), bound)
     theirs = BeamMatch(*compare_beams(got, vllm), bound)
@@ -179,6 +200,8 @@ class Reference:
     #: The colocated stage 2 run again on the same engine beside an unrelated request:
     #: the engine's noise on this case (``Noise``).
     colocated_rerun_beams: list[Beam]
+    #: vLLM's beam_search on D, from an empty prefix cache (``Noise``); None: not run.
+    vllm_beams_on_d: list[Beam] | None = None
 
 
 def _import_failures(d: DecodeEngine, case: Case, got: TwoStageResult, found: int
@@ -274,7 +297,7 @@ def compare(case: Case, ref: Reference, got: TwoStageResult, *, d: DecodeEngine,
     if case.ending == "length" and got.stage1.finish_reason != "length":
         failures.append(f"stage 1 ended by {got.stage1.finish_reason}, expected length")
     beams = judge_beams(got.stage2.beams, ref.colocated.stage2.beams,
-                        ref.colocated_rerun_beams, ref.vllm_beams)
+                        ref.colocated_rerun_beams, ref.vllm_beams, ref.vllm_beams_on_d)
     failures += beams.failures
     s2 = got.stage2
     parent_len = len(got.parent_token_ids)

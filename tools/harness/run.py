@@ -3,9 +3,10 @@ the P -> D handoff (or its moves), compared token for token by ``tools.harness.c
 
 Per case, the references (computed once, reused by the fault runs): stage 1 on P and on
 D, the colocated two stages on P, vLLM's own beam search on the same continuation
-prompt, and the colocated stage 2 run again on P beside an unrelated request (another
-batch composition): how far the engine's own rounding moves the cumulative logprobs,
-which sets the case's bound (``tools.harness.checks``). D's prefix cache is emptied
+prompt, and two measures of the engine's own spread, which set the case's bound
+(``tools.harness.checks``): the colocated stage 2 run again on P beside an unrelated
+request (another batch composition), and vLLM's beam search on D from an empty prefix
+cache (another engine, another shape of computation). D's prefix cache is emptied
 before each handoff except where the case asks for a warm D. After all cases every pool
 must be clean: P holds no exported block, D only prefix-cached (free) blocks.
 
@@ -124,7 +125,8 @@ class Harness:
 
     async def reference(self, case: Case) -> Reference:
         """Stage 1 on P and on D, the colocated two stages on P, vLLM's beam search, and
-        the colocated stage 2 again beside an unrelated request (the case's noise)."""
+        the case's noise: the colocated stage 2 again beside an unrelated request, and
+        vLLM's beam search on D from an empty cache."""
         if case.name in self._references:
             return self._references[case.name]
         prompt = history_prompt(self._prompt_len(case), case.name, self.tokenizer)
@@ -144,8 +146,14 @@ class Harness:
         theirs = await vllm_beam_search(self.p.llm, self.tokenizer, prompt2, req.beam,
                                         f"verify-{case.name}-vllm")
         rerun = await self.rerun_beside(case, prompt2, req.beam)
+        # The same on D, the whole prompt in D's own chunks; D's cache is left empty
+        # again, as the cases expect it.
+        await self.d.empty_prefix_cache()
+        theirs_on_d = await vllm_beam_search(self.d.llm, self.tokenizer, prompt2, req.beam,
+                                             f"verify-{case.name}-vllm-d")
+        await self.d.empty_prefix_cache()
         ref = Reference(seed, prompt, req, colocated, list(on_d.outputs[0].token_ids), theirs,
-                        rerun)
+                        rerun, theirs_on_d)
         self._references[case.name] = ref
         return ref
 
