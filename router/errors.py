@@ -4,10 +4,14 @@ sees, shared by the three fronts (gRPC, HTTP, Ray Serve)."""
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvhandoff.errors import status_for
+
+if TYPE_CHECKING:
+    from kvhandoff.types import BeamParams
 
 #: How the router's own overload refusals begin (router.api.Admission); the metrics tell
 #: them from a decode pool without room by it.
@@ -44,3 +48,35 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, asyncio.CancelledError):
         return grpc.StatusCode.CANCELLED, "cancelled by the client"
     return status_for(exc)
+
+
+def none_in_rotation(endpoints: list[Any], role: str, waited_s: float) -> RouterError:
+    why = "; ".join(f"{ep.address}: {ep.out_reason or 'drained'}"
+                    for ep in endpoints) or "none configured"
+    return grpc_error(grpc.StatusCode.UNAVAILABLE,
+                      f"no {role} engine is reachable (none in rotation for {waited_s:g} s: "
+                      f"{why})")
+
+
+# RESOURCE_EXHAUSTED answers carry the numbers a client needs to act on them.
+def decode_too_small(need: int, biggest: Any, num_prompt_tokens: int,
+               beam: BeamParams) -> RouterError:
+    cap = biggest.capacity
+    return grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"decode pool too small: needs {need} blocks ({num_prompt_tokens}-token "
+                      f"prompt, beam width {beam.beam_width}, {beam.max_tokens} beam "
+                      f"tokens), the largest decode engine holds {cap.num_total_blocks} (beam "
+                      f"width up to {cap.max_beam_width})")
+
+
+def decode_queue_full(num_waiting: int, limit: int) -> RouterError:
+    return grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"decode queue full: {num_waiting} requests wait for room on a decode "
+                      f"engine (limit {limit})")
+
+
+def no_room_in_time(need: int, most: Any, wait_s: float) -> RouterError:
+    return grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"decode pool too small: no decode engine had room for {need} blocks "
+                      f"within {wait_s:g} s (most unclaimed: {most.num_unclaimed_blocks} of "
+                      f"{most.capacity.num_total_blocks})")

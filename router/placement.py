@@ -66,6 +66,18 @@ def queue(load_tokens: int = LOAD_TOKENS) -> Scorer:
     return lambda ep: -float(ep.outstanding * load_tokens)
 
 
+def decode_rank(held: Scorer | None) -> Callable[[Any], tuple[float, int, int]]:
+    """A D's rank among those with room for a stage 2 (higher first). By load (``held``
+    None: no cache information, or not for every candidate: a missing index degrades to
+    this): the most room, then the fewest outstanding. With ``held`` (the prompt's
+    tokens it holds): those against its queue by stage 1's rule (``queue``), then room.
+    On D a cached block saves a READ, not compute: a busy D is a poor trade for it."""
+    if held is None:
+        return lambda ep: (0.0, ep.num_unclaimed_blocks, -ep.outstanding)
+    waiting = queue()
+    return lambda ep: (held(ep) + waiting(ep), ep.num_unclaimed_blocks, -ep.outstanding)
+
+
 @dataclass(frozen=True)
 class Picker:
     filters: tuple[Filter, ...]

@@ -34,7 +34,15 @@ from router import placement
 from router.cache_index import EngineCaches
 from router.config import RouterConfig
 from router.endpoint import Claim, Endpoint, EngineObserver
-from router.errors import RouterError, code_of, details_of, grpc_error
+from router.errors import (
+    RouterError,
+    code_of,
+    decode_queue_full,
+    decode_too_small,
+    details_of,
+    no_room_in_time,
+    none_in_rotation,
+)
 from router.placement import catalog_widths, check_catalog
 
 logger = logging.getLogger(__name__)
@@ -210,7 +218,7 @@ class EnginePool:
         ``engine_silence_s`` (else it is worth waiting for)."""
         since = time.monotonic() - self.config.engine_silence_s
         if not any(ep.answered_at >= since for ep in endpoints):
-            raise _none_in_rotation(endpoints, role, self.config.engine_silence_s)
+            raise none_in_rotation(endpoints, role, self.config.engine_silence_s)
 
     def _wait_until(self, deadline: float | None) -> float:
         wait_until = time.monotonic() + self.config.decode_wait_s
@@ -226,19 +234,15 @@ class EnginePool:
     def decode_ranker(self, candidates: Sequence[Endpoint],
                       prompt_ids: Sequence[int] | None
                       ) -> Callable[[Endpoint], tuple[float, int, int]]:
-        """How Ds with room rank for a stage 2 on ``prompt_ids`` (higher first). By load
-        (``--placement load``, or a candidate whose KV events the router does not follow:
-        a missing index degrades to this): the most room, then the fewest outstanding.
-        With every candidate's events: the prompt tokens it holds against its queue, by
-        stage 1's rule (``router.placement``: ``LOAD_TOKENS`` per request outstanding),
-        then room."""
+        """How Ds with room rank for a stage 2 on ``prompt_ids`` (``placement.
+        decode_rank``): by the prompt each holds against its queue when the router
+        follows every candidate's events, else by load."""
         caches = self.caches
-        if caches is None or any(caches.feed(ep.address) is None for ep in candidates):
-            return lambda ep: (0.0, ep.num_unclaimed_blocks, -ep.outstanding)
-        held = placement.cached_prefix(lambda e: self.cached_blocks(e, prompt_ids),
-                                       lambda e: e.capacity.block_size)
-        queue = placement.queue()
-        return lambda ep: (held(ep) + queue(ep), ep.num_unclaimed_blocks, -ep.outstanding)
+        informed = caches is not None and all(caches.feed(ep.address) is not None
+                                               for ep in candidates)
+        return placement.decode_rank(placement.cached_prefix(
+            lambda e: self.cached_blocks(e, prompt_ids), lambda e: e.capacity.block_size)
+            if informed else None)
 
     def prefill_picker(self, prompt_ids: Sequence[int] | None,
                        exclude: Endpoint | None = None,
@@ -278,7 +282,7 @@ class EnginePool:
             if left <= 0:
                 if deadline is not None and wait_until >= deadline:
                     raise TimeoutError()
-                raise _none_in_rotation(candidates, "prefill", self.config.decode_wait_s)
+                raise none_in_rotation(candidates, "prefill", self.config.decode_wait_s)
             for ep in self.prefill:
                 self.refresh_soon(ep)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -335,7 +339,7 @@ class EnginePool:
                     biggest = max((ep for ep in live if beam.catalog is None
                                    or beam.catalog in ep.capacity.catalogs),
                                   key=lambda ep: ep.capacity.num_total_blocks)
-                    raise _too_small(need(biggest), biggest, num_prompt_tokens, beam)
+                    raise decode_too_small(need(biggest), biggest, num_prompt_tokens, beam)
                 my_turn = not self._decode_queue or self._decode_queue[0] is ticket
                 fitting = [ep for ep in holding if need(ep) <= ep.num_unclaimed_blocks]
                 if my_turn and fitting:
@@ -348,7 +352,7 @@ class EnginePool:
                     return claim
                 if ticket not in self._decode_queue:
                     if len(self._decode_queue) >= cfg.decode_queue_limit:
-                        raise _queue_full(len(self._decode_queue), cfg.decode_queue_limit)
+                        raise decode_queue_full(len(self._decode_queue), cfg.decode_queue_limit)
                     self._decode_queue.append(ticket)
                     # The queue's head asks the Ds itself if nobody polls them.
                     max_age = 2 * cfg.capacity_poll_s
@@ -357,9 +361,9 @@ class EnginePool:
                     if deadline is not None and wait_until >= deadline:
                         raise TimeoutError()
                     if not live:
-                        raise _none_in_rotation(decode, "decode", cfg.decode_wait_s)
+                        raise none_in_rotation(decode, "decode", cfg.decode_wait_s)
                     most = max(holding, key=lambda ep: ep.num_unclaimed_blocks)
-                    raise _no_room_in_time(need(most), most, cfg.decode_wait_s)
+                    raise no_room_in_time(need(most), most, cfg.decode_wait_s)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(left, cfg.capacity_poll_s))
         finally:
@@ -375,35 +379,3 @@ class EnginePool:
             self.room_changed()
         else:
             self.refresh_soon(claim.endpoint)
-
-
-def _none_in_rotation(endpoints: list[Endpoint], role: str, waited_s: float) -> RouterError:
-    why = "; ".join(f"{ep.address}: {ep.out_reason or 'drained'}"
-                    for ep in endpoints) or "none configured"
-    return grpc_error(grpc.StatusCode.UNAVAILABLE,
-                      f"no {role} engine is reachable (none in rotation for {waited_s:g} s: "
-                      f"{why})")
-
-
-# RESOURCE_EXHAUSTED answers carry the numbers a client needs to act on them.
-def _too_small(need: int, biggest: Endpoint, num_prompt_tokens: int,
-               beam: BeamParams) -> RouterError:
-    cap = biggest.capacity
-    return grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"decode pool too small: needs {need} blocks ({num_prompt_tokens}-token "
-                      f"prompt, beam width {beam.beam_width}, {beam.max_tokens} beam "
-                      f"tokens), the largest decode engine holds {cap.num_total_blocks} (beam "
-                      f"width up to {cap.max_beam_width})")
-
-
-def _queue_full(num_waiting: int, limit: int) -> RouterError:
-    return grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"decode queue full: {num_waiting} requests wait for room on a decode "
-                      f"engine (limit {limit})")
-
-
-def _no_room_in_time(need: int, most: Endpoint, wait_s: float) -> RouterError:
-    return grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"decode pool too small: no decode engine had room for {need} blocks "
-                      f"within {wait_s:g} s (most unclaimed: {most.num_unclaimed_blocks} of "
-                      f"{most.capacity.num_total_blocks})")
