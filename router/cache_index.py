@@ -127,8 +127,11 @@ class BlockIndex:
 _END_SEQ = -1
 #: How long a replay may take before the index is given up as incomplete.
 REPLAY_TIMEOUT_S = 5.0
-#: A feed whose loop failed starts again after this long (its index empty meanwhile).
+#: A feed whose loop failed starts again after this long (its index empty meanwhile),
+#: doubled after each failure in a row up to ``FEED_RETRY_MAX_S``: an engine whose events
+#: stay unreadable is not retried (and logged) every second.
 FEED_RETRY_S = 1.0
+FEED_RETRY_MAX_S = 30.0
 
 
 class MalformedBatch(ValueError):
@@ -216,24 +219,30 @@ class EventFeed:
             self._log.warning("KV events of %s: " + message, self.name, *args)
 
     async def run(self) -> None:
-        """Until cancelled; a failed loop starts again after ``FEED_RETRY_S``, with its
-        index cleared and a replay."""
+        """Until cancelled; a failed loop starts again after ``FEED_RETRY_S`` (doubling
+        while it keeps failing before any batch arrives), with its index cleared and a
+        replay."""
         import asyncio
 
+        wait_s = FEED_RETRY_S
         while True:
+            batches = self.stats.batches
             try:
                 await self._follow()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the feed must outlive any one failure
                 self.stats.failures += 1
+                if self.stats.batches > batches:
+                    wait_s = FEED_RETRY_S  # it followed the engine for a while: a new failure
                 if self._log is not None:
                     self._log.warning("KV events of %s: feed failed (%s: %s); index "
                                       "cleared, again in %g s", self.name,
-                                      type(e).__name__, e, FEED_RETRY_S)
+                                      type(e).__name__, e, wait_s)
                 self.index.clear()
                 self._next = self._known_from = None
-                await asyncio.sleep(FEED_RETRY_S)
+                await asyncio.sleep(wait_s)
+                wait_s = min(2 * wait_s, FEED_RETRY_MAX_S)
 
     async def _follow(self) -> None:
         import zmq

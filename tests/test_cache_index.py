@@ -186,7 +186,8 @@ def test_batches_dropped_while_the_router_was_busy_are_replayed(tmp_path):
         time.sleep(1.0)
         engine.publish(_stored(count - 1, [count], prompt[4 * count:4 * count + 4]))
         engine.publish(_stored(None, [10 ** 6], [9, 9, 9, 9], medium="CPU"))
-        await _until(lambda: index.cached_blocks(keys) == count + 1, timeout_s=20)
+        # Slow only when the machine is (3000 batches decoded and replayed): generous.
+        await _until(lambda: index.cached_blocks(keys) == count + 1, timeout_s=60)
         assert feed.stats.replays >= 2 and feed.stats.incomplete == 0, feed.stats
         assert index.cached_blocks(prefix_keys([9, 9, 9, 9], B)) == 0
         task.cancel()
@@ -205,8 +206,12 @@ class RawEngine:
         import zmq
 
         self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        # XPUB: it hears every SUB that joins (XPUB_VERBOSE), so the test sends only
+        # once the feed listens, instead of sleeping and hoping it does.
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.bind(pub)
+        self.joined = 0
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.bind(f"tcp://127.0.0.1:{replay}")
         self.bad_replies = bad_replies
@@ -215,6 +220,8 @@ class RawEngine:
     def answer_replays(self) -> None:
         import zmq
 
+        while self.pub.poll(0, zmq.POLLIN):
+            self.joined += self.pub.recv()[:1] == b"\x01"
         while self.router.poll(0, zmq.POLLIN):
             identity, _, _start = self.router.recv_multipart()
             self.asks += 1
@@ -268,7 +275,7 @@ def test_unreadable_batches_and_a_failed_loop_clear_the_index_and_the_feed_goes_
         # The first replay's answer is unreadable: the loop fails, and starts again.
         await _until(lambda: feed.stats.failures == 1 and engine.asks >= 2,
                      timeout_s=cache_index.FEED_RETRY_S + 5)
-        await asyncio.sleep(0.3)  # SUB joined
+        await _until(lambda: engine.joined >= 2)  # the second loop's SUB listens
         engine.batch(0, _raw_stored(None, [0], prompt[:4]))
         await _until(lambda: index.cached_blocks(keys) == 1)
         engine.send(1, b"\xc1 not msgpack")
