@@ -231,9 +231,10 @@ class _EngineCollector:
 
 
 def _cache_index_metrics(router):
-    """Each engine's index of its prefix cache (``router.cache_index``): its size, and
-    its feed's replays, restarts seen, resyncs that could not make it whole, batches it
-    could not read and failures of the feed itself."""
+    """Each engine's index of its prefix cache (``router.cache_index``, fed by
+    ``router.cache_feed``): its size, and its feed's replays, restarts seen, resyncs
+    that could not make it whole, batches it could not read and failures of the feed
+    itself."""
     caches = router.pool.caches
     size = GaugeMetricFamily("kvhandoff_router_cache_index_blocks",
                              "Blocks the router's index says the engine's prefix cache "

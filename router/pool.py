@@ -31,7 +31,7 @@ from kvhandoff.tls import aio_channel
 from kvhandoff.types import BeamParams
 from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
 from router import placement
-from router.cache_index import EngineCaches
+from router.cache_feed import EngineCaches
 from router.config import RouterConfig
 from router.endpoint import Claim, Endpoint, EngineObserver
 from router.errors import (

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from router.cache_index import BlockIndex, EventFeed, prefix_keys
+from router.cache_feed import EventFeed
+from router.cache_index import BlockIndex, prefix_keys
 
 pytestmark = pytest.mark.fleet
 
@@ -260,7 +261,7 @@ def test_unreadable_batches_and_a_failed_loop_clear_the_index_and_the_feed_goes_
     skipped and counted, the index cleared (it missed their events); a replay answered
     in a shape the feed cannot read fails its loop, which is counted and started again.
     The feed keeps following the engine through all of it."""
-    import router.cache_index as cache_index
+    import router.cache_feed as cache_feed
     from kvhandoff.ports import free_port
 
     pub, replay = f"ipc://{tmp_path}/events", free_port()
@@ -281,7 +282,7 @@ def test_unreadable_batches_and_a_failed_loop_clear_the_index_and_the_feed_goes_
         task = asyncio.create_task(feed.run())
         # The first replay's answer is unreadable: the loop fails, and starts again.
         await _until(lambda: feed.stats.failures == 1 and engine.asks >= 2,
-                     timeout_s=cache_index.FEED_RETRY_S + 5)
+                     timeout_s=cache_feed.FEED_RETRY_S + 5)
         await _until(lambda: engine.joined >= 2)  # the second loop's SUB listens
         engine.batch(0, _raw_stored(None, [0], prompt[:4]))
         await _until(lambda: index.cached_blocks(keys) == 1)

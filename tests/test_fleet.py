@@ -1,5 +1,5 @@
 """The router's picture of real engines' prefix caches, from their own KV events
-(``engine.kv_events`` relays vLLM's publisher; ``router.cache_index`` reads it):
+(``engine.kv_events`` relays vLLM's publisher; ``router.cache_feed`` reads it into ``router.cache_index``):
 stage 1 on one P shows there and not on the other, a handoff shows on D, D's cache
 emptied shows as empty, a feed started late learns what was stored before it (the
 replay), and placement follows. Unit level: ``tests/test_cache_index.py``,
@@ -15,7 +15,7 @@ import pytest
 from connector.handoff import ImportRequest
 from kvhandoff.types import BeamParams, Stage1Params
 from router import placement
-from router.cache_index import EngineCaches
+from router.cache_feed import EngineCaches
 from tools.harness.cases import history_prompt
 
 pytestmark = [pytest.mark.fleet, pytest.mark.engines]
