@@ -9,9 +9,10 @@ same way and samples from there.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -32,6 +33,21 @@ from kvhandoff.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def reserving(engine: VllmEngine, blocks: int) -> Iterator[None]:
+    """Count ``blocks`` (a stage 2's ``stage2_reservation``) as reserved on ``engine``
+    while the body runs: D's admission and the router leave them free for it. One the
+    whole pool cannot hold reserves nothing: D's admission refuses it whatever else runs
+    (and tells P to release the parent), so it must not crowd out others meanwhile."""
+    if blocks > engine.num_total_blocks:
+        blocks = 0
+    engine.num_reserved_blocks += blocks
+    try:
+        yield
+    finally:
+        engine.num_reserved_blocks -= blocks
 
 
 async def run_beam_stage(
@@ -61,9 +77,8 @@ async def run_beam_stage(
                                   beam.max_tokens, engine.config.beam_fork,
                                   engine.num_total_blocks,
                                   from_parent=beam.catalog is not None)
-    engine.num_reserved_blocks += reserved
     t0 = time.perf_counter()
-    try:
+    with reserving(engine, reserved):
         outcome = await beam_search(
             engine.generate,
             prompt_token_ids,
@@ -75,8 +90,6 @@ async def run_beam_stage(
             held_parent=held_parent or None,
             max_live=slots,
         )
-    finally:
-        engine.num_reserved_blocks -= reserved
     first = outcome.first_output
     imported = ((first.kv_transfer_params or {}).get(KEY) or {}) if first else {}
     return Stage2Result(
@@ -145,11 +158,10 @@ async def run_sample_stage(
     reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, 1,
                                   params.max_tokens, engine.config.beam_fork,
                                   engine.num_total_blocks)
-    engine.num_reserved_blocks += reserved
     t0 = time.perf_counter()
     first_step_s, first, last = 0.0, None, None
     token_ids: list[int] = []
-    try:
+    with reserving(engine, reserved):
         async for out in engine.stream(prompt_token_ids, sampling, request_id):
             if first is None:
                 first, first_step_s = out, time.perf_counter() - t0
@@ -157,8 +169,6 @@ async def run_sample_stage(
             if on_tokens is not None and out.outputs[0].token_ids:
                 on_tokens(list(out.outputs[0].token_ids))
             last = out
-    finally:
-        engine.num_reserved_blocks -= reserved
     assert first is not None and last is not None and last.finished, \
         f"{request_id}: no final output"
     reason = last.outputs[0].finish_reason

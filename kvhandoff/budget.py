@@ -27,6 +27,8 @@ its own; with fork, step 0's kept block is held beside them until the slots copi
 
 from __future__ import annotations
 
+import functools
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
@@ -73,3 +75,17 @@ def stage2_reservation(num_prompt_tokens: int, block_size: int, beam_width: int,
             return peak
     return blocks_needed(num_prompt_tokens, block_size, beam_width, beam_max_tokens,
                          from_parent=from_parent)
+
+
+@functools.lru_cache(maxsize=4096)
+def stage2_reservation_upto(shortest: int, longest: int, block_size: int, beam_width: int,
+                            beam_max_tokens: int, beam_fork: bool, num_total_blocks: int,
+                            from_parent: bool = False) -> int:
+    """The most :func:`stage2_reservation` of any prompt of ``shortest`` to ``longest``
+    tokens: a stage 2 whose prompt is not known yet (before stage 1 ends). Not the
+    longest's: a shorter prompt can need more, when its last block is fuller and every
+    beam's tail spills into one more block (3000 tokens reserve 157 blocks of 32 for 32
+    beams of 16 tokens, 3008 tokens 126)."""
+    return max(stage2_reservation(n, block_size, beam_width, beam_max_tokens, beam_fork,
+                                  num_total_blocks, from_parent)
+               for n in range(max(1, min(shortest, longest)), longest + 1))

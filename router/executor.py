@@ -41,6 +41,12 @@ def longest_stage2(plan: Plan) -> int:
     return len(plan.prompt_ids) + plan.stage1.max_tokens + len(plan.suffix_ids) + 1
 
 
+def shortest_stage2(plan: Plan) -> int:
+    """The shortest (stage 1 ended at once): it can reserve more blocks than the longest
+    (``kvhandoff.budget.stage2_reservation_upto``)."""
+    return len(plan.prompt_ids) + len(plan.suffix_ids)
+
+
 class Executor:
     def __init__(self, config: RouterConfig, pool: EnginePool, stages: StageCalls,
                  desk: MoveDesk):
@@ -69,13 +75,13 @@ class Executor:
 
     async def _run(self, running: Running, plan: Plan, out: Outcome, t0: float,
                    handoff: bool) -> AsyncIterator[list[int]]:
-        if handoff and plan.pinned:
-            running.d = plan.pinned[1]
-        elif handoff:
-            # D is chosen first: P addresses (and signs) the handoff to it.
-            running.set_claim(await self.pool.pick_decode(longest_stage2(plan), plan.beam,
-                                                          plan.deadline,
-                                                          prompt_ids=plan.prompt_ids))
+        if handoff:
+            # D is chosen first (or pinned: the warm-up's pair, which waits for room on
+            # its D like any request): P addresses (and signs) the handoff to it.
+            running.set_claim(await self.pool.pick_decode(
+                longest_stage2(plan), plan.beam, plan.deadline, prompt_ids=plan.prompt_ids,
+                shortest=shortest_stage2(plan),
+                only=[plan.pinned[1]] if plan.pinned else None))
         out.decode = running.d.address if running.d is not None else None
         handoff_msg = None
         async for item in self._stage1_resuming(running, plan, out, export=handoff,
@@ -231,7 +237,8 @@ class Executor:
         if new_d:
             running.set_claim(None)
             running.set_claim(await self.pool.pick_decode(
-                longest_stage2(plan), plan.beam, plan.deadline, fresh=True))
+                longest_stage2(plan), plan.beam, plan.deadline, fresh=True,
+                shortest=shortest_stage2(plan)))
             out.decode = running.d.address
         running.p = await self.pool.pick_prefill(plan.deadline,
                                                  exclude=None if new_d else failed)

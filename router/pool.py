@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from kvhandoff.budget import live_slots, stage2_reservation
+from kvhandoff.budget import live_slots, stage2_reservation_upto
 from kvhandoff.tls import aio_channel
 from kvhandoff.types import BeamParams
 from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
@@ -291,14 +291,16 @@ class EnginePool:
     async def pick_decode(self, num_prompt_tokens: int, beam: BeamParams,
                           deadline: float | None, *, fresh: bool = False,
                           only: list[Endpoint] | None = None,
-                          prompt_ids: Sequence[int] | None = None) -> Claim:
+                          prompt_ids: Sequence[int] | None = None,
+                          shortest: int | None = None) -> Claim:
         """A claim on the D with the most unclaimed blocks among those with room for a
-        stage 2 of ``num_prompt_tokens`` and ``beam``; the caller owns it and releases
-        it. With no room on any D the request waits its turn (FIFO) for up to
-        ``decode_wait_s`` and its ``deadline``. ``fresh`` asks every D first (after a
-        failed handoff); ``only`` limits the choice to those Ds (a held parent's
-        continuation: the D its handoff names); ``prompt_ids`` (what stage 2 will read):
-        among those with room, the D whose prefix cache holds most of it wins."""
+        stage 2 of ``num_prompt_tokens`` (or, before stage 1 ends, any length from
+        ``shortest`` to it) and ``beam``; the caller owns it and releases it. With no
+        room on any D the request waits its turn (FIFO) for up to ``decode_wait_s`` and
+        its ``deadline``. ``fresh`` asks every D first (after a failed handoff); ``only``
+        limits the choice to those Ds (a held parent's continuation: the D its handoff
+        names; the warm-up's pair); ``prompt_ids`` (what stage 2 will read): among those
+        with room, the D whose prefix cache holds most of it wins."""
         cfg = self.config
         decode = only if only is not None else self.decode
 
@@ -306,9 +308,10 @@ class EnginePool:
             cap = ep.capacity
             slots = live_slots(beam.beam_width, catalog_widths(cap, beam.catalog),
                                beam.max_tokens)
-            return stage2_reservation(num_prompt_tokens, cap.block_size, slots,
-                                      beam.max_tokens, cap.beam_fork, cap.num_total_blocks,
-                                      from_parent=beam.catalog is not None)
+            return stage2_reservation_upto(
+                num_prompt_tokens if shortest is None else shortest, num_prompt_tokens,
+                cap.block_size, slots, beam.max_tokens, cap.beam_fork, cap.num_total_blocks,
+                from_parent=beam.catalog is not None)
 
         def can_hold(ep: Endpoint) -> bool:
             return (beam.beam_width <= ep.capacity.max_beam_width

@@ -70,6 +70,23 @@ class Engine:
 
         self.publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
 
+    async def sent(self, seq: int) -> None:
+        """Until the publisher's thread has sent batch ``seq`` (it appends what it sent
+        to its replay buffer, vLLM's ``_buffer``, right after sending it)."""
+        await _until(lambda: any(s >= seq for s, _ in list(self.publisher._buffer)))
+
+    async def beat_until(self, condition, timeout_s: float = 20.0) -> None:
+        """Until ``condition``, publishing an ignored batch (an offloading tier's store)
+        every 0.2 s as a working engine goes on publishing: a batch sent before the
+        feed's SUB joined shows as a gap at the next one, and the replay brings it."""
+        deadline = time.monotonic() + timeout_s
+        beat = 0
+        while not condition():
+            assert time.monotonic() < deadline, "condition not met"
+            self.publish(_stored(None, [10 ** 6 + beat], [9, 9, 9, 9], medium="CPU"))
+            beat += 1
+            await asyncio.sleep(0.2)
+
     def close(self) -> None:
         self.publisher.shutdown()
 
@@ -95,22 +112,20 @@ def test_the_feed_follows_vllms_publisher_through_gaps_and_restarts(tmp_path):
         feed = EventFeed("e", pub, f"tcp://127.0.0.1:{replay}", index)
         # Stored before the router listened: the replay at the start brings it.
         engine.publish(_stored(None, [0, 1], prompt[:8]))
-        await asyncio.sleep(0.2)
+        await engine.sent(0)
         task = asyncio.create_task(feed.run())
         await _until(lambda: index.cached_blocks(keys) == 2)
-        await asyncio.sleep(0.3)  # SUB joined
         engine.publish(_stored(1, [2], prompt[8:12]))
-        await _until(lambda: index.cached_blocks(keys) == 3)
-        # Missed while the router was away: the next batch shows the gap; the replay
-        # fills it.
+        await engine.beat_until(lambda: index.cached_blocks(keys) == 3)
+        # Missed while the router was away: the replay at its start, or the gap the
+        # next batch shows, brings them.
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         engine.publish(_stored(2, [3], prompt[12:16]))
         engine.publish(_stored(3, [4], prompt[16:20]))
         task = asyncio.create_task(feed.run())
-        await asyncio.sleep(0.5)
         engine.publish(_stored(4, [5], prompt[20:24]))
-        await _until(lambda: index.cached_blocks(keys) == 6)
+        await engine.beat_until(lambda: index.cached_blocks(keys) == 6)
         replays = feed.stats.replays
         assert feed.stats.incomplete == 0 and replays >= 2
         # The engine restarts (its numbers start again): the index starts over from what
@@ -118,9 +133,8 @@ def test_the_feed_follows_vllms_publisher_through_gaps_and_restarts(tmp_path):
         engine.close()
         await asyncio.sleep(0.3)
         engine = Engine(pub, replay)
-        await asyncio.sleep(0.5)
         engine.publish(_stored(None, [10], prompt[:4]))
-        await _until(lambda: feed.stats.restarts == 1)
+        await engine.beat_until(lambda: feed.stats.restarts == 1)
         await _until(lambda: index.cached_blocks(keys) == 1)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -142,17 +156,17 @@ def test_a_gap_the_replay_no_longer_reaches_clears_the_index(tmp_path):
         engine = Engine(pub, replay, buffer_steps=2)
         index = BlockIndex(B, max_blocks=1000)
         feed = EventFeed("e", pub, f"tcp://127.0.0.1:{replay}", index)
-        task = asyncio.create_task(feed.run())
-        await asyncio.sleep(0.5)
         engine.publish(_stored(None, [0], prompt[:4]))
+        await engine.sent(0)
+        task = asyncio.create_task(feed.run())
         await _until(lambda: index.cached_blocks(keys) == 1)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         for i in range(1, 5):
             engine.publish(_stored(i - 1, [i], prompt[4 * i:4 * i + 4]))
+        # All sent before the feed is back (else it could hear some live; CI's once did).
+        await engine.sent(4)
         task = asyncio.create_task(feed.run())
-        await asyncio.sleep(0.5)
-        engine.publish(_stored(4, [5], prompt[20:24]))
         await _until(lambda: feed.stats.incomplete >= 1)
         assert index.cached_blocks(keys) == 0
         task.cancel()
@@ -178,9 +192,9 @@ def test_batches_dropped_while_the_router_was_busy_are_replayed(tmp_path):
         engine = Engine(pub, replay, buffer_steps=2 * count, hwm=1)
         index = BlockIndex(B, max_blocks=10 * count)
         feed = EventFeed("e", pub, f"tcp://127.0.0.1:{replay}", index, max_queued=1)
-        task = asyncio.create_task(feed.run())
-        await asyncio.sleep(0.5)
         engine.publish(_stored(None, [0], prompt[:4]))
+        await engine.sent(0)
+        task = asyncio.create_task(feed.run())
         await _until(lambda: index.cached_blocks(keys) == 1)
         for i in range(1, count):  # the publisher's thread sends while this loop sleeps
             engine.publish(_stored(i - 1, [i], prompt[4 * i:4 * i + 4]))

@@ -108,6 +108,35 @@ def test_blocks_needed_when_the_slots_start_at_the_parent(n, w, t, expected):
     assert blocks_needed(n, 32, w, t, beam_fork=True, from_parent=True) == expected + 1
 
 
+
+def test_a_prompt_not_known_yet_is_counted_at_the_most_any_length_reserves():
+    """``stage2_reservation_upto``: the largest over every length, not the longest's
+    (3000 tokens reserve 157 blocks for 32 beams of 16, 3008 tokens 126); one length
+    is that length's own reservation."""
+    from kvhandoff.budget import stage2_reservation, stage2_reservation_upto
+
+    args = (32, 32, 16, True, 1000)
+    assert stage2_reservation(3008, *args) == 126 < stage2_reservation(3000, *args) == 157
+    assert stage2_reservation_upto(3000, 3008, *args) == 157
+    assert stage2_reservation_upto(3008, 3008, *args) == 126
+    assert stage2_reservation_upto(2990, 3008, *args) == max(
+        stage2_reservation(n, *args) for n in range(2990, 3009))
+
+
+def test_a_stage_2_the_pool_cannot_hold_reserves_nothing_on_d():
+    """D's admission refuses it whatever else runs; meanwhile it must not count against
+    the stage 2s that fit (``decode_engine.engine.reserving``)."""
+    from types import SimpleNamespace
+
+    from decode_engine.engine import reserving
+
+    engine = SimpleNamespace(num_total_blocks=135, num_reserved_blocks=10)
+    with reserving(engine, 157):
+        assert engine.num_reserved_blocks == 10
+    with reserving(engine, 135):
+        assert engine.num_reserved_blocks == 145
+    assert engine.num_reserved_blocks == 10
+
 def test_suffix_does_not_repeat_think_end():
     assert continuation_prompt([5, 3], [3, 9, 4], think_end_id=3) == [5, 3, 9, 4]
     assert continuation_prompt([5, 1], [3, 9, 4], think_end_id=3) == [5, 1, 3, 9, 4]

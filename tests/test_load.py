@@ -179,10 +179,12 @@ def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
     assert_cluster_clean()
 
 
-def _long_requests(n: int, name: str, seed: int = 5) -> list:
+def _long_requests(n: int, name: str) -> list:
     """Requests of ~48 blocks of D's 135 each (a ~1000-token parent, 8 beams): two fit on
-    the cluster's D at a time."""
-    rng = random.Random(seed)
+    the cluster's D at a time. Each ``name`` has its own prompts: a burst of parents P and
+    D have cached runs in a fraction of the time (CI: eight in 0.2 s each, the queue for
+    D never filled)."""
+    rng = random.Random(name)
     return [make_request(prompt=[rng.randrange(10, 1000) for _ in range(1000)], max_tokens=4,
                          seed=i, beam_width=8, path="handoff", request_id=f"{name}-{i}")
             for i in range(n)]

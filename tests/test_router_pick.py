@@ -19,8 +19,8 @@ from router import RouterError
 
 
 class FakeEngineStub:
-    def __init__(self, num_free_blocks: int):
-        self.num_free_blocks = num_free_blocks
+    def __init__(self, num_free_blocks: int, num_total_blocks: int = 200):
+        self.num_free_blocks, self.num_total_blocks = num_free_blocks, num_total_blocks
         self.num_capacity_calls = 0
         #: Status the next GetCapacity calls fail with (None: they answer).
         self.fail_with: grpc.StatusCode | None = None
@@ -30,7 +30,8 @@ class FakeEngineStub:
         if self.fail_with is not None:
             raise grpc.aio.AioRpcError(self.fail_with, grpc.aio.Metadata(),
                                        grpc.aio.Metadata(), "from the fake")
-        return engine_pb2.Capacity(num_free_blocks=self.num_free_blocks, num_total_blocks=200,
+        return engine_pb2.Capacity(num_free_blocks=self.num_free_blocks,
+                                   num_total_blocks=self.num_total_blocks,
                                    block_size=32, max_beam_width=32)
 
 
@@ -630,3 +631,23 @@ def test_a_search_kept_in_a_catalog_is_counted_at_the_slots_it_makes(model_dir):
         else:
             with pytest.raises(RouterError, match="decode pool too small"):
                 asyncio.run(_pick(router, 5500, plan))
+
+
+
+def test_a_parent_whose_stage_2_may_come_shorter_is_counted_at_its_largest(model_dir):
+    """Before stage 1 ends the stage-2 prompt is anywhere from the prompt and suffix
+    (stage 1 ended at once) to the longest; a shorter one can need more blocks (a fuller
+    last block: each beam's tail spills into another). With 32 beams of 16 tokens, 3008
+    tokens take 126 blocks of 32, 3000 take 157: a D of 150 refuses such a request up
+    front, as its admission would once stage 1 ended short (in CI one reached D, which
+    counted its 157 blocks reserved until it refused it, and refused another meanwhile)."""
+    beam = BeamParams(beam_width=32, max_tokens=16)
+
+    def pick(**kw):
+        router = _router(model_dir, [150])
+        router.pool.decode[0].stub.num_total_blocks = 150
+        return asyncio.run(router.pool.pick_decode(3008, beam, None, **kw)).endpoint.address
+
+    assert pick() == "d0"
+    with pytest.raises(RouterError, match="decode pool too small: needs 157 blocks"):
+        pick(shortest=3000)
