@@ -11,6 +11,8 @@ arrived import request is checked once, before any transfer starts:
   (``connector.signing``);
 - it comes from the same model, matches the prompt's first N tokens (digest) and its
   lease has time left;
+- it was computed under the adapter this request runs under, with the same weights
+  (``connector.adapters``);
 - the pool can hold the parent's blocks, the suffix and the beam fan-out (one sequence
   and its remaining tokens for a moved stage 1).
 
@@ -34,7 +36,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
+from connector.adapters import adapter_of, check_import_adapter, digests_of
 from connector.beam_slots import SlotGroups
+from connector.faults import ANY_ADAPTER_FAULT
 from connector.handoff import (
     BEAM_KEY,
     DEFAULT_LEASE_SAFETY_MARGIN_S,
@@ -79,6 +83,10 @@ class AdmissionScheduler(Scheduler):
         )
         group = config.get_from_extra_config("handoff_group", None) if config else None
         self._handoff_ids = {config.engine_id if config else "", *([group] if group else [])}
+        self._adapter_digests = digests_of(self.vllm_config)
+        # Negative controls only (connector.faults): off unless the engine was started so.
+        self._fault_injection = bool(config.get_from_extra_config("fault_injection", False)
+                                     if config else False)
         self._rejected: list[tuple[Request, str, str]] = []
         # Admitted imports whose request has not finished yet.
         self._importing: set[str] = set()
@@ -130,6 +138,9 @@ class AdmissionScheduler(Scheduler):
             model_fingerprint=self._model_fingerprint,
             safety_margin_s=self._lease_margin_s,
         )
+        if not (self._fault_injection and wanted.fault == ANY_ADAPTER_FAULT):
+            check_import_adapter(handoff.adapter, handoff.adapter_digest,
+                                 adapter_of(request), self._adapter_digests)
         beam_width, beam_max_tokens = wanted.beam_width, wanted.beam_max_tokens
         needed = blocks_needed(
             request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,

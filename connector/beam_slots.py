@@ -144,6 +144,9 @@ class SlotGroups:
                         sampling_params=msgspec.structs.replace(params, extra_args=extra),
                         pooling_params=None, client_index=leader.client_index,
                         arrival_time=leader.arrival_time, priority=leader.priority,
+                        # Its leader's adapter: the same weights, and block hashes
+                        # that find the leader's blocks (they carry the adapter).
+                        lora_request=leader.lora_request, cache_salt=leader.cache_salt,
                         block_hasher=self._block_hasher)
         return clone
 

@@ -179,9 +179,9 @@ def load(name: str, path: str | Path, vocab_size: int, eos_token_id: int | None)
     return build(name, items, vocab_size)
 
 
-def parse_spec(spec: str) -> tuple[str, str]:
-    """``NAME=PATH`` (the ``--catalog`` option) as (name, path)."""
+def parse_spec(spec: str, option: str = "--catalog") -> tuple[str, str]:
+    """``NAME=PATH`` (the ``--catalog`` and ``--adapter`` options) as (name, path)."""
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
-        raise CatalogError(f"--catalog wants NAME=PATH, not {spec!r}")
+        raise CatalogError(f"{option} wants NAME=PATH, not {spec!r}")
     return name, path

@@ -36,6 +36,12 @@ class Fault:
     min_full_blocks: int = 0
     needs_partial_block: bool = False
     expected_caught: bool = True
+    #: Corrupts only an import whose adapter differs from its request's.
+    needs_adapter: bool = False
+
+
+#: The fault that lets D import under another adapter (its admission's check skipped).
+ANY_ADAPTER_FAULT = "accept-any-adapter"
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -73,6 +79,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "after the READ, layer 1's imported blocks are replaced by layer 0's",
           "layer 1 attends to layer 0's keys and values: logprobs, beams",
           min_full_blocks=1),
+    Fault(ANY_ADAPTER_FAULT, "decode_scheduler",
+          "D's admission skips the adapter check: it imports KV computed under one LoRA "
+          "adapter into a request under another (or none)",
+          "the parent's KV is the other adapter's: logprobs, beams (only where the "
+          "export's adapter differs from the request's: adapter cases)",
+          needs_adapter=True),
     Fault("swap-full-blocks", "decode_worker",
           "after the READ, imported blocks 0 and 1 (both full) trade places",
           "not caught, by design: each key carries its position (RoPE is applied before "
@@ -83,8 +95,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
 )}
 
 
-def applies(fault: Fault, num_parent_tokens: int, block_size: int) -> bool:
-    """Whether ``fault`` can corrupt a parent of ``num_parent_tokens`` tokens."""
+def applies(fault: Fault, num_parent_tokens: int, block_size: int,
+            adapters_differ: bool = False) -> bool:
+    """Whether ``fault`` can corrupt a parent of ``num_parent_tokens`` tokens (exported
+    under another adapter than the import's request runs under: ``adapters_differ``)."""
+    if fault.needs_adapter and not adapters_differ:
+        return False
     num_imported = num_parent_tokens - 1
     if num_imported // block_size < fault.min_full_blocks:
         return False

@@ -29,7 +29,8 @@ from connector.faults import FAULT_KEY
 from kvhandoff.types import BeamParams, HandoffError
 
 #: Bumped whenever the meaning of a handoff field changes. P and D must agree.
-PROTOCOL_VERSION = 1
+#: 2: the adapter's identity (``adapter``, ``adapter_digest``).
+PROTOCOL_VERSION = 2
 
 #: The key under which our fields travel inside ``kv_transfer_params``.
 KEY = "kvhandoff"
@@ -113,6 +114,10 @@ class Handoff:
     #: Seconds since the epoch on P's clock; D checks it on its own clock with
     #: ``lease_safety_margin_s`` to spare (hosts' clocks may differ by that much).
     lease_expires_at: float
+    #: The LoRA adapter the KV was computed under ("": none) and a digest of its files
+    #: (``connector.adapters``): D imports it only into a request under the same one.
+    adapter: str
+    adapter_digest: str
 
     def __post_init__(self) -> None:
         if self.num_computed_tokens != self.num_parent_tokens - 1:

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
 
+from connector.adapters import adapter_of, digests_of
 from connector.beam_fork import BeamForkScheduler, beam_params
 from connector.beam_processor import OUTBOX
 from connector.beam_slots import WAIT_KEY
@@ -107,6 +108,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         assert extra is not None
         self._init_beam_fork(extra, len(kv_cache_config.kv_cache_groups))
         self.stats = ContinuationStats()
+        #: This engine's adapters' digests by name: P signs the one an export ran under.
+        self._adapter_digests = digests_of(vllm_config)
         self._secret = load_secret(extra.get_from_extra_config("handoff_secret_file", None))
         # Negative controls (connector.faults): off unless the engine was started so.
         self._fault_injection = bool(extra.get_from_extra_config("fault_injection", False))
@@ -356,6 +359,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             kv_bytes_per_block=self.kv_bytes_per_block,
             exported_at=now,
             lease_expires_at=now + lease_s,
+            adapter=(adapter := adapter_of(request)),
+            adapter_digest=self._adapter_digests.get(adapter, ""),
         )
         target = str((request.kv_transfer_params or {}).get(TARGET_KEY) or "")
         params[KEY] = {**handoff.to_dict(), "target_engine_id": target}

@@ -10,6 +10,7 @@ same way and samples from there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -57,10 +58,11 @@ async def run_beam_stage(
     request_id: str,
     first_step_extra_args: dict[str, Any] | None = None,
     held_parent: str | None = None,
+    adapter: str = "",
 ) -> Stage2Result:
-    """Stage 2 on ``engine``; shared by the handoff path (D) and the colocated path
-    (``held_parent``: the stage-1 request id of a parent held on ``engine``, whose blocks
-    the first step copies from)."""
+    """Stage 2 on ``engine`` (under ``adapter``, "": none); shared by the handoff path
+    (D) and the colocated path (``held_parent``: the stage-1 request id of a parent held
+    on ``engine``, whose blocks the first step copies from)."""
     validate_prompt(
         prompt_token_ids,
         vocab_size=engine.vocab_size,
@@ -80,7 +82,7 @@ async def run_beam_stage(
     t0 = time.perf_counter()
     with reserving(engine, reserved):
         outcome = await beam_search(
-            engine.generate,
+            functools.partial(engine.generate, adapter=adapter),
             prompt_token_ids,
             beam,
             eos_token_id=engine.eos_token_id,
@@ -136,10 +138,12 @@ async def run_sample_stage(
     first_step_extra_args: dict[str, Any] | None = None,
     held_parent: str | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    adapter: str = "",
 ) -> Stage2Result:
-    """A sampled stage 2 on ``engine``: one sequence of ``params`` over ``parent +
-    suffix``, returned as one beam (tokens, the sum of their logprobs, why it ended);
-    ``on_tokens`` is called with each batch of new tokens as they are sampled.
+    """A sampled stage 2 on ``engine`` (under ``adapter``, "": none): one sequence of
+    ``params`` over ``parent + suffix``, returned as one beam (tokens, the sum of their
+    logprobs, why it ended); ``on_tokens`` is called with each batch of new tokens as
+    they are sampled.
     ``first_step_extra_args`` carry an import (D); ``held_parent`` names a parent held on
     ``engine`` to copy from (the one-engine path). With a seed the tokens equal the same
     request's on any engine (vLLM's sampling, or positional sampling)."""
@@ -162,7 +166,7 @@ async def run_sample_stage(
     first_step_s, first, last = 0.0, None, None
     token_ids: list[int] = []
     with reserving(engine, reserved):
-        async for out in engine.stream(prompt_token_ids, sampling, request_id):
+        async for out in engine.stream(prompt_token_ids, sampling, request_id, adapter):
             if first is None:
                 first, first_step_s = out, time.perf_counter() - t0
             token_ids.extend(out.outputs[0].token_ids)
@@ -207,10 +211,12 @@ class DecodeEngine(VllmEngine):
         handoff: ImportRequest,
         sampling: Stage1Params | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
+        adapter: str = "",
     ) -> Stage2Result:
         """Stage 2 importing P's export (``handoff``, built for ``beam``; with
         ``sampling``, a sampled stage 2 whose ``beam`` is its shape: width 1, its
-        max_tokens). Even a handoff that looks wrong goes to D's scheduler: it is the one
+        max_tokens), under ``adapter`` ("": none; D's admission refuses an export
+        computed under another). Even a handoff that looks wrong goes to D's scheduler: it is the one
         authority, and refusing there also tells P to release the parent's blocks."""
         assert (handoff.beam_width, handoff.beam_max_tokens) == (beam.beam_width, beam.max_tokens), \
             f"{request_id}: the import request was built for other beams"
@@ -224,11 +230,12 @@ class DecodeEngine(VllmEngine):
         if sampling is not None:
             result = await run_sample_stage(
                 self, prompt_token_ids, sampling, request_id,
-                first_step_extra_args={"kv_transfer_params": params}, on_tokens=on_tokens)
+                first_step_extra_args={"kv_transfer_params": params}, on_tokens=on_tokens,
+                adapter=adapter)
         else:
             result = await run_beam_stage(
                 self, prompt_token_ids, beam, request_id,
-                first_step_extra_args={"kv_transfer_params": params},
+                first_step_extra_args={"kv_transfer_params": params}, adapter=adapter,
             )
         expected = int(params.get(KEY, {}).get("num_computed_tokens", 0))
         if result.num_prompt_tokens - result.num_computed_tokens_first_step < expected:

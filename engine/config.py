@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from connector.adapters import ADAPTERS_KEY, load_all, max_lora_rank
 from connector.catalog import CATALOGS_KEY
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
 from kvhandoff.types import MAX_BEAM_WIDTH
@@ -105,6 +106,9 @@ class EngineConfig:
     #: Catalogs beams may be constrained to, (name, path) pairs (``connector.catalog``):
     #: loaded and checked at start by the front end and by each worker.
     catalogs: tuple[tuple[str, str], ...] = ()
+    #: LoRA adapters served here, (name, directory in PEFT's format) pairs
+    #: (``connector.adapters``): vLLM's LoRA is on when there is one.
+    adapters: tuple[tuple[str, str], ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -121,9 +125,10 @@ class EngineConfig:
             raise ValueError("lease_safety_margin_s must be in [0, lease_s)")
         if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 0:
             raise ValueError("onednn_cache_capacity must be >= 0 (or None: oneDNN's default)")
-        names = [name for name, _ in self.catalogs]
-        if len(set(names)) != len(names) or not all(names):
-            raise ValueError(f"catalog names must be distinct and non-empty: {names}")
+        for what, pairs in (("catalog", self.catalogs), ("adapter", self.adapters)):
+            names = [name for name, _ in pairs]
+            if len(set(names)) != len(names) or not all(names):
+                raise ValueError(f"{what} names must be distinct and non-empty: {names}")
 
     @property
     def enable_chunked_prefill(self) -> bool | None:
@@ -181,6 +186,7 @@ class EngineConfig:
             **({"kv_buffer_device": self.kv_buffer_device} if self.kv_buffer_device else {}),
         )
         chunked = self.enable_chunked_prefill
+        adapters = load_all(self.adapters)
         return AsyncEngineArgs(
             model=self.model,
             tokenizer=self.model,
@@ -208,9 +214,15 @@ class EngineConfig:
             # Positional sampling (engine.sampling) and beam slots
             # (connector.beam_processor), for the requests that ask for them.
             logits_processors=[POSITIONAL_SAMPLER, BEAM_SLOT_PROCESSOR],
-            additional_config={CATALOGS_KEY: dict(self.catalogs)} if self.catalogs else {},
+            additional_config={
+                **({CATALOGS_KEY: dict(self.catalogs)} if self.catalogs else {}),
+                **({ADAPTERS_KEY: {a.name: a.digest for a in adapters.values()}}
+                   if adapters else {})},
             kv_events_config=events.vllm_config() if events is not None else None,
             disable_log_stats=False,
+            **({"enable_lora": True, "max_lora_rank": max_lora_rank(adapters),
+                "max_loras": len(adapters), "max_cpu_loras": len(adapters)}
+               if adapters else {}),
         )
 
 

@@ -16,15 +16,19 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from connector.adapters import Adapter
+from connector.adapters import load_all as load_adapters
 from connector.catalog import Catalog, load
 from connector.faults import FAULTS
 from engine.config import EngineConfig, engine_env, environment
 from engine.kv_events import EventEndpoints, EventRelay
 from engine.stats import EngineCounters, PoolSnapshot, stats_logger_factory
 from kvhandoff.ports import check_listenable, free_port
+from kvhandoff.types import StageError
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -51,10 +55,13 @@ class VllmEngine:
     """An AsyncLLM with the kvhandoff connector; base of PrefillEngine/DecodeEngine."""
 
     def __init__(self, config: EngineConfig, llm: AsyncLLM, engine_id: str,
-                 stats: dict[str, Any], catalogs: dict[str, Catalog] | None = None):
+                 stats: dict[str, Any], catalogs: dict[str, Catalog] | None = None,
+                 adapters: dict[str, Adapter] | None = None):
         self.config = config
         #: Catalogs beams may be constrained to, by name (loaded by ``start``).
         self.catalogs: dict[str, Catalog] = catalogs or {}
+        #: LoRA adapters requests may run under, by name (loaded by ``start``).
+        self.adapters: dict[str, Adapter] = adapters or {}
         #: Where its KV events are read (None: not published); set by ``start``.
         self.kv_events: EventEndpoints | None = None
         self._relay: EventRelay | None = None
@@ -92,6 +99,9 @@ class VllmEngine:
         port = config.side_channel_port or free_port(config.side_channel_host)
         # A bad catalog fails the start here, with its file and line, before vLLM starts.
         catalogs = load_catalogs(config)
+        adapters = load_adapters(config.adapters)
+        for a in adapters.values():
+            logger.info("Adapter %r: rank %d, %s (%s)", a.name, a.rank, a.path, a.digest[:12])
         events = (EventEndpoints.pick(engine_id, config.side_channel_host)
                   if config.kv_events else None)
         env = engine_env(config, port)
@@ -109,6 +119,7 @@ class VllmEngine:
                 engine_id,
                 stats,
                 catalogs,
+                adapters,
                 **kwargs,
             )
         if events is not None:
@@ -120,33 +131,50 @@ class VllmEngine:
                     if events is not None else "")
         return engine
 
+    def lora_request(self, adapter: str) -> LoRARequest | None:
+        """vLLM's request for the adapter named ``adapter`` ("": none); a
+        :class:`StageError` ("no_adapter": NOT_FOUND) when this engine lacks it."""
+        if not adapter:
+            return None
+        found = self.adapters.get(adapter)
+        if found is None:
+            raise StageError("request", "no_adapter",
+                             f"no adapter {adapter!r} on this engine (it serves "
+                             f"{sorted(self.adapters) or 'none'})")
+        return found.lora_request()
+
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
-                     request_id: str) -> AsyncIterator[RequestOutput]:
-        """Run one request, yielding each output delta (new tokens only). Cancelling
-        the consumer aborts the request in the engine."""
+                     request_id: str, adapter: str = "") -> AsyncIterator[RequestOutput]:
+        """Run one request (under ``adapter``, "": none), yielding each output delta (new
+        tokens only). Cancelling the consumer aborts the request in the engine."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         if self.llm is None:
             raise RuntimeError(f"engine {self.engine_id} is shut down")
+        lora = self.lora_request(adapter)
         params.output_kind = RequestOutputKind.DELTA
         async for out in self.llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id
+            TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id,
+            lora_request=lora,
         ):
             yield out
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> RequestOutput:
-        """Run one request to completion and return its final output."""
+                       request_id: str, adapter: str = "") -> RequestOutput:
+        """Run one request (under ``adapter``, "": none) to completion and return its
+        final output."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         if self.llm is None:
             raise RuntimeError(f"engine {self.engine_id} is shut down")
+        lora = self.lora_request(adapter)
         params.output_kind = RequestOutputKind.FINAL_ONLY
         final = None
         async for out in self.llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id
+            TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id,
+            lora_request=lora,
         ):
             final = out
         assert final is not None and final.finished, f"{request_id}: no final output"

@@ -24,6 +24,9 @@ _REASON_CODES = {
     "target": grpc.StatusCode.PERMISSION_DENIED,
     "abort": grpc.StatusCode.CANCELLED,
     "catalog": grpc.StatusCode.NOT_FOUND,
+    "no_adapter": grpc.StatusCode.NOT_FOUND,
+    # An import under another adapter than the parent's (connector.adapters).
+    "adapter": grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 

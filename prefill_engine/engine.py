@@ -128,6 +128,7 @@ class PrefillEngine(VllmEngine):
         fault: str | None = None,
         hold: bool | float = False,
         handoff: ImportRequest | None = None,
+        adapter: str = "",
     ) -> AsyncIterator[tuple[list[int], list[TokenLogprob], Stage1Result | None]]:
         """Yield ``(new_token_ids, their logprobs, None)`` as tokens are sampled (logprobs
         when ``params.logprobs`` asks), then ``([], [], result)`` once stage 1 has
@@ -141,14 +142,16 @@ class PrefillEngine(VllmEngine):
         ``handoff``: another P's export of this request's tokens so far (a move), built
         for one sequence of ``params.max_tokens``; imported before sampling (with
         ``export``).
-        ``fault``: a P-side fault of ``connector.faults`` (negative controls only)."""
+        ``fault``: a P-side fault of ``connector.faults`` (negative controls only).
+        ``adapter``: the LoRA adapter to sample under ("": none); an export carries its
+        name and digest (``connector.adapters``)."""
         sampling = self._sampling(prompt_token_ids, params, export, target, fault, hold,
                                   request_id, handoff)
         t0 = time.perf_counter()
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
         first = last = None
-        async for out in self.stream(prompt_token_ids, sampling, request_id):
+        async for out in self.stream(prompt_token_ids, sampling, request_id, adapter):
             first, last = first or out, out
             new = list(out.outputs[0].token_ids)
             if new:
@@ -219,11 +222,13 @@ class PrefillEngine(VllmEngine):
         fault: str | None = None,
         hold: bool | float = False,
         handoff: ImportRequest | None = None,
+        adapter: str = "",
     ) -> Stage1Result:
         result = None
         async for _, _, final in self.stream_stage1(prompt_token_ids, params, request_id,
                                                  export=export, target=target, fault=fault,
-                                                 hold=hold, handoff=handoff):
+                                                 hold=hold, handoff=handoff,
+                                                 adapter=adapter):
             result = final or result
         assert result is not None
         return result

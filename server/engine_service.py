@@ -86,7 +86,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     list(request.prompt_token_ids), params, request.request_id,
                     export=request.export, target=request.target_engine_id,
                     hold=request.hold and (request.hold_s or True), handoff=handoff,
-                    fault=request.fault or None,
+                    fault=request.fault or None, adapter=request.adapter,
                 ):
                     if result is None:
                         yield engine_pb2.Stage1Event(
@@ -171,7 +171,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         prompt, beam, request.request_id, handoff=ImportRequest.for_beams(
                             engine_pb.handoff_from_pb(request.handoff), beam,
                             fault=request.fault or None),
-                        sampling=sampling, on_tokens=on_tokens)
+                        sampling=sampling, on_tokens=on_tokens, adapter=request.adapter)
                 except Exception:
                     self.counts.import_failures += 1
                     raise
@@ -180,10 +180,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 result = await run_sample_stage(self.engine, prompt, sampling,
                                                 request.request_id,
                                                 held_parent=request.held_parent,
-                                                on_tokens=on_tokens)
+                                                on_tokens=on_tokens, adapter=request.adapter)
             else:
                 result = await run_beam_stage(self.engine, prompt, beam, request.request_id,
-                                              held_parent=request.held_parent)
+                                              held_parent=request.held_parent,
+                                              adapter=request.adapter)
         return engine_pb2.Stage2Response(
             beams=engine_pb.beams_to_pb(result.beams),
             num_imported_tokens=result.num_imported_tokens,
@@ -223,6 +224,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                             for name, catalog in sorted(self.engine.catalogs.items())],
             kv_events_endpoint=events.endpoint if events else "",
             kv_events_replay_endpoint=events.replay_endpoint if events else "",
+            adapters=[engine_pb2.AdapterInfo(name=a.name, digest=a.digest)
+                      for _, a in sorted(self.engine.adapters.items())],
         )
 
     async def Release(self, request: engine_pb2.ReleaseRequest, context):

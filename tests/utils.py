@@ -102,6 +102,8 @@ def make_export_params(parent_ids: list[int], *, model_fingerprint: str,
         "kv_bytes_per_block": 8 * BLOCK_SIZE,
         "exported_at": now,
         "lease_expires_at": now + lease_s,
+        "adapter": "",
+        "adapter_digest": "",
         **overrides,
     }
     return {

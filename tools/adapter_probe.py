@@ -22,36 +22,10 @@ from connector.handoff import ImportRequest
 from decode_engine.beam import beam_search
 from decode_engine.engine import DecodeEngine
 from engine import EngineConfig, shutdown_all
+from kvhandoff.builtin_adapters import RANK, write_adapter
 from kvhandoff.model import ModelTokens, resolve_model
 from kvhandoff.types import BeamParams, Stage1Params
 from prefill_engine.engine import PrefillEngine, stage1_sampling
-
-RANK = 8
-
-
-def write_adapter(model_dir: Path, out: Path, seed: int) -> Path:
-    """A random LoRA adapter for the Llama at ``model_dir`` (q_proj and v_proj, rank 8,
-    B non-zero so that it changes the outputs), as vLLM reads PEFT's files."""
-    import torch
-    from safetensors.torch import save_file
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for module, width in (("q_proj", heads * head_dim), ("v_proj", kv_heads * head_dim)):
-            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(RANK, hidden, generator=g) * 0.05
-            tensors[f"{name}.lora_B.weight"] = torch.randn(width, RANK, generator=g) * 0.05
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "bias": "none",
-         "target_modules": ["q_proj", "v_proj"]}))
-    return out
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,12 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["catalogs"] = tuple(
             (name, str(builtin_catalog(model_dir)) if path == "builtin" else path)
             for name, path in map(parse_spec, args.catalog))
+    if args.adapter:
+        from connector.catalog import parse_spec
+        from kvhandoff.builtin_adapters import resolve
+
+        kwargs["adapters"] = tuple((name, resolve(model_dir, path)) for name, path in
+                                   (parse_spec(spec, "--adapter") for spec in args.adapter))
     return kwargs
 
 
@@ -195,6 +201,10 @@ def _add_serve(sub: Any) -> None:
                        help="prefill/decode: a catalog of items beams may be constrained "
                             "to (one item per line: its token ids); PATH 'builtin' is the "
                             "built-in model's shop; repeat for several")
+    serve.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                       help="prefill/decode: a LoRA adapter requests may name (PEFT's "
+                            "files in PATH; 'builtin:SEED': a random one for the built-in "
+                            "model); repeat for several. Turns vLLM's LoRA on")
     serve.add_argument("--side-channel-host", default="127.0.0.1",
                        help="NIXL side channel address (a node IP across hosts)")
     serve.add_argument("--side-channel-port", type=int, default=0,

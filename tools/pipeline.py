@@ -40,6 +40,8 @@ class TwoStageRequest:
     beam: BeamParams = field(default_factory=BeamParams)
     #: ``</think>``: not repeated when stage 1 already ended with it.
     think_end_id: int | None = None
+    #: The LoRA adapter both stages run under ("": the base model).
+    adapter: str = ""
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -86,14 +88,17 @@ def stage2_prompt(req: TwoStageRequest, stage1: Stage1Result) -> tuple[list[int]
 
 
 async def run_handoff(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest, *,
-                      fault: str | None = None) -> TwoStageResult:
+                      fault: str | None = None, d_adapter: str | None = None
+                      ) -> TwoStageResult:
     """Stage 1 on P, KV handed to D over NIXL, stage 2 on D. ``fault`` names an injected
-    fault of ``connector.faults`` (negative controls; the engines must allow it)."""
+    fault of ``connector.faults`` (negative controls; the engines must allow it);
+    ``d_adapter``: stage 2 under another adapter than the request's (D must refuse it)."""
     check_request(req, p, d)
     side = FAULTS[fault].side if fault is not None else None
     stage1 = await p.run_stage1(req.prompt_token_ids, req.stage1, f"{req.request_id}-p", export=True,
                                target=d.handoff_target,
-                               fault=fault if side == "prefill" else None)
+                               fault=fault if side == "prefill" else None,
+                               adapter=req.adapter)
     assert stage1.handoff_params is not None
     if side == "prefill":
         await p.run_one_step()  # P's workers apply the fault before D reads
@@ -101,7 +106,8 @@ async def run_handoff(p: PrefillEngine, d: DecodeEngine, req: TwoStageRequest, *
     stage2 = await d.run_stage2(
         prompt, req.beam, f"{req.request_id}-d", handoff=ImportRequest.for_beams(
             stage1.handoff_params, req.beam,
-            fault=fault if side not in (None, "prefill") else None))
+            fault=fault if side not in (None, "prefill") else None),
+        adapter=req.adapter if d_adapter is None else d_adapter)
     return TwoStageResult("handoff", list(req.prompt_token_ids), stage1, suffix, stage2)
 
 
@@ -213,8 +219,9 @@ async def run_colocated(engine: PrefillEngine, req: TwoStageRequest) -> TwoStage
     """Both stages on one engine, stage 2 from token ids through its prefix cache."""
     check_request(req, engine, engine)
     stage1 = await engine.run_stage1(
-        req.prompt_token_ids, req.stage1, f"{req.request_id}-c1", export=False
-    )
+        req.prompt_token_ids, req.stage1, f"{req.request_id}-c1", export=False,
+        adapter=req.adapter)
     prompt, suffix = stage2_prompt(req, stage1)
-    stage2 = await run_beam_stage(engine, prompt, req.beam, f"{req.request_id}-c2")
+    stage2 = await run_beam_stage(engine, prompt, req.beam, f"{req.request_id}-c2",
+                                  adapter=req.adapter)
     return TwoStageResult("colocated", list(req.prompt_token_ids), stage1, suffix, stage2)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Stage1Request(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export", "target_engine_id", "hold", "hold_s", "handoff", "fault")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export", "target_engine_id", "hold", "hold_s", "handoff", "fault", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class Stage1Request(_message.Message):
     HOLD_S_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Stage1Sampling
@@ -27,7 +28,8 @@ class Stage1Request(_message.Message):
     hold_s: float
     handoff: _common_pb2.Handoff
     fault: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., fault: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Stage1Event(_message.Message):
     __slots__ = ("new_token_ids", "finish_reason", "handoff", "held_until", "logprobs", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens")
@@ -50,7 +52,7 @@ class Stage1Event(_message.Message):
     def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_until: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class Stage2Request(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "beam", "handoff", "held_parent", "sampling", "fault")
+    __slots__ = ("request_id", "prompt_token_ids", "beam", "handoff", "held_parent", "sampling", "fault", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BEAM_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,7 @@ class Stage2Request(_message.Message):
     HELD_PARENT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     beam: _common_pb2.BeamSearch
@@ -65,7 +68,8 @@ class Stage2Request(_message.Message):
     held_parent: str
     sampling: _common_pb2.Stage1Sampling
     fault: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_parent: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., fault: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_parent: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Stage2Event(_message.Message):
     __slots__ = ("new_token_ids", "result")
@@ -104,7 +108,7 @@ class CapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint", "handoff_target", "num_reserved_blocks", "beam_fork", "catalogs", "kv_events_endpoint", "kv_events_replay_endpoint", "catalog_widths")
+    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint", "handoff_target", "num_reserved_blocks", "beam_fork", "catalogs", "kv_events_endpoint", "kv_events_replay_endpoint", "catalog_widths", "adapters")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +127,7 @@ class Capacity(_message.Message):
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     CATALOG_WIDTHS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     role: str
     engine_id: str
     num_total_blocks: int
@@ -141,7 +146,16 @@ class Capacity(_message.Message):
     kv_events_endpoint: str
     kv_events_replay_endpoint: str
     catalog_widths: _containers.RepeatedCompositeFieldContainer[CatalogWidths]
-    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., handoff_target: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., beam_fork: _Optional[bool] = ..., catalogs: _Optional[_Iterable[str]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., catalog_widths: _Optional[_Iterable[_Union[CatalogWidths, _Mapping]]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., handoff_target: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., beam_fork: _Optional[bool] = ..., catalogs: _Optional[_Iterable[str]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., catalog_widths: _Optional[_Iterable[_Union[CatalogWidths, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class CatalogWidths(_message.Message):
     __slots__ = ("name", "nodes_at_depth")

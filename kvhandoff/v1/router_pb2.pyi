@@ -70,7 +70,7 @@ class DrainResponse(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., moved: _Optional[int] = ..., finished_in_place: _Optional[int] = ..., failed: _Optional[int] = ..., empty: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ParentRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "timeout_ms", "model", "path")
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "timeout_ms", "model", "path", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class ParentRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_text: str
     prompt_token_ids: _common_pb2.TokenIds
@@ -85,10 +86,11 @@ class ParentRequest(_message.Message):
     timeout_ms: int
     model: str
     path: _common_pb2.Path
-    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Parent(_message.Message):
-    __slots__ = ("parent_id", "prompt_token_ids", "thinking_token_ids", "thinking_text", "finish_reason", "held", "not_held_reason", "prefill_endpoint", "lease_expires_at", "stage1_ms", "model", "thinking_logprobs", "stage1_seed", "stage1_positional")
+    __slots__ = ("parent_id", "prompt_token_ids", "thinking_token_ids", "thinking_text", "finish_reason", "held", "not_held_reason", "prefill_endpoint", "lease_expires_at", "stage1_ms", "model", "thinking_logprobs", "stage1_seed", "stage1_positional", "adapter")
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,7 @@ class Parent(_message.Message):
     THINKING_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STAGE1_SEED_FIELD_NUMBER: _ClassVar[int]
     STAGE1_POSITIONAL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     parent_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     thinking_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -117,7 +120,8 @@ class Parent(_message.Message):
     thinking_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     stage1_seed: int
     stage1_positional: bool
-    def __init__(self, parent_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., held: _Optional[bool] = ..., not_held_reason: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., stage1_ms: _Optional[float] = ..., model: _Optional[str] = ..., thinking_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., stage1_seed: _Optional[int] = ..., stage1_positional: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, parent_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., held: _Optional[bool] = ..., not_held_reason: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., stage1_ms: _Optional[float] = ..., model: _Optional[str] = ..., thinking_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., stage1_seed: _Optional[int] = ..., stage1_positional: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class ParentEvent(_message.Message):
     __slots__ = ("stage1_tokens", "parent")
@@ -142,7 +146,7 @@ class ReleaseParentResponse(_message.Message):
     def __init__(self, parent_id: _Optional[str] = ..., hold_ended: _Optional[bool] = ...) -> None: ...
 
 class ContinueRequest(_message.Message):
-    __slots__ = ("request_id", "parent_id", "suffix_text", "suffix_token_ids", "beam", "strict", "timeout_ms", "model", "sampling", "fault")
+    __slots__ = ("request_id", "parent_id", "suffix_text", "suffix_token_ids", "beam", "strict", "timeout_ms", "model", "sampling", "fault", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +157,7 @@ class ContinueRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     parent_id: str
     suffix_text: str
@@ -163,10 +168,11 @@ class ContinueRequest(_message.Message):
     model: str
     sampling: _common_pb2.Stage1Sampling
     fault: str
-    def __init__(self, request_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., strict: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., fault: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., strict: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "suffix_text", "suffix_token_ids", "beam", "path", "timeout_ms", "fault")
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "suffix_text", "suffix_token_ids", "beam", "path", "timeout_ms", "fault", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +183,7 @@ class GenerateRequest(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_text: str
     prompt_token_ids: _common_pb2.TokenIds
@@ -187,7 +194,8 @@ class GenerateRequest(_message.Message):
     path: _common_pb2.Path
     timeout_ms: int
     fault: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., timeout_ms: _Optional[int] = ..., fault: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., timeout_ms: _Optional[int] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("stage1_ms", "stage2_first_step_ms", "stage2_ms", "total_ms", "router_overhead_ms")

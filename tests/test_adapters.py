@@ -1,0 +1,132 @@
+"""LoRA adapters in the handoff (``connector.adapters``), on real engines with vLLM's LoRA
+on: a handoff under an adapter equals both stages under it on one engine; D refuses,
+before any READ, an import whose adapter is not its request's or whose weights differ
+from D's; and the negative control: a D made to skip that check answers what the
+request's adapter never computed.
+
+P and D serve the built-in adapters a (seed 1) and b (seed 2); "c" is seed 4 on P and
+seed 3 on D (one name, two sets of weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhandoff.types import BeamParams, Stage1Params, StageError
+
+pytestmark = [pytest.mark.engines, pytest.mark.fleet, pytest.mark.timeout(900)]
+
+LEASE_S = 20
+
+
+@pytest.fixture(scope="module")
+def lora(run, model_dir):
+    from kvhandoff.builtin_adapters import builtin_adapter
+    from tools.local import local_pair
+
+    def adapters(c_seed: int) -> tuple[tuple[str, str], ...]:
+        return tuple((name, str(builtin_adapter(model_dir, seed)))
+                     for name, seed in (("a", 1), ("b", 2), ("c", c_seed)))
+
+    cm = local_pair(model_dir, lease_s=LEASE_S, fault_injection=True,
+                    prefill_overrides={"adapters": adapters(4),
+                                       "kv_cache_memory_bytes": 24 << 20},
+                    decode_overrides={"adapters": adapters(3),
+                                      "kv_cache_memory_bytes": 24 << 20})
+    pair = run(cm.__aenter__())
+    try:
+        yield pair
+    finally:
+        run(cm.__aexit__(None, None, None))
+
+
+def _request(pair, name: str, adapter: str = ""):
+    from tools.pipeline import TwoStageRequest
+
+    return TwoStageRequest(
+        request_id=name, prompt_token_ids=list(range(100, 400)),
+        suffix_token_ids=list(pair.default_suffix_ids),
+        stage1=Stage1Params(max_tokens=8, temperature=0.0), beam=BeamParams(beam_width=4,
+                                                                          max_tokens=3),
+        think_end_id=pair.think_end_id, adapter=adapter)
+
+
+def _beams(result) -> list[tuple[list[int], float]]:
+    return [(list(b.token_ids), b.cum_logprob) for b in result.stage2.beams]
+
+
+def _same(a, b) -> bool:
+    return [t for t, _ in a] == [t for t, _ in b] and all(
+        abs(x - y) <= 1e-5 for (_, x), (_, y) in zip(a, b))
+
+
+def _empty_caches(run, pair) -> None:
+    run(pair.p.empty_prefix_cache(LEASE_S + 5))
+    run(pair.d.empty_prefix_cache(LEASE_S + 5))
+
+
+def test_a_handoff_under_an_adapter_equals_one_engine_under_it(run, lora):
+    """Under a, under b and under none: handoff equal to colocated (tokens and
+    cumulative logprobs within 1e-5), D computed only the suffix and one token, and the
+    adapter mattered (a's beams are not the base model's, nor b's)."""
+    from tools.pipeline import run_colocated, run_handoff
+
+    got = {}
+    for adapter in ("a", "b", ""):
+        _empty_caches(run, lora)
+        ref = run(run_colocated(lora.p, _request(lora, f"col-{adapter}", adapter)))
+        _empty_caches(run, lora)
+        out = run(run_handoff(lora.p, lora.d, _request(lora, f"hand-{adapter}", adapter)))
+        assert out.stage1.token_ids == ref.stage1.token_ids, adapter
+        assert _same(_beams(out), _beams(ref)), (adapter, _beams(out), _beams(ref))
+        assert out.stage2.num_computed_tokens_first_step == len(out.suffix_token_ids) + 1
+        got[adapter] = (ref.stage1.token_ids, _beams(ref))
+    assert got["a"] != got[""] and got["a"] != got["b"], got
+
+
+@pytest.mark.parametrize("exported,imported,why", [
+    ("a", "b", "computed under adapter 'a' and this request runs under adapter 'b'"),
+    ("a", "", "computed under adapter 'a' and this request runs under no adapter"),
+    ("", "a", "computed under no adapter (the base model) and this request runs under "
+              "adapter 'a'"),
+    ("c", "c", "adapter 'c' differs between the engines"),
+])
+def test_d_refuses_an_import_under_another_adapter_before_any_read(
+        run, lora, exported, imported, why):
+    """Refused at D's admission ("adapter": INVALID_ARGUMENT at the servers): D read and
+    computed nothing, P's exported blocks come back at once (not at the lease's end),
+    and both engines go on serving."""
+    from kvhandoff.errors import status_for
+    from tools.pipeline import run_handoff
+
+    _empty_caches(run, lora)
+    reads = lora.d.counters.transfers
+    with pytest.raises(StageError) as refused:
+        run(run_handoff(lora.p, lora.d, _request(lora, f"bad-{exported}-{imported}",
+                                                 exported), d_adapter=imported))
+    assert refused.value.reason == "adapter" and why in str(refused.value), refused.value
+    assert status_for(refused.value)[0].name == "INVALID_ARGUMENT"
+    assert lora.d.counters.transfers == reads  # no READ
+    # P was told to free the parent: its pool is clean well before the lease ends.
+    assert run(lora.p.wait_pool_clean(LEASE_S / 2)).is_clean, lora.p.pool()
+    assert run(lora.d.wait_pool_clean(5)).is_clean, lora.d.pool()
+
+
+def test_a_d_that_skips_the_check_answers_what_the_adapter_never_computed(run, lora):
+    """Negative control (fault ``accept-any-adapter``): a parent exported under a and
+    imported into a stage 2 under b with the check skipped. D serves, and its beams are
+    not those of the same stage 2 under b computed from token ids on D (what a stage 2
+    under b over that parent is): the KV was a's."""
+    from decode_engine.engine import run_beam_stage
+    from tools.pipeline import run_handoff
+
+    _empty_caches(run, lora)
+    wrong = run(run_handoff(lora.p, lora.d, _request(lora, "neg-hand", "a"), d_adapter="b",
+                            fault="accept-any-adapter"))
+    assert wrong.stage2.num_imported_tokens > 0  # D did import a's KV
+    _empty_caches(run, lora)
+    prompt = wrong.parent_token_ids + wrong.suffix_token_ids
+    right = run(run_beam_stage(lora.d, prompt, _request(lora, "x").beam, "neg-b-from-ids",
+                               adapter="b"))
+    wrong_beams = _beams(wrong)
+    right_beams = [(list(b.token_ids), b.cum_logprob) for b in right.beams]
+    assert not _same(wrong_beams, right_beams), (wrong_beams, right_beams)
