@@ -113,7 +113,7 @@ class RouterAPI:
         router.check_model(request.model)
         as_generate = router_pb2.GenerateRequest(
             request_id=request.request_id, stage1=request.stage1,
-            timeout_ms=request.timeout_ms,
+            timeout_ms=request.timeout_ms, adapter=request.adapter,
             path=(common_pb2.PATH_HANDOFF
                   if router.decode and request.path != common_pb2.PATH_COLOCATED
                   else common_pb2.PATH_COLOCATED))
@@ -161,10 +161,12 @@ class RouterAPI:
         return await self.router.release_parent(request.parent_id)
 
     async def prompt_beams(self, front: str, prompt_ids: list[int], beam: BeamParams,
-                           deadline: float | None) -> router_pb2.GenerateResponse:
-        """Beam search over a whole prompt (nothing imported)."""
+                           deadline: float | None, adapter: str = ""
+                           ) -> router_pb2.GenerateResponse:
+        """Beam search over a whole prompt (nothing imported), under ``adapter``."""
         with self.admission.admit(front):
-            resp = await self.router.run_prompt_beams(prompt_ids, beam, "", deadline)
+            resp = await self.router.run_prompt_beams(prompt_ids, beam, "", deadline,
+                                                      adapter)
         self.metrics.observe(resp, front)
         return resp
 

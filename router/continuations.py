@@ -40,6 +40,7 @@ from kvhandoff.types import (
     validate_token_ids,
 )
 from kvhandoff.v1 import common_pb2, router_pb2
+from router import placement
 from router.config import RouterConfig
 from router.endpoint import Endpoint
 from router.errors import grpc_error
@@ -66,10 +67,12 @@ class Continuations:
         continuation can wait for it). ``plan.path`` COLOCATED: P holds it for
         continuations on P; else P exports it to a D and holds the export."""
         t0 = time.perf_counter()
-        p = await self.pool.pick_prefill(plan.deadline, prompt_ids=plan.prompt_ids)
+        p = await self.pool.pick_prefill(plan.deadline, prompt_ids=plan.prompt_ids,
+                                         adapter=plan.adapter)
         local = plan.path == common_pb2.PATH_COLOCATED
         record = ParentRecord(plan.request_id, self.config.model_name, list(plan.prompt_ids),
-                              prefill=p.address, prefill_ep=p, local=local, stage1=plan.stage1)
+                              adapter=plan.adapter, prefill=p.address, prefill_ep=p,
+                              local=local, stage1=plan.stage1)
         registry = self.registry
         registry.add(record)
         try:
@@ -83,7 +86,7 @@ class Continuations:
                 releases = self._end_holds_for(record.num_blocks, cap.num_total_blocks)
                 record.not_held_reason = registry.may_hold(record.num_blocks,
                                                            cap.num_total_blocks)
-            d = None if local else self._parent_target(plan.prompt_ids)
+            d = None if local else self._parent_target(plan.prompt_ids, plan.adapter)
             if not local and d is None and not record.not_held_reason:
                 record.not_held_reason = "no decode engine in rotation to address it to"
             hold = not record.not_held_reason
@@ -163,16 +166,17 @@ class Continuations:
                 logger.warning("Release on %s failed (%s): %d held parents kept until "
                                "their leases end", ep.address, e, len(names))
 
-    def _parent_target(self, prompt_ids: list[int]) -> Endpoint | None:
+    def _parent_target(self, prompt_ids: list[int], adapter: str) -> Endpoint | None:
         """The D a parent's handoff is addressed to (its continuations run there while
-        P holds the parent): the best of those in rotation by
-        ``EnginePool.decode_ranker`` (with ``--placement cache``, the prompt it holds
+        P holds the parent): the best of those in rotation that serve its ``adapter``
+        by ``EnginePool.decode_ranker`` (with ``--placement cache``, the prompt it holds
         against its queue: it reads only the rest)."""
-        live = [ep for ep in self.pool.decode if ep.takes_work]
-        d = max(live, key=self.pool.decode_ranker(live, prompt_ids), default=None)
+        serves = placement.serves_adapter(adapter)
+        live = [ep for ep in self.pool.decode if ep.takes_work and serves(ep)]
+        d = max(live, key=self.pool.decode_ranker(live, prompt_ids, adapter), default=None)
         if d is not None:
             self.pool.observer.placed("decode", d.address,
-                                      self.pool.cached_blocks(d, prompt_ids))
+                                      self.pool.cached_blocks(d, prompt_ids, adapter))
         return d
 
     async def _parent_of(self, req: router_pb2.ContinueRequest,
@@ -194,6 +198,13 @@ class Continuations:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"parent {req.parent_id!r} ran under model {record.model!r}, "
                              f"not {req.model!r}")
+        if req.adapter and req.adapter != record.adapter:
+            # Its KV (held, or recomputed) is the parent's adapter's: design doc 6.5.
+            counts["refused"] += 1
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"parent {req.parent_id!r} ran under "
+                             f"{_adapter_named(record.adapter)}, not adapter "
+                             f"{req.adapter!r}: a continuation inherits its parent's adapter")
         if not record.done.is_set():
             logger.info("continuation of %s waits for its parent's stage 1", req.parent_id)
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -284,10 +295,10 @@ class Continuations:
         return resp
 
     async def run_prompt_beams(self, prompt_ids: list[int], beam: BeamParams,
-                               request_id: str, deadline: float | None
+                               request_id: str, deadline: float | None, adapter: str = ""
                                ) -> router_pb2.GenerateResponse:
-        """Beam search over a whole prompt on a D, nothing imported: what a client gets
-        that sends stage 2 as a brand-new text request."""
+        """Beam search over a whole prompt on a D (under ``adapter``), nothing imported:
+        what a client gets that sends stage 2 as a brand-new text request."""
         received_at = time.perf_counter()
         cap = next((ep.capacity for ep in self.pool.decode if ep.capacity), None)
         if cap is not None:
@@ -296,7 +307,8 @@ class Continuations:
         elif not prompt_ids:
             raise InvalidRequest("prompt", "is empty")
         plan = Plan(request_id or f"b{next(self._ids)}", list(prompt_ids), [],
-                    Stage1Params(max_tokens=1), beam, common_pb2.PATH_HANDOFF, deadline)
+                    Stage1Params(max_tokens=1), beam, common_pb2.PATH_HANDOFF, deadline,
+                    adapter=adapter)
         t0 = time.perf_counter()
         out = Outcome(plan, "", None)
         await self.executor.stage2_anywhere(self.stages.stage2_request(plan, out), plan, out)
@@ -327,4 +339,9 @@ class Continuations:
             raise InvalidRequest("request_id", "longer than 128 characters")
         return Plan(request_id, list(record.prompt_ids), suffix, Stage1Params(max_tokens=1),
                     beam, common_pb2.PATH_COLOCATED if record.local else common_pb2.PATH_HANDOFF,
-                    deadline, stage2_sampling=sampling, fault=fault_of(req))
+                    deadline, stage2_sampling=sampling, fault=fault_of(req),
+                    adapter=record.adapter)
+
+
+def _adapter_named(adapter: str) -> str:
+    return f"adapter {adapter!r}" if adapter else "no adapter (the base model)"

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import BeamParams, InvalidRequest
 from kvhandoff.v1 import router_pb2
+from router import placement
 from router.config import RouterConfig
 from router.continuations import Continuations
 from router.endpoint import Endpoint
@@ -73,6 +74,22 @@ class Router:
             raise InvalidRequest("model", f"{model!r} is not served here (this router "
                                           f"serves {self.config.model_name!r})")
 
+    def adapters(self) -> list[str]:
+        """The LoRA adapters the engines in rotation serve."""
+        return sorted({name for ep in self.pool.endpoints if ep.capacity is not None
+                       for name in placement.adapters_of(ep)})
+
+    def adapter_of_model(self, model: str) -> str:
+        """OpenAI's ``model`` as vLLM reads it: the base model (""), or one of the
+        engines' LoRA adapters by its name; else InvalidRequest."""
+        if not model or model in self.config.model_names:
+            return ""
+        if model in self.adapters():
+            return model
+        raise InvalidRequest("model", f"{model!r} is not served here (this router serves "
+                                      f"{self.config.model_name!r} and the adapters "
+                                      f"{self.adapters() or 'none'})")
+
     def plan(self, req: router_pb2.GenerateRequest, deadline: float | None) -> Plan:
         """``req`` validated (against P's vocabulary and context, once P answered) and
         tokenised once: every later step works on token ids."""
@@ -99,10 +116,10 @@ class Router:
         return await self.continuations.release_parent(parent_id)
 
     async def run_prompt_beams(self, prompt_ids: list[int], beam: BeamParams,
-                               request_id: str, deadline: float | None
+                               request_id: str, deadline: float | None, adapter: str = ""
                                ) -> router_pb2.GenerateResponse:
         return await self.continuations.run_prompt_beams(prompt_ids, beam, request_id,
-                                                         deadline)
+                                                         deadline, adapter)
 
     async def move(self, request_id: str, reason: str = "move",
                    to: str = "") -> router_pb2.MoveResponse:

@@ -59,7 +59,7 @@ class Executor:
         # Colocated, stage 2 runs on P: a P that loaded its catalog (NOT_FOUND before
         # stage 1 when none did).
         p = plan.pinned[0] if plan.pinned else await self.pool.pick_prefill(
-            plan.deadline, prompt_ids=plan.prompt_ids,
+            plan.deadline, prompt_ids=plan.prompt_ids, adapter=plan.adapter,
             catalog=None if handoff else plan.beam.catalog)
         out = Outcome(plan, p.address, None)
         running = Running(plan, p, None, s1_id=f"{plan.request_id}-s1")
@@ -80,7 +80,7 @@ class Executor:
             # its D like any request): P addresses (and signs) the handoff to it.
             running.set_claim(await self.pool.pick_decode(
                 longest_stage2(plan), plan.beam, plan.deadline, prompt_ids=plan.prompt_ids,
-                shortest=shortest_stage2(plan),
+                shortest=shortest_stage2(plan), adapter=plan.adapter,
                 only=[plan.pinned[1]] if plan.pinned else None))
         out.decode = running.d.address if running.d is not None else None
         handoff_msg = None
@@ -177,7 +177,8 @@ class Executor:
                     return
                 logger.warning("%s: P %s failed after %d stage-1 tokens (%s); resuming on "
                                "another P", plan.request_id, failed.address, t, e.details())
-                running.p = await self.pool.pick_prefill(plan.deadline, exclude=failed)
+                running.p = await self.pool.pick_prefill(plan.deadline, exclude=failed,
+                                                         adapter=plan.adapter)
                 resume_at = max(0, t - 1)
                 running.s1_id = f"{plan.request_id}-s1r{len(out.moves)}"
                 out.prefill = running.p.address
@@ -238,10 +239,11 @@ class Executor:
             running.set_claim(None)
             running.set_claim(await self.pool.pick_decode(
                 longest_stage2(plan), plan.beam, plan.deadline, fresh=True,
-                shortest=shortest_stage2(plan)))
+                shortest=shortest_stage2(plan), adapter=plan.adapter))
             out.decode = running.d.address
         running.p = await self.pool.pick_prefill(plan.deadline,
-                                                 exclude=None if new_d else failed)
+                                                 exclude=None if new_d else failed,
+                                                 adapter=plan.adapter)
         # Stage 1 again, not movable again (move_reason stays set): a second stop would
         # end it short with no move to finish it.
         running.stage = 1
@@ -305,7 +307,7 @@ class Executor:
         if claim is not None:
             claim.release()
         claim = await self.pool.pick_decode(len(request.prompt_token_ids), plan.beam,
-                                            plan.deadline, fresh=True)
+                                            plan.deadline, fresh=True, adapter=plan.adapter)
         out.decode = claim.endpoint.address
         try:
             out.stage2 = await self.stages.stage2(claim.endpoint, claim, request, plan, out)
@@ -319,12 +321,12 @@ class Executor:
         """Stage 2 from token ids (nothing imported) on the D with the most room (on a
         P, for a router without decode engines)."""
         if not self.pool.decode:
-            p = await self.pool.pick_prefill(plan.deadline)
+            p = await self.pool.pick_prefill(plan.deadline, adapter=plan.adapter)
             out.decode = p.address
             out.stage2 = await self.stages.stage2(p, None, request, plan, out)
             return
         claim = await self.pool.pick_decode(len(request.prompt_token_ids), plan.beam,
-                                            plan.deadline)
+                                            plan.deadline, adapter=plan.adapter)
         out.decode = claim.endpoint.address
         try:
             out.stage2 = await self.stages.stage2(claim.endpoint, claim, request, plan, out)

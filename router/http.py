@@ -93,8 +93,11 @@ class HttpFront:
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
             return unauthorized()
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvhandoff"}]})
+        # The adapters as vLLM lists its LoRA modules: models whose parent is the base.
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvhandoff"},
+            *({"id": name, "object": "model", "created": 0, "owned_by": "kvhandoff",
+               "parent": self.model_name} for name in self.router.adapters())]})
 
     async def health(self) -> Response:
         ok = any(ep.in_rotation for ep in self.router.prefill)
@@ -116,14 +119,17 @@ class HttpFront:
             return error_response(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"{param}: {first['msg']}", param)
         try:
-            self.router.check_model(body.model or "")
+            # ``model`` names the base model or an adapter (vLLM's convention).
+            adapter = self.router.adapter_of_model(body.model or "")
             if body.continuation_of is not None:
-                return await _cancel_on_disconnect(self._continuation(body), request)
+                return await _cancel_on_disconnect(self._continuation(body, adapter),
+                                                   request)
             if body.use_beam_search:
-                return await _cancel_on_disconnect(self._prompt_beams(body), request)
+                return await _cancel_on_disconnect(self._prompt_beams(body, adapter),
+                                                   request)
             if body.stream:
-                return await self._stream_parent(body, request)
-            return await _cancel_on_disconnect(self._parent(body), request)
+                return await self._stream_parent(body, request, adapter)
+            return await _cancel_on_disconnect(self._parent(body, adapter), request)
         except (Exception, asyncio.CancelledError) as e:
             return self._fail(e)
 
@@ -132,11 +138,12 @@ class HttpFront:
         return error_response(code, message, e.field if isinstance(e, InvalidRequest) else None)
 
     # ---- stage 1: a parent --------------------------------------------------------------
-    def _parent_plan(self, body: CompletionRequest) -> Plan:
+    def _parent_plan(self, body: CompletionRequest, adapter: str) -> Plan:
         if body.n != 1:
             raise bad("n", "sampling returns one sequence; n beams need use_beam_search")
         req = router_pb2.ParentRequest(
-            model=body.model or "", path=common_pb2.PATH_HANDOFF if self.router.decode
+            model="" if adapter else body.model or "", adapter=adapter,
+            path=common_pb2.PATH_HANDOFF if self.router.decode
             else common_pb2.PATH_COLOCATED)
         prompt = prompt_of(body)
         if isinstance(prompt, str):
@@ -186,8 +193,8 @@ class HttpFront:
     def _decode(self, ids: list[int]) -> str:
         return self.router.tokens.tokenizer.decode(ids, skip_special_tokens=False)
 
-    async def _parent(self, body: CompletionRequest) -> JSONResponse:
-        plan = self._parent_plan(body)
+    async def _parent(self, body: CompletionRequest, adapter: str) -> JSONResponse:
+        plan = self._parent_plan(body, adapter)
         record = None
         async with contextlib.aclosing(self.api.parent(FRONT, plan)) as items:
             async for item in items:
@@ -201,11 +208,12 @@ class HttpFront:
             "finish_reason": record.finish_reason, "stop_reason": None}],
             _parent_usage(record), **_parent_info(record)))
 
-    async def _stream_parent(self, body: CompletionRequest, request: Request) -> Response:
+    async def _stream_parent(self, body: CompletionRequest, request: Request,
+                             adapter: str) -> Response:
         """Stage 1's tokens as server-sent events. Admitted, planned and run up to its
         first tokens before the response starts, so a refusal (bad input, router busy,
         no P) is an error status, not a broken stream."""
-        plan = self._parent_plan(body)
+        plan = self._parent_plan(body, adapter)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         items = self.api.parent(FRONT, plan)
         try:
@@ -265,10 +273,11 @@ class HttpFront:
         if body.catalog is not None:
             req.beam.catalog = body.catalog
 
-    async def _continuation(self, body: CompletionRequest) -> JSONResponse:
+    async def _continuation(self, body: CompletionRequest, adapter: str) -> JSONResponse:
         req = router_pb2.ContinueRequest(parent_id=body.continuation_of,
                                          strict=body.continuation_strict,
-                                         model=body.model or "", fault=body.fault or "")
+                                         model="" if adapter else body.model or "",
+                                         adapter=adapter, fault=body.fault or "")
         suffix = body.continuation_suffix
         if isinstance(suffix, str):
             req.suffix_text = suffix
@@ -289,7 +298,7 @@ class HttpFront:
         resp = await self.api.continue_(FRONT, req, None)
         return JSONResponse(beams_json(self.model_name, resp))
 
-    async def _prompt_beams(self, body: CompletionRequest) -> JSONResponse:
+    async def _prompt_beams(self, body: CompletionRequest, adapter: str) -> JSONResponse:
         """Beam search over ``prompt`` as given (tokenised here), on a D, nothing
         imported: stage 2 sent as a brand-new request."""
         req = router_pb2.ContinueRequest()
@@ -303,7 +312,7 @@ class HttpFront:
             ids = prompt
         deadline = None if not body.timeout_ms else time.monotonic() + body.timeout_ms / 1e3
         resp = await self.api.prompt_beams(FRONT, ids, convert.beam_from_pb(req.beam),
-                                           deadline)
+                                           deadline, adapter)
         return JSONResponse(beams_json(self.model_name, resp))
 
 

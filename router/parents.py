@@ -39,6 +39,8 @@ class ParentRecord:
     parent_id: str
     model: str
     prompt_ids: list[int]
+    #: The LoRA adapter stage 1 ran under ("": none): its continuations run under it.
+    adapter: str = ""
     prefill: str = ""
     #: The D its handoff is addressed to (signed for), when held for a D.
     decode: Endpoint | None = None
@@ -198,7 +200,7 @@ def parent_to_pb(record: ParentRecord, tokenizer) -> router_pb2.Parent:
         finish_reason=record.finish_reason, held=record.held,
         not_held_reason=record.not_held_reason, prefill_endpoint=record.prefill,
         lease_expires_at=record.held_until if record.held else 0.0,
-        stage1_ms=record.stage1_ms, model=record.model,
+        stage1_ms=record.stage1_ms, model=record.model, adapter=record.adapter,
         stage1_seed=record.stage1.seed or 0 if record.stage1 else 0,
         stage1_positional=bool(record.stage1 and record.stage1.positional),
         thinking_logprobs=record.thinking_logprobs)

@@ -43,6 +43,18 @@ def has_catalog(catalog: str | None) -> Filter:
     return lambda ep: catalog in ep.capacity.catalogs
 
 
+def adapters_of(ep: Any) -> list[str]:
+    """The LoRA adapters an engine serves (``Capacity.adapters``)."""
+    return [a.name for a in getattr(ep.capacity, "adapters", ())]
+
+
+def serves_adapter(adapter: str) -> Filter:
+    """With an adapter: engines that serve it (its KV is valid on no other)."""
+    if not adapter:
+        return lambda ep: True
+    return lambda ep: adapter in adapters_of(ep)
+
+
 def catalog_widths(capacity: Any, catalog: str | None) -> list[int] | None:
     """The widths by depth of ``catalog`` on an engine (``Capacity.catalog_widths``):
     what ``kvhandoff.budget.live_slots`` needs to count a kept search's slots. None
@@ -99,11 +111,21 @@ class Picker:
 def check_catalog(catalog: str | None, live: Sequence[Any], role: str) -> None:
     """NOT_FOUND when ``catalog`` is one that none of the engines in rotation (``live``,
     when any) loaded."""
-    if catalog is None or not live:
+    _check_named("catalog", catalog, live, role, lambda ep: ep.capacity.catalogs)
+
+
+def check_adapter(adapter: str, live: Sequence[Any], role: str) -> None:
+    """NOT_FOUND when ``adapter`` is one that none of the engines in rotation serves."""
+    _check_named("adapter", adapter, live, role, adapters_of)
+
+
+def _check_named(what: str, name: str | None, live: Sequence[Any], role: str,
+                 names_of: Callable[[Any], Sequence[str]]) -> None:
+    if not name or not live:
         return
-    if not any(catalog in ep.capacity.catalogs for ep in live):
-        theirs = sorted({c for ep in live for c in ep.capacity.catalogs})
+    if not any(name in names_of(ep) for ep in live):
+        theirs = sorted({n for ep in live for n in names_of(ep)})
         raise grpc_error(grpc.StatusCode.NOT_FOUND,
-                         f"no {role} engine has catalog {catalog!r} (theirs: "
+                         f"no {role} engine has {what} {name!r} (theirs: "
                          f"{', '.join(theirs) or 'none'}; engines load them with "
-                         "--catalog NAME=PATH)")
+                         f"--{what} NAME=PATH)")

@@ -46,6 +46,9 @@ class Plan:
     #: An injected fault of ``connector.faults`` (negative controls; "" none), sent to
     #: the engine of its side: P with its export, D with its import.
     fault: str = ""
+    #: The LoRA adapter both stages run under ("": the base model): engines that serve
+    #: it are picked, and a continuation of this parent inherits it.
+    adapter: str = ""
 
     @property
     def export_fault(self) -> str:
@@ -154,7 +157,15 @@ def plan_request(req: router_pb2.GenerateRequest, deadline: float | None, *,
     if path == common_pb2.PATH_HANDOFF and not has_decode:
         raise InvalidRequest("path", "no decode engine is configured")
     return Plan(request_id, prompt, suffix, stage1, beam, path, deadline,
-                fault=fault_of(req))
+                fault=fault_of(req), adapter=adapter_of(req.adapter))
+
+
+def adapter_of(name: str) -> str:
+    """The adapter a request names ("": none), checked for shape only: whether an
+    engine serves it is the placement's to say (NOT_FOUND)."""
+    if len(name) > 128 or not name.isprintable():
+        raise InvalidRequest("adapter", "longer than 128 characters or not printable")
+    return name
 
 
 def fault_of(req: router_pb2.GenerateRequest | router_pb2.ContinueRequest) -> str:

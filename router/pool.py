@@ -43,7 +43,7 @@ from router.errors import (
     no_room_in_time,
     none_in_rotation,
 )
-from router.placement import catalog_widths, check_catalog
+from router.placement import catalog_widths, check_adapter, check_catalog
 
 logger = logging.getLogger(__name__)
 
@@ -225,14 +225,16 @@ class EnginePool:
         return wait_until if deadline is None else min(wait_until, deadline)
 
     # ---- picks --------------------------------------------------------------------------
-    def cached_blocks(self, ep: Endpoint, token_ids: Sequence[int] | None) -> int:
-        """Leading blocks of ``token_ids`` ``ep``'s prefix cache holds, by its events."""
+    def cached_blocks(self, ep: Endpoint, token_ids: Sequence[int] | None,
+                      adapter: str = "") -> int:
+        """Leading blocks of ``token_ids`` (under ``adapter``) ``ep``'s prefix cache
+        holds, by its events."""
         if self.caches is None or not token_ids:
             return 0
-        return self.caches.cached_blocks(ep.address, token_ids)
+        return self.caches.cached_blocks(ep.address, token_ids, adapter or None)
 
     def decode_ranker(self, candidates: Sequence[Endpoint],
-                      prompt_ids: Sequence[int] | None
+                      prompt_ids: Sequence[int] | None, adapter: str = ""
                       ) -> Callable[[Endpoint], tuple[float, int, int]]:
         """How Ds with room rank for a stage 2 on ``prompt_ids`` (``placement.
         decode_rank``): by the prompt each holds against its queue when the router
@@ -241,41 +243,44 @@ class EnginePool:
         informed = caches is not None and all(caches.feed(ep.address) is not None
                                                for ep in candidates)
         return placement.decode_rank(placement.cached_prefix(
-            lambda e: self.cached_blocks(e, prompt_ids), lambda e: e.capacity.block_size)
-            if informed else None)
+            lambda e: self.cached_blocks(e, prompt_ids, adapter),
+            lambda e: e.capacity.block_size) if informed else None)
 
     def prefill_picker(self, prompt_ids: Sequence[int] | None,
                        exclude: Endpoint | None = None,
-                       catalog: str | None = None) -> placement.Picker:
+                       catalog: str | None = None, adapter: str = "") -> placement.Picker:
         """Stage 1's placement (``router.placement``): a P taking work (with
-        ``catalog``, one that loaded it: its stage 2 runs there too), scored by the
-        prompt's prefix it holds against its queue."""
+        ``catalog``, one that loaded it: its stage 2 runs there too; with ``adapter``,
+        one that serves it), scored by the prompt's prefix it holds (under that
+        adapter) against its queue."""
         return placement.Picker(
             filters=(placement.takes_work, placement.not_excluded(exclude),
-                     placement.has_catalog(catalog)),
-            scorers=(placement.cached_prefix(lambda ep: self.cached_blocks(ep, prompt_ids),
-                                             lambda ep: ep.capacity.block_size),
-                     placement.queue()))
+                     placement.has_catalog(catalog), placement.serves_adapter(adapter)),
+            scorers=(placement.cached_prefix(
+                lambda ep: self.cached_blocks(ep, prompt_ids, adapter),
+                lambda ep: ep.capacity.block_size), placement.queue()))
 
     async def pick_prefill(self, deadline: float | None,
                            exclude: Endpoint | None = None,
                            prompt_ids: Sequence[int] | None = None,
-                           catalog: str | None = None) -> Endpoint:
+                           catalog: str | None = None, adapter: str = "") -> Endpoint:
         """The P for a stage 1 (``prefill_picker``: with no cache information, the one
         with the fewest requests outstanding). With none taking work the request waits
         for one (``decode_wait_s``, its ``deadline``) while some P answered lately;
-        UNAVAILABLE if none did."""
+        UNAVAILABLE if none did; NOT_FOUND if none in rotation has ``catalog`` or
+        ``adapter``."""
         wait_until = self._wait_until(deadline)
-        picker = self.prefill_picker(prompt_ids, exclude, catalog)
+        picker = self.prefill_picker(prompt_ids, exclude, catalog, adapter)
         while True:
             changed = self._changed
             candidates = [ep for ep in self.prefill if ep is not exclude]
             live = [ep for ep in candidates if ep.takes_work]
             check_catalog(catalog, live, "prefill")
+            check_adapter(adapter, live, "prefill")
             chosen = picker.pick(live)
             if chosen is not None:
                 self.observer.placed("prefill", chosen.address,
-                                     self.cached_blocks(chosen, prompt_ids))
+                                     self.cached_blocks(chosen, prompt_ids, adapter))
                 return chosen
             self._raise_unless_answered_lately(candidates, "prefill")
             left = wait_until - time.monotonic()
@@ -292,15 +297,16 @@ class EnginePool:
                           deadline: float | None, *, fresh: bool = False,
                           only: list[Endpoint] | None = None,
                           prompt_ids: Sequence[int] | None = None,
-                          shortest: int | None = None) -> Claim:
+                          shortest: int | None = None, adapter: str = "") -> Claim:
         """A claim on the D with the most unclaimed blocks among those with room for a
         stage 2 of ``num_prompt_tokens`` (or, before stage 1 ends, any length from
         ``shortest`` to it) and ``beam``; the caller owns it and releases it. With no
         room on any D the request waits its turn (FIFO) for up to ``decode_wait_s`` and
         its ``deadline``. ``fresh`` asks every D first (after a failed handoff); ``only``
         limits the choice to those Ds (a held parent's continuation: the D its handoff
-        names; the warm-up's pair); ``prompt_ids`` (what stage 2 will read): among those
-        with room, the D whose prefix cache holds most of it wins."""
+        names; the warm-up's pair); ``prompt_ids`` (what stage 2 will read, under
+        ``adapter``: only Ds that serve it): among those with room, the D whose prefix
+        cache holds most of it wins."""
         cfg = self.config
         decode = only if only is not None else self.decode
 
@@ -316,7 +322,10 @@ class EnginePool:
         def can_hold(ep: Endpoint) -> bool:
             return (beam.beam_width <= ep.capacity.max_beam_width
                     and need(ep) <= ep.capacity.num_total_blocks
-                    and (beam.catalog is None or beam.catalog in ep.capacity.catalogs))
+                    and (beam.catalog is None or beam.catalog in ep.capacity.catalogs)
+                    and serves(ep))
+
+        serves = placement.serves_adapter(adapter)
 
         ticket = object()
         wait_until = self._wait_until(deadline)
@@ -336,11 +345,13 @@ class EnginePool:
                 if not live:
                     self._raise_unless_answered_lately(decode, "decode")
                 check_catalog(beam.catalog, live, "decode")
+                check_adapter(adapter, live, "decode")
                 holding = [ep for ep in live if can_hold(ep)]
                 if live and not holding:
-                    # The largest of those that could run it (the catalog's, if any).
-                    biggest = max((ep for ep in live if beam.catalog is None
-                                   or beam.catalog in ep.capacity.catalogs),
+                    # The largest of those that could run it (the catalog's and the
+                    # adapter's, if any).
+                    biggest = max((ep for ep in live if serves(ep) and (
+                                   beam.catalog is None or beam.catalog in ep.capacity.catalogs)),
                                   key=lambda ep: ep.capacity.num_total_blocks)
                     raise decode_too_small(need(biggest), biggest, num_prompt_tokens, beam)
                 my_turn = not self._decode_queue or self._decode_queue[0] is ticket
@@ -348,8 +359,9 @@ class EnginePool:
                 if my_turn and fitting:
                     # By load, or the prompt it holds (those blocks need no READ)
                     # against its queue.
-                    d = max(fitting, key=self.decode_ranker(fitting, prompt_ids))
-                    self.observer.placed("decode", d.address, self.cached_blocks(d, prompt_ids))
+                    d = max(fitting, key=self.decode_ranker(fitting, prompt_ids, adapter))
+                    self.observer.placed("decode", d.address,
+                                         self.cached_blocks(d, prompt_ids, adapter))
                     claim = Claim(d, need(d), on_release=self._released)
                     d.claims.add(claim)
                     return claim

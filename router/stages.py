@@ -79,7 +79,7 @@ class StageCalls:
             request_id=request_id or f"{plan.request_id}-s1", prompt_token_ids=prompt,
             sampling=convert.stage1_to_pb(params), export=export, hold=hold, hold_s=hold_s,
             target_engine_id=d.handoff_target if d is not None else "",
-            fault=plan.export_fault if export else "")
+            fault=plan.export_fault if export else "", adapter=plan.adapter)
         if import_from is not None:
             request.handoff.CopyFrom(import_from)
         p.outstanding += 1
@@ -138,7 +138,8 @@ class StageCalls:
                                    min_tokens=max(0, params.min_tokens - start))
         request = engine_pb2.Stage2Request(
             request_id=f"{plan.request_id}-s1m", prompt_token_ids=plan.prompt_ids
-            + out.thinking_ids[:start], sampling=convert.stage1_to_pb(rest))
+            + out.thinking_ids[:start], sampling=convert.stage1_to_pb(rest),
+            adapter=plan.adapter)
         if handoff is not None:
             request.handoff.CopyFrom(handoff)
             request.fault = plan.import_fault
@@ -193,7 +194,7 @@ class StageCalls:
         out.suffix_ids = stage2_prompt[len(parent):]
         request = engine_pb2.Stage2Request(
             request_id=f"{plan.request_id}-s2", prompt_token_ids=stage2_prompt,
-            beam=convert.beam_to_pb(plan.beam))
+            beam=convert.beam_to_pb(plan.beam), adapter=plan.adapter)
         if plan.stage2_sampling is not None:
             request.sampling.CopyFrom(convert.stage1_to_pb(plan.stage2_sampling))
         return request
