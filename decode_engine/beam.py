@@ -252,9 +252,11 @@ def _beam(seq: _Sequence, prompt_len: int, eos_token_id: int | None, ignore_eos:
 
 
 async def vllm_beam_search(llm: Any, tokenizer: Any, prompt_token_ids: list[int],
-                           params: BeamParams, request_id: str) -> list[Beam]:
-    """vLLM's own beam search (the online one its server runs) on an AsyncLLM: the peer
-    our beam search is compared with. It cannot carry ``kv_transfer_params``."""
+                           params: BeamParams, request_id: str,
+                           lora_request: Any = None) -> list[Beam]:
+    """vLLM's own beam search (the online one its server runs) on an AsyncLLM (under
+    ``lora_request``, vLLM's LoRA request): the peer our beam search is compared with. It
+    cannot carry ``kv_transfer_params``."""
     from types import SimpleNamespace
 
     from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
@@ -269,7 +271,8 @@ async def vllm_beam_search(llm: Any, tokenizer: Any, prompt_token_ids: list[int]
                               length_penalty=params.length_penalty,
                               ignore_eos=params.ignore_eos, include_stop_str_in_output=True)
     final = None
-    async for out in _Peer().beam_search(tokens_input(prompt_token_ids), request_id, search):
+    async for out in _Peer().beam_search(tokens_input(prompt_token_ids), request_id, search,
+                                         lora_request=lora_request):
         final = out
     assert final is not None
     return [Beam(token_ids=list(c.token_ids), cum_logprob=c.cumulative_logprob,

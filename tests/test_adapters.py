@@ -130,3 +130,36 @@ def test_a_d_that_skips_the_check_answers_what_the_adapter_never_computed(run, l
     wrong_beams = _beams(wrong)
     right_beams = [(list(b.token_ids), b.cum_logprob) for b in right.beams]
     assert not _same(wrong_beams, right_beams), (wrong_beams, right_beams)
+
+
+def test_the_harness_adapter_cases_pass_and_its_negative_control_fails(run, lora):
+    """``kvhandoff verify --adapters`` on this pair: under a, b and none identical to one
+    engine (and to vLLM's beam_search under the same adapter); the two imports under
+    another adapter refused. With the fault that makes D skip the check, those two
+    fail, named (D must refuse; the beams are not those of the adapter it ran under),
+    and the others stay identical (the fault cannot touch an import under its own
+    adapter)."""
+    from tools.harness import Harness, adapter_cases, format_table
+
+    harness = Harness(lora.p, lora.d, tokenizer=lora.tokenizer,
+                      think_end_id=lora.think_end_id, eos_id=lora.eos_id,
+                      suffix_ids=lora.default_suffix_ids)
+    cases = adapter_cases()
+    report = run(harness.run(cases, model_dir=str(lora.model_dir)), timeout=900)
+    print(format_table(report))
+    assert report.ok, format_table(report)
+    assert {c.name for c in report.cases if c.refused} == {
+        c.name for c in cases if c.adapters_differ}
+    assert all(c.beams_match_vllm for c in report.cases if not c.refused)
+    faulty = run(harness.run(cases, model_dir=str(lora.model_dir),
+                             fault="accept-any-adapter"), timeout=900)
+    print(format_table(faulty))
+    assert sorted(faulty.caught) == sorted(c.name for c in cases if c.adapters_differ)
+    for c in faulty.cases:
+        if c.fault_applies:
+            assert any("it must refuse" in f for f in c.failures), c.failures
+            assert any(f.startswith(("beams differ", "cumulative logprobs differ"))
+                       for f in c.failures), c.failures
+        else:
+            assert c.ok, c.failures
+    assert faulty.pools_clean, faulty.pool_details

@@ -19,53 +19,7 @@ def _verify(args: argparse.Namespace) -> int:
     from tools.harness import main_verify
 
     return main_verify(args.model, args.quick, args.json, args.inject, args.hosts,
-                       beam_width=args.beam_width)
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    from kvhandoff.model import model_dtype, resolve_model
-
-    model_dir = resolve_model(args.model)
-    kwargs = {"model": str(model_dir), "lease_s": args.lease_s,
-              "block_size": args.block_size, "max_model_len": args.max_model_len,
-              "nixl_progress_thread": args.nixl_progress_delay_us >= 0,
-              "nixl_progress_delay_us": max(0, args.nixl_progress_delay_us),
-              "side_channel_host": args.side_channel_host,
-              "handoff_secret_file": args.handoff_secret_file}
-    if args.kv_cache_mib:
-        kwargs["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
-    if args.side_channel_port:
-        kwargs["side_channel_port"] = args.side_channel_port
-    kwargs["ucx_net_devices"] = _ucx_net_devices(args.ucx_net_devices, args.side_channel_host)
-    if args.load_format:
-        kwargs["load_format"] = args.load_format
-    # The dtype the model was saved in unless asked (vLLM's "auto" would run float32
-    # checkpoints in bfloat16 on CPU).
-    kwargs["dtype"] = args.dtype or model_dtype(model_dir)
-    if args.fault_injection:
-        kwargs["fault_injection"] = True
-    if args.catalog:
-        from connector.catalog import parse_spec
-        from kvhandoff.model import builtin_catalog
-
-        kwargs["catalogs"] = tuple(
-            (name, str(builtin_catalog(model_dir)) if path == "builtin" else path)
-            for name, path in map(parse_spec, args.catalog))
-    if args.adapter:
-        from connector.catalog import parse_spec
-        from kvhandoff.builtin_adapters import resolve
-
-        kwargs["adapters"] = tuple((name, resolve(model_dir, path)) for name, path in
-                                   (parse_spec(spec, "--adapter") for spec in args.adapter))
-    return kwargs
-
-
-def _ucx_net_devices(flag: str | None, side_channel_host: str) -> str | None:
-    """UCX_NET_DEVICES: as asked ("all": UCX's choice); by default loopback only when
-    the side channel is on loopback (one host), else every interface."""
-    if flag is None:
-        return "lo" if side_channel_host.startswith("127.") else None
-    return None if flag == "all" else flag
+                       beam_width=args.beam_width, adapters=args.adapters)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -110,9 +64,10 @@ def _serve(args: argparse.Namespace) -> int:
                                  api_key))
     else:
         from server.engine_service import serve_engine
+        from tools.engine_args import engine_kwargs
 
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
-        asyncio.run(serve_engine(args.role, _engine_kwargs(args), args.host, args.port,
+        asyncio.run(serve_engine(args.role, engine_kwargs(args), args.host, args.port,
                                  metrics_port, tls))
     return 0
 
@@ -172,6 +127,12 @@ def _add_verify(sub: Any) -> None:
     verify.add_argument("--beam-width", type=int, default=None, metavar="W",
                         help="run every case with beam width W (D's pool sized so the "
                              "fill case still needs all of it)")
+    verify.add_argument("--adapters", action="store_true",
+                        help="the adapter cases instead: P and D serve the built-in LoRA "
+                             "adapters a and b; under each (and none) the handoff must "
+                             "equal one engine, and a parent under a imported into a "
+                             "stage 2 under b (or none) must be refused by D "
+                             "(--inject accept-any-adapter: the negative control)")
     verify.add_argument("--hosts", choices=["netns"], default=None,
                         help="netns: the Ps' and D's engine processes on separate network "
                              "hosts (network namespaces joined by veth pairs; needs root), "

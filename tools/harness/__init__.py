@@ -2,8 +2,8 @@
 colocated reference and through the P -> D handoff (or its moves), compared token for
 token.
 
-- ``cases``: which parents, endings, beam widths and D cache states it runs, and their
-  prompts;
+- ``cases``: which parents, endings, beam widths, D cache states and adapters it runs,
+  and their prompts;
 - ``run``: the harness on a P and a D, the references each case is compared against;
 - ``checks``: what makes a case pass, and the logprob bound a case is held to (its
   engine's measured noise times ``NOISE_FACTOR``, floored at ``LOGPROB_TOLERANCE``; a
@@ -17,7 +17,13 @@ Modules in this package import each other by their full path, never through this
 
 from __future__ import annotations
 
-from tools.harness.cases import Case, default_cases, fault_cases, history_prompt
+from tools.harness.cases import (
+    Case,
+    adapter_cases,
+    default_cases,
+    fault_cases,
+    history_prompt,
+)
 from tools.harness.checks import (
     NOISE_CEILING,
     NOISE_FACTOR,
@@ -41,6 +47,6 @@ from tools.harness.run import Harness
 
 __all__ = ["LOGPROB_TOLERANCE", "NOISE_CEILING", "NOISE_FACTOR", "VERIFY_D_POOL_BLOCKS",
            "BeamVerdict", "Case", "CaseReport", "Harness", "HarnessReport", "Noise",
-           "Reference", "compare", "default_cases", "fault_cases", "format_table",
+           "Reference", "adapter_cases", "compare", "default_cases", "fault_cases", "format_table",
            "history_prompt", "judge_beams", "logprob_bound", "main_verify", "result_text",
            "verify", "write_json"]

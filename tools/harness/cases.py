@@ -45,6 +45,22 @@ class Case:
     #: stage 1 and exports to D, or with ``then_at`` is moved again there, to D.
     via_p: bool = False
     then_at: int | None = None
+    #: The LoRA adapter both stages (and every reference) run under ("": none); the
+    #: engines must serve it (``adapter_cases``).
+    adapter: str = ""
+    #: Stage 2 on D under this other adapter than the parent's: D must refuse the
+    #: import (``connector.adapters``). Its references are that stage 2 as it would be
+    #: computed under it, from token ids: what a D that accepted the import (the
+    #: ``accept-any-adapter`` fault) must differ from.
+    import_adapter: str | None = None
+
+    @property
+    def stage2_adapter(self) -> str:
+        return self.adapter if self.import_adapter is None else self.import_adapter
+
+    @property
+    def adapters_differ(self) -> bool:
+        return self.stage2_adapter != self.adapter
 
 
 def default_cases(quick: bool = False, via_p: bool = False,
@@ -97,6 +113,21 @@ def default_cases(quick: bool = False, via_p: bool = False,
                          name=re.sub(r"-w\d+", f"-w{beam_width}", c.name, count=1))
                  for c in cases]
     return cases
+
+
+def adapter_cases() -> list[Case]:
+    """Cases for engines that serve the built-in adapters a and b (``kvhandoff verify
+    --adapters``): under a, under b and under none, identical to one engine under the
+    same; a parent under a imported into a stage 2 under b, and under none, refused."""
+    return [
+        Case("lora-a-p100-w4", 100, "think_end", 4, adapter="a"),
+        Case("lora-b-n66-w32", 62, "length", 32, stage1_max_tokens=4, adapter="b"),
+        Case("lora-none-p64-w4", 64, "think_end", 4),
+        Case("lora-a-into-b-n66-w4", 62, "length", 4, stage1_max_tokens=4, adapter="a",
+             import_adapter="b"),
+        Case("lora-a-into-none-p100-w4", 100, "think_end", 4, seed=1, adapter="a",
+             import_adapter=""),
+    ]
 
 
 def fault_cases() -> list[Case]:

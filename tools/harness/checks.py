@@ -288,6 +288,9 @@ def compare(case: Case, ref: Reference, got: TwoStageResult, *, d: DecodeEngine,
     for the text round trip's token count (None: not counted); ``move``: the import step
     of a move to D; ``steps``: the moves through another P, in order."""
     failures = []
+    if case.adapters_differ:
+        failures.append(f"D imported a parent computed under {_named(case.adapter)} into "
+                        f"a stage 2 under {_named(case.stage2_adapter)}: it must refuse")
     stage1_same = ref.colocated.stage1.token_ids == got.stage1.token_ids
     if not stage1_same:
         failures.append("stage-1 tokens differ")
@@ -361,6 +364,32 @@ def compare(case: Case, ref: Reference, got: TwoStageResult, *, d: DecodeEngine,
         computed_as_expected=computed_ok,
         move_at=case.move_at,
         fault=fault,
-        fault_applies=fault is None or applies(FAULTS[fault], parent_len, d.block_size),
+        fault_applies=fault is None or applies(FAULTS[fault], parent_len, d.block_size,
+                                               case.adapters_differ),
         failures=failures,
     )
+
+
+def refused(case: Case, ref: Reference, message: str, fault: str | None) -> CaseReport:
+    """A case whose stage 2 names another adapter than its parent's, refused by D as it
+    must be (``connector.adapters``): it passes; nothing ran on D to compare."""
+    parent = ref.prompt + ref.colocated.stage1.token_ids
+    return CaseReport(
+        name=case.name, prompt_token_ids=ref.prompt, stage1_seed=ref.seed,
+        stage1_token_ids=ref.colocated.stage1.token_ids,
+        stage1_finish_reason=ref.colocated.stage1.finish_reason,
+        suffix_token_ids=ref.colocated.suffix_token_ids, beam=asdict(ref.request.beam),
+        d_state=case.d_state, colocated_beams=_beam_dicts(ref.colocated.stage2.beams),
+        handoff_beams=[], vllm_beams=_beam_dicts(ref.vllm_beams),
+        num_parent_tokens=len(parent), num_imported_tokens=0, num_found_on_d_tokens=0,
+        num_computed_tokens_d_first_step=0, num_computed_tokens_d_total=0,
+        num_bytes_moved=0, num_text_roundtrip_tokens=None, stage1_identical=True,
+        stage1_identical_on_d=ref.d_stage1_token_ids == ref.colocated.stage1.token_ids,
+        beams_identical=False, beams_match_vllm=False, max_logprob_diff=0.0,
+        max_logprob_diff_vllm=0.0, logprob_noise=0.0, logprob_bound=LOGPROB_TOLERANCE,
+        noisy=False, computed_as_expected=True, fault=fault,
+        fault_applies=fault is None or FAULTS[fault].needs_adapter, refused=message)
+
+
+def _named(adapter: str) -> str:
+    return f"adapter {adapter!r}" if adapter else "no adapter"

@@ -13,7 +13,7 @@ from typing import Any
 from connector.faults import FAULTS
 from kvhandoff.budget import blocks_needed
 from kvhandoff.model import DTYPE_BYTES, kv_bytes_per_block, model_dtype, resolve_model
-from tools.harness.cases import default_cases
+from tools.harness.cases import adapter_cases, default_cases
 from tools.harness.report import CaseReport, HarnessReport, format_table, result_text, write_json
 from tools.harness.run import Harness
 from tools.local import local_pair
@@ -46,24 +46,28 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
                  lease_s: int = 30, inject: str | None = None,
                  on_hosts: dict[str, Any] | None = None,
                  ucx_log_dir: Path = Path("out/verify-logs"),
-                 beam_width: int | None = None) -> HarnessReport:
+                 beam_width: int | None = None, adapters: bool = False) -> HarnessReport:
     """Start P, D and a second P on ``model``, run the harness (with ``inject``: every
     handoff carries that fault, and no second P), shut them down. ``on_hosts`` (tools.netns
     hosts ``p`` and ``d``): the Ps' processes on one host, D's on the other; the report
     then names the transports UCX chose for the READs, which must be network ones.
-    ``beam_width``: every case at that width."""
+    ``beam_width``: every case at that width. ``adapters``: the adapter cases, on
+    engines that serve the built-in adapters a and b (no second P)."""
 
     if on_hosts:
         for old in ucx_log_dir.glob("*.ucx.log"):
             old.unlink()
+    model_dir = resolve_model(model)
+    served = builtin_adapters(model_dir) if adapters else ()
     async with local_pair(model, lease_s=lease_s, fault_injection=inject is not None,
-                          **pair_settings(resolve_model(model), beam_width),
-                          second_prefill=inject is None, on_hosts=on_hosts,
+                          **pair_settings(model_dir, beam_width), adapters=served,
+                          second_prefill=inject is None and not adapters, on_hosts=on_hosts,
                           ucx_log_dir=ucx_log_dir if on_hosts else None) as pair:
         harness = Harness(pair.p, pair.d, tokenizer=pair.tokenizer,
                           think_end_id=pair.think_end_id, eos_id=pair.eos_id,
                           suffix_ids=pair.default_suffix_ids, p2=pair.p2)
-        cases = default_cases(quick, via_p=pair.p2 is not None, beam_width=beam_width)
+        cases = (adapter_cases() if adapters else
+                 default_cases(quick, via_p=pair.p2 is not None, beam_width=beam_width))
 
         def progress(c: CaseReport) -> None:
             print(f"  [{len(done) + 1}/{len(cases)}] {c.name}: {result_text(c)}", flush=True)
@@ -82,9 +86,17 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
     return report
 
 
+def builtin_adapters(model_dir: Path) -> tuple[tuple[str, str], ...]:
+    """The adapters the adapter cases name: a and b, built-in (seeds 1 and 2)."""
+    from kvhandoff.builtin_adapters import builtin_adapter
+
+    return tuple((name, str(builtin_adapter(model_dir, seed)))
+                 for name, seed in (("a", 1), ("b", 2)))
+
+
 def main_verify(model: str | None, quick: bool, json_path: str | None,
                 inject: str | None = None, hosts: str | None = None,
-                beam_width: int | None = None) -> int:
+                beam_width: int | None = None, adapters: bool = False) -> int:
     """``kvhandoff verify``'s flags: run it, print the table; 0 when it passed, else 1.
     ``hosts``: None (one host) or ``"netns"``."""
     if inject is not None and inject not in FAULTS:
@@ -101,6 +113,7 @@ def main_verify(model: str | None, quick: bool, json_path: str | None,
         where = make_hosts(("p", "d"))
     with where as on_hosts:
         report = asyncio.run(verify(model, quick=quick, json_path=json_path, inject=inject,
-                                    on_hosts=on_hosts, beam_width=beam_width))
+                                    on_hosts=on_hosts, beam_width=beam_width,
+                                    adapters=adapters))
     print(format_table(report))
     return 0 if report.ok else 1

@@ -61,6 +61,9 @@ class CaseReport:
     #: False: the injected fault cannot corrupt this parent (e.g. no partial block).
     fault_applies: bool = True
     failures: list[str] = field(default_factory=list)
+    #: D refused the import, as it must (a case whose stage 2 names another adapter):
+    #: D's message; "" when it ran.
+    refused: str = ""
 
     @property
     def ok(self) -> bool:
@@ -106,6 +109,8 @@ class HarnessReport:
 
 
 def result_text(c: CaseReport) -> str:
+    if c.ok and c.refused:
+        return f"refused as it must be ({c.refused})"
     if c.ok:
         return "identical" if c.fault_applies else "identical (fault n/a for this parent)"
     return "FAIL: " + "; ".join(c.failures)

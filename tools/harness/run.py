@@ -21,17 +21,17 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULTS
 from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
 from kvhandoff.budget import stage2_reservation
-from kvhandoff.types import Beam, BeamParams, Stage1Params
+from kvhandoff.types import Beam, BeamParams, Stage1Params, StageError
 from prefill_engine.engine import stage1_sampling
 from tools.harness.cases import Case, history_prompt
-from tools.harness.checks import NOISE_CEILING, NOISE_FACTOR, Reference, compare
+from tools.harness.checks import NOISE_CEILING, NOISE_FACTOR, Reference, compare, refused
 from tools.harness.report import LOGPROB_TOLERANCE, CaseReport, HarnessReport
 from tools.pipeline import (
     TwoStageRequest,
@@ -91,7 +91,8 @@ class Harness:
         """A stage-1 seed for which stage 1 ends the way the case asks."""
         for seed in range(case.seed * 1000, case.seed * 1000 + 400):
             probe = self._stage1_params(case, seed)
-            out = await self.p.run_stage1(prompt, probe, f"probe-{case.name}-{seed}", export=False)
+            out = await self.p.run_stage1(prompt, probe, f"probe-{case.name}-{seed}",
+                                          export=False, adapter=case.adapter)
             last = out.token_ids[-1]
             ended = ("length" if out.finish_reason == "length"
                      else "think_end" if last == self.think_end_id
@@ -121,6 +122,7 @@ class Harness:
             stage1=self._stage1_params(case, seed),
             beam=BeamParams(beam_width=case.beam_width, max_tokens=case.beam_max_tokens),
             think_end_id=self.think_end_id,
+            adapter=case.adapter,
         )
 
     async def reference(self, case: Case) -> Reference:
@@ -133,24 +135,33 @@ class Harness:
         seed = await self._find_seed(case, prompt)
         req = self.build_request(case, seed, prompt)
         colocated = await run_colocated(self.p, req)
+        adapter2 = case.stage2_adapter
+        if case.adapters_differ:
+            # Stage 2 under the other adapter, over the same parent, from token ids.
+            stage2 = await run_beam_stage(self.p, stage2_prompt(req, colocated.stage1)[0],
+                                          req.beam, f"verify-{case.name}-c2x",
+                                          adapter=adapter2)
+            colocated = replace(colocated, stage2=stage2)
         # The same stage 1 on another engine: seeded sampling gives the same tokens.
         # D computes it as P did: P's seed probes left the prompt's full blocks in P's
         # prefix cache, so P computed only the rest on top of them; D gets them the same
         # way first. From scratch, D would sum in another order, and in bf16 a sampled
         # token can flip on that alone (a 737-token prompt did).
         await self.d.generate(prompt, stage1_sampling(Stage1Params(max_tokens=1)),
-                              f"verify-{case.name}-d1-cache")
+                              f"verify-{case.name}-d1-cache", adapter=case.adapter)
         on_d = await self.d.generate(prompt, stage1_sampling(req.stage1),
-                                     f"verify-{case.name}-d1")
+                                     f"verify-{case.name}-d1", adapter=case.adapter)
         prompt2, _ = stage2_prompt(req, colocated.stage1)
         theirs = await vllm_beam_search(self.p.llm, self.tokenizer, prompt2, req.beam,
-                                        f"verify-{case.name}-vllm")
+                                        f"verify-{case.name}-vllm",
+                                        self.p.lora_request(adapter2))
         rerun = await self.rerun_beside(case, prompt2, req.beam)
         # The same on D, the whole prompt in D's own chunks; D's cache is left empty
         # again, as the cases expect it.
         await self.d.empty_prefix_cache()
         theirs_on_d = await vllm_beam_search(self.d.llm, self.tokenizer, prompt2, req.beam,
-                                             f"verify-{case.name}-vllm-d")
+                                             f"verify-{case.name}-vllm-d",
+                                             self.d.lora_request(adapter2))
         await self.d.empty_prefix_cache()
         ref = Reference(seed, prompt, req, colocated, list(on_d.outputs[0].token_ids), theirs,
                         rerun, theirs_on_d)
@@ -181,7 +192,8 @@ class Harness:
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 task.result()  # it failed (or ended) before decoding: say why
-            rerun = await run_beam_stage(self.p, prompt, beam, f"verify-{case.name}-rerun")
+            rerun = await run_beam_stage(self.p, prompt, beam, f"verify-{case.name}-rerun",
+                                         adapter=case.stage2_adapter)
             if task.done():
                 logger.warning("%s: the unrelated request ended before the reference's "
                                "rerun did; the rest of the rerun ran alone", case.name)
@@ -219,7 +231,13 @@ class Harness:
                                   f"verify-{case.name}-warm")
         else:
             await self.d.empty_prefix_cache()
-        got = await run_handoff(self.p, self.d, ref.request, fault=fault)
+        try:
+            got = await run_handoff(self.p, self.d, ref.request, fault=fault,
+                                    d_adapter=case.import_adapter)
+        except StageError as e:
+            if not (case.adapters_differ and e.reason == "adapter"):
+                raise
+            return refused(case, ref, str(e), fault)
         if fault is not None and FAULTS[fault].side == "prefill":
             await self.p.empty_prefix_cache()  # P's cache holds the overwritten blocks
         return compare(case, ref, got, d=self.d, tokenizer=self.tokenizer, fault=fault)

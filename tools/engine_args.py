@@ -1,0 +1,53 @@
+"""An engine's settings from ``kvhandoff serve``'s flags: what ``EngineConfig`` is
+built with (the model resolved, built-in catalogs and adapters written)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """``EngineConfig``'s settings from ``kvhandoff serve``'s flags (prefill/decode)."""
+    from kvhandoff.model import model_dtype, resolve_model
+
+    model_dir = resolve_model(args.model)
+    kwargs = {"model": str(model_dir), "lease_s": args.lease_s,
+              "block_size": args.block_size, "max_model_len": args.max_model_len,
+              "nixl_progress_thread": args.nixl_progress_delay_us >= 0,
+              "nixl_progress_delay_us": max(0, args.nixl_progress_delay_us),
+              "side_channel_host": args.side_channel_host,
+              "handoff_secret_file": args.handoff_secret_file}
+    if args.kv_cache_mib:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
+    if args.side_channel_port:
+        kwargs["side_channel_port"] = args.side_channel_port
+    kwargs["ucx_net_devices"] = ucx_net_devices(args.ucx_net_devices, args.side_channel_host)
+    if args.load_format:
+        kwargs["load_format"] = args.load_format
+    # The dtype the model was saved in unless asked (vLLM's "auto" would run float32
+    # checkpoints in bfloat16 on CPU).
+    kwargs["dtype"] = args.dtype or model_dtype(model_dir)
+    if args.fault_injection:
+        kwargs["fault_injection"] = True
+    if args.catalog:
+        from connector.catalog import parse_spec
+        from kvhandoff.model import builtin_catalog
+
+        kwargs["catalogs"] = tuple(
+            (name, str(builtin_catalog(model_dir)) if path == "builtin" else path)
+            for name, path in map(parse_spec, args.catalog))
+    if args.adapter:
+        from connector.catalog import parse_spec
+        from kvhandoff.builtin_adapters import resolve
+
+        kwargs["adapters"] = tuple((name, resolve(model_dir, path)) for name, path in
+                                   (parse_spec(spec, "--adapter") for spec in args.adapter))
+    return kwargs
+
+
+def ucx_net_devices(flag: str | None, side_channel_host: str) -> str | None:
+    """UCX_NET_DEVICES: as asked ("all": UCX's choice); by default loopback only when
+    the side channel is on loopback (one host), else every interface."""
+    if flag is None:
+        return "lo" if side_channel_host.startswith("127.") else None
+    return None if flag == "all" else flag
