@@ -292,7 +292,7 @@ class _FakeP:
 def test_the_rerun_runs_beside_an_unrelated_request_then_aborts_it(monkeypatch):
     p = _FakeP()
 
-    async def rerun(engine, prompt, beam, request_id):
+    async def rerun(engine, prompt, beam, request_id, adapter=""):
         # STEP 2: the rerun starts once the unrelated request decodes, and runs beside it.
         assert engine is p and p.num_beside_tokens >= 1
         p.events.append(f"rerun {request_id} on {len(prompt)} tokens, W={beam.beam_width}")
@@ -321,7 +321,7 @@ def test_the_rerun_runs_beside_an_unrelated_request_then_aborts_it(monkeypatch):
 
 
 def test_a_failed_unrelated_request_fails_the_rerun(monkeypatch):
-    async def rerun(*args):
+    async def rerun(*args, **kwargs):
         raise AssertionError("no rerun without the unrelated request beside it")
 
     monkeypatch.setattr(run_module, "run_beam_stage", rerun)

@@ -107,7 +107,7 @@ def test_a_parent_is_addressed_to_the_d_holding_its_prompt(model_dir):
             ep.out_reason = None
         router.decode[0].outstanding = busy_d0
         router.pool.caches = caches
-        return router.continuations._parent_target(list(range(2000))).address
+        return router.continuations._parent_target(list(range(2000)), "").address
 
     assert target(FakeCaches({"d0": 12})) == "d0"
     assert target(FakeCaches({"d0": 12}), busy_d0=1) == "d1"  # 384 tokens < one request
@@ -121,3 +121,44 @@ def test_a_parent_is_addressed_to_the_d_holding_its_prompt(model_dir):
 
     # d1's events are not followed (yet): no D is judged on half the picture; by load.
     assert target(Unfollowed({"d0": 20})) == "d1"
+
+
+def test_a_request_under_an_adapter_goes_only_where_it_is_served_and_its_prefix_counts(
+        model_dir):
+    """Under adapter a: P and D are picked among those that serve it (p2, d1), though
+    the others hold more of the prompt, because the index is asked under a (the blocks
+    the others hold are the base model's); an adapter no engine serves is NOT_FOUND
+    before anything runs. The control: with no adapter the prefix decides (p, d0)."""
+    import grpc
+
+    from kvhandoff.v1 import engine_pb2
+    from router import Endpoint, RouterError
+
+    class AdapterCaches(FakeCaches):
+        def cached_blocks(self, address, token_ids, adapter=None):
+            return self.cached.get((address, adapter), 0)
+
+    async def picks(adapter: str):
+        router = _router(model_dir, [100, 100])
+        router.prefill.append(Endpoint("p2", FakeEngineStub(100), None))
+        for ep in [*router.prefill, *router.decode]:
+            served = ["a"] if ep.address in ("p2", "d1") else []
+            ep.capacity = engine_pb2.Capacity(
+                num_total_blocks=200, num_free_blocks=100, block_size=32, max_beam_width=32,
+                adapters=[engine_pb2.AdapterInfo(name=n, digest="x") for n in served])
+            ep.capacity_at = float("inf")
+        router.pool.caches = AdapterCaches({("p", None): 30, ("d0", None): 30,
+                                            ("p2", "a"): 2, ("d1", "a"): 2})
+        p = await router.pool.pick_prefill(None, prompt_ids=list(range(2000)),
+                                           adapter=adapter)
+        claim = await router.pool.pick_decode(100, _plan().beam, None,
+                                              prompt_ids=list(range(2000)), adapter=adapter)
+        claim.release()
+        return p.address, claim.endpoint.address
+
+    assert asyncio.run(picks("a")) == ("p2", "d1")
+    assert asyncio.run(picks("")) == ("p", "d0")
+    with pytest.raises(RouterError) as e:
+        asyncio.run(picks("zzz"))
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert "no prefill engine has adapter 'zzz' (theirs: a;" in str(e.value)
