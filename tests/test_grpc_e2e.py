@@ -21,6 +21,10 @@ from tests.utils import (
 from tools.client import make_request
 
 PROMPT = "the user bought a warm coat and hiking boots so we think they like the outdoors"
+#: A stage 2 of 60 steps at W=32 that fits the cluster's D (135 blocks) whatever length
+#: stage 1 makes (the router counts the most any can need): 1504-1506 tokens with the
+#: suffix need 111 blocks. 1500 tokens would not: a 1503-token stage 2 needs 142.
+BIG_STAGE2_PROMPT = [i % 1000 + 10 for i in range(1501)]
 
 
 pytestmark = [pytest.mark.engines]
@@ -167,7 +171,7 @@ def _wait_until_d_runs(cluster, timeout_s: float = 30.0) -> None:
 @pytest.mark.fault
 def test_cancel_during_stage2_aborts_the_beams_and_frees_both(router_client, cluster,
                                                               assert_cluster_clean):
-    req = make_request(prompt=[i % 1000 + 10 for i in range(1500)], max_tokens=1, seed=1, beam_width=32,
+    req = make_request(prompt=BIG_STAGE2_PROMPT, max_tokens=1, seed=1, beam_width=32,
                        beam_tokens=60, path="handoff")
     stream = router_client.generate_stream(req, timeout=120)
     first = next(stream)  # stage 1's only token: stage 2 starts now
@@ -245,7 +249,7 @@ def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, 
 @pytest.mark.fault
 def test_deadline_during_stage2_is_deadline_exceeded_and_frees_both(router_client, cluster,
                                                                     assert_cluster_clean):
-    req = make_request(prompt=[i % 1000 + 10 for i in range(1500)], max_tokens=1, seed=2,
+    req = make_request(prompt=BIG_STAGE2_PROMPT, max_tokens=1, seed=2,
                        beam_width=32, beam_tokens=60, path="handoff")
     # The deadline falls halfway through stage 2 as this cluster runs it (a fixed deadline
     # outlived stage 2 once D got faster): time one run, then repeat it with the deadline.
