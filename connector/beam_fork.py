@@ -16,7 +16,9 @@ is released, which happens once its ``k`` children were scheduled, or after
 ``beam_fork_hold_s`` (its children never came: the search failed or was cancelled). The
 worker reports a released request as "finished sending" and the scheduler frees it.
 
-A parent held on its own engine (the one-engine path of continuations) is a kept request
+A child copies only from a kept request computed under its own LoRA adapter (the
+prefix cache's hashes keep adapters apart; the copy must too). A parent held on its own
+engine (the one-engine path of continuations) is a kept request
 with ``hold_s``: released only when that time ends, whatever its children. Its full
 blocks stay hashed in the prefix cache (held blocks are never evicted) and its children
 copy the partial last one, so a continuation computes ``len(suffix) + 1`` tokens however
@@ -30,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from connector.adapters import adapter_of
 from connector.handoff import BEAM_KEY, FORK_TOKENS_KEY, is_made_slot
 
 if TYPE_CHECKING:
@@ -55,6 +58,7 @@ class KeptRequest:
     num_children: int | None = None  # announced by its first child
     num_forked: int = 0
     held: bool = False  # a parent held for continuations: released at expires_at only
+    adapter: str = ""  # the LoRA adapter its KV was computed under ("": none)
 
 
 class BeamForkScheduler:
@@ -80,7 +84,8 @@ class BeamForkScheduler:
     def _fork_match(self, request: Request, beam: dict[str, Any], num_computed: int) -> int:
         """Tokens a beam child can copy from its kept source (0: compute them)."""
         source = self._kept.get(beam["fork_from"])
-        if source is None:
+        if source is None or source.adapter != adapter_of(request):
+            # Its KV is another adapter's (connector.adapters): computed here instead.
             return 0
         # The last prompt token is computed here, to sample from it.
         num_tokens = min(len(source.token_ids), request.num_prompt_tokens - 1)
@@ -139,6 +144,7 @@ class BeamForkScheduler:
             block_ids=tuple(list(group) for group in block_ids),
             expires_at=time.monotonic() + (hold_s or self._fork_hold_s),
             held=hold_s > 0,
+            adapter=adapter_of(request),
         )
         if hold_s > 0:
             logger.debug("Holding parent %s here for %.1fs: %d tokens in %d blocks",

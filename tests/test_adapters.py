@@ -163,3 +163,30 @@ def test_the_harness_adapter_cases_pass_and_its_negative_control_fails(run, lora
         else:
             assert c.ok, c.failures
     assert faulty.pools_clean, faulty.pool_details
+
+
+def test_a_parent_held_on_p_is_copied_only_into_a_stage_2_under_its_adapter(run, lora):
+    """The one-engine path: a parent held on P under a. A stage 2 under a copies it
+    (computes the suffix and one token); one under b must not (its KV is a's): P
+    computes the whole prompt under b, and the beams equal b's from token ids on D."""
+    from decode_engine.engine import run_beam_stage
+    from tools.pipeline import stage2_prompt
+
+    _empty_caches(run, lora)
+    req = _request(lora, "held", "a")
+    s1 = run(lora.p.run_stage1(req.prompt_token_ids, req.stage1, "held-a", export=False,
+                               hold=True, adapter="a"))
+    prompt, suffix = stage2_prompt(req, s1)
+    try:
+        under_b = run(run_beam_stage(lora.p, prompt, req.beam, "held-into-b",
+                                     held_parent="held-a", adapter="b"))
+        under_a = run(run_beam_stage(lora.p, prompt, req.beam, "held-into-a",
+                                     held_parent="held-a", adapter="a"))
+    finally:
+        run(lora.p.release(["held-a"]))
+    ref_b = run(run_beam_stage(lora.d, prompt, req.beam, "ref-b", adapter="b"))
+    assert under_a.num_computed_tokens_first_step == len(suffix) + 1
+    assert under_b.num_computed_tokens_first_step == len(prompt)
+    assert _same([(list(b.token_ids), b.cum_logprob) for b in under_b.beams],
+                 [(list(b.token_ids), b.cum_logprob) for b in ref_b.beams])
+    assert run(lora.p.wait_pool_clean(10)).is_clean, lora.p.pool()
