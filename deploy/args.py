@@ -64,6 +64,10 @@ class EngineArgs(_Strict):
     #: Accept requests that name an injected fault of ``connector.faults`` (the tests'
     #: negative controls only; ``kvhandoff serve --fault-injection``).
     fault_injection: bool = False
+    #: LoRA adapters the engine serves: name -> a directory in PEFT's format on every
+    #: node a replica may land on (``kvhandoff serve --adapter NAME=PATH``). P and D must
+    #: serve the same files under a name: D refuses an import whose digest differs.
+    adapters: dict[str, str] = {}
 
     @model_validator(mode="after")
     def _block_size(self) -> EngineArgs:
@@ -207,4 +211,6 @@ class AppArgs(_Strict):
         kw["ucx_net_devices"] = e.ucx_net_devices
         if e.fault_injection:
             kw["fault_injection"] = True
+        if e.adapters:
+            kw["adapters"] = tuple(e.adapters.items())
         return kw

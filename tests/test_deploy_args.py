@@ -104,3 +104,12 @@ def test_the_router_replica_takes_more_calls_than_its_max_inflight():
 
     opts = router_options(AppArgs.model_validate({"router": {"max_inflight": 7}}))
     assert opts["name"] == "Router" and opts["max_ongoing_requests"] == 7 + CONTROL_CALLS
+
+
+def test_adapters_go_to_the_engines_of_their_role():
+    args = AppArgs.model_validate({
+        "device": "cpu", "prefill": {"engine": {"adapters": {"a": "/models/lora-a"}}},
+        "decode": {"engine": {"adapters": {"a": "/models/lora-a"}}}})
+    assert args.engine_kwargs(args.prefill)["adapters"] == (("a", "/models/lora-a"),)
+    plain = AppArgs.model_validate({"device": "cpu"})
+    assert "adapters" not in plain.engine_kwargs(plain.decode)  # LoRA stays off
