@@ -161,6 +161,45 @@ def test_d_refuses_an_export_under_another_adapter_and_the_fault_shows_why(lora_
         [(list(b.token_ids), round(b.cum_logprob, 4)) for b in right.beams]
 
 
+def test_the_routers_prefix_index_keeps_adapters_apart(lora_cluster):
+    """From the engines' own KV events (vLLM's BlockStored carries the adapter): once P
+    stored a prompt's blocks under a, the next request under a is placed on a P holding
+    them; the same prompt under the base model holds none (they are a's), until a base
+    request stored its own (the control: the index answers for the base model too)."""
+    import time
+
+    from tests.utils import metric_sum
+
+    url = lora_cluster["router_metrics"]
+    prompt = list(range(300, 700))  # 12 full blocks, no other test's
+
+    def hits() -> float:
+        return metric_sum(url, "kvhandoff_router_placement_hit_blocks_total",
+                          role="prefill")
+
+    def generate(adapter: str) -> None:
+        req = make_request(prompt=prompt, max_tokens=2, seed=1, beam_width=1,
+                           path="colocated")
+        req.adapter = adapter
+        with RouterClient(lora_cluster["router"]) as client:
+            client.generate(req, timeout=300)
+
+    def until_hit(adapter: str) -> float:
+        before, deadline = hits(), time.monotonic() + 30
+        while hits() == before:
+            assert time.monotonic() < deadline, f"no prefill hit under {adapter!r}"
+            generate(adapter)  # the events of the one before have arrived, or not yet
+            time.sleep(0.5)
+        return hits() - before
+
+    generate("a")
+    assert until_hit("a") >= 12
+    before = hits()
+    generate("")
+    assert hits() == before, "a's blocks counted for the base model"
+    assert until_hit("") >= 12
+
+
 def test_nothing_is_left_held(lora_cluster):
     """After every test above (refusals, the fault, a released parent): no block held
     and no request on either engine (within the lease and the reaping after it)."""
