@@ -184,7 +184,10 @@ def test_batches_dropped_while_the_router_was_busy_are_replayed(tmp_path):
     from kvhandoff.ports import free_port
 
     pub, replay = f"ipc://{tmp_path}/events", free_port()
-    count = 3000
+    # Here the publisher's thread and the feed share one process and its GIL: a replay
+    # is their ping-pong frame by frame (3000 batches took 1.5 s alone and over 60 s
+    # under a loaded CI, the replay unfinished). 500 are dropped all the same.
+    count = 500
     prompt = list(range(1, 4 * count + 5))
     keys = prefix_keys(prompt, B)
 
@@ -203,7 +206,7 @@ def test_batches_dropped_while_the_router_was_busy_are_replayed(tmp_path):
         # A gap shows at the next batch: on a slow machine the last ones can be dropped
         # too, so later batches come (an offloading tier's stores, ignored) as a working
         # engine's would, until the replay has made the index whole.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         extra = 0
         while index.cached_blocks(keys) != count + 1:
             assert time.monotonic() < deadline, feed.stats
