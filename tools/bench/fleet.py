@@ -63,31 +63,29 @@ def workload(cfg: FleetConfig) -> list[list[list[int]]]:
     return users
 
 
-def _engine_counters(url: str) -> dict[str, float]:
+def _samples(url: str) -> list[Any]:
+    """A Prometheus endpoint's samples."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _engine_counters(url: str) -> dict[str, float]:
     wanted = {"kvhandoff_engine_prefix_cache_hits", "kvhandoff_engine_prefix_cache_queries"}
-    return {s.name.removesuffix("_total"): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples
+    return {s.name.removesuffix("_total"): s.value for s in _samples(url)
             if s.name.removesuffix("_total") in wanted}
 
 
 def _router_placements(url: str) -> dict[str, float]:
     """Placements per (role, cached prefix found or not), from the router's metrics."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "kvhandoff_router_placements_total":
-                key = f"{s.labels['role']}_{'hit' if s.labels['hit'] == 'yes' else 'miss'}"
-                out[key] = out.get(key, 0.0) + s.value
+    for s in _samples(url):
+        if s.name == "kvhandoff_router_placements_total":
+            key = f"{s.labels['role']}_{'hit' if s.labels['hit'] == 'yes' else 'miss'}"
+            out[key] = out.get(key, 0.0) + s.value
     return out
 
 
