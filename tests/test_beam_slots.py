@@ -522,3 +522,44 @@ def test_a_leader_aborted_by_its_client_ends_the_slots_made_from_it(model_dir):
     assert out.num_scheduled_tokens == {}, "a group missing its leader started"
     assert not scheduler.requests, "the made slots outlived their leader"
     assert_scheduler_clean(scheduler)
+
+
+def test_the_deciding_candidates_pick_what_the_whole_list_picks():
+    """``_deciding_candidates`` (the W best over the dense scores, and each row's EOS)
+    against vLLM's whole list of 2W per row, through the same ``GroupSearch.select``:
+    the same parents, tokens, scores and completed beams, over widths 1 to 512, rows
+    fewer than W, EOS ignored or not, and vocabularies smaller than 2W. Where scores tie
+    (logits rounded to halves) it declines, and the whole list decides."""
+    import numpy as np
+
+    from connector.beam_processor import _candidates, _deciding_candidates
+    from connector.beam_search import GroupSearch
+
+    def search(width, eos, ignore, cums):
+        return GroupSearch(width=width, steps=8, eos_token_id=eos, ignore_eos=ignore,
+                           cum_logprobs=cums.copy())
+
+    g = torch.Generator().manual_seed(0)
+    outcomes = {"same": 0, "declined": 0, "declined with ties": 0}
+    for trial in range(120):
+        width = [1, 2, 4, 32, 64, 512][trial % 6]
+        vocab = [50, 1024][trial % 2]
+        rows = min(width, [1, width, max(1, width // 2)][trial % 3])
+        logits = torch.randn(rows, vocab, generator=g) * (1 + trial % 4)
+        tied = trial % 5 == 0
+        if tied:
+            logits = (logits * 2).round() / 2
+        cums = -np.abs(np.random.default_rng(trial).normal(size=rows)) * (trial % 3)
+        eos, ignore = [None, EOS, 7][trial % 3], trial % 7 == 0
+        fast, full = search(width, eos, ignore, cums), search(width, eos, ignore, cums)
+        deciding = _deciding_candidates(logits, fast)
+        if deciding is None:
+            outcomes["declined with ties" if tied else "declined"] += 1
+            continue
+        got, want = fast.select(deciding), full.select(_candidates(logits, width))
+        assert [a.tolist() for a in got] == [a.tolist() for a in want], trial
+        assert fast.cum_logprobs.tolist() == full.cum_logprobs.tolist(), trial
+        assert [f.to_wire() for f in fast.completed] == [f.to_wire() for f in full.completed]
+        outcomes["same"] += 1
+    assert outcomes["same"] >= 90 and outcomes["declined"] == 0, outcomes
+    assert outcomes["declined with ties"] >= 10, outcomes
