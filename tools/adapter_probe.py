@@ -1,5 +1,6 @@
 """What vLLM 0.32 does with LoRA adapters on this project's engines (CPU), before the
-project carries adapters itself: ``python -m tools.adapter_probe``.
+project carries adapters itself: ``python -m tools.adapter_probe``; and what LoRA on
+costs a stage 2: ``python -m tools.adapter_probe --cost``.
 
 P and D start with LoRA on (``enable_lora``, rank 8) and two random adapters A and B for
 the built-in model (q/v projections, written in PEFT's format: ``write_adapter``). Every
@@ -111,7 +112,47 @@ async def probe(out_dir: Path) -> dict[str, Any]:
     return result
 
 
+async def cost(repeats: int = 7) -> dict[str, Any]:
+    """What LoRA on costs a request: one engine without adapters, then one serving the
+    built-in adapter a (fresh each, one after the other), the same stage 2 (W=4, 8 beam
+    tokens over a 502-token prompt, from token ids, prefix cache emptied before each)
+    ``repeats`` times; medians in ms. On the LoRA engine: under no adapter and under a."""
+    import statistics
+    import time
+
+    from decode_engine.engine import run_beam_stage
+    from kvhandoff.builtin_adapters import builtin_adapter
+
+    model_dir = resolve_model(None)
+    prompt, beam = list(range(100, 602)), BeamParams(beam_width=4, max_tokens=8)
+    result: dict[str, Any] = {}
+    for label, adapters in (("lora off", ()),
+                            ("lora on", (("a", str(builtin_adapter(model_dir, 1))),))):
+        d = DecodeEngine.start(EngineConfig(model=str(model_dir), role="decode",
+                                            adapters=adapters))
+        try:
+            await d.warmup()
+            for adapter in ("", "a") if adapters else ("",):
+                times = []
+                for i in range(repeats):
+                    await d.empty_prefix_cache()
+                    t0 = time.perf_counter()
+                    await run_beam_stage(d, prompt, beam, f"cost-{adapter}-{i}",
+                                         adapter=adapter)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                result[f"{label}, under {adapter or 'none'}"] = round(
+                    statistics.median(times[1:]), 1)
+        finally:
+            shutdown_all([d])
+    return result
+
+
 def main() -> None:
+    import sys
+
+    if sys.argv[1:] == ["--cost"]:
+        print(json.dumps(asyncio.run(cost()), indent=1))
+        return
     print(json.dumps(asyncio.run(probe(Path("out/adapter-probe"))), indent=1))
 
 
