@@ -91,7 +91,8 @@ class AdmissionScheduler(Scheduler):
         # Admitted imports whose request has not finished yet.
         self._importing: set[str] = set()
         # Beam search inside the engine: the groups of beam slots (connector.beam_slots).
-        self._slots = SlotGroups(self.block_size, self._reject, _block_hasher(self))
+        self._slots = SlotGroups(self.block_size, self._reject, _block_hasher(self),
+                                 hash_block_size=self.hash_block_size)
 
     @property
     def num_total_blocks(self) -> int:

@@ -102,13 +102,16 @@ class _Group:
 class SlotGroups:
     """The beam groups on one engine (module docstring). ``fail`` ends a request with
     ``FINISHED_ERROR`` and tells its client why (the admission scheduler's);
-    ``block_hasher``: vLLM's, for the slots made here."""
+    ``block_hasher``: vLLM's (over blocks of ``hash_block_size`` tokens, by default the
+    block size), for the slots made here."""
 
     def __init__(self, block_size: int, fail: Callable[[Request, str, str], None],
-                 block_hasher: Callable[[Request], list[Any]] | None = None):
+                 block_hasher: Callable[[Request], list[Any]] | None = None,
+                 hash_block_size: int | None = None):
         self._block_size = block_size
         self._fail = fail
         self._block_hasher = block_hasher
+        self._hash_block_size = hash_block_size or block_size
         self._groups: dict[str, _Group] = {}
         self._slot_of: dict[str, tuple[str, int]] = {}  # request id -> (group, slot)
 
@@ -147,7 +150,16 @@ class SlotGroups:
                         # Its leader's adapter: the same weights, and block hashes
                         # that find the leader's blocks (they carry the adapter).
                         lora_request=leader.lora_request, cache_salt=leader.cache_salt,
-                        block_hasher=self._block_hasher)
+                        block_hasher=None)
+        if self._block_hasher is not None:
+            # Its full blocks before its own last token are its leader's, with the same
+            # adapter and salt: their hashes are copied, not computed again (511 slots
+            # of a 500-token parent hashed ~7.7k blocks); vLLM's hasher goes on from
+            # there, for a full block holding that token and for the blocks it decodes.
+            clone.block_hashes = list(leader.block_hashes[:(len(prompt) - 1)
+                                                          // self._hash_block_size])
+            clone._block_hasher = self._block_hasher
+            clone.update_block_hashes()
         return clone
 
     def _join(self, request: Request, spec: dict[str, Any]) -> None:

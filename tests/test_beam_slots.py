@@ -563,3 +563,34 @@ def test_the_deciding_candidates_pick_what_the_whole_list_picks():
         outcomes["same"] += 1
     assert outcomes["same"] >= 90 and outcomes["declined"] == 0, outcomes
     assert outcomes["declined with ties"] >= 10, outcomes
+
+
+@pytest.mark.parametrize("parent_len", [60, 63, 64, 95])
+def test_a_made_slot_copies_its_leaders_block_hashes_and_goes_on_as_vllm_would(parent_len):
+    """The slots made from a leader reuse its hashes of the full blocks before their
+    own last token: each slot's hashes equal vLLM's hasher's over its own prompt (a
+    last token inside a partial block, or completing a full one), and stay equal as it
+    decodes; a catalog slot (the leader's own prompt) the same."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    from connector.beam_slots import SlotGroups
+    from tests.utils import BLOCK_SIZE
+
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+    parent = list(range(10, 10 + parent_len))
+    leader = _leader(parent + [20], members=3, clones=[[21, -1.5], [None, -2.0]])
+    made = SlotGroups(BLOCK_SIZE, lambda *a: None, hasher).add(leader)
+
+    def fresh(tokens):
+        return Request("x", list(tokens), leader.sampling_params, None,
+                       block_hasher=hasher).block_hashes
+
+    assert [r.prompt_token_ids for r in made] == [parent + [21], parent + [20]]
+    for slot in made:
+        assert slot.block_hashes == fresh(slot.prompt_token_ids)
+        for token in range(BLOCK_SIZE + 3):  # decoding into the next blocks
+            slot.append_output_token_ids(token)
+        assert slot.block_hashes == fresh(slot.all_token_ids)
+    assert len(made[0].block_hashes) >= (parent_len + 1) // BLOCK_SIZE
