@@ -119,7 +119,8 @@ class HttpFront:
             return error_response(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"{param}: {first['msg']}", param)
         try:
-            # ``model`` names the base model or an adapter (vLLM's convention).
+            # ``model`` names the base model or an adapter (vLLM's convention); an
+            # answer under an adapter names it as its model, as vLLM's does.
             adapter = self.router.adapter_of_model(body.model or "")
             if body.continuation_of is not None:
                 return await _cancel_on_disconnect(self._continuation(body, adapter),
@@ -201,7 +202,7 @@ class HttpFront:
                 if isinstance(item, ParentRecord):
                     record = item
         assert record is not None, "run_parent ended without its record"
-        return JSONResponse(completion(self.model_name, record.parent_id, [{
+        return JSONResponse(completion(adapter or self.model_name, record.parent_id, [{
             "index": 0, "text": self._decode(record.thinking_ids),
             "token_ids": record.thinking_ids,
             "logprobs": logprobs_json(self._decode, record.thinking_logprobs, body.logprobs),
@@ -231,12 +232,12 @@ class HttpFront:
                 item = first
                 while True:
                     if isinstance(item, ParentRecord):
-                        yield sse(completion(self.model_name, item.parent_id, [{
+                        yield sse(completion(adapter or self.model_name, item.parent_id, [{
                             "index": 0, "text": "", "logprobs": None,
                             "finish_reason": item.finish_reason, "stop_reason": None}],
                             None, **_parent_info(item)))
                         if include_usage:
-                            yield sse(completion(self.model_name, item.parent_id, [],
+                            yield sse(completion(adapter or self.model_name, item.parent_id, [],
                                                  _parent_usage(item)))
                         break
                     record = self.router.parents.get(plan.request_id)
@@ -246,7 +247,7 @@ class HttpFront:
                             self._decode, record.thinking_logprobs[sent:sent + len(item)],
                             body.logprobs)
                     sent += len(item)
-                    yield sse(completion(self.model_name, plan.request_id, [{
+                    yield sse(completion(adapter or self.model_name, plan.request_id, [{
                         "index": 0, "text": self._decode(item), "token_ids": item,
                         "logprobs": logprobs, "finish_reason": None}], None))
                     item = await anext(items)
@@ -296,7 +297,7 @@ class HttpFront:
         if body.timeout_ms:
             req.timeout_ms = body.timeout_ms
         resp = await self.api.continue_(FRONT, req, None)
-        return JSONResponse(beams_json(self.model_name, resp))
+        return JSONResponse(beams_json(adapter or self.model_name, resp))
 
     async def _prompt_beams(self, body: CompletionRequest, adapter: str) -> JSONResponse:
         """Beam search over ``prompt`` as given (tokenised here), on a D, nothing
@@ -313,7 +314,7 @@ class HttpFront:
         deadline = None if not body.timeout_ms else time.monotonic() + body.timeout_ms / 1e3
         resp = await self.api.prompt_beams(FRONT, ids, convert.beam_from_pb(req.beam),
                                            deadline, adapter)
-        return JSONResponse(beams_json(self.model_name, resp))
+        return JSONResponse(beams_json(adapter or self.model_name, resp))
 
 
 def _parent_usage(record: ParentRecord) -> dict[str, Any]:

@@ -109,6 +109,7 @@ def test_the_openai_front_reads_model_as_the_base_or_an_adapter(lora_cluster):
     assert all(m.model_extra["parent"] == models[0].id for m in models[1:])
     out = client.completions.create(model="a", prompt=PROMPT, max_tokens=12,
                                     temperature=1.0, seed=7)
+    assert out.model == "a"
     with RouterClient(lora_cluster["router"]) as grpc_client:
         grpc_client.release_parent(out.id)
     ref = _generate(lora_cluster, "a", "colocated")
