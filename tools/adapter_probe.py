@@ -1,70 +1,45 @@
-"""What vLLM 0.32 does with LoRA adapters on this project's engines (CPU), before the
-project carries adapters itself: ``python -m tools.adapter_probe``; and what LoRA on
-costs a stage 2: ``python -m tools.adapter_probe --cost``.
+"""What vLLM 0.32 does with LoRA adapters under this project's handoff (CPU), beneath
+our own adapter check: ``python -m tools.adapter_probe``; and what LoRA on costs a stage
+2: ``python -m tools.adapter_probe --cost``.
 
-P and D start with LoRA on (``enable_lora``, rank 8) and two random adapters A and B for
-the built-in model (q/v projections, written in PEFT's format: ``write_adapter``). Every
-request goes to vLLM's ``AsyncLLM.generate`` with its ``lora_request``, through our beam
-search's own generate function. It prints whether the adapter changes stage 1 and the
-beams (colocated on P), then a handoff exported under A and imported by D under A, under
-B and under none: equal to the colocated run under A or not, and how many tokens D
-imported (docs/decisions.md, "Adapters: what vLLM 0.32 offers").
+P and D serve two random adapters a and b of the built-in model (``EngineConfig.
+adapters``, built-in seeds 1 and 2). It prints whether the adapter changes stage 1 and
+the beams (colocated on P), then a handoff exported under a and imported by D under a,
+under b and under none: equal to the colocated run under a or not, and how many tokens D
+computed for the import step. The imports under another adapter name the fault
+``accept-any-adapter`` (D's admission skips its check, ``connector.adapters``): what
+vLLM itself does then is what the check exists for (docs/decisions.md, "Adapters: what
+vLLM 0.32 offers").
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
+from connector.faults import ANY_ADAPTER_FAULT
 from connector.handoff import ImportRequest
 from decode_engine.beam import beam_search
 from decode_engine.engine import DecodeEngine
 from engine import EngineConfig, shutdown_all
-from kvhandoff.builtin_adapters import RANK, write_adapter
 from kvhandoff.model import ModelTokens, resolve_model
 from kvhandoff.types import BeamParams, Stage1Params
 from prefill_engine.engine import PrefillEngine, stage1_sampling
 
 
-@dataclass(frozen=True)
-class LoraEngineConfig(EngineConfig):
-    """An engine with vLLM's LoRA on (the probe's only difference)."""
-
-    def engine_args(self, engine_id: str, events: Any = None) -> Any:
-        args = super().engine_args(engine_id, events)
-        args.enable_lora, args.max_lora_rank, args.max_loras, args.max_cpu_loras = (
-            True, RANK, 2, 2)
-        return args
-
-
-def generate_with(engine: Any, lora: Any):
-    """``engine``'s requests, each under ``lora`` (None: the base model)."""
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
-    async def generate(prompt: list[int], params: Any, request_id: str) -> Any:
-        params.output_kind = RequestOutputKind.FINAL_ONLY
-        final = None
-        async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
-                                             request_id, lora_request=lora):
-            final = out
-        return final
-
-    return generate
-
-
-async def probe(out_dir: Path) -> dict[str, Any]:
-    from vllm.lora.request import LoRARequest
+async def probe() -> dict[str, Any]:
+    from kvhandoff.builtin_adapters import builtin_adapter
 
     model_dir = resolve_model(None)
     tokens = ModelTokens.load(model_dir)
-    a = LoRARequest("a", 1, str(write_adapter(model_dir, out_dir / "a", 1)))
-    b = LoRARequest("b", 2, str(write_adapter(model_dir, out_dir / "b", 2)))
-    p = PrefillEngine.start(LoraEngineConfig(model=str(model_dir), role="prefill"))
-    d = DecodeEngine.start(LoraEngineConfig(model=str(model_dir), role="decode"))
+    adapters = tuple((name, str(builtin_adapter(model_dir, seed)))
+                     for name, seed in (("a", 1), ("b", 2)))
+    config = {"model": str(model_dir), "adapters": adapters, "fault_injection": True}
+    p = PrefillEngine.start(EngineConfig(role="prefill", **config))
+    d = DecodeEngine.start(EngineConfig(role="decode", **config))
     prompt = list(range(100, 400))
     stage1 = Stage1Params(max_tokens=8, temperature=0.0, stop_token_ids=())
     beam = BeamParams(beam_width=4, max_tokens=3)
@@ -76,24 +51,25 @@ async def probe(out_dir: Path) -> dict[str, Any]:
     try:
         await asyncio.gather(p.warmup(), d.warmup())
         colocated = {}
-        for name, lora in (("base", None), ("a", a)):
-            gen = generate_with(p, lora)
-            s1 = await gen(prompt, stage1_sampling(stage1), f"col1-{name}")
+        for adapter in ("", "a"):
+            gen = functools.partial(p.generate, adapter=adapter)
+            s1 = await gen(prompt, stage1_sampling(stage1), f"col1-{adapter}")
             ids = list(s1.outputs[0].token_ids)
             s2 = await beam_search(gen, prompt + ids + tokens.default_suffix_ids, beam,
-                                   eos_token_id=p.eos_token_id, request_id=f"col2-{name}")
-            colocated[name] = (ids, beams(s2))
-        result["adapter_changes_stage1"] = colocated["base"][0] != colocated["a"][0]
-        result["adapter_changes_beams"] = colocated["base"][1] != colocated["a"][1]
-        for label, d_lora in (("A->A", a), ("A->B", b), ("A->none", None)):
+                                   eos_token_id=p.eos_token_id, request_id=f"col2-{adapter}")
+            colocated[adapter] = (ids, beams(s2))
+        result["adapter_changes_stage1"] = colocated[""][0] != colocated["a"][0]
+        result["adapter_changes_beams"] = colocated[""][1] != colocated["a"][1]
+        for label, d_adapter in (("a->a", "a"), ("a->b", "b"), ("a->none", "")):
             await p.empty_prefix_cache()
             await d.empty_prefix_cache()
             export = p._sampling(prompt, stage1, True, d.handoff_target, request_id=f"h1-{label}")
-            s1 = await generate_with(p, a)(prompt, export, f"h1-{label}")
+            s1 = await p.generate(prompt, export, f"h1-{label}", adapter="a")
             ids = list(s1.outputs[0].token_ids)
-            params = replace(ImportRequest.for_beams(s1.kv_transfer_params, beam),
+            fault = None if d_adapter == "a" else ANY_ADAPTER_FAULT
+            params = replace(ImportRequest.for_beams(s1.kv_transfer_params, beam, fault),
                              reserved_blocks=d.num_reserved_blocks).to_params()
-            s2 = await beam_search(generate_with(d, d_lora),
+            s2 = await beam_search(functools.partial(d.generate, adapter=d_adapter),
                                    prompt + ids + tokens.default_suffix_ids, beam,
                                    eos_token_id=d.eos_token_id, request_id=f"h2-{label}",
                                    first_step_extra_args={"kv_transfer_params": params},
@@ -153,7 +129,7 @@ def main() -> None:
     if sys.argv[1:] == ["--cost"]:
         print(json.dumps(asyncio.run(cost()), indent=1))
         return
-    print(json.dumps(asyncio.run(probe(Path("out/adapter-probe"))), indent=1))
+    print(json.dumps(asyncio.run(probe()), indent=1))
 
 
 if __name__ == "__main__":
