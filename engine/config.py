@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from connector.adapters import ADAPTERS_KEY, load_all, max_lora_rank
+from connector.adapters import ADAPTERS_KEY, Adapter, load_all, max_lora_rank
 from connector.catalog import CATALOGS_KEY
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
 from kvhandoff.types import MAX_BEAM_WIDTH
@@ -158,10 +158,11 @@ class EngineConfig:
         the W slots run in one batch."""
         return min(MAX_BEAM_WIDTH, self.max_logprobs // 2, self.max_num_seqs)
 
-    def engine_args(self, engine_id: str, events: EventEndpoints | None = None
-                    ) -> AsyncEngineArgs:
+    def engine_args(self, engine_id: str, events: EventEndpoints | None = None,
+                    adapters: dict[str, Adapter] | None = None) -> AsyncEngineArgs:
         """vLLM's arguments; ``events``: where the engine core publishes its KV events
-        (``engine.kv_events``; None: it does not)."""
+        (``engine.kv_events``; None: it does not); ``adapters``: ``self.adapters``
+        already loaded (None: loaded here, their files read and hashed)."""
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -186,7 +187,8 @@ class EngineConfig:
             **({"kv_buffer_device": self.kv_buffer_device} if self.kv_buffer_device else {}),
         )
         chunked = self.enable_chunked_prefill
-        adapters = load_all(self.adapters)
+        if adapters is None:
+            adapters = load_all(self.adapters)
         return AsyncEngineArgs(
             model=self.model,
             tokenizer=self.model,

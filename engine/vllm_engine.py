@@ -113,7 +113,7 @@ class VllmEngine:
             engine = cls(
                 config,
                 AsyncLLM.from_engine_args(
-                    config.engine_args(engine_id, events),
+                    config.engine_args(engine_id, events, adapters),
                     stat_loggers=[stats_logger_factory(stats)]
                 ),
                 engine_id,
