@@ -821,9 +821,12 @@ def test_a_move_to_a_drained_d_is_refused_and_the_request_runs_on(family, family
     prompt = list(_parent_request("fam-move-drained").prompt_token_ids.ids)
 
     def request(request_id, **kw):
-        req = make_request(prompt=prompt, max_tokens=200, seed=8, beam_width=4,
+        # 400 tokens: on an idle machine P decodes this model in ~2 ms a token, and the
+        # request must still run when the drain's 0.1 s are over (CI once saw 200 end
+        # within a 0.5 s drain: "empty").
+        req = make_request(prompt=prompt, max_tokens=400, seed=8, beam_width=4,
                            request_id=request_id, **kw)
-        req.stage1.min_tokens = 200
+        req.stage1.min_tokens = 400
         return req
 
     streamed, result, refused, summary = [], None, None, None
@@ -833,7 +836,7 @@ def test_a_move_to_a_drained_d_is_refused_and_the_request_runs_on(family, family
                 if event.HasField("stage1_tokens"):
                     streamed.extend(event.stage1_tokens.ids)
                     if len(streamed) >= 10 and summary is None:
-                        summary = client.drain(d_address, timeout_s=0.5)
+                        summary = client.drain(d_address, timeout_s=0.1)
                         with pytest.raises(grpc.RpcError) as refused:
                             stub.Move(router_pb2.MoveRequest(request_id="fam-move-drained"),
                                       timeout=30)
