@@ -109,8 +109,25 @@ class AdmissionScheduler(Scheduler):
         self._admit_new_imports()
         self._slots.before_schedule(self)
         output = super().schedule(*args, **kwargs)
-        self._slots.after_schedule(self, output)
+        copies = self._slots.after_schedule(self, output)
+        if copies:
+            self._send_copies(output, copies)
         return output
+
+    def _send_copies(self, output: Any, copies: list[Any]) -> None:
+        """Beam slots' block copies for this step's worker. With beam fork on, the
+        connector's worker runs them with its fork copies (``connector.beam_fork``: one
+        gather and one scatter per KV tensor); else vLLM's ``kv_cache_block_copies``,
+        which on CPU copies through a byte view and cost ~0.8 ms a step for 25 blocks
+        (docs/decisions.md, "Slot copies on the connector's worker")."""
+        meta = output.kv_connector_metadata
+        if self._beam_fork and hasattr(meta, "kvhandoff_fork_copies"):
+            meta.kvhandoff_fork_copies = [*meta.kvhandoff_fork_copies, *copies]
+            # They feed this step's forward: vLLM runs the connector's loads before it
+            # only in a step with a sync load (else after, off the critical path).
+            output.has_sync_kv_loads = True
+        else:
+            output.kv_cache_block_copies = [*(output.kv_cache_block_copies or []), *copies]
 
     def _admit_new_imports(self) -> None:
         # Imports admitted in this pass have not allocated yet: count what they claimed.

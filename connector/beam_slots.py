@@ -22,8 +22,9 @@ rest:
   split; one bigger than the pool ends at once.
 - **Forks are block copies.** After a step whose new beam ``j`` continues the beam of
   slot ``p != j``, slot ``j``'s own blocks (from the one holding the parent's last token
-  on) become copies of slot ``p``'s, through vLLM's ``kv_cache_block_copies`` (gathered
-  before scattered, before the next forward). No request is created per step.
+  on) become copies of slot ``p``'s (gathered before scattered, before the next
+  forward: the connector worker's, or vLLM's ``kv_cache_block_copies`` where the
+  connector does not copy blocks). No request is created per step.
 - **Out of the prefix cache.** A slot's own blocks change under it, so vLLM's hashes of
   them (made from the slot's own token list) would be wrong: they are evicted from the
   prefix cache in the step that made them. A copy only ever writes a block its slot
@@ -237,9 +238,12 @@ class SlotGroups:
         return (len(running) + seqs <= scheduler.max_num_active_reqs
                 and running_tokens + tokens <= scheduler.max_num_scheduled_tokens)
 
-    def after_schedule(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
-        """Check every group runs whole; keep slot blocks out of the prefix cache; copy
-        the last step's parents into their children's slots."""
+    def after_schedule(self, scheduler: Scheduler, output: SchedulerOutput
+                       ) -> list[KVCacheBlockCopy]:
+        """Check every group runs whole; keep slot blocks out of the prefix cache; the
+        copies of the last step's parents into their children's slots, to run before
+        this step's forward (the caller hands them to the worker, all gathered before
+        any is written: a permutation with repeats is safe)."""
         scheduled = output.num_scheduled_tokens
         pool = scheduler.kv_cache_manager.block_pool
         copies: list[KVCacheBlockCopy] = []
@@ -269,8 +273,7 @@ class SlotGroups:
                 group.parents = None
             elif group.step:
                 group.copied.append(0)
-        if copies:
-            output.kv_cache_block_copies = [*(output.kv_cache_block_copies or []), *copies]
+        return copies
 
     @staticmethod
     def _copies(group: _Group, blocks: list[list[int]], pool: Any) -> list[KVCacheBlockCopy]:

@@ -318,16 +318,19 @@ def _slot_step(scheduler, groups=None, finished_sending=()):
     return out, {o.request_id: o for eco in outputs.values() for o in eco.outputs}
 
 
-def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir):
+@pytest.mark.parametrize("beam_fork", [True, False])
+def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir, beam_fork):
     """Three slots over a 95-token parent (first block a slot holds alone: 2, full at
     admission, so vLLM hashes it): they wait for each other and start in one step; their
     own blocks are out of the prefix cache; a step whose beams continue slots 0, 0, 1
     copies slot 0's blocks into slot 1's and slot 1's into slot 2's before the next
-    forward; slot 0's final output carries the beams; nothing is left."""
+    forward (on the connector's worker with beam fork on, else through vLLM's
+    ``kv_cache_block_copies``); slot 0's final output carries the beams; nothing is
+    left."""
     from connector.handoff import KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
-    scheduler = make_scheduler(model_dir)
+    scheduler = make_scheduler(model_dir, extra_config={"beam_fork": beam_fork})
     parent = list(range(10, 105))
     slots = [_slot_request(parent + [20 + i], slot=i, width=3) for i in range(3)]
     scheduler.add_request(slots[0])
@@ -351,7 +354,12 @@ def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir):
     for rid, new in zip(cached.req_ids, cached.new_block_ids):
         own[rid] = own[rid] + (list(new[0]) if new else [])
     assert len(own["g0"]) == 2, "block 2 and the one step 2 writes into"
-    assert sorted(out.kv_cache_block_copies or []) == sorted(
+    on_worker = list(out.kv_connector_metadata.kvhandoff_fork_copies)
+    by_vllm = list(out.kv_cache_block_copies or [])
+    assert not (by_vllm if beam_fork else on_worker), "copies sent two ways"
+    # vLLM runs the connector's loads before the forward only in a step marked so.
+    assert out.has_sync_kv_loads or not beam_fork, "the copies would run after the forward"
+    assert sorted(on_worker or by_vllm) == sorted(
         [*zip(own["g0"], own["g1"]), *zip(own["g1"], own["g2"])])
     got = dict(outputs["g0"].kv_transfer_params[KEY][SLOT_KEY])
     assert got.pop("steps") == {"select_ms": [0.0, 0.0], "copied_blocks": [4],
