@@ -211,6 +211,9 @@ class BeamForkWorker:
         # harness's injected faults write through (connector.faults).
         self._kv_views: list[tuple[Any, int]] = []
         self._kernel_blocks_per_block = 1
+        # Gather buffers of block copies, by (dtype, device, block shape): the largest
+        # step's copies, held while the engine runs.
+        self._copy_buffers: dict[tuple[Any, ...], Any] = {}
         self._fork_released: set[str] = set()
 
     def _register_kv_views(self, kv_caches: dict[str, Any], physical_per_logical: int) -> None:
@@ -237,7 +240,24 @@ class BeamForkWorker:
         dst = torch.tensor([d * ratio + j for _, d in copies for j in range(ratio)],
                            dtype=torch.long, device=device)
         for tensor, dim in self._kv_views:
-            tensor.index_copy_(dim, dst, tensor.index_select(dim, src))
+            tensor.index_copy_(dim, dst, self._gathered(tensor, dim, src))
+
+    def _gathered(self, tensor: Any, dim: int, index: Any) -> Any:
+        """``tensor.index_select(dim, index)``, into a buffer kept for the next step where
+        the block dimension leads: a fresh one each step (tens of MiB at W=512) cost
+        more in page faults than the copy itself."""
+        import torch
+
+        if dim != 0:
+            return tensor.index_select(dim, index)
+        key = (tensor.dtype, tensor.device, tuple(tensor.shape[1:]))
+        buffer = self._copy_buffers.get(key)
+        if buffer is None or buffer.shape[0] < len(index):
+            buffer = self._copy_buffers[key] = torch.empty(
+                (len(index), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        out = buffer[:len(index)]
+        torch.index_select(tensor, 0, index, out=out)
+        return out
 
     def _report_fork_releases(self, results: Any) -> Any:
         """Released kept requests are reported as "finished sending": the scheduler frees
