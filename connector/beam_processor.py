@@ -136,6 +136,9 @@ class BeamSlotProcessor(LogitsProcessor):
                  is_pin_memory: bool) -> None:
         self._rows: dict[int, _Slot] = {}
         self._groups: dict[str, GroupSearch] = {}
+        # Per group, the slot holding each live beam (the search's order): a beam's first
+        # child stays in its parent's slot, so fewer blocks are copied.
+        self._slot_of_beam: dict[str, np.ndarray] = {}
         self._failed: set[str] = set()
         self._catalogs = _load_catalogs(vllm_config)
 
@@ -147,6 +150,7 @@ class BeamSlotProcessor(LogitsProcessor):
         present = {row.group for row in self._rows.values()}
         for group in [g for g in self._groups if g not in present]:
             del self._groups[group]
+            self._slot_of_beam.pop(group, None)
         self._failed &= present
         OUTBOX.active = bool(self._rows)
 
@@ -182,12 +186,13 @@ class BeamSlotProcessor(LogitsProcessor):
         if search.done:
             return self._fail(group, search.step + 1, "a step past its last one")
         live = search.num_live
-        if any(i not in rows for i in range(live)):
+        slot_of = self._slot_of_beam.setdefault(group, np.arange(live))
+        if any(int(slot) not in rows for slot in slot_of):
             return self._fail(group, search.step + 1,
-                              f"{sum(i in rows for i in range(live))} of its {live} live "
+                              f"{sum(int(s) in rows for s in slot_of)} of its {live} live "
                               "beams in the batch")
         t0 = time.perf_counter()
-        index = torch.tensor([rows[i] for i in range(live)], device=logits.device,
+        index = torch.tensor([rows[int(slot)] for slot in slot_of], device=logits.device,
                              dtype=torch.long)
         rows_logits = logits.index_select(0, index)
         if search.catalog is not None:
@@ -197,8 +202,14 @@ class BeamSlotProcessor(LogitsProcessor):
             if candidates is None:  # scores tie where it matters: vLLM's whole list
                 candidates = _candidates(rows_logits, width)
         parents, tokens = search.select(candidates)
-        _force(logits, rows, tokens)
-        record: dict[str, Any] = {"step": search.step, "parents": parents.tolist(),
+        slots = self._slot_of_beam[group] = place_beams(slot_of[parents], members)
+        forced = np.zeros(members, dtype=np.int64)  # slots with no beam: never read
+        forced[slots] = tokens
+        _force(logits, rows, forced)
+        # The scheduler copies slot ``source[s]``'s blocks into slot ``s``'s.
+        source = np.arange(members)
+        source[slots] = slot_of[parents]
+        record: dict[str, Any] = {"step": search.step, "parents": source.tolist(),
                                   "select_ms": (time.perf_counter() - t0) * 1e3}
         if search.done:
             record["result"] = search.result()
@@ -303,9 +314,24 @@ def _catalog_candidates(rows: torch.Tensor, search: GroupSearch) -> Any:
                               search.eos_token_id, search.ignore_eos)
 
 
+def place_beams(parent_slots: np.ndarray, members: int) -> np.ndarray:
+    """The slot of each new beam (``parent_slots``: its parent's slot, in the search's
+    order): a parent's first child takes the parent's slot (nothing to copy), the others
+    take the slots no child took, lowest first."""
+    slots = np.full(len(parent_slots), -1, dtype=np.int64)
+    taken = np.zeros(members, dtype=bool)
+    for j, parent in enumerate(parent_slots.tolist()):
+        if not taken[parent]:
+            slots[j] = parent
+            taken[parent] = True
+    rest = np.flatnonzero(slots < 0)
+    slots[rest] = np.flatnonzero(~taken)[:len(rest)]
+    return slots
+
+
 def _force(logits: torch.Tensor, rows: dict[int, int], tokens: np.ndarray) -> None:
-    """Slot ``j`` samples ``tokens[j]``; slots past the live beams sample token 0 (their
-    output is never read)."""
+    """Slot ``j`` samples ``tokens[j]`` (0 in a slot holding no beam: its output is
+    never read)."""
     slots = sorted(rows)
     index = torch.tensor([rows[s] for s in slots], device=logits.device)
     forced = torch.tensor([int(tokens[s]) if s < len(tokens) else 0 for s in slots],

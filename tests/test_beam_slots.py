@@ -602,3 +602,20 @@ def test_a_made_slot_copies_its_leaders_block_hashes_and_goes_on_as_vllm_would(p
             slot.append_output_token_ids(token)
         assert slot.block_hashes == fresh(slot.all_token_ids)
     assert len(made[0].block_hashes) >= (parent_len + 1) // BLOCK_SIZE
+
+
+def test_a_beams_first_child_stays_in_its_parents_slot():
+    """New beams whose parents sit in slots 0, 0, 1, 3 (of 5): the first child of each
+    stays (nothing to copy), the second of slot 0 takes the lowest slot no child took;
+    the slots' sources ask for that one copy only."""
+    import numpy as np
+
+    from connector.beam_processor import place_beams
+
+    slots = place_beams(np.array([0, 0, 1, 3]), 5)
+    assert slots.tolist() == [0, 2, 1, 3]
+    source = np.arange(5)
+    source[slots] = [0, 0, 1, 3]
+    assert [s for s in range(5) if source[s] != s] == [2]
+    assert place_beams(np.array([2, 2, 2]), 3).tolist() == [2, 0, 1]
+    assert place_beams(np.array([], dtype=np.int64), 3).tolist() == []
