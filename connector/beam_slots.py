@@ -48,7 +48,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
@@ -140,12 +139,18 @@ class SlotGroups:
         if token is not None:
             prompt[-1] = int(token)
         own = {k: v for k, v in spec.items() if k != "clones"}
+        # Its own dicts one level down (its beam parameters are changed per slot); the
+        # leader's sampling parameters, already checked, with its own extra_args
+        # (``msgspec.structs.replace`` would check them again: 511 clones at W=512).
+        transfer = {k: dict(v) if isinstance(v, dict) else v
+                    for k, v in (params.extra_args.get("kv_transfer_params") or {}).items()}
         extra = {**params.extra_args, SLOT_KEY: {**own, "slot": slot, "cum": float(cum)},
-                 "kv_transfer_params": copy.deepcopy(
-                     params.extra_args.get("kv_transfer_params"))}
+                 "kv_transfer_params": transfer or None}
+        sampling = copy.copy(params)
+        sampling.extra_args = extra
         clone = Request(request_id=f"{leader.request_id}{CLONE_SEP}{slot}",
                         prompt_token_ids=prompt,
-                        sampling_params=msgspec.structs.replace(params, extra_args=extra),
+                        sampling_params=sampling,
                         pooling_params=None, client_index=leader.client_index,
                         arrival_time=leader.arrival_time, priority=leader.priority,
                         # Its leader's adapter: the same weights, and block hashes
