@@ -263,24 +263,29 @@ def _deciding_candidates(rows: torch.Tensor, search: GroupSearch) -> Candidates 
 
     width, vocab = search.width, rows.shape[-1]
     k = min(2 * width, vocab)
+    whole_rows = k == vocab  # every token of a row is in its list (W >= vocab / 2)
     logprobs = Sampler.compute_logprobs(rows).float()
     scores = (torch.from_numpy(search.cum_logprobs).to(rows.device)[:, None]
               + logprobs.double())
-    if bool(torch.isnan(scores).any()):
-        return None
     greedy = Sampler.greedy_sample(rows).long()
     eos = None if search.ignore_eos else search.eos_token_id
     eos_rows = torch.empty(0, dtype=torch.long, device=rows.device)
     if eos is not None and 0 <= eos < vocab:
-        eos_logprobs = logprobs[:, eos:eos + 1]
-        above = (logprobs > eos_logprobs).sum(1)
-        level = (logprobs == eos_logprobs).sum(1)  # with itself
-        sampled = greedy == eos
-        if bool(((above < k) & (above + level > k) & ~sampled).any()):
-            return None  # EOS on its row's boundary: in the list by topk's pick alone
-        eos_rows = ((above < k) | sampled).nonzero().flatten()
+        if whole_rows:
+            eos_rows = torch.arange(len(rows), device=rows.device)
+        else:
+            eos_logprobs = logprobs[:, eos:eos + 1]
+            above = (logprobs > eos_logprobs).sum(1)
+            level = (logprobs == eos_logprobs).sum(1)  # with itself
+            sampled = greedy == eos
+            if bool(((above < k) & (above + level > k) & ~sampled).any()):
+                return None  # EOS on its row's boundary: in the list by topk's pick alone
+            eos_rows = ((above < k) | sampled).nonzero().flatten()
         scores[:, eos] = float("-inf")
     best, flat = torch.topk(scores.flatten(), min(width + 1, scores.numel()))
+    # A NaN logit makes its whole row NaN, and topk ranks NaN above every number.
+    if bool(torch.isnan(best).any()):
+        return None
     kept = torch.isfinite(best)
     best, flat = best[kept], flat[kept]
     if bool((best[1:] == best[:-1]).any()):
@@ -288,9 +293,10 @@ def _deciding_candidates(rows: torch.Tensor, search: GroupSearch) -> Candidates 
     chosen = flat[:width]
     parents, tokens = chosen // vocab, chosen % vocab
     chosen_logprobs = logprobs[parents, tokens]
-    ranks = (logprobs[parents] > chosen_logprobs[:, None]).sum(1)
-    if bool(((ranks >= k) & (tokens != greedy[parents])).any()):
-        return None  # not in its row's list (cannot happen without ties; checked)
+    if not whole_rows:
+        ranks = (logprobs[parents] > chosen_logprobs[:, None]).sum(1)
+        if bool(((ranks >= k) & (tokens != greedy[parents])).any()):
+            return None  # not in its row's list (cannot happen without ties; checked)
     return Candidates(
         torch.cat((eos_rows, parents)).cpu().numpy(),
         torch.cat((torch.full_like(eos_rows, eos if eos is not None else 0),

@@ -571,6 +571,11 @@ def test_the_deciding_candidates_pick_what_the_whole_list_picks():
         outcomes["same"] += 1
     assert outcomes["same"] >= 90 and outcomes["declined"] == 0, outcomes
     assert outcomes["declined with ties"] >= 10, outcomes
+    # A NaN logit (its row's logprobs all NaN) declines too, at every width.
+    for width, vocab in ((4, 1024), (512, 1024), (64, 50)):
+        logits = torch.randn(3, vocab, generator=g)
+        logits[1, 7] = float("nan")
+        assert _deciding_candidates(logits, search(width, EOS, False, np.zeros(3))) is None
 
 
 @pytest.mark.parametrize("parent_len", [60, 63, 64, 95])
