@@ -45,6 +45,7 @@ from connector.handoff import (
     KEY,
     ImportRequest,
     can_reach_p,
+    is_made_slot,
     validate_import,
 )
 from connector.signing import load_secret, verify
@@ -241,6 +242,11 @@ class AdmissionScheduler(Scheduler):
                     kv_transfer_params={KEY: {"error": message, "reason": reason}},
                 )
             )
+        for eco in outputs.values():
+            # Slots made here (connector.beam_slots) have no client: their outputs would
+            # cross to the front end only to be dropped there, 511 a step at W=512.
+            if any(is_made_slot(out.request_id) for out in eco.outputs):
+                eco.outputs = [out for out in eco.outputs if not is_made_slot(out.request_id)]
         return outputs
 
 

@@ -509,6 +509,8 @@ def test_the_scheduler_makes_a_groups_slots_from_its_leader(model_dir):
                                                       + [r.request_id for r in made])
     assert outputs[leader.request_id].kv_transfer_params[KEY][SLOT_KEY]["live"] == \
         result["live"]
+    # The made slots have no client: their outputs never leave the engine core.
+    assert list(outputs) == [leader.request_id]
     assert_scheduler_clean(scheduler)
 
 
