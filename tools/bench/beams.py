@@ -7,6 +7,8 @@ For each W (increasing) and T, on one P+D pair in this process, the engines to i
   search): stage 2's total and its import step;
 - **floor**: that import step plus T-1 engine steps decoding W sequences of the stage-2
   prompt's length (vLLM's iteration stats: ``floor.decode_step_ms``); ratio = ours / floor;
+  both ``BenchConfig.beam_repeats`` times (another parent each), medians reported (one
+  sample moved the ratio by a third on this 2-core machine);
 - **ours and vLLM's, warm**: the same stage-2 prompt on D again, ours (step 0 finds the
   parent's full blocks in D's prefix cache) then vLLM's ``beam_search`` (the online one,
   ``decode_engine.beam.vllm_beam_search``) in the same cache state; ratio = vLLM / ours;
@@ -112,12 +114,21 @@ async def beam_point(bench: Bench, prompt: list[int], width: int, tokens: int,
                      seed: int) -> dict[str, Any]:
     """One (W, T): the figures in the module docstring."""
     beam = BeamParams(beam_width=width, max_tokens=tokens)
-    cold = await bench.one("handoff", prompt, seed, beam=beam)
-    # Long enough that all W, admitted over a few steps (their partial blocks share the
-    # token budget), decode together for a while.
-    step_ms = await decode_step_ms(bench, cold.stage2_prompt, width,
-                                   max(tokens, 3) + width // 32)
-    floor_ms = cold.stage2_first_beam_ms + (tokens - 1) * step_ms
+    colds, steps_ms, ratios = [], [], []
+    for rep in range(bench.cfg.beam_repeats):
+        # Another stage-1 seed: another parent, so D's cache misses it (cold).
+        cold = await bench.one("handoff", prompt, seed + 1000 * rep, beam=beam)
+        # Long enough that all W, admitted over a few steps (their partial blocks share
+        # the token budget), decode together for a while.
+        step_ms = await decode_step_ms(bench, cold.stage2_prompt, width,
+                                       max(tokens, 3) + width // 32)
+        colds.append(cold)
+        steps_ms.append(step_ms)
+        ratios.append(cold.stage2_total_ms / (cold.stage2_first_beam_ms
+                                              + (tokens - 1) * step_ms))
+    med = statistics.median
+    step_ms = med(steps_ms)
+    floor_ms = med(c.stage2_first_beam_ms for c in colds) + (tokens - 1) * step_ms
     since = bench.d.counters.iterations
     t0 = time.perf_counter()
     ours = await run_beam_stage(bench.d, cold.stage2_prompt, beam, bench.new_id("warm"))
@@ -133,11 +144,14 @@ async def beam_point(bench: Bench, prompt: list[int], width: int, tokens: int,
     slots_ms = ours_ms - ours.first_step_s * 1e3
     return {
         "beam_width": width, "beam_tokens": tokens, "parent_tokens": cold.parent_tokens,
-        "stage2_cold_ms": round(cold.stage2_total_ms, 1),
-        "import_step_ms": round(cold.stage2_first_beam_ms, 1),
+        "repeats": len(colds),
+        "stage2_cold_ms": round(med(c.stage2_total_ms for c in colds), 1),
+        "import_step_ms": round(med(c.stage2_first_beam_ms for c in colds), 1),
         "decode_step_ms": round(step_ms, 1),
         "floor_ms": round(floor_ms, 1),
-        "ratio_to_floor": round(cold.stage2_total_ms / floor_ms, 3),
+        # The median of each cold run against the floor measured right after it.
+        "ratio_to_floor": round(med(ratios), 3),
+        "ratio_to_floor_runs": [round(r, 3) for r in ratios],
         "ours_warm_ms": round(ours_ms, 1), "vllm_warm_ms": round(vllm_ms, 1),
         "vllm_over_ours": round(vllm_ms / ours_ms, 2), "same_beams_as_vllm": same,
         "slot_step_ms": None if slot_step is None else round(slot_step, 1),

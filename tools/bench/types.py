@@ -28,6 +28,8 @@ class BenchConfig:
     floor_widths: tuple[int, ...] = (4, 16, 32)
     floor_tokens: tuple[int, ...] = (3, 8)
     floor_repeats: int = 2
+    #: ``--beams``: cold handoffs (and floors) per (W, T); the medians are reported.
+    beam_repeats: int = 3
     #: Seconds over which the engines' CPU is measured idle and holding an export.
     idle_s: float = 10.0
     seed: int = 0
