@@ -383,8 +383,24 @@ def test_a_restarted_d_is_noticed_and_used_again(fleet):
     if old.proc.poll() is None:  # the test before killed it, unless run alone
         _kill(old)
     _router_sees(fleet, old, up=False)
+    routers = ("router", "resume", "cache")  # those that route to D0
+    warmed = {r: _warm_ups(fleet, r, old) for r in routers}
     _restart(fleet, "d0", "decode0-restarted")  # seen up at the router's next poll
     d0 = fleet["d0"]
+    # Each router warms the new D0 up when it answers again, one handoff per P, holding
+    # a claim on D0 and blocks there meanwhile: "router" placed by room on D1 then (seen
+    # once in CI). Wait until every router warmed it and no warm-up was counted for a
+    # second (four capacity polls: the snapshots show D0's blocks back).
+    deadline = time.monotonic() + 60
+    counts, still_since = None, time.monotonic()
+    while True:
+        now = {r: _warm_ups(fleet, r, d0) for r in routers}
+        if now != counts:
+            counts, still_since = now, time.monotonic()
+        if all(counts[r] > warmed[r] for r in routers) and time.monotonic() - still_since > 1:
+            break
+        assert time.monotonic() < deadline, f"the routers' warm-ups of the new D0: {counts}"
+        time.sleep(0.2)
     with RouterClient(fleet["router"].address) as client:
         got = [client.generate(make_request(prompt=list(range(60, 140)), max_tokens=8, seed=s,
                                             beam_width=4, path="handoff"), timeout=300)
@@ -572,6 +588,12 @@ def test_cancel_or_deadline_between_stage1_and_the_read_frees_both(fleet, how):
     if how == "deadline":
         assert reads == 1, (f"D0 ran {reads:g} READs besides the routers' warm-ups: 1 is "
                             "the request after; more, the export it was never to read")
+
+
+def _warm_ups(fleet, router: str, d) -> float:
+    """Warm-up handoffs to ``d`` that ``fleet[router]`` counted, whatever their outcome."""
+    return metric_sum(fleet[router].metrics_url, "kvhandoff_router_warmups_total",
+                      dest=d.address)
 
 
 def _reads_not_warm_ups(fleet, d) -> float:
