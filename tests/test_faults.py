@@ -590,16 +590,16 @@ def test_cancel_or_deadline_between_stage1_and_the_read_frees_both(fleet, how):
                             "the request after; more, the export it was never to read")
 
 
-def _warm_ups(fleet, router: str, d) -> float:
-    """Warm-up handoffs to ``d`` that ``fleet[router]`` counted, whatever their outcome."""
+def _warm_ups(fleet, router: str, d, **labels: str) -> float:
+    """Warm-up handoffs to ``d`` that ``fleet[router]`` counted (with ``labels``, e.g.
+    ``outcome``; else whatever their outcome)."""
     return metric_sum(fleet[router].metrics_url, "kvhandoff_router_warmups_total",
-                      dest=d.address)
+                      dest=d.address, **labels)
 
 
 def _reads_not_warm_ups(fleet, d) -> float:
     """NIXL READs ``d`` completed less the warm-up handoffs to it the routers counted."""
-    warm_ups = sum(metric_sum(fleet[r].metrics_url, "kvhandoff_router_warmups_total",
-                              dest=d.address, outcome="imported")
+    warm_ups = sum(_warm_ups(fleet, r, d, outcome="imported")
                    for r in ("router", "strict", "resume", "cache"))
     return metric_sum(d.metrics_url, "kvhandoff_engine_nixl_transfers_total") - warm_ups
 
