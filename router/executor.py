@@ -92,11 +92,7 @@ class Executor:
                 handoff_msg = item
         # Stage 1 finished on D: D holds the parent, stage 2 reads its cache.
         on_d = running.stage1_on_d
-        # A stage 1 stopped by a move ends "length" short of its max_tokens, with a
-        # handoff of the tokens so far: it goes on at the move's destination.
-        while (running.move_asked and handoff_msg is not None
-                and out.stage1_finish_reason == "length"
-                and len(out.thinking_ids) < plan.stage1.max_tokens):
+        while self._stopped_by_move(running, plan, out, handoff_msg):
             if running.move_to is not None:  # another P, which may be moved from again
                 source_handoff, handoff_msg = handoff_msg, None
                 async for item in self.move_to_p(running, source_handoff, plan, out):
@@ -186,6 +182,19 @@ class Executor:
                     from_endpoint=failed.address, to_endpoint=running.p.address, at_token=t,
                     num_imported_tokens=0,
                     num_computed_tokens=len(plan.prompt_ids) + resume_at, reason=reason))
+
+    @staticmethod
+    def _stopped_by_move(running: Running, plan: Plan, out: Outcome,
+                         handoff_msg: common_pb2.Handoff | None) -> bool:
+        """Whether stage 1, just ended on its P, was ended by a move's stop (and goes on
+        at the move's destination); settles the move's ask either way. A stopped stage 1
+        ends "length" short of its max_tokens, with a handoff of the tokens so far."""
+        stopped = (running.move_asked and handoff_msg is not None
+                   and out.stage1_finish_reason == "length"
+                   and len(out.thinking_ids) < plan.stage1.max_tokens)
+        if running.move_asked:
+            running.settle_move(stopped)
+        return stopped
 
     async def move_to_p(self, running: Running, handoff: common_pb2.Handoff, plan: Plan,
                         out: Outcome) -> _Stage1Items:

@@ -44,6 +44,11 @@ class Running:
     move_reason: str = ""
     #: The P a move asked for goes to (None: the request's D).
     move_to: Endpoint | None = None
+    #: Made by the desk with each move it asks for; the run settles it once stage 1
+    #: has ended on the P it was stopped on: True when it goes on at the destination,
+    #: False when it ended there before the stop took effect (finished, or out of
+    #: tokens). The desk answers Router.Move from it.
+    move_taken: asyncio.Future | None = None
     #: Stage 1 was finished on ``d`` (P died with no other P to resume on): D's prefix
     #: cache holds the parent, stage 2 needs no handoff.
     stage1_on_d: bool = False
@@ -54,6 +59,11 @@ class Running:
     @property
     def move_asked(self) -> bool:
         return bool(self.move_reason)
+
+    def settle_move(self, taken: bool) -> None:
+        """The run, once stage 1 ended after a move was asked for: whether it moves."""
+        if self.move_taken is not None and not self.move_taken.done():
+            self.move_taken.set_result(taken)
 
     def uses(self, ep: Endpoint) -> bool:
         return ep is self.p if self.stage == 1 else ep is self.d
@@ -107,13 +117,20 @@ class MoveDesk:
         finally:
             if tracked:
                 del self._running[rid]
+            if running.move_taken is not None and not running.move_taken.done():
+                # It ended before stage 1 came back from the stop (failed or cancelled).
+                running.move_taken.set_exception(grpc_error(
+                    grpc.StatusCode.ABORTED, f"request {rid!r} ended while it was being "
+                    f"moved ({running.error!r})"))
             running.done.set()
 
     async def move(self, request_id: str, reason: str = "move",
                    to: str = "") -> router_pb2.MoveResponse:
         """Router.Move: ask P to stop ``request_id``'s stage 1 after its next token; its
         run then goes on at the destination: the D it is planned for, or the P at
-        address ``to``."""
+        address ``to``. Answers once stage 1 has ended on P: OK when it goes on at the
+        destination, FAILED_PRECONDITION when it ended on P before the stop reached it
+        (nothing is moved; the request goes on as if never asked)."""
         running = self._running.get(request_id)
         if running is None:
             raise grpc_error(grpc.StatusCode.NOT_FOUND,
@@ -135,12 +152,26 @@ class MoveDesk:
         # the destination) before stop() returns.
         source = running.p
         running.move_reason, running.move_to = reason, dest
+        taken = running.move_taken = asyncio.get_running_loop().create_future()
         try:
             await self.stages.stop(source, running.s1_id,
                                    dest.handoff_target if dest is not None else "")
         except BaseException:
-            running.move_reason, running.move_to = "", None
+            running.move_reason, running.move_to, running.move_taken = "", None, None
             raise
+        try:
+            # One engine step after the stop, unless P stalls.
+            moving = await asyncio.wait_for(asyncio.shield(taken),
+                                            self.stages.call_timeout_s)
+        except TimeoutError:
+            raise grpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"request {request_id!r}: {source.address} did not end its "
+                             f"stage 1 within {self.stages.call_timeout_s:g} s of the "
+                             "stop (it still will: the move goes on)") from None
+        if not moving:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"request {request_id!r}: stage 1 ended on {source.address} "
+                             "before the stop reached it (nothing moved)")
         to_address = (dest or running.d).address
         logger.info("%s: moving stage 1 from %s to %s (%s)", request_id, source.address,
                     to_address, reason)

@@ -605,10 +605,32 @@ def test_the_router_seeds_unseeded_requests_and_the_seed_replays_them(family, fa
     assert resp.stage1_seed == parent.stage1_seed
 
 
+#: What ``_move_or_raced`` returns when the stop reached P after stage 1 had ended.
+RACED = object()
+
+
+def _move_or_raced(stub, request_id: str):
+    """Router.Move of ``request_id``; RACED when the router answers that stage 1 ended on
+    P before the stop reached it (the client's stream lags P: under load P can finish
+    first, and Move says so rather than claim a move)."""
+    import grpc
+
+    from kvhandoff.v1 import router_pb2
+
+    try:
+        return stub.Move(router_pb2.MoveRequest(request_id=request_id), timeout=30)
+    except grpc.RpcError as e:
+        if (e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                and "before the stop reached it" in e.details()):
+            return RACED
+        raise
+
+
 @pytest.mark.migration
 def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family,
                                                                         family_clean):
-    """Router.Move after 10 streamed stage-1 tokens: P stops after its next token, D
+    """Router.Move after 10 streamed stage-1 tokens (again, up to 3 times, where Move
+    answers that stage 1 had ended on P first): P stops after its next token, D
     imports what P had and samples the rest, then runs stage 2. The stream has every
     token once, D's part arrives as D samples it (many events, not one batch), stage 1
     and the beams equal the same request never moved (colocated), and the response
@@ -623,28 +645,39 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
     prompt = list(_parent_request("fam-move").prompt_token_ids.ids)
 
     def request(request_id, **kw):
-        req = make_request(prompt=prompt, max_tokens=150, seed=17, beam_width=4,
+        # 400 tokens: P decodes ~2 ms a token on an idle machine; the stream lags it.
+        req = make_request(prompt=prompt, max_tokens=400, seed=17, beam_width=4,
                            request_id=request_id, **kw)
-        req.stage1.min_tokens = 150
+        req.stage1.min_tokens = 400
         return req
 
-    streamed, batches, result, moved = [], [], None, None
-    for event in stub.GenerateStream(request("fam-move"), timeout=120):
-        if event.HasField("stage1_tokens"):
-            streamed.extend(event.stage1_tokens.ids)
-            batches.append(len(streamed))
-            if len(streamed) >= 10 and moved is None:
-                moved = stub.Move(router_pb2.MoveRequest(request_id="fam-move"), timeout=30)
-        else:
-            result = event.result
+    def stream_and_move(request_id):
+        streamed, batches, result, moved = [], [], None, None
+        for event in stub.GenerateStream(request(request_id), timeout=120):
+            if event.HasField("stage1_tokens"):
+                streamed.extend(event.stage1_tokens.ids)
+                batches.append(len(streamed))
+                if len(streamed) >= 10 and moved is None:
+                    moved = _move_or_raced(stub, request_id)
+            else:
+                result = event.result
+        return streamed, batches, result, moved
+
+    for attempt in range(3):  # the stream lags P: under load P can end first
+        streamed, batches, result, moved = stream_and_move(f"fam-move-{attempt}")
+        if moved is not RACED:
+            break
+        assert not result.moves and len(result.thinking_token_ids) == 400, \
+            "Move said nothing moved, yet the request moved or stopped short"
+    assert moved is not RACED, "stage 1 ended before every Move of 3"
     assert moved.from_endpoint == family["prefill"].address
     assert moved.to_endpoint == family["decode"][0].address
     with RouterClient(family["router"]) as client:
         ref = client.generate(request("fam-move-ref", path="colocated"))
     assert streamed == list(result.thinking_token_ids) == list(ref.thinking_token_ids)
-    assert len(result.moves) == 1, "the request was not moved"
+    assert len(result.moves) == 1, "Move answered OK and the request was not moved"
     move = result.moves[0]
-    assert 10 <= move.at_token < 150 and move.to_endpoint == moved.to_endpoint
+    assert 10 <= move.at_token < 400 and move.to_endpoint == moved.to_endpoint
     assert move.reason == "move"
     assert move.num_bytes_moved > 0 and move.pause_ms > 0
     # D's part streams as D samples it (not as one batch at its end).
@@ -652,7 +685,7 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
     assert move.num_imported_tokens == len(prompt) + move.at_token - 1
     assert [list(b.token_ids) for b in result.beams] == [list(b.token_ids) for b in ref.beams]
     with pytest.raises(grpc.RpcError) as e:
-        stub.Move(router_pb2.MoveRequest(request_id="fam-move"), timeout=30)
+        stub.Move(router_pb2.MoveRequest(request_id=result.request_id), timeout=30)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     unpositional = request("fam-move-vllm")
     unpositional.stage1.positional = False
@@ -678,7 +711,8 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
 def test_drain_moves_ps_running_stage1s_to_d_and_their_output_is_unchanged(family,
                                                                          family_clean):
     """Router.Drain on P while four stage 1s stream: the three positional ones move to
-    their D (reason "drain"), the one with vLLM's own sampling finishes on P; the call
+    their D (reason "drain": any whose stage 1 ended on P before the drain's stop reached
+    it is counted in place), the one with vLLM's own sampling finishes on P; the call
     returns once P is empty, and `kvhandoff drain` then says so at once. Every stream has
     each token once and every output equals the same request never moved (colocated).
     While P is drained a new request waits (this router has no other P) and is served
@@ -735,8 +769,12 @@ def test_drain_moves_ps_running_stage1s_to_d_and_their_output_is_unchanged(famil
             # lane) could outlast the 300-token stage 1s and find nothing to move.
             with RouterClient(family["router"]) as client:
                 summary = client.drain(p_address)
-            assert (summary.moved, summary.finished_in_place, summary.failed,
-                    summary.empty) == (3, 1, 0, True), summary
+            # Three movable, one not. A stage 1 that ended on P before the drain's stop
+            # reached it (the streams lag P under load) is counted in place: the
+            # per-request check below holds the summary to what happened.
+            assert (summary.moved + summary.finished_in_place, summary.failed,
+                    summary.empty) == (4, 0, True), summary
+            assert summary.moved >= 1, summary
             # The CLI on the drained, empty P: its summary, and it returns at once.
             drained = drain()
             assert drained.returncode == 0, drained.stderr
@@ -761,13 +799,13 @@ def test_drain_moves_ps_running_stage1s_to_d_and_their_output_is_unchanged(famil
         got = [f.result() for f in futures]
         refs = list(pool.map(lambda i: stub.Generate(request(i, "colocated"), timeout=300),
                              range(4)))
+    moved = [i for i, (_, result) in enumerate(got) if result.moves]
+    assert len(moved) == summary.moved and 3 not in moved, (moved, summary)
     for i, ((streamed, result), ref) in enumerate(zip(got, refs)):
         assert streamed == list(result.thinking_token_ids), i
-        # Moved to D, its stage 2 reads D's cache; the one left on P hands off as usual.
-        assert_identical(result, ref, imported=i == 3)
-        if i == 3:
-            assert not result.moves, "a request with vLLM's own sampling was moved"
-        else:
+        # Moved to D, its stage 2 reads D's cache; one left on P hands off as usual.
+        assert_identical(result, ref, imported=i not in moved)
+        if i in moved:
             assert [(m.reason, m.from_endpoint, m.to_endpoint) for m in result.moves] == [
                 ("drain", p_address, family["decode"][0].address)], i
             assert 5 <= result.moves[0].at_token < 300
@@ -778,24 +816,28 @@ def test_drain_moves_ps_running_stage1s_to_d_and_their_output_is_unchanged(famil
 
 @pytest.mark.migration
 def test_a_request_cancelled_during_its_move_frees_both_pools(family, family_clean):
-    """The client cancels right after Router.Move (P stopping, or D importing): both
-    pools come back clean (the fixture checks) and the router serves the next request."""
-    from kvhandoff.v1 import router_pb2
+    """The client cancels right after Router.Move answered (stage 1 stopped on P, D
+    importing or sampling on): both pools come back clean (the fixture checks) and the
+    router serves the next request."""
     from tools.client import RouterClient, make_request
 
     stub = _stub(family["router"])
     prompt = list(_parent_request("fam-move-cancel").prompt_token_ids.ids)
-    req = make_request(prompt=prompt, max_tokens=300, seed=5, beam_width=4,
-                       request_id="fam-move-cancel")
-    req.stage1.min_tokens = 300
-    call = stub.GenerateStream(req, timeout=120)
-    n = 0
-    for event in call:
-        n += len(event.stage1_tokens.ids)
-        if n >= 10:
-            moved = stub.Move(router_pb2.MoveRequest(request_id="fam-move-cancel"), timeout=30)
+    for attempt in range(3):  # again when stage 1 ended on P before the stop (Move says)
+        req = make_request(prompt=prompt, max_tokens=300, seed=5, beam_width=4,
+                           request_id=f"fam-move-cancel-{attempt}")
+        req.stage1.min_tokens = 300
+        call = stub.GenerateStream(req, timeout=120)
+        n = 0
+        for event in call:
+            n += len(event.stage1_tokens.ids)
+            if n >= 10:
+                moved = _move_or_raced(stub, req.request_id)
+                break
+        call.cancel()
+        if moved is not RACED:
             break
-    call.cancel()
+    assert moved is not RACED, "stage 1 ended before every Move of 3"
     assert moved.to_endpoint == family["decode"][0].address
     # The cancel acts on both engines within ~2 s (290 tokens were left to sample).
     assert_idle_within([family["prefill"], *family["decode"]])

@@ -585,9 +585,12 @@ def test_a_move_answers_where_stage_1_ran_even_when_it_completes_during_the_stop
     running = Running(plan, source, router.decode[0], s1_id="s1")
 
     class Stages:  # the run moves on before the stop call answers
+        call_timeout_s = 5.0
+
         async def stop(self, p, s1_id, target):
             assert (p, s1_id) == (source, "s1")
             running.p = dest
+            running.settle_move(True)
 
     desk = MoveDesk(router.pool, Stages())
 
@@ -598,6 +601,62 @@ def test_a_move_answers_where_stage_1_ran_even_when_it_completes_during_the_stop
     answer = asyncio.run(move())
     assert running.p is dest
     assert (answer.from_endpoint, answer.to_endpoint) == ("p", "p2")
+
+
+def test_a_move_answers_only_what_the_run_did_with_the_stop(model_dir):
+    """Router.Move answers once the run has seen stage 1 end on P: OK when the stop
+    ended it (it goes on at D); FAILED_PRECONDITION when stage 1 had ended on its own
+    before the stop reached P (the stop found nothing: a fresh-clone run counted such a
+    request as moved); ABORTED when the request ended another way meanwhile. Each run
+    here is the real check the executor makes (``_stopped_by_move``) on stage 1's end."""
+    from router import Outcome
+    from router.executor import Executor
+    from router.moves import MoveDesk, Running
+
+    router = _router(model_dir, [100])
+    for ep in (*router.prefill, *router.decode):
+        ep.capacity = engine_pb2.Capacity(num_total_blocks=200)
+    plan = dataclasses.replace(_plan(), stage1=Stage1Params(max_tokens=10, positional=True,
+                                                             seed=1))
+    handoff = common_pb2.Handoff(request_id="s1")
+
+    async def move(sampled: int, finish: str = "length", fail: bool = False):
+        running = Running(plan, router.prefill[0], router.decode[0], s1_id="s1")
+        out = Outcome(plan, "p", "d0", thinking_ids=list(range(sampled)))
+        out.stage1_finish_reason = finish
+
+        class Stages:  # P answers the stop; stage 1's end reaches the run after it
+            call_timeout_s = 5.0
+
+            async def stop(self, p, s1_id, target):
+                asyncio.get_running_loop().call_later(0.01, stage1_ended)
+
+        def stage1_ended():
+            if fail:
+                run.cancel()
+            else:
+                Executor._stopped_by_move(running, plan, out, handoff)
+
+        async def the_run():
+            with desk.track(running):
+                await asyncio.sleep(5)
+
+        desk = MoveDesk(router.pool, Stages())
+        run = asyncio.ensure_future(the_run())
+        await asyncio.sleep(0)
+        try:
+            return await desk.move(plan.request_id)
+        finally:
+            run.cancel()
+
+    assert asyncio.run(move(sampled=4)).to_endpoint == "d0"
+    for sampled, finish, fail, code, says in (
+            (10, "length", False, grpc.StatusCode.FAILED_PRECONDITION, "nothing moved"),
+            (4, "stop", False, grpc.StatusCode.FAILED_PRECONDITION, "nothing moved"),
+            (4, "length", True, grpc.StatusCode.ABORTED, "ended while")):
+        with pytest.raises(RouterError) as e:
+            asyncio.run(move(sampled, finish, fail))
+        assert e.value.code == code and says in str(e.value), (sampled, finish, fail)
 
 
 def test_a_search_kept_in_a_catalog_is_counted_at_the_slots_it_makes(model_dir):
