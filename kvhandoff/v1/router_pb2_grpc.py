@@ -127,7 +127,9 @@ class RouterServicer:
         2, another P finishes stage 1 (and can be moved from again). The stream goes on
         with neither repeated nor lost tokens; the response lists each move. NOT_FOUND: not
         running here, or an unknown destination; FAILED_PRECONDITION: not positional, not
-        on the handoff path, past stage 1, being moved, or a destination not taking work.
+        on the handoff path, past stage 1, being moved, a destination not taking work, or
+        stage 1 ended on P before the stop reached it (nothing moved). Answers once stage 1
+        has ended on P.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
