@@ -153,6 +153,8 @@ class MoveDesk:
         source = running.p
         running.move_reason, running.move_to = reason, dest
         taken = running.move_taken = asyncio.get_running_loop().create_future()
+        # Read even when this call gave up waiting (no "never retrieved" at exit).
+        taken.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             await self.stages.stop(source, running.s1_id,
                                    dest.handoff_target if dest is not None else "")
