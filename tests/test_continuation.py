@@ -11,7 +11,14 @@ import pytest
 from connector.handoff import ImportRequest
 from decode_engine.engine import run_beam_stage
 from tests.conftest import FAMILY_LEASE_S, LEASE_S
-from tests.utils import assert_handed_off, assert_identical, assert_idle_within, make_request
+from tests.utils import (
+    RACED,
+    assert_handed_off,
+    assert_identical,
+    assert_idle_within,
+    make_request,
+    move_or_raced,
+)
 from tools.harness import LOGPROB_TOLERANCE
 
 pytestmark = pytest.mark.engines
@@ -605,27 +612,6 @@ def test_the_router_seeds_unseeded_requests_and_the_seed_replays_them(family, fa
     assert resp.stage1_seed == parent.stage1_seed
 
 
-#: What ``_move_or_raced`` returns when the stop reached P after stage 1 had ended.
-RACED = object()
-
-
-def _move_or_raced(stub, request_id: str):
-    """Router.Move of ``request_id``; RACED when the router answers that stage 1 ended on
-    P before the stop reached it (the client's stream lags P: under load P can finish
-    first, and Move says so rather than claim a move)."""
-    import grpc
-
-    from kvhandoff.v1 import router_pb2
-
-    try:
-        return stub.Move(router_pb2.MoveRequest(request_id=request_id), timeout=30)
-    except grpc.RpcError as e:
-        if (e.code() == grpc.StatusCode.FAILED_PRECONDITION
-                and "before the stop reached it" in e.details()):
-            return RACED
-        raise
-
-
 @pytest.mark.migration
 def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family,
                                                                         family_clean):
@@ -658,7 +644,7 @@ def test_a_request_moved_to_d_mid_stage1_streams_on_and_equals_not_moving(family
                 streamed.extend(event.stage1_tokens.ids)
                 batches.append(len(streamed))
                 if len(streamed) >= 10 and moved is None:
-                    moved = _move_or_raced(stub, request_id)
+                    moved = move_or_raced(stub, request_id, timeout=30)
             else:
                 result = event.result
         return streamed, batches, result, moved
@@ -832,7 +818,7 @@ def test_a_request_cancelled_during_its_move_frees_both_pools(family, family_cle
         for event in call:
             n += len(event.stage1_tokens.ids)
             if n >= 10:
-                moved = _move_or_raced(stub, req.request_id)
+                moved = move_or_raced(stub, req.request_id, timeout=30)
                 break
         call.cancel()
         if moved is not RACED:

@@ -381,3 +381,26 @@ def reject_at_admission(scheduler, req, *, notify_p=True):
         assert req.request_id not in notify
     assert_scheduler_clean(scheduler)
     return result.kv_transfer_params[KEY]
+
+
+#: What ``move_or_raced`` returns when the stop reached P after stage 1 had ended.
+RACED = object()
+
+
+def move_or_raced(stub, request_id: str, **call_kwargs: Any):
+    """Router.Move of ``request_id`` on ``stub`` (a router's, or Serve's proxy with its
+    metadata in ``call_kwargs``); RACED when the router answers that stage 1 ended on P
+    before the stop reached it (a client's stream lags P: under load P can finish first,
+    and Move says so rather than claim a move)."""
+    import grpc
+
+    from kvhandoff.v1 import router_pb2
+
+    try:
+        return stub.Move(router_pb2.MoveRequest(request_id=request_id), **call_kwargs)
+    except grpc.RpcError as e:
+        if (e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                and "before the stop reached it" in e.details()):
+            return RACED
+        raise
+
