@@ -336,11 +336,10 @@ def place_beams(parent_slots: np.ndarray, members: int) -> np.ndarray:
 
 
 def _force(logits: torch.Tensor, rows: dict[int, int], tokens: np.ndarray) -> None:
-    """Slot ``j`` samples ``tokens[j]`` (0 in a slot holding no beam: its output is
-    never read)."""
+    """Slot ``j`` samples ``tokens[j]`` (``tokens``: one per slot of the group, 0 in a
+    slot holding no beam: its output is never read)."""
     slots = sorted(rows)
     index = torch.tensor([rows[s] for s in slots], device=logits.device)
-    forced = torch.tensor([int(tokens[s]) if s < len(tokens) else 0 for s in slots],
-                          device=logits.device)
+    forced = torch.from_numpy(tokens[slots]).to(logits.device)
     logits.index_fill_(0, index, float("-inf"))
     logits[index, forced] = 0.0
