@@ -193,20 +193,26 @@ def assert_handed_off(resp: Any, *, found_on_d: bool = False) -> None:
 
 
 def assert_identical(got: Any, ref: Any, *, found_on_d: bool = False,
-                     imported: bool = True) -> None:
+                     imported: bool = True, recomputed_for: str | None = None) -> None:
     """``got``, a router response whose stage 2 imported its parent, equals ``ref``, one
     that is asserted to have run colocated on one engine: stage 1's tokens, the beams'
     token ids in order, and their cumulative logprobs within the harness's bound
     (``LOGPROB_TOLERANCE``). The one identity check of the end-to-end tests; each path
     that uses it has a negative control (a fault injected through it) that fails it.
     ``imported`` False: stage 2 read no handoff (its stage 1 was moved to D or never
-    left P); only "not recomputed" is asserted of the path."""
+    left P); only "not recomputed" is asserted of the path. ``recomputed_for``: the test
+    caused the handoff to fail on purpose; ``got`` must be the recompute, flagged with a
+    reason that contains this text (a recompute for any other reason fails)."""
     from kvhandoff.v1 import common_pb2
     from tools.harness import LOGPROB_TOLERANCE
 
     assert ref.stats.path == common_pb2.PATH_COLOCATED and not ref.stats.decode_endpoint, \
         f"the reference did not run colocated: {ref.stats}"
-    if imported:
+    if recomputed_for is not None:
+        assert got.stats.recomputed, f"not recomputed: {got.stats}"
+        assert recomputed_for in got.stats.handoff_failure, \
+            f"recomputed for {got.stats.handoff_failure!r}, not {recomputed_for!r}"
+    elif imported:
         assert_handed_off(got, found_on_d=found_on_d)
     else:  # stage 1 moved to D, or finished on P (checked by the caller): no handoff
         assert not got.stats.recomputed, f"recomputed: {got.stats.handoff_failure}"
