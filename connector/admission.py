@@ -145,6 +145,12 @@ class AdmissionScheduler(Scheduler):
             else:
                 self._importing.add(request.request_id)
 
+    def _record_fault(self) -> None:
+        """An injected fault took effect here: counted in the connector's stats."""
+        stats = getattr(getattr(self.connector, "connector_scheduler", None), "stats", None)
+        if stats is not None:
+            stats.record_fault()
+
     def _check_import(self, request: Request, params: dict[str, Any], claimed: int) -> int:
         """Raise :class:`HandoffError` unless this engine takes the import; return its
         blocks."""
@@ -157,9 +163,13 @@ class AdmissionScheduler(Scheduler):
             model_fingerprint=self._model_fingerprint,
             safety_margin_s=self._lease_margin_s,
         )
-        if not (self._fault_injection and wanted.fault == ANY_ADAPTER_FAULT):
+        try:
             check_import_adapter(handoff.adapter, handoff.adapter_digest,
                                  adapter_of(request), self._adapter_digests)
+        except HandoffError:
+            if not (self._fault_injection and wanted.fault == ANY_ADAPTER_FAULT):
+                raise
+            self._record_fault()  # the fault: the refusal skipped
         beam_width, beam_max_tokens = wanted.beam_width, wanted.beam_max_tokens
         needed = blocks_needed(
             request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,

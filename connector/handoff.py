@@ -47,6 +47,9 @@ SLOT_KEY = "kvhandoff_slot"
 #: Connector stats key: prompt tokens beam steps copied from a kept beam (beam fork). vLLM
 #: counts them as external (KV-connector) tokens; they were copied on D, not transferred.
 FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"
+#: Connector stats key: injected faults (``connector.faults``) that took effect on this
+#: engine, one entry each: the harness's evidence that a negative control really ran.
+FAULTS_KEY = "kvhandoff_faults_injected"
 #: A beam slot made in the engine from its group's leader (``connector.beam_slots``):
 #: ``<leader's request id>`` + this + its index. The front end never sees its outputs.
 CLONE_SEP = ".slot"

@@ -114,6 +114,9 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         # Negative controls (connector.faults): off unless the engine was started so.
         self._fault_injection = bool(extra.get_from_extra_config("fault_injection", False))
         self._import_faults: dict[str, str] = {}  # D: request id -> decode-worker fault
+        # D: requests whose import count a scheduler-side fault changed (counted in the
+        # stats once their blocks are allocated).
+        self._miscounted: set[str] = set()
         self._scribble_block_ids: list[int] = []  # P: exported blocks to overwrite
         # P: exports held for their whole lease (HOLD_KEY), for the worker's next step.
         self._holds: list[str] = []
@@ -261,8 +264,11 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         )
         fault = self._fault(request)
         if fault is not None:
-            num_importable = num_imported_with_fault(
+            faulted = num_imported_with_fault(
                 fault, num_importable, request.num_prompt_tokens, self.block_size)
+            if faulted != num_importable:
+                self._miscounted.add(request.request_id)
+            num_importable = faulted
         count = num_importable - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -285,6 +291,9 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             fault = self._fault(request)
             if fault is not None and FAULTS[fault].side == "decode_worker":
                 self._import_faults[request.request_id] = fault
+            if request.request_id in self._miscounted:
+                self._miscounted.discard(request.request_id)
+                self.stats.record_fault()
         importing = bool(params and params.get("do_remote_prefill"))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if importing and params.get(REEXPORT_KEY):
@@ -302,6 +311,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         ends), or a kept beam step until its children have copied from it. D attaches
         what it imported to the final output."""
         record = self._imports.pop(request.request_id, None)
+        self._miscounted.discard(request.request_id)
         delay_free, params = super().request_finished(request, block_ids)
         exporting = delay_free and params is not None and bool(params.get("do_remote_prefill"))
         if exporting:

@@ -95,6 +95,7 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
                 logger.warning("Injected fault 'stale': overwriting %d exported blocks",
                                len(stale))
                 scribble(self._kv_views, stale, self._kernel_blocks_per_block)
+                self.xfer_stats.record_fault()
         super().start_load_kv(metadata)
         for req_id in getattr(metadata, "kvhandoff_hold", None) or ():
             expires = self._reqs_to_send.get(req_id)
@@ -145,6 +146,7 @@ class ContinuationConnectorWorker(BeamForkWorker, NixlPullConnectorWorker):
             blocks = list(meta.local_block_ids[0])
             if corrupt_imported(fault, self._kv_views, blocks, self._kernel_blocks_per_block):
                 logger.warning("Injected fault %r into %s's imported blocks", fault, req_id)
+                self.xfer_stats.record_fault()
             else:
                 logger.warning("Fault %r not injected into %s: %d imported blocks are too "
                                "few for it", fault, req_id, len(blocks))

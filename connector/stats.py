@@ -1,4 +1,5 @@
-"""The connector's stats: NIXL's transfer stats plus the tokens beam fork copied."""
+"""The connector's stats: NIXL's transfer stats plus the tokens beam fork copied and the
+injected faults that took effect."""
 
 from __future__ import annotations
 
@@ -6,19 +7,25 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
-from connector.handoff import FORK_TOKENS_KEY
+from connector.handoff import FAULTS_KEY, FORK_TOKENS_KEY
 
 
 class ContinuationStats(NixlKVConnectorStats):
     """NIXL's transfer stats plus the tokens beam fork copied on this engine (vLLM counts
-    those with the externally loaded tokens; ``engine`` subtracts them)."""
+    those with the externally loaded tokens; ``engine`` subtracts them) and the injected
+    faults that took effect here."""
 
     def reset(self) -> None:
         super().reset()
         self.data[FORK_TOKENS_KEY] = []
+        self.data[FAULTS_KEY] = []
+
+    def record_fault(self) -> None:
+        self.data[FAULTS_KEY].append(1)
 
     def is_empty(self) -> bool:
-        return super().is_empty() and not self.data.get(FORK_TOKENS_KEY)
+        return (super().is_empty() and not self.data.get(FORK_TOKENS_KEY)
+                and not self.data.get(FAULTS_KEY))
 
     def aggregate(self, other: Any) -> ContinuationStats:
         if not other.is_empty():

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.handoff import FORK_TOKENS_KEY
+from connector.handoff import FAULTS_KEY, FORK_TOKENS_KEY
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,8 @@ class EngineCounters:
     failed_notifications: int = 0
     failed_handshakes: int = 0
     expired_leases: int = 0
+    #: Injected faults that took effect on this engine (``connector.faults``).
+    faults_injected: int = 0
     #: vLLM's prefix-cache stats: prompt tokens looked up in this engine's cache and
     #: tokens found there (hit rate = hits / queries).
     prefix_cache_queries: int = 0
@@ -99,6 +101,7 @@ class EngineCounters:
         self.failed_notifications += len(data.get("num_failed_notifications", []))
         self.failed_handshakes += len(data.get("num_failed_handshakes", []))
         self.expired_leases += len(data.get("num_kv_expired_reqs", []))
+        self.faults_injected += len(data.get(FAULTS_KEY, []))
         fork = int(sum(data.get(FORK_TOKENS_KEY, [])))
         self.beam_fork_tokens += fork
         self._fork_tokens_unmatched += fork

@@ -75,6 +75,8 @@ class EngineCollector:
                     "start", c.prefix_cache_hit_rate)
         yield counter("nixl_descriptors", "NIXL descriptors the READs posted after merging "
                       "(D)", c.transfer_descriptors)
+        yield counter("faults_injected", "Injected faults (negative controls, only with "
+                      "--fault-injection) that took effect here", c.faults_injected)
         yield counter("beam_fork_tokens", "Prompt tokens beam steps copied from a kept beam "
                       "on this engine instead of computing them", c.beam_fork_tokens)
         if engine is not None:

@@ -160,3 +160,22 @@ def test_a_worker_fault_leaves_an_import_too_short_for_it_alone(fault):
         done = corrupt_imported(fault, views, [b + 1 for b in blocks], 1)
         changed = any(not torch.equal(t, b) for (t, _), b in zip(views, before))
         assert done == changed == (len(blocks) >= need), (fault, blocks)
+
+
+def test_an_injected_fault_reaches_the_engine_counters_through_the_connector_stats():
+    """A fault counted on the worker or the scheduler side travels in the connector's
+    stats like NIXL's own (a stats object holding only faults is not empty: vLLM would
+    drop it) and lands in the engine's ``faults_injected``."""
+    from connector.stats import ContinuationStats
+    from engine.stats import EngineCounters
+
+    worker, scheduler = ContinuationStats(), ContinuationStats()
+    assert worker.is_empty()
+    worker.record_fault()
+    scheduler.record_fault()
+    assert not worker.is_empty()
+    merged = worker.clone_and_reset().aggregate(scheduler)
+    assert worker.is_empty()
+    counters = EngineCounters()
+    counters.add_connector_stats(merged.data)
+    assert counters.faults_injected == 2 and counters.transfers == 0

@@ -150,13 +150,18 @@ def test_a_short_import_on_the_second_p_fails_its_counts(harness, pair, run):
 @pytest.mark.parametrize("fault", [f for f in FAULTS if not FAULTS[f].needs_adapter])
 def test_the_harness_fails_on_every_injected_fault(harness, pair, run, fault):
     """Each fault runs inside the real connector; the harness must name what differs in
-    every case the fault can corrupt, and stay green on the one that cannot matter."""
+    every case the fault can corrupt, and stay green on the one that cannot matter. In
+    every case it applies to, an engine counted it as taking effect (the connector's
+    stats): the invisible fault's green is a fault that ran and changed nothing visible,
+    not one that never ran."""
     spec = FAULTS[fault]
     report = run(harness.run(fault_cases(), model_dir=str(pair.model_dir), fault=fault),
                  timeout=600)
     print(format_table(report))
     applicable = [c for c in report.cases if c.fault_applies]
     assert applicable, f"{fault} applies to none of the fault cases"
+    assert all(c.faults_injected >= 1 for c in applicable), \
+        [(c.name, c.faults_injected) for c in report.cases]
     assert all(applies(spec, c.num_parent_tokens, report.block_size) == c.fault_applies
                for c in report.cases)
     if spec.expected_caught:

@@ -60,6 +60,9 @@ class CaseReport:
     fault: str | None = None
     #: False: the injected fault cannot corrupt this parent (e.g. no partial block).
     fault_applies: bool = True
+    #: The injected faults the engines counted as taking effect during the case's run
+    #: (their connector stats): a fault that applies and was never counted fails the case.
+    faults_injected: int = 0
     failures: list[str] = field(default_factory=list)
     #: D refused the import, as it must (a case whose stage 2 names another adapter):
     #: D's message; "" when it ran.

@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 #: random tokens, decoding at most ``BESIDE_MAX_TOKENS`` (aborted when the rerun ends).
 BESIDE_PROMPT_LEN = 32
 BESIDE_MAX_TOKENS = 512
+#: How long a case waits for the engines' count of a fault that applies to it.
+FAULT_COUNT_WAIT_S = 5.0
 
 
 class Harness:
@@ -207,8 +209,33 @@ class Harness:
 
     async def run_case(self, case: Case, fault: str | None = None) -> CaseReport:
         """One case, against its references (computed on its first run), ``fault``
-        injected into its handoff or moves."""
+        injected into its handoff or moves. A fault that applies to the case must be
+        counted by an engine as taking effect, or the case fails: a negative control
+        that never ran proves nothing."""
         ref = await self.reference(case)
+        before = self._faults_injected()
+        report = await self._run_case(case, ref, fault)
+        if fault is not None:
+            report.faults_injected = await self._faults_injected_since(
+                before, wait_s=FAULT_COUNT_WAIT_S if report.fault_applies else 0.0)
+            if report.fault_applies and not report.refused and not report.faults_injected:
+                report.failures.append(f"fault {fault!r} applies to this parent but no "
+                                       "engine counted it as injected")
+        return report
+
+    def _faults_injected(self) -> int:
+        return sum(e.counters.faults_injected for e in (self.p, self.p2, self.d)
+                   if e is not None)
+
+    async def _faults_injected_since(self, before: int, wait_s: float) -> int:
+        """Faults counted since ``before``; waits up to ``wait_s`` for a first one (an
+        engine's stats arrive with its next output)."""
+        deadline = time.monotonic() + wait_s
+        while self._faults_injected() == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self._faults_injected() - before
+
+    async def _run_case(self, case: Case, ref: Any, fault: str | None) -> CaseReport:
         if case.via_p:
             if self.p2 is None:
                 raise RuntimeError(f"{case.name}: a move to another P needs a second P")
