@@ -8,6 +8,10 @@ from pathlib import Path
 from kvhandoff.tls import ChannelTLS
 
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
+#: A held parent is imported only while P's lease has at least this long to run: D
+#: refuses a READ within its lease safety margin (2 s by default), so closer to the end
+#: the continuation is recomputed at once instead of failing over.
+LEASE_MARGIN_S = 2.5
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,9 @@ class RouterConfig:
             raise ValueError("capacity_poll_s must be positive and below capacity_max_age_s")
         if self.max_parents < 1 or self.parent_ttl_s <= 0:
             raise ValueError("max_parents must be >= 1 and parent_ttl_s positive")
-        if self.parent_hold_s < 0:
-            raise ValueError("parent_hold_s must be >= 0")
+        if self.parent_hold_s != 0 and not self.parent_hold_s > LEASE_MARGIN_S:
+            raise ValueError(f"parent_hold_s must be 0 (P's lease) or above {LEASE_MARGIN_S} s: "
+                             "a parent is imported only while its hold has that long to run")
         if not 0 <= self.parent_pool_share <= 1:
             raise ValueError("parent_pool_share must be in [0, 1]")
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:

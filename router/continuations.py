@@ -12,10 +12,10 @@ tokens computed, however much else went through P's cache meanwhile. A continuat
 beam search, or samples one sequence with its own parameters. Parent gone from P (lease
 over, not held, its D out of rotation, D's READ failed): recomputed from the token ids,
 flagged with the reason, unless the client asked for ``strict``. Unknown id: NOT_FOUND.
-Still running: the continuation waits for it, within its deadline. Another model:
-FAILED_PRECONDITION. A parent that would exceed P's share for held parents runs without a
-hold (its continuations are recomputed, flagged), after idle holds were ended early to
-make room.
+Still running: the continuation waits for it, within its deadline. A model this router
+does not serve: INVALID_ARGUMENT, at the front door as for any request. A parent that
+would exceed P's share for held parents runs without a hold (its continuations are
+recomputed, flagged), after idle holds were ended early to make room.
 """
 
 from __future__ import annotations

@@ -20,16 +20,12 @@ from typing import TYPE_CHECKING
 
 from kvhandoff.types import InvalidRequest, Stage1Params
 from kvhandoff.v1 import common_pb2, router_pb2
+from router.config import LEASE_MARGIN_S
 
 if TYPE_CHECKING:
     from router.endpoint import Endpoint
 
 logger = logging.getLogger(__name__)
-
-#: A held parent is imported only while P's lease has at least this long to run: D
-#: refuses a READ within its lease safety margin (2 s by default), so closer to the end
-#: the continuation is recomputed at once instead of failing over.
-LEASE_MARGIN_S = 2.5
 
 
 @dataclass

@@ -58,7 +58,7 @@ VARIANT_CASES = ("n66-edge-w32", "n257-edge-w4", "p100-think-w32-s1", "move-at-3
 
 @pytest.mark.engines
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["qwen2-gqa-tied"])
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "llama-mqa-bf16"])
 def test_the_harness_on_a_variant_is_identical_and_catches_a_fault(run, name):
     """P and D on a model that is not ours (its own dtype, D's pool sized for it): the
     harness's cases pass against the colocated reference and vLLM's beam_search, each

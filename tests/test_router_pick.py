@@ -266,6 +266,20 @@ def test_poll_interval_must_be_below_the_snapshot_age():
         RouterConfig(prefill=("p",), decode=(), model="m", engine_silence_s=0.1)
 
 
+def test_a_parent_hold_no_continuation_could_import_within_is_refused_at_start():
+    """A held parent is imported only while its hold has ``LEASE_MARGIN_S`` to run: a
+    shorter ``--parent-hold-s`` would hold blocks no continuation can read."""
+    from router import RouterConfig
+    from router.config import LEASE_MARGIN_S
+
+    for hold_s in (-1.0, 1.0, LEASE_MARGIN_S):
+        with pytest.raises(ValueError, match="parent_hold_s"):
+            RouterConfig(prefill=("p",), decode=(), model="m", parent_hold_s=hold_s)
+    for hold_s in (0.0, LEASE_MARGIN_S + 0.5, 7.0):
+        assert RouterConfig(prefill=("p",), decode=(), model="m",
+                            parent_hold_s=hold_s).parent_hold_s == hold_s
+
+
 def test_the_parent_registry_is_bounded_by_count_time_and_ps_share():
     from router.parents import ParentRecord, ParentRegistry
 
