@@ -250,15 +250,21 @@ def cluster(model_dir, tmp_path_factory):
 #: The family's lease: short, so a test can outlive it; long enough for a continuation on
 #: 2 busy cores.
 FAMILY_LEASE_S = 12
+#: The ``hold`` router's --parent-hold-s: well below the family's lease (a hold that ended
+#: at the lease instead is told apart), above the router's margin (LEASE_MARGIN_S, 2.5 s)
+#: by seconds for a continuation that imports.
+FAMILY_PARENT_HOLD_S = 7
 
 
 @pytest.fixture
 def family(model_dir, tmp_path_factory):
-    """P, D and five routers over them (tests/test_continuation.py, tests/test_http.py):
+    """P, D and six routers over them (tests/test_continuation.py, tests/test_http.py):
     ``router`` with defaults and the HTTP front (``http``: its base URL); ``noshare``, no
     share of P's pool for held parents (its HTTP front: ``noshare_http``); ``small``, a
-    registry of two parents that live 3 s; ``solo``, P alone (a deployment with a single
-    engine); ``tight``, a share of P's pool that holds one parent."""
+    registry of two parents that live 3 s (its HTTP front: ``small_http``); ``solo``, P
+    alone (a deployment with a single engine); ``tight``, a share of P's pool that holds
+    one parent; ``hold``, parents held ``FAMILY_PARENT_HOLD_S`` on P (its HTTP front:
+    ``hold_http``)."""
 
     def start():
         from kvhandoff.ports import free_port
@@ -271,16 +277,22 @@ def family(model_dir, tmp_path_factory):
         cluster = cm.__enter__()
         engines = ["--model", model_dir, "--prefill", cluster["prefill"].address,
                    "--decode", cluster["decode"][0].address, "--no-warm-up"]
-        noshare_http = free_port()
+        noshare_http, small_http, hold_http = free_port(), free_port(), free_port()
         extra = [spawn("router", free_port(), [*engines, "--parent-pool-share", "0",
                                                "--http-port", str(noshare_http)], log_dir,
                        "router-noshare"),
                  spawn("router", free_port(), [*engines, "--max-parents", "2",
-                                               "--parent-ttl-s", "3"], log_dir, "router-small"),
+                                               "--parent-ttl-s", "3",
+                                               "--http-port", str(small_http)], log_dir,
+                       "router-small"),
                  spawn("router", free_port(), engines[:4] + ["--no-warm-up"], log_dir,
                        "router-solo"),
                  spawn("router", free_port(), [*engines, "--parent-pool-share", "0.012"],
-                       log_dir, "router-tight")]
+                       log_dir, "router-tight"),
+                 spawn("router", free_port(), [*engines, "--parent-hold-s",
+                                               str(FAMILY_PARENT_HOLD_S),
+                                               "--http-port", str(hold_http)], log_dir,
+                       "router-hold")]
 
         def close():
             stop(extra)
@@ -296,9 +308,12 @@ def family(model_dir, tmp_path_factory):
                  "noshare": extra[0].address,
                  "noshare_http": f"http://127.0.0.1:{noshare_http}",
                  "small": extra[1].address,
+                 "small_http": f"http://127.0.0.1:{small_http}",
                  "solo": extra[2].address, "tight": extra[3].address,
                  "tight_metrics": extra[3].metrics_url,
-                 "small_metrics": extra[1].metrics_url}, close)
+                 "small_metrics": extra[1].metrics_url,
+                 "hold": extra[4].address,
+                 "hold_http": f"http://127.0.0.1:{hold_http}"}, close)
 
     return _GROUPS["family"].get(start)
 
