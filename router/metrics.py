@@ -14,6 +14,15 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 #: The router's ways in (router.api counts each request under its front).
 FRONTS = ("grpc", "http", "serve")
 
+#: What the refusals for an ended lease say: D's admission (``connector.handoff``) and the
+#: parent registry (``router.parents``).
+LEASE_ENDED = ("handoff lease expired", "P's lease on its blocks has ended")
+
+
+def lease_ended(reason: str) -> bool:
+    """A handoff failure (or error message) that says P's lease had ended."""
+    return any(text in reason for text in LEASE_ENDED)
+
 
 class RouterMetrics:
     def __init__(self) -> None:
@@ -72,7 +81,9 @@ class RouterMetrics:
             "resume: the source P failed)", ["reason"], registry=r)
         self.expired_leases = Counter(
             "kvhandoff_router_expired_leases",
-            "Handoffs refused or discarded because P's lease on the blocks ended", registry=r)
+            "Handoffs refused because P's lease on the blocks had ended or was about to (D's "
+            "admission, the parent registry); a READ that failed in flight is not counted: "
+            "D cannot tell its cause", registry=r)
 
         self.engine_state_changes = Counter(
             "kvhandoff_router_engine_state_changes",
@@ -148,7 +159,7 @@ class RouterMetrics:
         self.overhead_seconds.observe(t.router_overhead_ms / 1e3)
         if s.recomputed:
             self.recomputed.inc()
-            if "lease" in s.handoff_failure:
+            if lease_ended(s.handoff_failure):
                 self.expired_leases.inc()
         for move in resp.moves:
             self.moves.labels(move.reason.split(":")[0] or "move").inc()
@@ -176,7 +187,7 @@ class RouterMetrics:
                 self.overload_rejections.labels(front or "grpc").inc()
             else:
                 self.capacity_rejections.inc()
-        if "lease" in message:
+        if lease_ended(message):
             self.expired_leases.inc()
 
 

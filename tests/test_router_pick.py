@@ -724,3 +724,19 @@ def test_a_parent_whose_stage_2_may_come_shorter_is_counted_at_its_largest(model
     assert pick() == "d0"
     with pytest.raises(RouterError, match="decode pool too small: needs 157 blocks"):
         pick(shortest=3000)
+
+
+def test_only_a_refusal_for_an_ended_lease_counts_as_one():
+    """The router's expired-lease counter reads the failure's words: D's admission and
+    the registry say the lease ended; D's message for a READ that failed in flight names
+    the lease as one possible cause among others and is not counted."""
+    from router.metrics import lease_ended
+    from router.parents import ParentRecord
+
+    record = ParentRecord("p", "m", [1, 2, 3])
+    record.held_until = 1.0  # long past
+    assert lease_ended(f"parent not held: {record.why_not_importable()}")
+    assert lease_ended("handoff lease expired or about to (0.50s left, need 2.00s)")
+    assert not lease_ended("KV import from P failed: the READ was refused (P's lease was "
+                           "about to end) or failed in transport; see D's log")
+    assert not lease_ended("failed to connect to all addresses")
