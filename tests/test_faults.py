@@ -363,15 +363,20 @@ def test_a_drain_with_ds_import_faulted_fails_the_identity_check(fleet):
 
 
 def test_d_killed_mid_request_is_recomputed_on_the_other_d(fleet):
+    """D0 is SIGKILLed once stage 1 streams: the router's stage 2 call to it fails to
+    connect, and stage 2 is recomputed on D1 from the parent's token ids (nothing
+    imported), flagged with that failure and counted once; stage 1 and the beams (ids
+    and cumulative logprobs) equal the colocated run."""
     ref = _reference(fleet, 6)
     before = metric_sum(fleet["router"].metrics_url, "kvhandoff_router_handoffs_recomputed_total")
     got = _stream_killing(fleet["router"].address, _long_request(6), fleet["d0"])
     s = got.stats
-    assert s.recomputed and s.failed_decode_endpoint == fleet["d0"].address
+    assert s.failed_decode_endpoint == fleet["d0"].address
     assert s.decode_endpoint == fleet["d1"].address and s.num_imported_tokens == 0
     assert len(ref.thinking_token_ids) == LONG_STAGE1_TOKENS
-    assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
-    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    # The reason is gRPC's for a call to a server that is gone (the router's channel
+    # to D0 can no longer connect).
+    assert_identical(got, ref, recomputed_for="failed to connect")
     after = metric_sum(fleet["router"].metrics_url, "kvhandoff_router_handoffs_recomputed_total")
     assert after - before == 1
     # Nobody read P's export: its lease ends and the blocks come back.
@@ -620,28 +625,37 @@ def _wait_for_export(p, timeout_s: float = 120.0) -> None:
 def test_p_killed_mid_stage1_is_resumed_on_the_other_p_with_the_same_tokens(fleet):
     """P2 dies after 20 streamed stage-1 tokens: the router resumes the request on P from
     the prompt and the tokens it streamed (their KV recomputed there, the move flagged
-    "resume: UNAVAILABLE ..."). The stream has each token once, and stage 1 and the beams
-    equal the same request with no crash (colocated on P)."""
+    "resume: UNAVAILABLE ..." and counted once more). The stream has each token once, P's
+    export after the resume is imported by D, and stage 1 and the beams (ids and
+    cumulative logprobs) equal the same request with no crash (colocated on P)."""
     p, p2 = fleet["p"], fleet["p2"]
     ref = _reference(fleet, 5)
+
+    def resumes() -> float:
+        return metric_sum(fleet["resume"].metrics_url, "kvhandoff_router_moves_total",
+                          reason="resume")
+
+    resumes_before = resumes()
     streamed, got = _stream_killing_after(fleet["resume"].address, _long_request(5), p2)
     assert len(ref.thinking_token_ids) == LONG_STAGE1_TOKENS
-    assert streamed == list(got.thinking_token_ids) == list(ref.thinking_token_ids)
-    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    assert streamed == list(got.thinking_token_ids)
+    # D may hold the prompt's blocks (the fault tests share it): it imports the rest.
+    assert_identical(got, ref, found_on_d=True)
     (move,) = got.moves
     assert move.reason.startswith("resume: UNAVAILABLE"), move.reason
     assert (move.from_endpoint, move.to_endpoint) == (p2.address, p.address)
     assert 20 <= move.at_token < LONG_STAGE1_TOKENS and move.num_imported_tokens == 0
     assert move.num_computed_tokens == 80 + move.at_token - 1  # the last token sampled again
-    assert got.stats.prefill_endpoint == p.address and not got.stats.recomputed
-    assert metric_sum(fleet["resume"].metrics_url, "kvhandoff_router_moves_total",
-                      reason="resume") == 1
+    assert got.stats.prefill_endpoint == p.address
+    assert resumes() - resumes_before == 1
     _assert_clean(p, fleet["d0"])
 
 
 def test_p_killed_before_d_reads_is_recomputed_on_d(fleet):
     """D is frozen while stage 1 ends; P dies holding the export; D resumes and its
-    READ fails: the router recomputes stage 2 on D from the token ids."""
+    READ fails: the router recomputes stage 2 on D from the token ids, flagged with D's
+    failed import, and stage 1 and the beams (ids and cumulative logprobs) equal the
+    colocated run."""
     d0 = fleet["d0"]
     ref = _reference(fleet, 5)
     with RouterClient(fleet["router"].address) as client:
@@ -655,8 +669,10 @@ def test_p_killed_before_d_reads_is_recomputed_on_d(fleet):
         finally:
             os.killpg(d0.proc.pid, signal.SIGCONT)
         got = [e for e in stream][-1].result
-    assert got.stats.recomputed and got.stats.decode_endpoint == d0.address
-    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    assert got.stats.decode_endpoint == d0.address
+    # D's error for an import whose READ failed (connector.admission), in the details
+    # of its UNAVAILABLE answer.
+    assert_identical(got, ref, recomputed_for="KV import from P failed")
     _assert_clean(d0)
 
 
@@ -666,8 +682,9 @@ def test_p_killed_mid_stage1_with_no_other_p_is_finished_on_d_with_the_same_toke
     still runs), and P2 dies after 20 streamed stage-1 tokens with no other P in
     rotation. The "resume" router finishes stage 1 on the D it had chosen, from the
     prompt and the streamed tokens (computed there, the last sampled again and checked,
-    the move flagged "resume: UNAVAILABLE ..."), then runs stage 2 there. The stream has
-    each token once, and stage 1 and the beams equal the same request with no crash."""
+    the move flagged "resume: UNAVAILABLE ..."), then runs stage 2 there (no handoff, not
+    recomputed). The stream has each token once, and stage 1 and the beams (ids and
+    cumulative logprobs) equal the same request with no crash (colocated)."""
     resume, p = fleet["resume"], fleet["p"]
     # Whatever ran before (the file in order, or this marker alone): P down, P2 fresh.
     for server in (p, fleet["p2"]):
@@ -679,9 +696,9 @@ def test_p_killed_mid_stage1_with_no_other_p_is_finished_on_d_with_the_same_toke
     ref = _reference(fleet, 6, router="resume")  # P is down: the default router has no P
     streamed, got = _stream_killing_after(resume.address, _long_request(6), p2)
     print(f"finished on D: {list(got.moves)}")
-    assert streamed == list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+    assert streamed == list(got.thinking_token_ids)
     assert len(ref.thinking_token_ids) == LONG_STAGE1_TOKENS
-    assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
+    assert_identical(got, ref, imported=False)  # stage 1 finished on D: nothing to import
     (move,) = got.moves
     assert move.reason.startswith("resume: UNAVAILABLE"), move.reason
     d = fleet["d0"] if move.to_endpoint == fleet["d0"].address else fleet["d1"]

@@ -21,10 +21,23 @@ from tests.utils import (
 from tools.client import make_request
 
 PROMPT = "the user bought a warm coat and hiking boots so we think they like the outdoors"
-#: A stage 2 of 60 steps at W=32 that fits the cluster's D (135 blocks) whatever length
-#: stage 1 makes (the router counts the most any can need): 1504-1506 tokens with the
-#: suffix need 111 blocks. 1500 tokens would not: a 1503-token stage 2 needs 142.
-BIG_STAGE2_PROMPT = [i % 1000 + 10 for i in range(1501)]
+#: A stage 2 of seconds that fits the cluster's D (135 blocks) whatever length stage 1
+#: makes (the router counts the most any can need): 4 beams of 1000 tokens over a
+#: 40-token prompt (43-44 tokens with stage 1's token and the suffix) need 129 blocks.
+#: Each of its 1000 beam steps is an engine step, ~10 ms here at W=4 as at W=32
+#: (docs/performance.md): ~10 s, long after assert_idle_within's window on engines that a
+#: cancel or a deadline did not reach (the tests time it on the cluster and check).
+LONG_STAGE2_PROMPT = list(range(300, 340))
+LONG_STAGE2 = {"beam_width": 4, "beam_tokens": 1000}
+#: Stage-1 tokens of the requests cancelled or past their deadline in stage 1: exactly
+#: this many (min_tokens = max_tokens), 2-5 ms each here, so 8 s or more of stage 1.
+#: With PROMPT's 21 tokens, the suffix and 4 beams of 3 tokens the router reserves 132 of
+#: D's 135 blocks for it (and the 4027 tokens fit the model's 4096).
+STAGE1_TOKENS = 4000
+#: assert_idle_within's window after a cancel or a deadline, and by how much the work
+#: left at that point must outlast it for the idle check to be able to fail.
+IDLE_S = 2.5
+LEFT_MARGIN_S = 2.0
 
 
 pytestmark = [pytest.mark.engines]
@@ -127,8 +140,8 @@ def test_handoff_for_another_prompt_sent_to_d_directly_is_refused(cluster, asser
 
 
 def _long_stage1_request():
-    """Exactly 3000 stage-1 tokens: seconds of stage 1 on this cluster."""
-    return long_stage1_request(PROMPT, 3000, temperature=0.0, path="handoff")
+    """Exactly ``STAGE1_TOKENS`` stage-1 tokens: seconds of stage 1 on this cluster."""
+    return long_stage1_request(PROMPT, STAGE1_TOKENS, temperature=0.0, path="handoff")
 
 
 def _imports(server) -> float:
@@ -138,17 +151,27 @@ def _imports(server) -> float:
 @pytest.mark.fault
 def test_cancel_during_stage1_aborts_it_and_frees_p(router_client, cluster,
                                                     assert_cluster_clean):
-    """Cancelled a second into a stage 1 of seconds: P stops running it within ~2 s, and
-    D never imports it."""
+    """Cancelled a second into a stage 1 of seconds: P stops running it within
+    ``IDLE_S``, and D never imports it. At the rate its tokens streamed, stage 1 still
+    had more than ``IDLE_S + LEFT_MARGIN_S`` to run (checked: a P the cancel did not reach
+    would fail the idle check)."""
     p, d = cluster["prefill"], cluster["decode"][0]
     imports_before = _imports(d)
     req = _long_stage1_request()
     stream = router_client.generate_stream(req, timeout=120)
     first = next(stream)
     assert first.HasField("stage1_tokens")
-    time.sleep(1.0)
+    t0, streamed = time.monotonic(), 0
+    for event in stream:  # a second of stage 1's tokens
+        streamed += len(event.stage1_tokens.ids)
+        if time.monotonic() - t0 >= 1.0:
+            break
     stream.cancel()
-    assert_idle_within([p, d])
+    rate = max(streamed, 1) / (time.monotonic() - t0)
+    left_s = (STAGE1_TOKENS - len(first.stage1_tokens.ids) - streamed) / rate
+    assert left_s > IDLE_S + LEFT_MARGIN_S, \
+        f"stage 1 had ~{left_s:.1f}s left at the cancel: too little for the idle check"
+    assert_idle_within([p, d], IDLE_S)
     with pytest.raises(grpc.RpcError) as err:
         list(stream)
     assert err.value.code() == grpc.StatusCode.CANCELLED
@@ -168,17 +191,38 @@ def _wait_until_d_runs(cluster, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"D ran no stage 2 within {timeout_s:.0f}s")
 
 
+def _timed_run(router_client, req) -> tuple[float, float]:
+    """Run ``req`` (a stage 1 of one token) to its end: the seconds until its stage-1
+    token, and those of stage 2 after it."""
+    t0 = time.monotonic()
+    stream = router_client.generate_stream(req, timeout=300)
+    assert next(stream).HasField("stage1_tokens")  # stage 2 starts now
+    stage1_s = time.monotonic() - t0
+    events = list(stream)
+    assert events[-1].HasField("result")
+    return stage1_s, time.monotonic() - t0 - stage1_s
+
+
 @pytest.mark.fault
 def test_cancel_during_stage2_aborts_the_beams_and_frees_both(router_client, cluster,
                                                               assert_cluster_clean):
-    req = make_request(prompt=BIG_STAGE2_PROMPT, max_tokens=1, seed=1, beam_width=32,
-                       beam_tokens=60, path="handoff")
+    """Cancelled once D runs the beams of a stage 2 of seconds: P and D run nothing
+    within ``IDLE_S``. The same request run to its end first times stage 2 on this
+    cluster: at the cancel more than ``IDLE_S + LEFT_MARGIN_S`` of it was left (checked:
+    a D the cancel did not reach would fail the idle check)."""
+    req = make_request(prompt=LONG_STAGE2_PROMPT, max_tokens=1, seed=1, path="handoff",
+                       **LONG_STAGE2)
+    _, stage2_s = _timed_run(router_client, req)
     stream = router_client.generate_stream(req, timeout=120)
     first = next(stream)  # stage 1's only token: stage 2 starts now
     assert first.HasField("stage1_tokens")
+    t0 = time.monotonic()
     _wait_until_d_runs(cluster)
     stream.cancel()
-    assert_idle_within([cluster["prefill"], *cluster["decode"]])  # 60 beam steps left
+    left_s = stage2_s - (time.monotonic() - t0)
+    assert left_s > IDLE_S + LEFT_MARGIN_S, \
+        f"stage 2 ({stage2_s:.1f}s) had ~{left_s:.1f}s left: too little for the idle check"
+    assert_idle_within([cluster["prefill"], *cluster["decode"]], IDLE_S)
     with pytest.raises(grpc.RpcError) as err:
         list(stream)
     assert err.value.code() == grpc.StatusCode.CANCELLED
@@ -203,6 +247,8 @@ def test_health_and_reflection_on_every_server(cluster):
 
 
 def test_two_decode_endpoints_with_one_down(cluster, model_dir, tmp_path, assert_cluster_clean):
+    """A router given a D that is down and a live one serves every request on the live
+    one, by handoff (imported, not recomputed)."""
     from kvhandoff.ports import free_port
     from tools.client import RouterClient
     from tools.launch import spawn, stop, wait_serving
@@ -219,6 +265,8 @@ def test_two_decode_endpoints_with_one_down(cluster, model_dir, tmp_path, assert
                 resp = client.generate(make_request(prompt=PROMPT, max_tokens=8, seed=seed,
                                                     path="handoff"))
                 assert resp.stats.decode_endpoint == live
+                # By handoff, not recomputed (D may hold PROMPT's blocks already).
+                assert_handed_off(resp, found_on_d=True)
     finally:
         stop([router])
     assert_cluster_clean()
@@ -228,6 +276,9 @@ def test_two_decode_endpoints_with_one_down(cluster, model_dir, tmp_path, assert
 @pytest.mark.parametrize("how", ["grpc_deadline", "timeout_ms"])
 def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, cluster,
                                                                  assert_cluster_clean, how):
+    """A deadline of 1.5 s (the call's, or the request's ``timeout_ms``) in a stage 1 of
+    ``STAGE1_TOKENS`` (seconds more of it left): DEADLINE_EXCEEDED, P runs nothing within
+    ``IDLE_S`` after, and D never imports it."""
     d = cluster["decode"][0]
     imports_before = _imports(d)
     req = _long_stage1_request()
@@ -241,7 +292,7 @@ def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, 
         router_client.generate(req, timeout=timeout)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - t0 < 10
-    assert_idle_within([cluster["prefill"], d])  # stage 1 had seconds left
+    assert_idle_within([cluster["prefill"], d], IDLE_S)  # stage 1 had seconds left
     assert_cluster_clean()
     assert _imports(d) == imports_before
 
@@ -249,18 +300,19 @@ def test_deadline_during_stage1_is_deadline_exceeded_and_frees_p(router_client, 
 @pytest.mark.fault
 def test_deadline_during_stage2_is_deadline_exceeded_and_frees_both(router_client, cluster,
                                                                     assert_cluster_clean):
-    req = make_request(prompt=BIG_STAGE2_PROMPT, max_tokens=1, seed=2,
-                       beam_width=32, beam_tokens=60, path="handoff")
-    # The deadline falls halfway through stage 2 as this cluster runs it (a fixed deadline
+    """A deadline a fifth of the way into a stage 2 of seconds: DEADLINE_EXCEEDED on
+    time, and P and D run nothing within ``IDLE_S`` after. The four fifths left outlast
+    that by more than ``LEFT_MARGIN_S`` (checked: a D the deadline did not reach would
+    fail the idle check)."""
+    req = make_request(prompt=LONG_STAGE2_PROMPT, max_tokens=1, seed=2, path="handoff",
+                       **LONG_STAGE2)
+    # The deadline falls early in stage 2 as this cluster runs it (a fixed deadline
     # outlived stage 2 once D got faster): time one run, then repeat it with the deadline.
-    t0 = time.monotonic()
-    stream = router_client.generate_stream(req, timeout=120)
-    assert next(stream).HasField("stage1_tokens")  # stage 2 (60 beam steps) starts now
-    stage1_s = time.monotonic() - t0
-    list(stream)
-    stage2_s = time.monotonic() - t0 - stage1_s
-    assert stage2_s > 0.5, f"stage 2 took {stage2_s:.2f}s: too short to place a deadline in"
-    timeout = stage1_s + stage2_s / 2
+    stage1_s, stage2_s = _timed_run(router_client, req)
+    left_s = stage2_s * 4 / 5
+    assert left_s > IDLE_S + LEFT_MARGIN_S, \
+        f"stage 2 took {stage2_s:.1f}s: too short for the idle check after its deadline"
+    timeout = stage1_s + stage2_s / 5
     stream = router_client.generate_stream(req, timeout=timeout)
     t0 = time.monotonic()
     assert next(stream).HasField("stage1_tokens")
@@ -268,7 +320,7 @@ def test_deadline_during_stage2_is_deadline_exceeded_and_frees_both(router_clien
         list(stream)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (stage1_s, stage2_s)
     assert time.monotonic() - t0 < timeout + 10
-    assert_idle_within([cluster["prefill"], *cluster["decode"]])  # half of stage 2 left
+    assert_idle_within([cluster["prefill"], *cluster["decode"]], IDLE_S)  # 4/5 of it left
     assert_cluster_clean()
 
 

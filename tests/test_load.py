@@ -179,6 +179,12 @@ def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
     assert_cluster_clean()
 
 
+def _recomputed(responses) -> list[tuple[str, str]]:
+    """(request id, reason) of each response whose handoff was recomputed: none of the
+    tests here causes a failed handoff, so any is a defect."""
+    return [(r.request_id, r.stats.handoff_failure) for r in responses if r.stats.recomputed]
+
+
 def _long_requests(n: int, name: str) -> list:
     """Requests of ~48 blocks of D's 135 each (a ~1000-token parent, 8 beams): two fit on
     the cluster's D at a time. Each ``name`` has its own prompts: a burst of parents P and
@@ -192,7 +198,8 @@ def _long_requests(n: int, name: str) -> list:
 
 def test_a_burst_twice_ds_pool_waits_for_room_and_is_served(cluster, assert_cluster_clean):
     """Six requests needing twice D's blocks at once: the router queues them for room on D,
-    none is refused (the wait is far below its 30 s bound) and none fails."""
+    none is refused (the wait is far below its 30 s bound), none fails and each went by
+    handoff (none recomputed)."""
     requests = _long_requests(6, "burst2x")
     results = _run_all(cluster["router"], requests, len(requests))
     failed = [(req.request_id, r.code().name, r.details()) for req, (r, _) in
@@ -200,6 +207,8 @@ def test_a_burst_twice_ds_pool_waits_for_room_and_is_served(cluster, assert_clus
     print(f"\nburst of twice D's pool: {len(requests) - len(failed)} served, slowest "
           f"{max(t for _, t in results):.1f}s")
     assert not failed, failed
+    recomputed = _recomputed(r for r, _ in results)
+    assert not recomputed, recomputed
     assert_cluster_clean()
 
 
@@ -210,13 +219,15 @@ def _out_of_rotation(metrics_url: str, role: str) -> float:
 
 def test_a_paused_d_is_slow_not_dead(cluster, model_dir, tmp_path, assert_cluster_clean):
     """D's processes stopped (SIGSTOP) for 6 s with requests in flight and more arriving:
-    the router keeps D in rotation (silent for less than --engine-silence-s, 10 s), every
-    request waits and is served once D continues. Control: a router told
-    --engine-silence-s 1 takes D out and refuses the same kind of request UNAVAILABLE."""
+    the router keeps D in rotation (silent for less than --engine-silence-s, 10 s: its
+    count of D taken out does not move), every request waits and is served by handoff
+    (none recomputed) once D continues. Control: a router told --engine-silence-s 1 takes
+    D out and refuses the same kind of request UNAVAILABLE."""
     from kvhandoff.ports import free_port
     from tools.launch import spawn, stop, wait_serving
 
     d = cluster["decode"][0]
+    taken_out_before = _out_of_rotation(cluster["router_metrics"], "decode")
     control = spawn("router", free_port(),
                     ["--model", model_dir, "--prefill", cluster["prefill"].address,
                      "--decode", d.address, "--no-warm-up", "--engine-silence-s", "1"],
@@ -254,7 +265,9 @@ def test_a_paused_d_is_slow_not_dead(cluster, model_dir, tmp_path, assert_cluste
           f"{getattr(refused, 'code', lambda: 'OK')()} after {refused_s:.1f}s")
     assert not failed, failed
     assert len(results) == len(before) + len(during)
-    assert _out_of_rotation(cluster["router_metrics"], "decode") == 0
+    recomputed = _recomputed(r for r, _ in results.values())
+    assert not recomputed, recomputed
+    assert _out_of_rotation(cluster["router_metrics"], "decode") == taken_out_before
     assert isinstance(refused, grpc.RpcError), "the control router served while D was stopped"
     assert refused.code() == grpc.StatusCode.UNAVAILABLE, (refused.code(), refused.details())
     assert "no decode engine is reachable" in refused.details()
@@ -264,7 +277,8 @@ def test_a_paused_d_is_slow_not_dead(cluster, model_dir, tmp_path, assert_cluste
 def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(
         cluster, model_dir, tmp_path, assert_cluster_clean):
     """A router whose queue for D holds two: of eight requests that fit D two at a time,
-    two run, two wait for them, and the rest are refused at once."""
+    two run, two wait for them, and the rest are refused at once; those served went by
+    handoff (none recomputed)."""
     from kvhandoff.ports import free_port
     from tools.launch import spawn, stop, wait_serving
 
@@ -279,6 +293,7 @@ def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(
     finally:
         stop([router])
     ok = [t for r, t in results if not isinstance(r, Exception)]
+    recomputed = _recomputed(r for r, _ in results if not isinstance(r, Exception))
     refused = [(r, t) for r, t in results if isinstance(r, Exception)]
     print(f"\nburst: {len(ok)} ok (max {max(ok, default=0.0):.1f}s), {len(refused)} refused "
           f"(max {max((t for _, t in refused), default=0.0):.1f}s)")
@@ -287,4 +302,5 @@ def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(
         assert "decode queue full" in r.details() and t < 5.0, (r.details(), t)
     # Two run and two wait (at least: one may finish before the last ones arrive).
     assert len(ok) >= 4 and refused, len(ok)
+    assert not recomputed, recomputed
     assert_cluster_clean()

@@ -133,7 +133,8 @@ def _post(url: str, body: dict) -> dict:
 def _two_calls(base: str, prompt: str, beam_width: int, first) -> dict:
     """The two-call flow through the HTTP front, as an OpenAI-style client does it: stage
     1 as a completion, then stage 2 as a continuation naming it, checked against the
-    first request's colocated reference (same prompt and seed)."""
+    first request's colocated reference (same prompt and seed): stage 1's tokens, the
+    beams' token ids and their cumulative logprobs within ``LOGPROB_TOLERANCE``."""
     s1 = _post(f"{base}/v1/completions", {"prompt": prompt, "max_tokens": 96, "seed": 0,
                                           "temperature": 1.0})
     if "error" in s1:
@@ -147,10 +148,13 @@ def _two_calls(base: str, prompt: str, beam_width: int, first) -> dict:
         return {"verified": False, "error": s2["error"]["message"]}
     thinking = s1["choices"][0]["token_ids"]
     beams = [c["token_ids"] for c in s2["choices"]]
+    cums = [c["cumulative_logprob"] for c in s2["choices"]]
     details = s2["usage"]["prompt_tokens_details"]
     info = s2["kvhandoff"]
     same = (not isinstance(first, str) and thinking == list(first[1].thinking_token_ids)
-            and beams == [list(b.token_ids) for b in first[1].beams])
+            and beams == [list(b.token_ids) for b in first[1].beams]
+            and all(abs(c - b.cum_logprob) <= LOGPROB_TOLERANCE
+                    for c, b in zip(cums, first[1].beams)))
     verified = same and not info["recomputed"] and details["imported_tokens"] > 0
     print(f"\ntwo calls over HTTP (OpenAI-style): parent {s1['id']} ({len(thinking)} "
           f"thinking tokens, held by P: {s1['kvhandoff']['held']}), then a continuation "
