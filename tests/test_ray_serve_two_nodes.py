@@ -1,11 +1,12 @@
 """The Ray Serve application on a Ray cluster of two nodes on two network hosts
-(tools/netns.py): the head on one host with a ``prefill_node`` resource, a worker node
-on the other with ``decode_node``; the config places P on the head and D on the worker
-(``resources``, the knob a multi-GPU deployment uses), the engines read over the link
-(UCX over TCP), and clients call Serve's gRPC proxy on the head. Then every process of
-the worker's host is killed and the node started again. (Which transport UCX used is
-checked on the standalone engines, tests/test_hosts.py: Ray kills the engines, and UCX's
-tables, written through stdio buffers, are then lost.)"""
+(tools/netns.py): the head on one host with ``prefill_node`` and ``router_node``
+resources, a worker node on the other with ``decode_node``; the config places P and the
+router on the head and D on the worker (``resources``, the knob a multi-GPU deployment
+uses), the engines read over the link (UCX over TCP), and clients call Serve's gRPC
+proxy on the head. Then every process of the worker's host is killed and the node
+started again. (Which transport UCX used is checked on the standalone engines,
+tests/test_hosts.py: Ray kills the engines, and UCX's tables, written through stdio
+buffers, are then lost.)"""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import in_this_netns
+from tests.utils import assert_handed_off, assert_identical, in_this_netns
 from tools.netns import call, can_create, hosts
 
 pytestmark = [pytest.mark.ray, pytest.mark.hosts, pytest.mark.engines,
@@ -47,9 +48,9 @@ def _ray_start(host, env, *args: str) -> None:
 
 
 def _config(model_dir: str, secret: Path) -> dict:
-    def role(resource: str) -> dict:
+    def role(resource: str, **engine) -> dict:
         return {"num_replicas": 1, "num_cpus": 0.5, "resources": {resource: 1},
-                "engine": {"kv_cache_mib": 64, "max_model_len": 4096},
+                "engine": {"kv_cache_mib": 64, "max_model_len": 4096, **engine},
                 # Both nodes share this machine's kernel: UCX must be told to cross the
                 # link (between machines it picks the network itself).
                 "runtime_env": {"env_vars": {
@@ -66,8 +67,18 @@ def _config(model_dir: str, secret: Path) -> dict:
             "args": {"model": model_dir, "device": "cpu", "lease_s": 30,
                      "handoff_secret_file": str(secret),
                      "prefill": role("prefill_node"),
-                     "decode": role("decode_node"),
-                     "router": {"num_cpus": 0.25}}}]}
+                     # The negative control faults D's import through the proxy.
+                     "decode": role("decode_node", fault_injection=True),
+                     # On the head: the node loss takes D only.
+                     "router": {"num_cpus": 0.25, "resources": {"router_node": 1}}}}]}
+
+
+#: What a request sent while D's node is gone ends with (UNAVAILABLE): the watch's
+#: refusal of a call no replica takes (deploy/handles.py ``ReplicaWatch.gone``), Ray's
+#: error for a call to the dead replica (``HandleStub._error``), or the router's pool
+#: with no D left in rotation (router/errors.py ``none_in_rotation``).
+D_LOST = ("no running replica of deployment 'Decode'", "engine replica unavailable",
+          "no decode engine is reachable")
 
 
 def _generate(address: str, request_bytes: bytes, timeout_s: float = 120.0) -> bytes:
@@ -83,11 +94,12 @@ def _generate(address: str, request_bytes: bytes, timeout_s: float = 120.0) -> b
     return resp.SerializeToString()
 
 
-def _request(seed: int, path: str, prompt_len: int = 120):
+def _request(seed: int, path: str, prompt_len: int = 120, first: int = 40):
     from tools.client import make_request
 
-    return make_request(prompt=list(range(40, 40 + prompt_len)), max_tokens=32, seed=seed,
-                        beam_width=4, path=path, request_id=f"ray-hosts-{path}-{seed}")
+    return make_request(prompt=list(range(first, first + prompt_len)), max_tokens=32,
+                        seed=seed, beam_width=4, path=path,
+                        request_id=f"ray-hosts-{path}-{seed}")
 
 
 def _send(cluster, req, timeout_s: float = 120.0):
@@ -184,7 +196,8 @@ def two_nodes(model_dir, tmp_path_factory):
         head, worker = h["head"], h["worker"]
         try:
             _ray_start(head, env, "--head", "--port=6379", "--include-dashboard=false",
-                       f"--temp-dir={temp_dir}", '--resources={"prefill_node": 1}')
+                       f"--temp-dir={temp_dir}",
+                       '--resources={"prefill_node": 1, "router_node": 1}')
             worker_args = (f"--address={head.address}:6379", '--resources={"decode_node": 1}')
             _ray_start(worker, env, *worker_args)
             log_path = work / "serve-run.log"
@@ -208,29 +221,39 @@ def two_nodes(model_dir, tmp_path_factory):
 
 
 def test_p_and_d_on_two_nodes_answer_identically_over_the_link(two_nodes):
-    """Through Serve's gRPC proxy: two handoffs equal their colocated twins, each imported
-    by D; D's replica and its engine run on the worker's host, P's on the head's (the
-    processes' network namespaces), so the KV crossed the link (UCX over TCP, the only
-    path between the hosts)."""
-    for seed in (1, 2):
-        got = _send(two_nodes, _request(seed, "handoff"))
-        ref = _send(two_nodes, _request(seed, "colocated"))
+    """Through Serve's gRPC proxy: two handoffs, each on a prompt of its own, import their
+    whole parent and equal their colocated twins (:func:`assert_identical`); the negative
+    control, a third with D's import faulted through the proxy (block 0 zeroed), fails the
+    same check. D's replica and its engine run on the worker's host, P's and the router's
+    on the head's (the processes' network namespaces), so the KV crossed the link (UCX
+    over TCP, the only path between the hosts)."""
+    for seed, fault in ((1, ""), (2, ""), (3, "zero-block")):
+        first = 40 + 200 * seed  # not the fixture's prompt: D imports the whole parent
+        req = _request(seed, "handoff", first=first)
+        req.fault = fault
+        got = _send(two_nodes, req)
+        ref = _send(two_nodes, _request(seed, "colocated", first=first))
+        if not fault:
+            assert_identical(got, ref)
+            continue
+        with pytest.raises(AssertionError, match="cum_logprob|beams differ"):
+            assert_identical(got, ref)
         assert not got.stats.recomputed and got.stats.num_imported_tokens > 0, got.stats
-        assert list(got.thinking_token_ids) == list(ref.thinking_token_ids)
-        assert [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
     for title, host in (("ServeReplica:kvhandoff:Decode", two_nodes["worker"]),
-                        ("ServeReplica:kvhandoff:Prefill", two_nodes["head"])):
+                        ("ServeReplica:kvhandoff:Prefill", two_nodes["head"]),
+                        ("ServeReplica:kvhandoff:Router", two_nodes["head"])):
         where = _hosts_of(title)
         assert where == {host.netns}, (title, where)
 
 
 def test_the_worker_node_lost_and_back_serves_again(two_nodes):
     """D's node goes away: every process on the worker's host is killed (raylet, D's
-    replica, its engine), as a machine powering off. Requests meanwhile are recomputed
-    or end UNAVAILABLE, well before the client's 90 s deadline (Serve would queue a call
-    for a deployment with no running replica until the node returns: ``HandleStub``'s
-    watch fails it); the node started again gets D back (its ``decode_node`` resource)
-    and handoffs resume."""
+    replica, its engine), as a machine powering off. Requests meanwhile end UNAVAILABLE
+    for D's loss (:data:`D_LOST`; no D is left to recompute on: D's only replica needs
+    the worker's ``decode_node``), well before the client's 90 s deadline (Serve would
+    queue a call for a deployment with no running replica until the node returns:
+    ``HandleStub``'s watch fails it); the node started again gets D back (its
+    ``decode_node`` resource) and a handoff on a new prompt imports its whole parent."""
     worker = two_nodes["worker"]
     pids = subprocess.run(["ip", "netns", "pids", worker.netns], capture_output=True,
                           text=True, check=True).stdout.split()
@@ -241,14 +264,13 @@ def test_the_worker_node_lost_and_back_serves_again(two_nodes):
         sent = time.monotonic()
         try:
             got = _send(two_nodes, _request(seed, "handoff"), timeout_s=90)
-            # D is gone: no handoff can have been imported; a recompute says why.
-            assert got.stats.recomputed and got.stats.handoff_failure, got.stats
-            outcome = f"recomputed ({got.stats.handoff_failure[:120]})"
         except RuntimeError as e:
             text = str(e)
-            assert "UNAVAILABLE" in text, text
-            outcome = text.split("details = ")[-1].split("\n")[0][:160]
+        else:
+            raise AssertionError(f"answered with D's node gone: {got.stats}")
         took = time.monotonic() - sent
+        outcome = text.split("details = ")[-1].split("\n")[0][:160]
+        assert "UNAVAILABLE" in text and any(why in text for why in D_LOST), text
         outcomes.append(f"{outcome} after {took:.0f}s")
         # Ended by the watch (two polls of Serve's status), not at the 90 s deadline:
         # 12 s and 5 s were seen here.
@@ -259,10 +281,10 @@ def test_the_worker_node_lost_and_back_serves_again(two_nodes):
     t1 = time.monotonic()
     _wait_answering(two_nodes, 420, seed=12)
     # A try of seed 12 that D recomputed while its engine came back left that parent in
-    # D's prefix cache (one CI run then found all 128 tokens there, none imported): a new
-    # request shows the KV crossing the link again.
-    got = _send(two_nodes, _request(13, "handoff"))
-    assert not got.stats.recomputed and got.stats.num_imported_tokens > 0, got.stats
+    # D's prefix cache (one CI run then found all 128 tokens there, none imported): a
+    # request on a prompt of its own shows the whole parent crossing the link again.
+    got = _send(two_nodes, _request(13, "handoff", first=840))
+    assert_handed_off(got)
     assert _hosts_of("ServeReplica:kvhandoff:Decode") == {worker.netns}
     print(f"worker back: a handoff imported again {time.monotonic() - t1:.0f}s after "
           "`ray start`")
