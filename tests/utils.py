@@ -182,11 +182,12 @@ def assert_handed_off(resp: Any, *, found_on_d: bool = False) -> None:
     """A router response whose stage 2 really imported the parent (not the recompute
     fallback): every test whose subject is not the fallback calls this. With
     ``found_on_d`` D may already hold some of the parent's blocks (an earlier request
-    with the same prompt), so it imports only the rest."""
+    with the same prompt), so it imports only the rest (nothing, where it holds them all)."""
     s = resp.stats
     assert not s.recomputed, f"handoff recomputed: {s.handoff_failure}"
-    if found_on_d:
-        assert 0 < s.num_imported_tokens <= s.num_parent_tokens - 1, s
+    if found_on_d:  # imports what D's cache lacks: nothing where it holds the whole parent
+        assert 0 <= s.num_imported_tokens <= s.num_parent_tokens - 1, s
+        assert s.num_imported_tokens or s.num_found_on_d_tokens == s.num_parent_tokens - 1, s
     else:
         assert s.num_imported_tokens == s.num_parent_tokens - 1, s
     assert s.num_computed_tokens_first_step == len(resp.suffix_token_ids) + 1, s
