@@ -227,17 +227,22 @@ def test_a_strict_continuation_of_a_parent_not_held_is_412(family, family_clean)
 
 
 def test_a_client_that_disconnects_frees_both_pools(family, family_clean):
+    """A client that goes away 1 s into a 3000-token completion (6 s or more of stage 1
+    here): P stops within the idle window (the router cancelled it) having generated only
+    part of it, and D never imported it. Without the cancel reaching P, P would still run
+    past the window and generate all 3000 tokens: both checks can fail."""
     import openai
 
-    d = family["decode"][0]
+    p, d = family["prefill"], family["decode"][0]
     imports = metric_sum(d.metrics_url, "kvhandoff_engine_imports_total")
+    generated = metric_sum(p.metrics_url, "vllm:generation_tokens_total")
     client = _client(family, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
-        client.completions.create(model=_model(family), prompt=_prompt(4), max_tokens=400,
-                                  extra_body={"min_tokens": 400})
-    # 400 tokens take seconds here: P stops at once (the router cancelled it), and D
-    # never imported it. family_clean then: P aborted its export, D holds nothing.
-    assert_idle_within([family["prefill"], d])
+        client.completions.create(model=_model(family), prompt=_prompt(4), max_tokens=3000,
+                                  extra_body={"min_tokens": 3000})
+    assert_idle_within([p, d])
+    made = metric_sum(p.metrics_url, "vllm:generation_tokens_total") - generated
+    assert 0 < made < 2000, f"P generated {made} of the 3000 tokens"
     assert metric_sum(d.metrics_url, "kvhandoff_engine_imports_total") == imports
 
 
