@@ -30,6 +30,13 @@ class Result:
     message: str
     seconds: float
     retry_after: str | None = None
+    #: A served request whose handoff was recomputed: the router's reason (None: not
+    #: recomputed, or nothing handed off).
+    recomputed: str | None = None
+
+
+def _recomputed(stats) -> str | None:
+    return (stats.handoff_failure or "recomputed") if stats.recomputed else None
 
 
 def _prompt(i: int) -> list[int]:
@@ -75,26 +82,29 @@ def grpc_flood(stub, n: int, parent_ids: list[str], metadata: tuple = (),
         kind = KINDS[i % len(KINDS)]
         barrier.wait()
         t0 = time.monotonic()
+        resp = None
         try:
             if kind == "completion":
-                stub.Generate(make_request(prompt=_prompt(i), max_tokens=8, seed=i,
-                                           beam_width=2, beam_tokens=2, path="handoff"),
-                              timeout=timeout_s, metadata=metadata)
+                resp = stub.Generate(make_request(prompt=_prompt(i), max_tokens=8, seed=i,
+                                                  beam_width=2, beam_tokens=2, path="handoff"),
+                                     timeout=timeout_s, metadata=metadata)
             elif kind == "continuation":
                 req = router_pb2.ContinueRequest(parent_id=parent_ids[i % len(parent_ids)])
                 req.beam.beam_width, req.beam.max_tokens = 2, 2
-                stub.Continue(req, timeout=timeout_s, metadata=metadata)
+                resp = stub.Continue(req, timeout=timeout_s, metadata=metadata)
             elif kind == "beams":
-                stub.Generate(make_request(prompt=_prompt(i), max_tokens=4, seed=i,
-                                           beam_width=4, beam_tokens=2, path="colocated"),
-                              timeout=timeout_s, metadata=metadata)
+                resp = stub.Generate(make_request(prompt=_prompt(i), max_tokens=4, seed=i,
+                                                  beam_width=4, beam_tokens=2,
+                                                  path="colocated"),
+                                     timeout=timeout_s, metadata=metadata)
             else:
-                for _ in stub.GenerateStream(make_request(prompt=_prompt(i), max_tokens=8,
-                                                          seed=i, beam_width=2, beam_tokens=2,
-                                                          path="handoff"),
-                                             timeout=timeout_s, metadata=metadata):
-                    pass
-            return Result(kind, True, "OK", "", time.monotonic() - t0)
+                for event in stub.GenerateStream(make_request(prompt=_prompt(i), max_tokens=8,
+                                                              seed=i, beam_width=2,
+                                                              beam_tokens=2, path="handoff"),
+                                                 timeout=timeout_s, metadata=metadata):
+                    resp = event.result if event.HasField("result") else None
+            return Result(kind, True, "OK", "", time.monotonic() - t0,
+                          recomputed=_recomputed(resp.stats) if resp is not None else "no result")
         except grpc.RpcError as e:
             return Result(kind, False, e.code().name, e.details() or "",
                           time.monotonic() - t0)
@@ -136,8 +146,11 @@ def http_flood(base_url: str, n: int, parent_ids: list[str], model: str = "",
                 text = resp.text  # a stream is read to its end
                 ok = resp.status_code == 200 and "\"error\"" not in text
                 message = "" if ok else text
+                info = resp.json().get("kvhandoff") or {} if ok and kind != "stream" else {}
                 return Result(kind, ok, str(resp.status_code), message,
-                              time.monotonic() - t0, resp.headers.get("retry-after"))
+                              time.monotonic() - t0, resp.headers.get("retry-after"),
+                              recomputed=(info.get("handoff_failure") or "recomputed")
+                              if info.get("recomputed") else None)
 
             tasks = [asyncio.create_task(one(i)) for i in range(n)]
             await asyncio.sleep(0.05)

@@ -307,9 +307,12 @@ def test_unknown_parents_and_other_models_are_refused_with_the_reason(family, fa
 
 
 def test_a_continuation_of_a_running_parent_waits_for_it(family, family_clean):
+    """A continuation sent while its parent's stage 1 runs waits for it, then imports
+    and equals the same request run colocated."""
     import threading
 
     from tests.utils import HELD_PARENTS
+    from tools.client import RouterClient
 
     stub = _stub(family["router"])
     first_tokens = threading.Event()
@@ -330,7 +333,11 @@ def test_a_continuation_of_a_running_parent_waits_for_it(family, family_clean):
     t.join()
     HELD_PARENTS.add(family["router"], "fam-running")
     assert "parent" in result and len(resp.thinking_token_ids) == 150
-    assert not resp.stats.recomputed and resp.stats.num_imported_tokens > 0
+    with RouterClient(family["router"]) as client:
+        ref = client.generate(long_stage1_request(
+            list(_parent_request("fam-running").prompt_token_ids.ids), 150, seed=3,
+            beam_width=4, path="colocated"))
+    assert_identical(resp, ref)
 
 
 def test_a_released_parent_frees_ps_blocks_at_once_and_is_then_unknown(family,
@@ -490,6 +497,8 @@ def test_sampled_continuations_are_the_same_imported_held_on_p_and_recomputed(
         model=model, prompt="", max_tokens=10, temperature=1.0, seed=21,
         extra_body={"continuation_of": parent.id, "ignore_eos": True})
     assert via_http.choices[0].model_extra["token_ids"] == tokens
+    assert not via_http.model_extra["kvhandoff"]["recomputed"], via_http.model_extra
+    assert via_http.usage.prompt_tokens_details.model_extra["imported_tokens"] > 0
     assert abs(via_http.choices[0].model_extra["cumulative_logprob"]
                - local.beams[0].cum_logprob) <= LOGPROB_TOLERANCE
     other = sampled(_stub(family["router"]), parent.id, seed=22)

@@ -97,6 +97,7 @@ def test_node_client_sees_invalid_argument_with_the_field(node_client, cluster):
 def test_node_client_runs_the_two_call_flow(node_client, family):
     """StartParent then Continue from the .proto alone: the same parent and beams as the
     Python client's one-shot Generate on the colocated path (same seed)."""
+    from kvhandoff.v1 import common_pb2
     from tools.client import RouterClient
 
     prompt = list(range(400, 470))
@@ -114,4 +115,7 @@ def test_node_client_runs_the_two_call_flow(node_client, family):
     assert cont["parent_id"] == out["parent"]["parent_id"]
     assert not cont["stats"].get("recomputed", False), cont["stats"]
     assert cont["stats"]["num_imported_tokens"] > 0
+    assert ref.stats.path == common_pb2.PATH_COLOCATED and not ref.stats.decode_endpoint
     assert [b["token_ids"] for b in cont["beams"]] == [list(b.token_ids) for b in ref.beams]
+    for got, want in zip(cont["beams"], ref.beams):
+        assert abs(got["cum_logprob"] - want.cum_logprob) <= LOGPROB_TOLERANCE

@@ -88,10 +88,11 @@ def test_load_through_the_router_loses_nothing(cluster, assert_cluster_clean):
     # The warm-up has the load's shape (same concurrency), so the memory baseline holds
     # the allocators' high-water mark for batches that wide: growth after it is a leak.
     warmup = [_request(10_000 + i, rng) for i in range(2 * CONCURRENCY)]
-    errors = [(r.code().name, r.details()) for r, _ in _run_all(cluster["router"], warmup,
-                                                                CONCURRENCY)
+    warmed = [r for r, _ in _run_all(cluster["router"], warmup, CONCURRENCY)]
+    errors = [(r.code().name, r.details()) for r in warmed
               if isinstance(r, grpc.RpcError) and not _is_capacity_rejection(r)]
     assert not errors, errors
+    assert not _recomputed([r for r in warmed if not isinstance(r, grpc.RpcError)])
     assert_cluster_clean()
     servers = cluster["servers"]
     baseline = {s.role: rss_mib(s) for s in servers}

@@ -312,11 +312,17 @@ def test_the_router_warms_up_its_pair_in_the_background(ray_app):
     assert outcome == {"serve:Prefill -> serve:Decode": "imported"}, outcome
 
 
-def test_streaming_through_the_proxy(proxy):
+def test_streaming_through_the_proxy(proxy, router_client):
+    """A streamed handoff through Serve: every stage-1 token once, in order, and the
+    result equal to the same request run colocated (the standalone router)."""
     events = list(proxy.GenerateStream(_requests()[0], metadata=METADATA, timeout=300))
     assert events[-1].HasField("result")
     streamed = [t for e in events[:-1] for t in e.stage1_tokens.ids]
     assert streamed == list(events[-1].result.thinking_token_ids)
+    ref_req = router_pb2.GenerateRequest()
+    ref_req.CopyFrom(_requests()[0])
+    ref_req.path = common_pb2.PATH_COLOCATED
+    assert_identical(events[-1].result, router_client.generate(ref_req), found_on_d=True)
 
 
 def test_a_call_no_replica_takes_fails_unavailable_not_at_the_deadline(ray_app):
@@ -491,12 +497,14 @@ def test_a_flood_through_the_proxy_is_served_or_refused_at_once(ray_app, proxy):
         results, peak = flood(4)
         refused = [r for r in results if not r.ok]
         assert refused and len(refused) < len(results), results
+        assert not [r for r in results if r.ok and r.recomputed], results
         for r in refused:
             assert r.status == "RESOURCE_EXHAUSTED", r
             assert "router busy: 4 requests in flight" in r.message and r.seconds < 5.0, r
         assert peak == 4
         results, peak = flood(None)  # the control
         assert all(r.ok for r in results), [r for r in results if not r.ok]
+        assert not [r for r in results if r.recomputed], results
         assert peak > 4
     finally:
         router.set_max_inflight.remote(ARGS["router"].get("max_inflight", 256)).result(

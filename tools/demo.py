@@ -22,6 +22,7 @@ import grpc
 
 from kvhandoff.corpus import Example, make_example, semantic_id, shop_items
 from kvhandoff.model import resolve_model
+from kvhandoff.v1 import common_pb2
 from tools.client import RouterClient, make_request
 from tools.harness import LOGPROB_TOLERANCE
 from tools.launch import local_cluster
@@ -111,7 +112,10 @@ def _catalog_summary(results: list, in_catalog: list, shop: set[tuple[int, ...]]
 
 
 def _same_beams(got, ref) -> bool:
-    return (list(got.thinking_token_ids) == list(ref.thinking_token_ids)
+    """``got`` equals ``ref``, a run that really was colocated: stage 1, beams and their
+    cumulative logprobs within the harness's bound."""
+    return (ref.stats.path == common_pb2.PATH_COLOCATED and not ref.stats.decode_endpoint
+            and list(got.thinking_token_ids) == list(ref.thinking_token_ids)
             and [list(b.token_ids) for b in got.beams] == [list(b.token_ids) for b in ref.beams]
             and all(abs(a.cum_logprob - b.cum_logprob) <= LOGPROB_TOLERANCE
                     for a, b in zip(got.beams, ref.beams)))
@@ -151,7 +155,8 @@ def _two_calls(base: str, prompt: str, beam_width: int, first) -> dict:
     cums = [c["cumulative_logprob"] for c in s2["choices"]]
     details = s2["usage"]["prompt_tokens_details"]
     info = s2["kvhandoff"]
-    same = (not isinstance(first, str) and thinking == list(first[1].thinking_token_ids)
+    same = (not isinstance(first, str) and first[1].stats.path == common_pb2.PATH_COLOCATED
+            and thinking == list(first[1].thinking_token_ids)
             and beams == [list(b.token_ids) for b in first[1].beams]
             and all(abs(c - b.cum_logprob) <= LOGPROB_TOLERANCE
                     for c, b in zip(cums, first[1].beams)))
