@@ -39,10 +39,14 @@ class Endpoint:
     num_late_answers: int = 0
     #: Drained (Router.Drain): in rotation or not, no new work is routed here.
     draining: bool = False
+    #: Back after being out of rotation, its pairs' warm-up still running
+    #: (``router.warmup``): only that warm-up is routed here (a connection the outage
+    #: broke fails its first READ, which must not be a client's).
+    warming: bool = False
 
     @property
     def takes_work(self) -> bool:
-        return self.in_rotation and not self.draining
+        return self.in_rotation and not self.draining and not self.warming
 
     @property
     def in_rotation(self) -> bool:

@@ -81,7 +81,8 @@ class Executor:
             running.set_claim(await self.pool.pick_decode(
                 longest_stage2(plan), plan.beam, plan.deadline, prompt_ids=plan.prompt_ids,
                 shortest=shortest_stage2(plan), adapter=plan.adapter,
-                only=[plan.pinned[1]] if plan.pinned else None))
+                only=[plan.pinned[1]] if plan.pinned else None,
+                warming_ok=plan.pinned is not None))
         out.decode = running.d.address if running.d is not None else None
         handoff_msg = None
         async for item in self._stage1_resuming(running, plan, out, export=handoff,

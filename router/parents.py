@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _serves(ep: Endpoint) -> bool:
+    """In rotation and not drained; one still warming up serves once it is done (the
+    continuation waits for it)."""
+    return ep.in_rotation and not ep.draining
+
+
 @dataclass
 class ParentRecord:
     """One parent: what a continuation needs of it. Owned by the registry."""
@@ -84,10 +90,10 @@ class ParentRecord:
         if not self.held:
             return "P's lease on its blocks has ended"
         if self.local:
-            if self.prefill_ep is None or not self.prefill_ep.takes_work:
+            if self.prefill_ep is None or not _serves(self.prefill_ep):
                 return "the prefill engine holding it is out of rotation or drained"
             return ""
-        if self.decode is None or not self.decode.takes_work:
+        if self.decode is None or not _serves(self.decode):
             return "the decode engine it is addressed to is out of rotation or drained"
         return ""
 

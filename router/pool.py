@@ -297,7 +297,8 @@ class EnginePool:
                           deadline: float | None, *, fresh: bool = False,
                           only: list[Endpoint] | None = None,
                           prompt_ids: Sequence[int] | None = None,
-                          shortest: int | None = None, adapter: str = "") -> Claim:
+                          shortest: int | None = None, adapter: str = "",
+                          warming_ok: bool = False) -> Claim:
         """A claim on the D with the most unclaimed blocks among those with room for a
         stage 2 of ``num_prompt_tokens`` (or, before stage 1 ends, any length from
         ``shortest`` to it) and ``beam``; the caller owns it and releases it. With no
@@ -306,9 +307,13 @@ class EnginePool:
         limits the choice to those Ds (a held parent's continuation: the D its handoff
         names; the warm-up's pair); ``prompt_ids`` (what stage 2 will read, under
         ``adapter``: only Ds that serve it): among those with room, the D whose prefix
-        cache holds most of it wins."""
+        cache holds most of it wins. ``warming_ok``: a D whose warm-up runs may be chosen
+        (the warm-up's own handoff)."""
         cfg = self.config
         decode = only if only is not None else self.decode
+
+        def usable(ep: Endpoint) -> bool:
+            return ep.takes_work or (warming_ok and ep.in_rotation and not ep.draining)
 
         def need(ep: Endpoint) -> int:  # what D reserves for it
             cap = ep.capacity
@@ -341,7 +346,7 @@ class EnginePool:
                     # its last snapshot (or none) is used and the call goes on.
                     await asyncio.wait([self.refresh_soon(ep) for ep in stale],
                                        timeout=cfg.capacity_poll_s)
-                live = [ep for ep in decode if ep.takes_work]
+                live = [ep for ep in decode if usable(ep)]
                 if not live:
                     self._raise_unless_answered_lately(decode, "decode")
                 check_catalog(beam.catalog, live, "decode")

@@ -21,6 +21,9 @@ from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
 
+#: How long the warm-up of an engine that is back may keep it from new work, per pair.
+BACK_WARM_UP_S = 30.0
+
 
 class WarmUp:
     def __init__(self, tokens: ModelTokens, pool: EnginePool, stages: StageCalls,
@@ -131,7 +134,25 @@ class WarmUp:
     def _warm_up_later(self, ep: Endpoint) -> None:
         if not self.pool.decode:
             return
-        logger.info("engine %s answers again: warming up its pairs", ep.address)
-        task = asyncio.create_task(self.warm_up(pairs=self.pairs_of(ep)))
+        logger.info("engine %s answers again: no new work until its pairs are warmed up",
+                    ep.address)
+        ep.warming = True
+        task = asyncio.create_task(self._warm_up_back(ep))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _warm_up_back(self, ep: Endpoint) -> None:
+        """The pairs of ``ep``, back after being out of rotation, before it takes work
+        again: a NIXL connection the outage broke fails its first READ (the warm-up's,
+        recomputed) and the next one connects anew."""
+        t0 = time.perf_counter()
+        try:
+            outcomes = await self.warm_up(timeout_s=BACK_WARM_UP_S, pairs=self.pairs_of(ep))
+            logger.info("engine %s takes work again after %.1fs of warm-up: %s",
+                        ep.address, time.perf_counter() - t0, outcomes)
+        except Exception as e:  # logged; it serves anyway
+            logger.warning("engine %s takes work again; its warm-up failed after %.1fs: %s",
+                           ep.address, time.perf_counter() - t0, e)
+        finally:
+            ep.warming = False
+            self.pool.room_changed()

@@ -740,3 +740,34 @@ def test_only_a_refusal_for_an_ended_lease_counts_as_one():
     assert not lease_ended("KV import from P failed: the READ was refused (P's lease was "
                            "about to end) or failed in transport; see D's log")
     assert not lease_ended("failed to connect to all addresses")
+
+
+def test_an_engine_back_takes_no_work_until_its_pairs_are_warmed_up(model_dir):
+    """An engine that answers again after an outage is warmed up before new work goes to
+    it (a NIXL connection the outage broke fails its first READ: the warm-up's, not a
+    client's). Meanwhile picks pass it by, the warm-up's own pick (pinned) takes it, and
+    it takes work again when the warm-up ends, failed or not."""
+    router = _router(model_dir, [40, 30])
+    d0, d1 = router.decode
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def warm_up(timeout_s: float = 0, pairs=None):
+        assert pairs == [(router.prefill[0], d0)]
+        started.set()
+        await release.wait()
+        raise RuntimeError("the warm-up failed")
+
+    async def go():
+        assert (await _pick(router)) is d0  # the most room
+        router.warmup.warm_up = warm_up
+        router.warmup._warm_up_later(d0)  # what the pool calls when d0 answers again
+        await started.wait()
+        assert d0.warming and not d0.takes_work
+        assert (await _pick(router)) is d1
+        assert (await _pick(router, only=[d0], warming_ok=True)) is d0
+        release.set()
+        await _until(lambda: not d0.warming)
+        assert d0.takes_work
+
+    asyncio.run(go())
