@@ -307,8 +307,7 @@ class EnginePool:
         limits the choice to those Ds (a held parent's continuation: the D its handoff
         names; the warm-up's pair); ``prompt_ids`` (what stage 2 will read, under
         ``adapter``: only Ds that serve it): among those with room, the D whose prefix
-        cache holds most of it wins. ``warming_ok``: a D whose warm-up runs may be chosen
-        (the warm-up's own handoff)."""
+        cache holds most of it wins; ``warming_ok``: or one whose warm-up runs (its own)."""
         cfg = self.config
         decode = only if only is not None else self.decode
 
