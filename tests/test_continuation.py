@@ -18,6 +18,7 @@ from tests.utils import (
     assert_idle_within,
     long_stage1_request,
     make_request,
+    metric_sum,
     move_or_raced,
 )
 from tools.harness import LOGPROB_TOLERANCE
@@ -970,7 +971,9 @@ def test_a_request_cancelled_during_its_move_frees_both_pools(family, family_cle
     from tools.client import RouterClient, make_request
 
     stub = _stub(family["router"])
+    d = family["decode"][0]
     prompt = list(_parent_request("fam-move-cancel").prompt_token_ids.ids)
+    generated = metric_sum(d.metrics_url, "vllm:generation_tokens_total")
     for attempt in range(3):  # again when stage 1 ended on P before the stop (Move says)
         req = long_stage1_request(prompt, 3000, seed=5, beam_width=4,
                                   request_id=f"fam-move-cancel-{attempt}")
@@ -986,8 +989,11 @@ def test_a_request_cancelled_during_its_move_frees_both_pools(family, family_cle
             break
     assert moved is not RACED, "stage 1 ended before every Move of 3"
     assert moved.to_endpoint == family["decode"][0].address
-    # The cancel acts on both engines within ~2 s (~2990 tokens were left to sample).
+    # The cancel acts on both engines within ~2 s (~2990 tokens were left to sample),
+    # and D sampled only a part of them.
     assert_idle_within([family["prefill"], *family["decode"]])
+    on_d = metric_sum(d.metrics_url, "vllm:generation_tokens_total") - generated
+    assert on_d < 2000, f"D sampled {on_d} of the ~2990 tokens left after the move"
     with RouterClient(family["router"]) as client:
         after = client.generate(make_request(prompt=prompt[:40], max_tokens=8, seed=1,
                                              beam_width=4))
