@@ -110,6 +110,33 @@ def _wait_proxy_routes(address: str, timeout_s: float = 120.0) -> None:
             time.sleep(0.5)
 
 
+def _ray_init(ray) -> None:
+    """A local Ray instance with 8 logical CPUs (Ray only accounts them; the engines share
+    the machine's cores). Started again once if its raylet did not register within Ray's
+    own 30 s: seen once on this 2-core machine with the other lane busy (every test here
+    then erred), a start that takes no part in what the tests check."""
+    import contextlib
+
+    import psutil
+
+    for attempt in (1, 2):
+        before = {c.pid for c in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+            return
+        except Exception as e:
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            print(f"ray.init: {e}; starting Ray again")
+            ray.shutdown()
+            # The failed start's processes (GCS, raylet, reaper): ours to end.
+            for child in psutil.Process().children(recursive=True):
+                if child.pid not in before:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        child.kill()
+
+
 @pytest.fixture(scope="module")
 def ray_app():
     import ray
@@ -119,9 +146,7 @@ def ray_app():
 
     grpc_port = free_port()
     cores: set[int] = set()
-    # Logical CPUs: Ray only accounts them; the engines share the machine's cores.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    _ray_init(ray)
     try:
         serve.start(proxy_location="HeadOnly",
                     http_options={"host": "127.0.0.1", "port": free_port()},
