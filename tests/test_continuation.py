@@ -352,7 +352,6 @@ def test_a_released_parent_frees_ps_blocks_at_once_and_is_then_unknown(family,
     import grpc
 
     from kvhandoff.v1 import common_pb2
-    from tests.utils import metric_sum
     from tools.client import RouterClient
     from tools.launch import wait_pool_clean
 
@@ -592,8 +591,6 @@ def test_the_routers_parent_hold_frees_p_before_its_lease_and_then_recomputes(
 def test_the_registry_forgets_the_least_recently_used_and_the_expired(family, family_clean):
     import grpc
 
-    from tests.utils import metric_sum
-
     def evictions() -> dict[str, float]:
         return {reason: metric_sum(family["small_metrics"],
                                    "kvhandoff_router_parent_evictions_total", reason=reason)
@@ -705,7 +702,6 @@ def test_a_new_parent_ends_the_hold_of_the_least_recently_used_idle_one(family, 
     so (the control: no release makes room for it, and nothing is released)."""
     import grpc
 
-    from tests.utils import metric_sum
     from tools.launch import pool_state
 
     def released() -> float:
