@@ -6,11 +6,41 @@ from __future__ import annotations
 import os
 import random
 import socket
+import tempfile
+import time
 from pathlib import Path
 
 #: Lowest port :func:`free_port` picks: Ray's worker ports are 10002-19999 by default.
 FREE_PORT_FLOOR = 20000
+#: How long a port :func:`free_port` handed out stays reserved for its owner, across every
+#: process of this user on the host: long enough for an engine to start and bind it.
+RESERVED_S = 900.0
 _ports_handed_out: set[int] = set()
+
+
+def _reservations() -> Path:
+    return Path(tempfile.gettempdir()) / f"kvhandoff-ports-{os.getuid()}"
+
+
+def _reserve(port: int) -> bool:
+    """Claim ``port`` for this process against every other process that calls
+    :func:`free_port` on this host (a file created exclusively); a claim older than
+    ``RESERVED_S`` is taken over. False when another process holds it."""
+    folder = _reservations()
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / str(port)
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - path.stat().st_mtime < RESERVED_S:
+                    return False
+                path.unlink()
+            except FileNotFoundError:
+                pass
+    return False
 
 
 def ephemeral_floor() -> int:
@@ -51,7 +81,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     itself (a bind to port 0, an outgoing connection) can take it before its owner binds:
     an engine binds its NIXL side channel tens of seconds after the port is chosen, and a
     side-channel port taken in between once left a D waiting for its listener forever.
-    Never the same port twice in one process.
+    Never the same port twice within ``RESERVED_S`` on this host, whichever process asks
+    (a file per port under the temp folder): two processes of one test lane once chose
+    the same port, and the second engine to bind it could not start.
     """
     rng = random.SystemRandom()  # not the random module: tests seed it identically
     low, high = port_range()
@@ -64,6 +96,8 @@ def free_port(host: str = "127.0.0.1") -> int:
                 s.bind((host, port))
             except OSError:
                 continue
+        if not _reserve(port):
+            continue
         _ports_handed_out.add(port)
         return port
     with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick

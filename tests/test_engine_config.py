@@ -70,3 +70,25 @@ def test_free_ports_are_distinct_bindable_and_not_ephemeral():
     for port in ports[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_free_ports_are_not_handed_to_two_processes(monkeypatch):
+    """Two processes drawing from one narrow range (as the servers of one test lane do)
+    never get the same port: 2 x 200 draws from 1000 ports would share ~40 without the
+    host-wide reservation."""
+    import subprocess
+    import sys
+
+    from kvhandoff.ports import FREE_PORT_FLOOR, free_port, port_range
+
+    low = max(port_range()[0], FREE_PORT_FLOOR)
+    monkeypatch.setenv("KVHANDOFF_PORT_RANGE", f"{low}-{low + 1000}")
+    other = subprocess.run(
+        [sys.executable, "-c", "from kvhandoff.ports import free_port\n"
+         "print(' '.join(str(free_port()) for _ in range(200)))"],
+        capture_output=True, text=True, check=True, timeout=60)
+    theirs = {int(p) for p in other.stdout.split()}
+    ours = {free_port() for _ in range(200)}
+    assert len(theirs) == len(ours) == 200
+    assert all(low <= p < low + 1000 for p in theirs | ours)
+    assert not theirs & ours
