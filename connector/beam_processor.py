@@ -101,6 +101,7 @@ class _Slot:
     group: str
     slot: int
     spec: dict[str, Any]
+    last_token: int  # its last prompt token
 
 
 def _slot_of(params: SamplingParams | None, prompt_token_ids: list[int] | None,
@@ -108,7 +109,8 @@ def _slot_of(params: SamplingParams | None, prompt_token_ids: list[int] | None,
     spec = ((params.extra_args or {}) if params is not None else {}).get(SLOT_KEY)
     if spec is None:
         return None
-    return _Slot(str(spec["group"]), int(spec["slot"]), spec)
+    last = int(prompt_token_ids[-1]) if prompt_token_ids else -1
+    return _Slot(str(spec["group"]), int(spec["slot"]), spec, last)
 
 
 class BeamSlotProcessor(LogitsProcessor):
@@ -178,11 +180,15 @@ class BeamSlotProcessor(LogitsProcessor):
                 catalog = self._catalogs.get(spec["catalog"])
                 if catalog is None:
                     return self._fail(group, 0, f"no catalog {spec['catalog']!r} here")
+            live = [self._rows[rows[i]] for i in range(int(spec["live"]))]
             search = self._groups[group] = GroupSearch(
                 width=width, steps=int(spec["steps"]), eos_token_id=spec["eos"],
                 ignore_eos=bool(spec["ignore_eos"]), catalog=catalog,
-                cum_logprobs=np.array([self._rows[rows[i]].spec["cum"]
-                                       for i in range(int(spec["live"]))]))
+                cum_logprobs=np.array([row.spec["cum"] for row in live]))
+            if catalog is not None and spec.get("in_item"):
+                # Its beams hold an item's first token already: their last prompt token.
+                search.nodes = catalog.step(search.nodes,
+                                            np.array([row.last_token for row in live]))
         if search.done:
             return self._fail(group, search.step + 1, "a step past its last one")
         live = search.num_live
@@ -202,17 +208,22 @@ class BeamSlotProcessor(LogitsProcessor):
             if candidates is None:  # scores tie where it matters: vLLM's whole list
                 candidates = _candidates(rows_logits, width)
         parents, tokens = search.select(candidates)
-        slots = self._slot_of_beam[group] = place_beams(slot_of[parents], members)
         forced = np.zeros(members, dtype=np.int64)  # slots with no beam: never read
-        forced[slots] = tokens
-        _force(logits, rows, forced)
         # The scheduler copies slot ``source[s]``'s blocks into slot ``s``'s.
         source = np.arange(members)
-        source[slots] = slot_of[parents]
+        if not search.done:
+            slots = self._slot_of_beam[group] = place_beams(slot_of[parents], members)
+            forced[slots] = tokens
+            source[slots] = slot_of[parents]
+        else:  # the slots end with this token: nothing to copy (a one-slot group, a
+            # search's step 0, has more beams than slots then)
+            shown = min(members, len(tokens))
+            forced[:shown] = tokens[:shown]
+        _force(logits, rows, forced)
         record: dict[str, Any] = {"step": search.step, "parents": source.tolist(),
                                   "select_ms": (time.perf_counter() - t0) * 1e3}
         if search.done:
-            record["result"] = search.result()
+            record["result"] = search.result(goes_on=bool(spec.get("goes_on")))
         OUTBOX.post(group, record)
 
     def _fail(self, group: str, step: int, why: str) -> None:

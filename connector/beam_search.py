@@ -60,15 +60,24 @@ SPEC_FIELDS = ("group", "slot", "members", "width", "live", "steps", "cum", "eos
 
 def slot_spec(*, group: str, slot: int, members: int, width: int, live: int, steps: int,
               cum_logprob: float, eos_token_id: int | None, ignore_eos: bool,
-              catalog: str | None = None) -> dict[str, Any]:
+              catalog: str | None = None, in_item: bool = False,
+              goes_on: bool = False) -> dict[str, Any]:
     """A slot's parameters (``extra_args[SLOT_KEY]``): its group, its index, the number
     of slots in the group, the beam width, how many slots start with a live beam (the
     first ``live``; the others wait to be forked into), the beam steps the slots run, the
-    cumulative logprob of the beam it starts with, the EOS rule of the search, and the
-    catalog the beams stay in (None: unconstrained)."""
-    return {"group": group, "slot": slot, "members": members, "width": width, "live": live,
+    cumulative logprob of the beam it starts with, the EOS rule of the search, the
+    catalog the beams stay in (None: unconstrained), whether the beams start one
+    token into an item (their last prompt token: the search's step 0 picked it), and
+    whether the search goes on after this group (step 0's: its live beams are returned
+    whole items or not)."""
+    spec = {"group": group, "slot": slot, "members": members, "width": width, "live": live,
             "steps": steps, "cum": float(cum_logprob), "eos": eos_token_id,
             "ignore_eos": bool(ignore_eos), "catalog": catalog}
+    if in_item:
+        spec["in_item"] = True
+    if goes_on:
+        spec["goes_on"] = True
+    return spec
 
 
 @dataclass(slots=True)
@@ -199,14 +208,15 @@ class GroupSearch:
         self.step += 1
         return parents, new_tokens
 
-    def result(self) -> dict[str, Any]:
+    def result(self, goes_on: bool = False) -> dict[str, Any]:
         """What the search returns once done: the completed beams then the live ones, in
         vLLM's order (its final sort is stable); constrained, the live beams that are
-        whole items (``dropped``: how many were not)."""
+        whole items (``dropped``: how many were not), unless the search ``goes_on`` in
+        other slots (every live beam)."""
         live = [Finished(int(o), t, float(c))
                 for o, t, c in zip(self.origins, self.tokens, self.cum_logprobs)]
         dropped = 0
-        if self.catalog is not None:
+        if self.catalog is not None and not goes_on:
             whole = self.catalog.is_item[np.maximum(self.nodes, 0)] & (self.nodes >= 0)
             dropped = int((~whole).sum())
             live = [f for f, ok in zip(live, whole) if ok]

@@ -186,6 +186,8 @@ class SlotGroups:
         self._slot_of[request.request_id] = (name, slot)
         if group.error:
             group.reported = False  # a slot late for a failed group ends with it
+        if members == 1:
+            return  # one slot (a search's step 0): nothing to wait for, nothing to copy
         params = request.kv_transfer_params = dict(request.kv_transfer_params or {})
         params[BEAM_KEY] = {**(params.get(BEAM_KEY) or {}), WAIT_KEY: True}
 
@@ -196,7 +198,7 @@ class SlotGroups:
         claimed_seqs = claimed_tokens = claimed_blocks = 0  # by the groups started here
         pool = scheduler.kv_cache_manager.block_pool
         for group in self._groups.values():
-            if group.started or group.error:
+            if group.started or group.error or group.members == 1:
                 continue
             if now - group.arrived_at > START_TIMEOUT_S:
                 group.error = (f"{len(group.slots)} of its {group.members} slots arrived "
@@ -266,6 +268,8 @@ class SlotGroups:
                 group.error = (f"{sum(running)} of its {len(ids)} slots scheduled in "
                                f"beam step {group.step + 1}")
                 continue
+            if group.members == 1:
+                continue  # its blocks never change under it: they may stay cached
             blocks = [scheduler.kv_cache_manager.get_block_ids(rid)[0][group.first_block:]
                       if on else [] for rid, on in zip(ids, running)]
             hashed = {b for own in blocks for b in own if pool.blocks[b].block_hash is not None}

@@ -9,8 +9,10 @@ by ``cum_logprob / len(tokens) ** length_penalty`` (len counts the prompt, minus
 trailing EOS). Here, token for token the same, but inside the engine:
 
 - **Step 0** is one request over ``parent + suffix`` that carries the import
-  (``first_step_extra_args``) and returns ``2W`` logprobs; its W best tokens start the
-  beams (ties resolve by vLLM's numpy calls: ``connector.beam_search.top_candidates``).
+  (``first_step_extra_args``) and is a beam group of one slot: the engine's logits
+  processor picks its W best first tokens from its row, as vLLM reads them from a
+  ``2W``-logprobs request (ties by vLLM's numpy calls: ``connector.beam_search``), and
+  they come back on its output; no logprobs travel.
 - **Steps 1 to T-1** run in the engine: W slot requests, slot ``i`` over ``parent +
   [token i]``, each decoding ``T - 1`` tokens (slot 0 is sent, the engine's scheduler
   makes the others from it: one prompt through the front end, not W); at every engine
@@ -23,11 +25,9 @@ With ``fork`` (engines running our connector) the slots copy step 0's partial la
 block instead of recomputing it (``connector.beam_fork``): each computes one token at
 its first step; without it, up to ``block_size``.
 
-**Constrained to a catalog** (``params.catalog``), step 0 is the import only (one
-token, no logprobs: vLLM's logprobs are the top of the whole vocabulary, and the first
-token must be the catalog's); the W slots all start at ``parent + suffix`` with one live
-beam (with fork each copies step 0's block holding the parent's last token and computes
-that token), run all T steps in the engine, and return only whole items
+**Constrained to a catalog** (``params.catalog``), the same steps with every beam's
+candidates limited to the catalog's, step 0's included (its first tokens are items'
+first tokens); the slots start one token into an item and return only whole items
 (``connector.beam_search``: the rules; ``tools/harness/constrained.py``: the reference).
 """
 
@@ -38,9 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from connector.beam_search import slot_spec, top_candidates
+from connector.beam_search import slot_spec
 from connector.handoff import BEAM_KEY, KEY, SLOT_KEY
 from kvhandoff.types import Beam, BeamParams, StageError
 
@@ -50,7 +48,7 @@ if TYPE_CHECKING:
 GenerateFn = Callable[[list[int], "SamplingParams", str], Awaitable["RequestOutput"]]
 
 __all__ = ["BeamSearchOutcome", "beam_score", "beam_search", "error_message",
-           "top_candidates", "vllm_beam_search"]
+           "vllm_beam_search"]
 
 
 @dataclass(slots=True)
@@ -104,23 +102,6 @@ def _check_outputs(outputs: list[Any]) -> None:
             raise StageError("stage2", reason, error_message(out))
 
 
-def _first_step(out: Any, prompt: list[int], eos_token_id: int | None, ignore_eos: bool,
-                width: int, completed: list[_Sequence]) -> list[_Sequence]:
-    """Step 0's ``width`` best beams (those ending by EOS go to ``completed``), from its
-    logprobs dict as vLLM's beam search reads it."""
-    logprobs = out.outputs[0].logprobs
-    assert logprobs, "step 0 returned no logprobs"
-    candidates: list[tuple[float, int]] = []
-    for token_id, lp in logprobs[0].items():
-        if token_id == eos_token_id and not ignore_eos:
-            completed.append(_Sequence(prompt + [token_id], lp.logprob))
-            continue
-        candidates.append((0.0 + lp.logprob, token_id))
-    cums = np.fromiter((c[0] for c in candidates), dtype=np.float64, count=len(candidates))
-    return [_Sequence(prompt + [candidates[int(i)][1]], candidates[int(i)][0])
-            for i in top_candidates(cums, width)]
-
-
 def _step0_extra(extra_args: dict[str, Any] | None, fork: bool, keep: bool, name: str,
                  held_parent: str | None) -> dict[str, Any] | None:
     """Step 0's ``extra_args``: the import's, plus (with fork) being kept for the slots
@@ -146,27 +127,30 @@ async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamP
     from vllm import SamplingParams
 
     group, live = f"{request_id}-g", len(beams)
-    members = members or live
-    steps = params.max_tokens - (1 if params.catalog is None else 0)
+    members = max(members or live, live)
 
     starts = [beams[min(i, live - 1)] for i in range(members)]
     beam = {"fork_from": fork_from, "fork_children": members} if fork_from else {}
     spec = slot_spec(group=group, slot=0, members=members, width=params.beam_width,
-                     live=live, steps=steps, cum_logprob=starts[0].cum_logprob,
-                     eos_token_id=eos_token_id, ignore_eos=params.ignore_eos,
-                     catalog=params.catalog)
+                     live=live, steps=params.max_tokens - 1,
+                     cum_logprob=starts[0].cum_logprob, eos_token_id=eos_token_id,
+                     ignore_eos=params.ignore_eos, catalog=params.catalog,
+                     in_item=params.catalog is not None)
     # The other slots are made in the engine from this one (connector.beam_slots): each
-    # the same prompt with its own last token (open search) or the same prompt.
-    spec["clones"] = [[seq.tokens[-1] if params.catalog is None else None, seq.cum_logprob]
-                      for seq in starts[1:]]
-    sampling = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True,
+    # the same prompt with its own last token.
+    spec["clones"] = [[seq.tokens[-1], seq.cum_logprob] for seq in starts[1:]]
+    sampling = SamplingParams(max_tokens=params.max_tokens - 1, temperature=0.0, ignore_eos=True,
                               detokenize=False, extra_args={
                                   SLOT_KEY: spec, "kv_transfer_params": {BEAM_KEY: beam}})
-    leader = await generate(starts[0].tokens, sampling, f"{group}0")
-    _check_outputs([leader])
-    info = (leader.kv_transfer_params or {}).get(KEY) or {}
+    return _group_result(await generate(starts[0].tokens, sampling, f"{group}0"))
+
+
+def _group_result(out: Any) -> dict[str, Any]:
+    """A beam group's result, from its slot 0's final output."""
+    _check_outputs([out])
+    info = (out.kv_transfer_params or {}).get(KEY) or {}
     if SLOT_KEY not in info:
-        raise StageError("stage2", info.get("reason", "beam_group"), error_message(leader))
+        raise StageError("stage2", info.get("reason", "beam_group"), error_message(out))
     return info[SLOT_KEY]
 
 
@@ -194,37 +178,37 @@ async def beam_search(
 
     prompt = list(prompt_token_ids)
     name = f"{request_id}-s0"
-    constrained = params.catalog is not None
+    extra = dict(_step0_extra(first_step_extra_args, fork, params.max_tokens > 1, name,
+                              held_parent) or {})
+    # Step 0 is a beam group of one slot: the engine picks the first W beams.
+    extra[SLOT_KEY] = slot_spec(group=name, slot=0, members=1, width=params.beam_width,
+                                live=1, steps=1, cum_logprob=0.0, eos_token_id=eos_token_id,
+                                ignore_eos=params.ignore_eos, catalog=params.catalog,
+                                goes_on=params.max_tokens > 1)
     t0 = time.perf_counter()
     first = await generate(prompt, SamplingParams(
-        max_tokens=1, temperature=0.0, detokenize=False,
-        logprobs=None if constrained else 2 * params.beam_width,
-        extra_args=_step0_extra(first_step_extra_args, fork,
-                                params.max_tokens > 1 or constrained, name, held_parent)),
+        max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra),
         name)
     first_step_s = time.perf_counter() - t0
-    _check_outputs([first])
+    step0 = _group_result(first)
     if ((first.kv_transfer_params or {}).get(KEY) or {}).get("beam_fork_disabled"):
         fork = False  # D admitted the import only without it: step 0 was not kept
     step_computed = [len(first.prompt_token_ids) - (first.num_cached_tokens or 0)]
-    completed: list[_Sequence] = []
-    if constrained:  # the slots make every beam step, the first included
-        beams = [_Sequence(prompt)]
-        members = min(params.beam_width, max_live or params.beam_width)
-    else:
-        beams = _first_step(first, prompt, eos_token_id, params.ignore_eos,
-                            params.beam_width, completed)
+    completed = [_Sequence(prompt + list(tokens), float(cum))
+                 for _, tokens, cum in step0["completed"]]
+    beams = [_Sequence(prompt + list(tokens), float(cum)) for _, tokens, cum in step0["live"]]
+    recomputed, slot_steps, dropped = 0, None, int(step0.get("dropped", 0))
+    if params.max_tokens > 1 and beams:
         members = len(beams)
-    recomputed, slot_steps, dropped = 0, None, 0
-    if (params.max_tokens > 1 or constrained) and beams:
+        if params.catalog is not None:  # room for the beams the catalog may grow to
+            members = min(params.beam_width, max_live or params.beam_width)
         result = await _run_slots(generate, beams, params, eos_token_id=eos_token_id,
                                   request_id=request_id, fork_from=name if fork else None,
                                   members=members)
         slot_steps = result.get("steps") or {}
         first_computed = int(slot_steps.get("first_computed", members))
         # The slots' steps that ran: fewer than planned when no live beam was left.
-        planned = params.max_tokens - (0 if constrained else 1)
-        ran = len(slot_steps.get("select_ms") or ()) or planned
+        ran = len(slot_steps.get("select_ms") or ()) or params.max_tokens - 1
         step_computed += [first_computed] + [members] * (ran - 1)
         recomputed = max(first_computed - members, 0)
         dropped = int(result.get("dropped", 0))

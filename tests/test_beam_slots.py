@@ -53,7 +53,8 @@ def logprobs_dict(tokens: list[int], k: int) -> dict[int, SimpleNamespace]:
 
 
 class ScriptedEngine:
-    """Step 0 as one request; the slots as one batch run by the real processor."""
+    """Each beam group (step 0's one slot, then the slots) as one batch run by the real
+    processor; a request that is no slot (vLLM's reference) answers its logprobs."""
 
     def __init__(self, copies: bool = True, drop_slot: int | None = None,
                  vllm_config=None):
@@ -61,6 +62,7 @@ class ScriptedEngine:
         self.drop_slot = drop_slot  # a slot missing from the batch (a fault)
         self.vllm_config = vllm_config  # what the processor is made with (its catalogs)
         self.slots: dict[int, tuple[list[int], object, asyncio.Future]] = {}
+        self.group = None  # the group of ``slots``
         self.steps_run = 0
 
     async def generate(self, tokens, sampling, request_id):
@@ -69,6 +71,8 @@ class ScriptedEngine:
             return _output(tokens, None if sampling.logprobs is None
                            else [logprobs_dict(tokens, sampling.logprobs)], None)
         BeamSlotProcessor.validate_params(sampling)
+        if spec["group"] != self.group:  # the slots of the last group: gone
+            self.group, self.slots = spec["group"], {}
         future = asyncio.get_running_loop().create_future()
         self.slots[spec["slot"]] = (list(tokens), sampling, future)
         # The leader brings its group's other slots (the scheduler makes them:
@@ -250,7 +254,7 @@ def test_a_slot_missing_from_the_batch_fails_the_group_with_its_reason():
     engine = ScriptedEngine(drop_slot=2)
     with pytest.raises(StageError, match="3 of its 4 slots") as err:
         ours([3, 4, 5], BeamParams(4, 4), engine)
-    assert err.value.reason == "beam_group" and engine.steps_run == 1
+    assert err.value.reason == "beam_group" and engine.steps_run == 2  # step 0, then 1
 
 
 def test_slot_params_are_checked_where_vllm_checks_them():

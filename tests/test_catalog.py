@@ -198,8 +198,9 @@ def test_an_unknown_catalog_fails_the_group(tmp_path):
 def test_a_search_whose_beams_all_ended_stops_there(tmp_path):
     """Items of two tokens, EOS not ignored, T = 6: after two tokens every beam is at a
     leaf, whose only candidate is EOS, so every beam completes at step 3 and the slots
-    end there (not at step 6), with the reference's beams. With EOS ignored the leaves
-    complete at step 3 too (a whole item with nothing after it)."""
+    end there (step 0 and two slot steps, not six steps), with the reference's beams.
+    With EOS ignored the leaves complete at step 3 too (a whole item with nothing after
+    it)."""
     for ignore_eos in (False, True):
         items = _items(5, 30, (2,))
         prompt = [7, 4, 8, 6]
@@ -208,6 +209,6 @@ def test_a_search_whose_beams_all_ended_stops_there(tmp_path):
         engine = _engine(tmp_path, items)
         got, outcome = ours(prompt, params, engine)
         assert got == reference(prompt, items, params)[0]
-        assert engine.steps_run == 3 and len(outcome.slot_steps["select_ms"]) == 3
-        assert outcome.step_computed_tokens[1:] == [8] * 3
+        assert engine.steps_run == 3 and len(outcome.slot_steps["select_ms"]) == 2
+        assert outcome.step_computed_tokens[1:] == [8] * 2
         assert all(len(beam) == (2 if ignore_eos else 3) for beam, _ in got)

@@ -68,14 +68,15 @@ def test_constrained_beams_equal_the_reference_by_handoff_and_on_one_engine(
         assert result.num_beams_short == width - len(result.beams)
     if width == 4:
         # Six tokens where items have three: every beam ends by EOS at step 4, and the
-        # slots end there (the scheduler caps them), with the reference's beams.
+        # slots end there (step 0, then three slot steps: the scheduler caps them),
+        # with the reference's beams.
         long = BeamParams(beam_width=width, max_tokens=6, catalog="shop")
         early = run(run_beam_stage(pair.p, stage2, long, "cat-early"))
         _same(early.beams, run(constrained_beam_search(
             engine_logprobs(pair.p, pair.p.vocab_size, "cat-r-early"), stage2,
             [list(i) for i in shop], long, pair.eos_id)).beams)
         assert all(b.finish_reason == "stop" and len(b.token_ids) == 4 for b in early.beams)
-        assert early.step_computed_tokens[1:] == [width] * 4
+        assert early.step_computed_tokens[1:] == [width] * 3
     if width == 256:  # more than the shop keeps alive: 192 slots, fewer beams
         assert 0 < len(local.beams) < width and local.step_computed_tokens[-1] == 192
     if width == 32:
