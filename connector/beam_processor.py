@@ -8,7 +8,9 @@ extra_args={SLOT_KEY: spec})`` (``connector.beam_search.slot_spec``); the W slot
 together every step (``connector.beam_slots``). At each step :meth:`apply` takes the
 group's rows in slot order, lets ``connector.beam_search`` pick the W new beams, and
 turns each slot's row into one finite logit (0 at its token, -inf elsewhere), so vLLM's
-greedy sampler picks it. Rows of other requests are left as they are.
+greedy sampler picks it. Rows of other requests are left as they are. A search's step 0
+is a group of one slot (``max_tokens=1``, the import's request): its one row gives the W
+first beams, returned as the group's result.
 
 What the step decided goes to the scheduler in this step's worker metadata
 (:class:`BeamStepMeta`): the parents of the new beams (the scheduler copies each
@@ -225,6 +227,11 @@ class BeamSlotProcessor(LogitsProcessor):
         if search.done:
             record["result"] = search.result(goes_on=bool(spec.get("goes_on")))
         OUTBOX.post(group, record)
+        if members == 1 and search.done:
+            # A one-slot group decides again if its row comes again: a chunked prompt's
+            # partial steps are sampled too (discarded), and the scheduler reads only
+            # the record of the step that completes the prompt.
+            del self._groups[group]
 
     def _fail(self, group: str, step: int, why: str) -> None:
         logger.error("Beam group %s fails at step %d: %s", group, step, why)

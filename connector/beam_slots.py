@@ -1,11 +1,12 @@
 """The scheduler side of beam search inside the engine: beam groups and their slots.
 
-Stage 2's first step (the import, one request) gives the W best first tokens; then W
-requests ("slots") decode the group's beams, one engine step per beam step, until the
-search ends (``decode_engine.beam``). Slot ``i`` starts as ``parent + [first token i]``
+Stage 2's first step (the import, one request) is a group of one slot: the processor
+picks the W best first tokens from its row; then W requests ("slots") decode the
+group's beams, one engine step per beam step, until the search ends
+(``decode_engine.beam``). Slot ``i`` starts as ``parent + [first token i]``
 (``max_tokens`` = T - 1) and forks the first step's kept request (``connector.beam_fork``:
-the shared full blocks are prefix hits, the partial last one is copied); kept in a
-catalog, every slot starts at ``parent`` itself and runs all T steps. The logits
+the shared full blocks are prefix hits, the partial last one is copied). A one-slot
+group neither waits nor copies, and its blocks stay in the prefix cache. The logits
 processor (``connector.beam_processor``) picks each step's beams and forces the slots'
 tokens; this part, owned by the engine's scheduler (``connector.admission``), does the
 rest:
@@ -317,6 +318,9 @@ class SlotGroups:
             if group.error or not group.started or not any(r in scheduled for r in group.ids()):
                 continue
             record = records.get(name)
+            if group.members == 1 and not (record or {}).get("error") and _mid_prompt(
+                    requests.get(group.ids()[0])):
+                continue  # a partial (chunked) prefill step: its sample is discarded
             if record is None:
                 group.error = f"no decision for beam step {group.step + 1}"
             elif record.get("error"):
@@ -355,6 +359,9 @@ class SlotGroups:
                                  "first_computed": group.first_computed}
                         params[KEY] = {**(params.get(KEY) or {}),
                                        SLOT_KEY: {**group.result, "steps": steps}}
+                elif not group.error and out.finish_reason in (FinishReason.ERROR,
+                                                               FinishReason.ABORT):
+                    pass  # it ended before its group decided anything: its own reason
                 else:
                     # A slot ending without the group's beams says why, whichever step.
                     out.finish_reason = FinishReason.ERROR
@@ -387,6 +394,11 @@ class SlotGroups:
                 logger.info("Beam group %s: %s ended; ending its %d other slots", name,
                             rid, len(left))
                 scheduler.finish_requests(left, RequestStatus.FINISHED_ABORTED)
+
+
+def _mid_prompt(request: Request | None) -> bool:
+    """Whether ``request``'s last scheduled step left part of its prompt to compute."""
+    return request is not None and request.num_computed_tokens < request.num_prompt_tokens
 
 
 def _shared_from_free(pool: Any, leader: Request, num_blocks: int) -> int:

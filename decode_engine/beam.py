@@ -34,6 +34,7 @@ first tokens); the slots start one token into an item and return only whole item
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -126,7 +127,7 @@ async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamP
     output (``connector.beam_search.GroupSearch.result``, with the steps' figures)."""
     from vllm import SamplingParams
 
-    group, live = f"{request_id}-g", len(beams)
+    group, live = _unique(f"{request_id}-g"), len(beams)
     members = max(members or live, live)
 
     starts = [beams[min(i, live - 1)] for i in range(members)]
@@ -143,6 +144,12 @@ async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamP
                               detokenize=False, extra_args={
                                   SLOT_KEY: spec, "kv_transfer_params": {BEAM_KEY: beam}})
     return _group_result(await generate(starts[0].tokens, sampling, f"{group}0"))
+
+
+def _unique(name: str) -> str:
+    """A beam group's name on the engine: a request id may come again (a retry), a group
+    name must not while the engine still holds the last one's state."""
+    return f"{name}:{uuid.uuid4().hex[:8]}"
 
 
 def _group_result(out: Any) -> dict[str, Any]:
@@ -181,7 +188,8 @@ async def beam_search(
     extra = dict(_step0_extra(first_step_extra_args, fork, params.max_tokens > 1, name,
                               held_parent) or {})
     # Step 0 is a beam group of one slot: the engine picks the first W beams.
-    extra[SLOT_KEY] = slot_spec(group=name, slot=0, members=1, width=params.beam_width,
+    extra[SLOT_KEY] = slot_spec(group=_unique(name), slot=0, members=1,
+                                width=params.beam_width,
                                 live=1, steps=1, cum_logprob=0.0, eos_token_id=eos_token_id,
                                 ignore_eos=params.ignore_eos, catalog=params.catalog,
                                 goes_on=params.max_tokens > 1)

@@ -257,6 +257,29 @@ def test_a_slot_missing_from_the_batch_fails_the_group_with_its_reason():
     assert err.value.reason == "beam_group" and engine.steps_run == 2  # step 0, then 1
 
 
+def test_step_0_decides_again_when_its_row_comes_again():
+    """Step 0 is a group of one slot. A chunked prompt (vLLM's default on GPUs) puts its
+    row in the batch at each partial step too, sampled and discarded: the processor
+    decides again from the row it gets (the scheduler reads the record of the step that
+    completes the prompt) instead of failing the group as a step past its last."""
+    spec = slot_spec(group="s0", slot=0, members=1, width=4, live=1, steps=1,
+                     cum_logprob=0.0, eos_token_id=EOS, ignore_eos=False)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                            extra_args={SLOT_KEY: spec})
+    processor = BeamSlotProcessor(None, torch.device("cpu"), False)
+    processor.update_state(SimpleNamespace(batch_size=1, removed=[], moved=[],
+                                           added=[(0, params, [3, 4, 5], [])]))
+    records = []
+    for context in ([3, 4], [3, 4, 5]):  # a partial step's row, then the prompt's end
+        meta = OUTBOX.open_step()
+        processor.apply(scripted_logits(context).unsqueeze(0))
+        records.append(meta.groups["s0"])
+    assert all("error" not in r and r["step"] == 1 for r in records), records
+    assert [len(r["result"]["live"]) for r in records] == [4, 4]
+    assert records[0]["result"] != records[1]["result"]  # each from its own row
+    processor.update_state(SimpleNamespace(batch_size=0, removed=[0], moved=[], added=[]))
+
+
 def test_slot_params_are_checked_where_vllm_checks_them():
     from vllm import SamplingParams
 
