@@ -140,8 +140,8 @@ async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamP
     # The other slots are made in the engine from this one (connector.beam_slots): each
     # the same prompt with its own last token.
     spec["clones"] = [[seq.tokens[-1], seq.cum_logprob] for seq in starts[1:]]
-    sampling = SamplingParams(max_tokens=params.max_tokens - 1, temperature=0.0, ignore_eos=True,
-                              detokenize=False, extra_args={
+    sampling = SamplingParams(max_tokens=params.max_tokens - 1, temperature=0.0,
+                              ignore_eos=True, detokenize=False, extra_args={
                                   SLOT_KEY: spec, "kv_transfer_params": {BEAM_KEY: beam}})
     return _group_result(await generate(starts[0].tokens, sampling, f"{group}0"))
 
@@ -188,11 +188,10 @@ async def beam_search(
     extra = dict(_step0_extra(first_step_extra_args, fork, params.max_tokens > 1, name,
                               held_parent) or {})
     # Step 0 is a beam group of one slot: the engine picks the first W beams.
-    extra[SLOT_KEY] = slot_spec(group=_unique(name), slot=0, members=1,
-                                width=params.beam_width,
-                                live=1, steps=1, cum_logprob=0.0, eos_token_id=eos_token_id,
-                                ignore_eos=params.ignore_eos, catalog=params.catalog,
-                                goes_on=params.max_tokens > 1)
+    extra[SLOT_KEY] = slot_spec(
+        group=_unique(name), slot=0, members=1, width=params.beam_width, live=1, steps=1,
+        cum_logprob=0.0, eos_token_id=eos_token_id, ignore_eos=params.ignore_eos,
+        catalog=params.catalog, goes_on=params.max_tokens > 1)
     t0 = time.perf_counter()
     first = await generate(prompt, SamplingParams(
         max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra),
