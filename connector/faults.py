@@ -85,6 +85,19 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "the parent's KV is the other adapter's: logprobs, beams (only where the "
           "export's adapter differs from the request's: adapter cases)",
           needs_adapter=True),
+    Fault("merge-long", "decode_worker",
+          "D's READ joins a run of blocks past its boundary (D's destination is "
+          "allocated with a one-block gap for it): the piece after the boundary is read "
+          "from the address that would continue the run, its own destination left "
+          "unread (``connector.runs``)",
+          "one block of one layer region holds other KV and one is unread: logprobs, "
+          "often beams",
+          min_full_blocks=2),
+    Fault("merge-short", "decode_worker",
+          "D's READ ends its first merged run one block short: that block of one layer "
+          "region is never read (``connector.runs``)",
+          "B positions of one layer region hold no parent KV: logprobs, often beams",
+          min_full_blocks=1),
     Fault("swap-full-blocks", "decode_worker",
           "after the READ, imported blocks 0 and 1 (both full) trade places",
           "not caught, by design: each key carries its position (RoPE is applied before "

@@ -50,6 +50,10 @@ FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"
 #: Connector stats key: injected faults (``connector.faults``) that took effect on this
 #: engine, one entry each: the harness's evidence that a negative control really ran.
 FAULTS_KEY = "kvhandoff_faults_injected"
+#: Connector stats: allocations arranged in runs (``connector.runs``), one entry each
+#: (the runs made), and the cached blocks each one moved ahead of the LRU order.
+RUNS_KEY = "kvhandoff_runs"
+RUNS_CACHED_KEY = "kvhandoff_runs_cached_blocks"
 #: A beam slot made in the engine from its group's leader (``connector.beam_slots``):
 #: ``<leader's request id>`` + this + its index. The front end never sees its outputs.
 CLONE_SEP = ".slot"

@@ -60,6 +60,7 @@ from connector.handoff import (
     token_digest,
 )
 from connector.logs import use_vllm_handlers
+from connector.runs import MERGE_LONG, RunAllocator
 from connector.nixl_worker import ContinuationConnectorWorker
 from connector.runtime import (
     bound_shm_reader_waits,
@@ -72,6 +73,7 @@ from kvhandoff.model import model_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -131,6 +133,34 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._last_step_at = 0.0
         self._idle_pause_s = float(extra.get_from_extra_config("idle_pause_ms", 20)) / 1e3
         self._idle_since: float | None = None
+        # Allocations in runs (connector.runs), once the engine's scheduler hands over
+        # its block pool (use_block_pool); off with kv_runs=False.
+        self._kv_runs = bool(extra.get_from_extra_config("kv_runs", True))
+        self._kv_cache_config = kv_cache_config
+        self._runs: RunAllocator | None = None
+
+    def use_block_pool(self, block_pool: BlockPool) -> None:
+        """Called once, when vLLM's scheduler binds its block pool to the connector
+        (``bind_gpu_block_pool``): imports and stage 1s allocate their blocks in runs
+        from here (one KV cache group only)."""
+        if self._kv_runs and len(self._kv_cache_config.kv_cache_groups) == 1:
+            self._runs = RunAllocator(block_pool)
+
+    def _arrange_run(self, request: Request, num_computed_tokens: int, num_tokens: int,
+                     gap: bool = False) -> None:
+        """Right before vLLM allocates ``request``'s blocks for ``num_tokens`` tokens (of
+        which ``num_computed_tokens`` hit the prefix cache): put the blocks it will get
+        at the front of the free queue as one run (``connector.runs``)."""
+        if self._runs is None:
+            return
+        num_hit_blocks = num_computed_tokens // self.block_size
+        num_blocks = -(-num_tokens // self.block_size) - num_hit_blocks
+        arranged = self._runs.arrange(
+            num_blocks, request.block_hashes[:num_hit_blocks], gap=gap)
+        if arranged is not None:
+            self.stats.record_runs(arranged.num_runs, arranged.num_cached)
+            logger.debug("%s: %d blocks in %d runs, %d of them cached", request.request_id,
+                         len(arranged.block_ids), arranged.num_runs, arranged.num_cached)
 
     def _fault(self, request: Request) -> str | None:
         """The fault ``request`` names, if this engine injects faults."""
@@ -258,7 +288,12 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             # preemption): the stock P path would pull its "remote" blocks once more.
             return 0, False
         if not (params and params.get("do_remote_prefill")):
-            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+            matched = super().get_num_new_matched_tokens(request, num_computed_tokens)
+            if params and params.get("do_remote_decode") and matched == (0, False):
+                # A stage 1 (it will be exported): its prompt and output in one run.
+                self._arrange_run(request, num_computed_tokens,
+                                  request.num_prompt_tokens + (request.max_tokens or 0))
+            return matched
         num_importable = min(
             params.get("remote_num_tokens") or 0, request.num_prompt_tokens - 1
         )
@@ -270,6 +305,9 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
                 self._miscounted.add(request.request_id)
             num_importable = faulted
         count = num_importable - num_computed_tokens
+        if count > 0:
+            self._arrange_run(request, num_computed_tokens, num_importable,
+                              gap=fault == MERGE_LONG)
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -414,6 +452,12 @@ class ContinuationConnector(NixlPullConnector):
             self.connector_worker = ContinuationConnectorWorker(
                 vllm_config, self.engine_id, kv_cache_config
             )
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """vLLM's scheduler hands over its block pool (any device, despite the name)."""
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if isinstance(self.connector_scheduler, ContinuationConnectorScheduler):
+            self.connector_scheduler.use_block_pool(gpu_block_pool)
 
     def build_connector_worker_meta(self) -> Any:
         """The step's metadata for beam groups (``connector.beam_processor``), filled by

@@ -1,0 +1,230 @@
+"""A READ that costs its bytes: blocks allocated in runs, descriptors merged over runs.
+
+vLLM's pull connector posts one NIXL descriptor per block per layer region, so a READ's
+time is its descriptor count (~5 us each), not its bytes. Two halves fix that, one per
+process of an engine:
+
+- :class:`RunAllocator` (engine core, scheduler side): just before vLLM allocates the
+  blocks of an import (D) or of a stage 1's prompt and output (P), it moves a run of
+  free blocks with consecutive ids to the front of vLLM's free queue, so the allocation
+  that follows pops them in order. It picks the run of free blocks that evicts the
+  fewest cached ones (uncached blocks first), never a block this request is about to
+  hit in the prefix cache.
+- :func:`merge` (worker side): the READ's per-block, per-region descriptors, put in
+  the order of the local addresses, are joined wherever both sides continue without
+  a gap; a run of ``n`` blocks becomes one descriptor per region (per layer K and V on
+  vLLM's CPU layout), or one descriptor in all on a blocks-outermost layout (every
+  layer's page of a block side by side)::
+
+      local  | b7 | b8 | b9 |       | b3 |          b7..b9 on D, from P's r20..r22:
+      remote | r20| r21| r22|       | r5 |   ->     (b7, r20, 3 blocks), (b3, r5, 1 block)
+
+The merge is exact: every byte moves from the same source to the same destination as in
+vLLM's descriptors. Its negative controls (``merge-long``, ``merge-short``) are the two
+ways a merge goes wrong, a run joined one block past its boundary and a run one block
+short; the harness must catch both (``connector.faults``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+
+logger = logging.getLogger(__name__)
+
+#: The merge faults (``connector.faults``): a run joined across its boundary, one short.
+MERGE_LONG = "merge-long"
+MERGE_SHORT = "merge-short"
+MERGE_FAULTS = frozenset({MERGE_LONG, MERGE_SHORT})
+
+
+@dataclass(slots=True)
+class Arranged:
+    """What :meth:`RunAllocator.arrange` put at the front of the free queue."""
+
+    block_ids: list[int]
+    #: Runs of consecutive ids among them (1 is the goal).
+    num_runs: int
+    #: Cached blocks among them: each is evicted before blocks the LRU order would
+    #: have evicted first (the cost to prefix caching).
+    num_cached: int
+
+
+class RunAllocator:
+    """Makes vLLM's next allocation of ``n`` blocks a run of consecutive block ids.
+
+    Owned by the connector's scheduler side; it touches only the order of vLLM's free
+    queue (which blocks are free does not change, and vLLM still allocates, caches and
+    frees them). Called from ``get_num_new_matched_tokens``, which vLLM calls for a
+    waiting request right before ``allocate_slots``.
+    """
+
+    def __init__(self, block_pool: BlockPool):
+        self._pool = block_pool
+        self.num_arranged = 0
+        self.num_cached_moved = 0
+
+    def arrange(self, num_blocks: int, avoid_hashes: list[Any] = (),
+                gap: bool = False) -> Arranged | None:
+        """Put ``num_blocks`` free blocks with consecutive ids at the front of the free
+        queue, in id order; ``avoid_hashes``: the block hashes this request will hit
+        in the prefix cache (those blocks are left where they are). ``gap`` (the
+        ``merge-long`` fault only) leaves one block out of the middle of the run, so
+        the READ has a boundary to merge across. None where nothing was moved."""
+        if num_blocks < 2 and not gap:
+            return None
+        queue = self._pool.free_block_queue
+        free = queue.get_all_free_blocks()
+        want = num_blocks + (1 if gap else 0)
+        if want > len(free):
+            return None
+        avoid = self._hit_block_ids(avoid_hashes)
+        by_id = {b.block_id: b for b in free if b.block_id not in avoid and b.block_id > 0}
+        ids = pick_run(np.fromiter(by_id, dtype=np.int64, count=len(by_id)),
+                       self._cached_ids(by_id), want)
+        if ids is None:
+            return None
+        if gap:
+            ids = ids[: want // 2] + ids[want // 2 + 1:]
+        blocks = [by_id[i] for i in ids]
+        for block in blocks:
+            queue.remove(block)
+        queue.prepend_n(blocks)
+        cached = sum(1 for b in blocks if b.block_hash is not None)
+        self.num_arranged += 1
+        self.num_cached_moved += cached
+        return Arranged(ids, count_runs(ids), cached)
+
+    def _hit_block_ids(self, hashes: list[Any]) -> set[int]:
+        hit: set[int] = set()
+        for block_hash in hashes:
+            blocks = self._pool.get_cached_block(block_hash, [0])
+            if blocks is None:
+                break
+            hit.update(b.block_id for b in blocks)
+        return hit
+
+    def _cached_ids(self, by_id: dict[int, Any]) -> np.ndarray:
+        return np.fromiter((i for i, b in by_id.items() if b.block_hash is not None),
+                           dtype=np.int64)
+
+
+def pick_run(free_ids: np.ndarray, cached_ids: np.ndarray, n: int) -> list[int] | None:
+    """``n`` ids among ``free_ids`` in as few runs of consecutive ids as possible: one
+    window of ``n`` consecutive free ids if any (the one holding the fewest
+    ``cached_ids``, then the lowest), else the longest runs, longest first. None when
+    there are fewer than ``n`` free ids."""
+    if n <= 0 or len(free_ids) < n:
+        return None
+    top = int(free_ids.max()) + 1
+    is_free = np.zeros(top, dtype=bool)
+    is_free[free_ids] = True
+    # Cost per id: 0 uncached free, 1 cached free, n + 1 not free (never chosen).
+    cost = np.where(is_free, 0, n + 1).astype(np.int64)
+    cost[cached_ids] += 1
+    if top >= n:
+        sums = np.convolve(cost, np.ones(n, dtype=np.int64), mode="valid")
+        start = int(np.argmin(sums))
+        if sums[start] <= n:
+            return list(range(start, start + n))
+    # No window: the longest runs of free ids.
+    ids = np.sort(free_ids)
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    runs = sorted(np.split(ids, breaks), key=len, reverse=True)
+    chosen: list[int] = []
+    for run in runs:
+        chosen.extend(int(i) for i in run[: n - len(chosen)])
+        if len(chosen) == n:
+            break
+    return sorted(chosen)
+
+
+def count_runs(ids: list[int]) -> int:
+    return 0 if not ids else 1 + sum(1 for a, b in zip(ids, ids[1:]) if b != a + 1)
+
+
+@dataclass(slots=True)
+class Merged:
+    """A READ's merged descriptors: ``local[i]`` is read from ``remote[i]``."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    #: Whether the fault asked for took effect, and the destination ranges it left
+    #: unread, ``(address, length)``.
+    took: bool = False
+    unread: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def unread_bytes(self) -> int:
+        return sum(length for _, length in self.unread)
+
+
+def merge(local: np.ndarray, remote: np.ndarray, fault: str | None = None) -> Merged:
+    """Join a READ's descriptors over runs. ``local``, ``remote``: ``(k, 3)`` arrays of
+    ``(address, length, device)``, row ``i`` of one read into row ``i`` of the other
+    (vLLM's descriptors for the READ, any order). Returns the merged pair, in the
+    order of the local addresses, and what ``fault`` did:
+
+    - ``merge-long``: the first boundary is ignored, so the pieces after it are read as
+      if the run went on (each into its neighbour's destination, and the last one's
+      destination left unread); without a boundary the last run reads one block past
+      its end, which no output reads (no effect);
+    - ``merge-short``: the first run is one piece shorter, so that piece is never read.
+    """
+    assert local.shape == remote.shape and local.shape[1:] == (3,), "descriptor pairs"
+    if len(local) == 0:
+        return Merged(local, remote)
+    order = np.argsort(local[:, 0], kind="stable")
+    la, ra = local[order], remote[order]
+    length = la[:, 1]
+    # A new run starts where either side does not continue the previous piece.
+    starts = np.ones(len(la), dtype=bool)
+    starts[1:] = ((la[:-1, 0] + length[:-1] != la[1:, 0])
+                  | (ra[:-1, 0] + length[:-1] != ra[1:, 0])
+                  | (la[:-1, 2] != la[1:, 2]) | (ra[:-1, 2] != ra[1:, 2]))
+    out = Merged(la, ra)
+    if fault == MERGE_LONG:
+        boundaries = np.flatnonzero(starts[1:]) + 1
+        if len(boundaries):
+            starts[boundaries[0]] = False
+            out.took = True
+            # The joined run covers as many bytes from its start as its pieces hold:
+            # the pieces it no longer reaches are left unread.
+            first_run = np.flatnonzero(starts)
+            s = first_run[first_run < boundaries[0]][-1]
+            later = first_run[first_run > boundaries[0]]
+            e = later[0] if len(later) else len(la)
+            end = la[s, 0] + length[s:e].sum()
+            out.unread.extend((int(a), int(n)) for a, n, _ in la[s:e].tolist()
+                              if a + n > end)
+    first = np.flatnonzero(starts)
+    sizes = np.add.reduceat(length, first)
+    out.local = la[first].copy()
+    out.remote = ra[first].copy()
+    out.local[:, 1] = out.remote[:, 1] = sizes
+    if fault == MERGE_LONG and not out.took:
+        out.local[-1, 1] += length[-1]
+        out.remote[-1, 1] += length[-1]
+    if fault == MERGE_SHORT:
+        # The first run's last piece.
+        last = (first[1] if len(first) > 1 else len(la)) - 1
+        out.local[0, 1] -= length[last]
+        out.remote[0, 1] -= length[last]
+        out.took = True
+        out.unread.append((int(la[last, 0]), int(length[last])))
+        if out.local[0, 1] == 0:
+            out.local, out.remote = out.local[1:], out.remote[1:]
+    return out
+
+
+def fill_host_bytes(address: int, length: int, value: int = 0x3C) -> None:
+    """Overwrite ``length`` bytes of this process's host memory (a merge fault's unread
+    destination): ``0x3C`` bytes read as small finite floats in fp32, bf16 and fp16."""
+    ctypes.memset(address, value, length)
