@@ -51,9 +51,9 @@ FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"
 #: engine, one entry each: the harness's evidence that a negative control really ran.
 FAULTS_KEY = "kvhandoff_faults_injected"
 #: Connector stats: allocations arranged in runs (``connector.runs``), one entry each
-#: (the runs made), and the cached blocks each one moved ahead of the LRU order.
+#: (the runs made), and the cached blocks each evicted out of the LRU order.
 RUNS_KEY = "kvhandoff_runs"
-RUNS_CACHED_KEY = "kvhandoff_runs_cached_blocks"
+RUNS_OUT_OF_ORDER_KEY = "kvhandoff_runs_out_of_lru_order"
 #: A beam slot made in the engine from its group's leader (``connector.beam_slots``):
 #: ``<leader's request id>`` + this + its index. The front end never sees its outputs.
 CLONE_SEP = ".slot"

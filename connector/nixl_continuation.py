@@ -158,9 +158,10 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         arranged = self._runs.arrange(
             num_blocks, request.block_hashes[:num_hit_blocks], gap=gap)
         if arranged is not None:
-            self.stats.record_runs(arranged.num_runs, arranged.num_cached)
-            logger.debug("%s: %d blocks in %d runs, %d of them cached", request.request_id,
-                         len(arranged.block_ids), arranged.num_runs, arranged.num_cached)
+            self.stats.record_runs(arranged.num_runs, arranged.num_out_of_order)
+            logger.debug("%s: %d blocks in %d runs, %d of them cached (%d out of LRU "
+                         "order)", request.request_id, len(arranged.block_ids),
+                         arranged.num_runs, arranged.num_cached, arranged.num_out_of_order)
 
     def _fault(self, request: Request) -> str | None:
         """The fault ``request`` names, if this engine injects faults."""
@@ -452,6 +453,24 @@ class ContinuationConnector(NixlPullConnector):
             self.connector_worker = ContinuationConnectorWorker(
                 vllm_config, self.engine_id, kv_cache_config
             )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The KV layout this connector asks vLLM for. On CUDA, blocks outermost
+        (``BLHNC``: every layer's page of a block side by side, one allocation), so a
+        run of blocks is one contiguous piece for all layers and a READ one descriptor
+        per run (``connector.runs``); vLLM's attention backends there take any layout.
+        Elsewhere (the CPU backend reads only ``LBHNC``), or with ``kv_layout`` set to
+        ``"vllm"`` in the connector's extra config, vLLM's NIXL choice."""
+        from vllm.platforms import current_platform
+
+        extra = vllm_config.kv_transfer_config
+        wanted = extra.get_from_extra_config("kv_layout", "auto") if extra else "auto"
+        model = vllm_config.model_config
+        if (wanted == "auto" and current_platform.is_cuda()
+                and model is not None and not model.use_mla):
+            return "BLHNC"
+        return super().get_required_kvcache_layout(vllm_config)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """vLLM's scheduler hands over its block pool (any device, despite the name)."""

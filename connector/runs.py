@@ -52,9 +52,11 @@ class Arranged:
     block_ids: list[int]
     #: Runs of consecutive ids among them (1 is the goal).
     num_runs: int
-    #: Cached blocks among them: each is evicted before blocks the LRU order would
-    #: have evicted first (the cost to prefix caching).
+    #: Cached blocks among them (evicted by the allocation that follows), and those of
+    #: them the LRU order would not have evicted yet (the cost to prefix caching: each
+    #: goes before an older cached block).
     num_cached: int
+    num_out_of_order: int
 
 
 class RunAllocator:
@@ -69,7 +71,7 @@ class RunAllocator:
     def __init__(self, block_pool: BlockPool):
         self._pool = block_pool
         self.num_arranged = 0
-        self.num_cached_moved = 0
+        self.num_out_of_order = 0
 
     def arrange(self, num_blocks: int, avoid_hashes: list[Any] = (),
                 gap: bool = False) -> Arranged | None:
@@ -97,10 +99,12 @@ class RunAllocator:
         for block in blocks:
             queue.remove(block)
         queue.prepend_n(blocks)
-        cached = sum(1 for b in blocks if b.block_hash is not None)
+        lru_next = {b.block_id for b in free[:len(blocks)]}
+        cached = [b.block_id for b in blocks if b.block_hash is not None]
+        out_of_order = sum(1 for i in cached if i not in lru_next)
         self.num_arranged += 1
-        self.num_cached_moved += cached
-        return Arranged(ids, count_runs(ids), cached)
+        self.num_out_of_order += out_of_order
+        return Arranged(ids, count_runs(ids), len(cached), out_of_order)
 
     def _hit_block_ids(self, hashes: list[Any]) -> set[int]:
         hit: set[int] = set()

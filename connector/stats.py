@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
-from connector.handoff import FAULTS_KEY, FORK_TOKENS_KEY, RUNS_CACHED_KEY, RUNS_KEY
+from connector.handoff import FAULTS_KEY, FORK_TOKENS_KEY, RUNS_OUT_OF_ORDER_KEY, RUNS_KEY
 
 
 class ContinuationStats(NixlKVConnectorStats):
@@ -20,14 +20,14 @@ class ContinuationStats(NixlKVConnectorStats):
         self.data[FORK_TOKENS_KEY] = []
         self.data[FAULTS_KEY] = []
         self.data[RUNS_KEY] = []
-        self.data[RUNS_CACHED_KEY] = []
+        self.data[RUNS_OUT_OF_ORDER_KEY] = []
 
     def record_fault(self) -> None:
         self.data[FAULTS_KEY].append(1)
 
-    def record_runs(self, num_runs: int, num_cached: int) -> None:
+    def record_runs(self, num_runs: int, num_out_of_order: int) -> None:
         self.data[RUNS_KEY].append(num_runs)
-        self.data[RUNS_CACHED_KEY].append(num_cached)
+        self.data[RUNS_OUT_OF_ORDER_KEY].append(num_out_of_order)
 
     def is_empty(self) -> bool:
         return (super().is_empty() and not self.data.get(FORK_TOKENS_KEY)

@@ -72,6 +72,9 @@ class EngineConfig:
     #: (0 = NIXL's own busy-spinning thread: only for hosts with a core to spare).
     nixl_progress_thread: bool = True
     nixl_progress_delay_us: int = 500
+    #: READs in merged descriptors over blocks allocated in runs (``connector.runs``);
+    #: False: vLLM's own, one descriptor per block per layer region, blocks in LRU order.
+    kv_runs: bool = True
     #: UCX interfaces; "lo" keeps transfers on loopback (single host). None = all.
     ucx_net_devices: str | None = "lo"
     #: CPU hosts only: torch threads per engine (OMP_NUM_THREADS), left unbound: vLLM's
@@ -177,6 +180,7 @@ class EngineConfig:
                 "lease_safety_margin_s": self.lease_safety_margin_s,
                 "nixl_progress_thread": self.nixl_progress_thread,
                 "nixl_progress_delay_us": self.nixl_progress_delay_us,
+                "kv_runs": self.kv_runs,
                 "beam_fork": self.beam_fork,
                 "beam_fork_hold_s": self.beam_fork_hold_s,
                 "handoff_secret_file": self.handoff_secret_file,

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.handoff import FAULTS_KEY, FORK_TOKENS_KEY, RUNS_CACHED_KEY, RUNS_KEY
+from connector.handoff import FAULTS_KEY, FORK_TOKENS_KEY, RUNS_OUT_OF_ORDER_KEY, RUNS_KEY
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +74,9 @@ class EngineCounters:
     #: Injected faults that took effect on this engine (``connector.faults``).
     faults_injected: int = 0
     #: Allocations this engine made in runs (``connector.runs``), and the cached blocks
-    #: they moved ahead of the LRU order (evicted earlier than LRU would have).
+    #: they evicted out of the LRU order (each before an older cached block).
     runs_arranged: int = 0
-    runs_cached_blocks: int = 0
+    runs_out_of_lru_order: int = 0
     #: vLLM's prefix-cache stats: prompt tokens looked up in this engine's cache and
     #: tokens found there (hit rate = hits / queries).
     prefix_cache_queries: int = 0
@@ -107,7 +107,7 @@ class EngineCounters:
         self.expired_leases += len(data.get("num_kv_expired_reqs", []))
         self.faults_injected += len(data.get(FAULTS_KEY, []))
         self.runs_arranged += len(data.get(RUNS_KEY, []))
-        self.runs_cached_blocks += int(sum(data.get(RUNS_CACHED_KEY, [])))
+        self.runs_out_of_lru_order += int(sum(data.get(RUNS_OUT_OF_ORDER_KEY, [])))
         fork = int(sum(data.get(FORK_TOKENS_KEY, [])))
         self.beam_fork_tokens += fork
         self._fork_tokens_unmatched += fork

@@ -108,6 +108,7 @@ def test_allocator_makes_the_next_allocation_one_run():
     assert count_runs([b.block_id for b in pool.get_new_blocks(8)]) > 1
     arranged = RunAllocator(pool).arrange(8)
     assert arranged is not None and arranged.num_runs == 1 and arranged.num_cached == 0
+    assert arranged.num_out_of_order == 0
     got = [b.block_id for b in pool.get_new_blocks(8)]
     assert got == arranged.block_ids and count_runs(got) == 1
 
@@ -117,3 +118,34 @@ def test_allocator_gap_for_the_merge_long_fault():
     arranged = RunAllocator(pool).arrange(6, gap=True)
     assert arranged is not None and arranged.num_runs == 2 and len(arranged.block_ids) == 6
     assert [b.block_id for b in pool.get_new_blocks(6)] == arranged.block_ids
+
+
+def _config(use_mla: bool = False, **extra):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(get_from_extra_config=lambda k, d: extra.get(k, d)),
+        model_config=SimpleNamespace(use_mla=use_mla))
+
+
+def test_the_connector_asks_for_blocks_outermost_on_cuda(monkeypatch):
+    """On CUDA the connector asks vLLM for BLHNC (a run of blocks one piece for all
+    layers), which vLLM's CUDA FlashAttention accepts (it declares no layouts, so vLLM's
+    default preference applies, BLHNC in it); on CPU, whose attention reads only LBHNC,
+    and with ``kv_layout="vllm"`` or MLA, vLLM's NIXL choice."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from connector.nixl_continuation import ContinuationConnector
+
+    assert ContinuationConnector.get_required_kvcache_layout(_config()) == "LBHNC"
+    assert get_supported_kv_cache_layouts([CPUAttentionBackend]) == [KVCacheLayout.LBHNC]
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    assert ContinuationConnector.get_required_kvcache_layout(_config()) == "BLHNC"
+    assert FlashAttentionBackend.supported_kv_cache_layouts() is None
+    assert KVCacheLayout.BLHNC in get_supported_kv_cache_layouts([FlashAttentionBackend])
+    assert ContinuationConnector.get_required_kvcache_layout(_config(kv_layout="vllm")) == "LBHNC"
+    assert ContinuationConnector.get_required_kvcache_layout(_config(use_mla=True)) is None

@@ -314,6 +314,11 @@ def _add_bench(sub: Any) -> None:
                             "constrained to a synthetic catalog at W 32 and 512 (bench "
                             "model unless --model; --prompt-tokens, --stage1-tokens)")
     bench.add_argument("--widths", default=None, help="with --beams: e.g. 4,32")
+    bench.add_argument("--read", action="store_true",
+                       help="a handoff's READ under vLLM's descriptors and under the runs "
+                            "(connector.runs), one pair each: cold at the --sweep lengths "
+                            "(default 1024,2048,4096) and in a churned pool, against raw "
+                            "one-descriptor NIXL")
     bench.add_argument("--fleet", action="store_true",
                        help="least-loaded against cache-aware placement on 2 P and 2 D "
                             "(processes, fresh for each): users whose histories grow "

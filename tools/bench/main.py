@@ -77,6 +77,19 @@ def main_bench(args: argparse.Namespace) -> int:
         _write_json(args.json, result)
         return 0
 
+    if args.read:
+        from tools.bench.read import format_read, run_read
+
+        kw = {"model": args.model or "bench"}
+        if args.seed is not None:
+            kw["seed"] = args.seed
+        sweep = tuple(int(x) for x in args.sweep.split(",")) if args.sweep else (1024, 2048, 4096)
+        result = asyncio.run(run_read(BenchConfig(**kw), sweep,
+                                      progress=lambda label: print(label, flush=True)))
+        print(format_read(result))
+        _write_json(args.json, result)
+        return 0
+
     if args.beams:
         from tools.bench.beams import WIDTHS, format_beams, run_beams
 

@@ -1,0 +1,122 @@
+"""``kvhandoff bench --read``: a handoff's READ under each descriptor scheme, in one run.
+
+For each scheme (vLLM's own descriptors, blocks in LRU order; then the project's runs,
+``connector.runs``) a fresh P+D pair on the bench model, with D's pool sized to a few
+of the largest parents so that it churns:
+
+1. **cold**: for each parent length, ``repeats`` cold handoffs (both prefix caches
+   emptied before each; the free queue keeps whatever order earlier requests left), the
+   median by READ time reported: descriptors NIXL posted, bytes, READ ms and GB/s;
+2. **churn**: ``churn`` handoffs of distinct parents one after another without emptying
+   anything, so D's pool fills with cached blocks and each import evicts some; the last
+   half is reported (descriptors and GB/s per READ), with the cached blocks the runs
+   evicted out of LRU order (what the runs cost prefix caching).
+
+Then the raw one-descriptor NIXL rate for each cold point's bytes
+(``tools.bench.nixl_probe``), measured in the same run after the engines are gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from kvhandoff.types import BeamParams
+from tools.bench.modes import Bench, make_prompts
+from tools.bench.nixl_probe import measure_transfer
+from tools.bench.types import BenchConfig
+from tools.local import local_pair
+
+SCHEMES = ("vllm", "runs")
+
+
+def _row(s: Any) -> dict[str, Any]:
+    ms = s.transfer_ms or 0.0
+    return {"parent_tokens": s.parent_tokens, "kv_bytes": s.kv_bytes,
+            "descriptors": s.descriptors, "read_ms": round(ms, 3),
+            "read_gbps": round(s.kv_bytes / ms / 1e6, 3) if ms else None}
+
+
+async def _scheme(scheme: str, cfg: BenchConfig, sweep: tuple[int, ...], repeats: int,
+                  churn: int, churn_tokens: int, progress: Any) -> dict[str, Any]:
+    largest = max(*sweep, churn_tokens) + 64
+    block_bytes = 768 << 10  # the bench model: 24 KiB of KV per token, 32-token blocks
+    pool = 4 * (-(-largest // 32)) * block_bytes
+    max_len = largest + 64
+    async with local_pair(cfg.model, kv_runs=scheme == "runs", lease_s=60,
+                          max_model_len=max_len + (-max_len % 32),
+                          decode_overrides={"kv_cache_memory_bytes": pool},
+                          prefill_overrides={"kv_cache_memory_bytes": 2 * pool}) as pair:
+        bench = Bench(pair, cfg)
+        beam = BeamParams(beam_width=4, max_tokens=2)
+        await bench.one("handoff", make_prompts(bench.tok, 1, 64, 1)[0], 1, stage1_tokens=2)
+        cold = []
+        for i, n in enumerate(sweep):
+            prompt = make_prompts(bench.tok, 1, n - 1, cfg.seed + 7 + i)[0]
+            runs = [await bench.one("handoff", prompt, cfg.seed + k, stage1_tokens=1,
+                                    beam=beam) for k in range(repeats)]
+            cold.append(_row(sorted(runs, key=lambda r: r.transfer_ms or 0.0)[repeats // 2]))
+            progress(f"{scheme}: cold {n}")
+        await bench.empty_caches()
+        before = dataclasses.replace(pair.d.counters)
+        prompts = make_prompts(bench.tok, churn, churn_tokens - 1, cfg.seed + 300)
+        samples = []
+        for k, prompt in enumerate(prompts):
+            samples.append(await bench.one("handoff", prompt, cfg.seed + k, stage1_tokens=1,
+                                           beam=beam, alone=False))
+        progress(f"{scheme}: churn")
+        after = pair.d.counters
+        tail = [_row(s) for s in samples[churn // 2:]]
+        return {"scheme": scheme, "d_pool_blocks": pool // block_bytes, "cold": cold,
+                "churn": {"handoffs": churn, "parent_tokens": churn_tokens,
+                          "reported": len(tail),
+                          "descriptors_median": statistics.median(r["descriptors"] for r in tail),
+                          "read_gbps_median": statistics.median(r["read_gbps"] or 0.0
+                                                                for r in tail),
+                          "d_allocations_in_runs": after.runs_arranged - before.runs_arranged,
+                          "d_evicted_out_of_lru_order":
+                              after.runs_out_of_lru_order - before.runs_out_of_lru_order,
+                          "d_blocks_read": sum(-(-(s.tokens_read) // s.block_size)
+                                               for s in samples)}}
+
+
+async def run_read(cfg: BenchConfig, sweep: tuple[int, ...] = (1024, 2048, 4096),
+                   repeats: int = 3, churn: int = 24, churn_tokens: int = 1024,
+                   progress: Any = print) -> dict[str, Any]:
+    """Both schemes (vLLM's first, then the runs), then the raw rates."""
+    result: dict[str, Any] = {"sweep": list(sweep), "repeats": repeats,
+                              "order": list(SCHEMES), "schemes": {}}
+    for scheme in SCHEMES:
+        result["schemes"][scheme] = await _scheme(scheme, cfg, sweep, repeats, churn,
+                                                  churn_tokens, progress)
+    sizes = sorted({r["kv_bytes"] for s in result["schemes"].values() for r in s["cold"]})
+    raw = {row["bytes"]: row["nixl_gbps"] for row in measure_transfer(sizes)["sizes"]}
+    for s in result["schemes"].values():
+        for r in s["cold"]:
+            r["raw_nixl_gbps"] = raw.get(r["kv_bytes"])
+            if r["read_gbps"] and r["raw_nixl_gbps"]:
+                r["read_vs_raw"] = round(r["read_gbps"] / r["raw_nixl_gbps"], 3)
+    vllm, runs = (result["schemes"][s]["cold"] for s in SCHEMES)
+    result["descriptor_cut"] = [round(a["descriptors"] / max(1, b["descriptors"]), 1)
+                                for a, b in zip(vllm, runs)]
+    return result
+
+
+def format_read(result: dict[str, Any]) -> str:
+    lines = ["scheme  parent  MiB  descriptors  READ ms  GB/s  raw 1-desc GB/s  ratio"]
+    for name, s in result["schemes"].items():
+        for r in s["cold"]:
+            lines.append(f"{name:<7} {r['parent_tokens']:>6} {r['kv_bytes'] / 2**20:>4.0f} "
+                         f"{r['descriptors']:>12} {r['read_ms']:>8.2f} "
+                         f"{r['read_gbps'] or 0:>5.2f} {r['raw_nixl_gbps'] or 0:>16.2f} "
+                         f"{r.get('read_vs_raw', 0):>6.2f}")
+    lines.append(f"descriptors cut (vLLM's / runs): {result['descriptor_cut']}")
+    for name, s in result["schemes"].items():
+        c = s["churn"]
+        lines.append(f"churn {name}: D pool {s['d_pool_blocks']} blocks, last {c['reported']} "
+                     f"of {c['handoffs']} {c['parent_tokens']}-token handoffs: descriptors "
+                     f"{c['descriptors_median']}, {c['read_gbps_median']:.2f} GB/s; cached "
+                     f"blocks evicted out of LRU order {c['d_evicted_out_of_lru_order']} of "
+                     f"{c['d_blocks_read']} blocks read")
+    return "\n".join(lines)
