@@ -70,8 +70,6 @@ class RunAllocator:
 
     def __init__(self, block_pool: BlockPool):
         self._pool = block_pool
-        self.num_arranged = 0
-        self.num_out_of_order = 0
 
     def arrange(self, num_blocks: int, avoid_hashes: list[Any] = (),
                 gap: bool = False) -> Arranged | None:
@@ -83,28 +81,40 @@ class RunAllocator:
         if num_blocks < 2 and not gap:
             return None
         queue = self._pool.free_block_queue
-        free = queue.get_all_free_blocks()
         want = num_blocks + (1 if gap else 0)
-        if want > len(free):
+        if want > queue.num_free_blocks:
             return None
-        avoid = self._hit_block_ids(avoid_hashes)
-        by_id = {b.block_id: b for b in free if b.block_id not in avoid and b.block_id > 0}
-        ids = pick_run(np.fromiter(by_id, dtype=np.int64, count=len(by_id)),
-                       self._cached_ids(by_id), want)
+        # One pass over the pool by id (a free block is linked in the free queue; the
+        # null block never is): cheaper than walking the queue itself.
+        blocks = self._pool.blocks
+        is_free = np.fromiter((b.prev_free_block is not None for b in blocks), bool,
+                              len(blocks))
+        is_free[list(self._hit_block_ids(avoid_hashes))] = False
+        free_ids = np.flatnonzero(is_free)
+        cached_ids = np.fromiter((i for i in free_ids.tolist()
+                                  if blocks[i].block_hash is not None), np.int64)
+        ids = pick_run(free_ids, cached_ids, want)
         if ids is None:
             return None
         if gap:
             ids = ids[: want // 2] + ids[want // 2 + 1:]
-        blocks = [by_id[i] for i in ids]
-        for block in blocks:
+        lru_next = self._lru_next(len(ids))
+        chosen = [blocks[i] for i in ids]
+        for block in chosen:
             queue.remove(block)
-        queue.prepend_n(blocks)
-        lru_next = {b.block_id for b in free[:len(blocks)]}
-        cached = [b.block_id for b in blocks if b.block_hash is not None]
+        queue.prepend_n(chosen)
+        cached = [b.block_id for b in chosen if b.block_hash is not None]
         out_of_order = sum(1 for i in cached if i not in lru_next)
-        self.num_arranged += 1
-        self.num_out_of_order += out_of_order
         return Arranged(ids, count_runs(ids), len(cached), out_of_order)
+
+    def _lru_next(self, n: int) -> set[int]:
+        """The ids of the ``n`` blocks vLLM would allocate next (the free queue's head)."""
+        ids: set[int] = set()
+        block = self._pool.free_block_queue.fake_free_list_head.next_free_block
+        while block is not None and block.block_id >= 0 and len(ids) < n:
+            ids.add(block.block_id)
+            block = block.next_free_block
+        return ids
 
     def _hit_block_ids(self, hashes: list[Any]) -> set[int]:
         hit: set[int] = set()
@@ -115,9 +125,6 @@ class RunAllocator:
             hit.update(b.block_id for b in blocks)
         return hit
 
-    def _cached_ids(self, by_id: dict[int, Any]) -> np.ndarray:
-        return np.fromiter((i for i, b in by_id.items() if b.block_hash is not None),
-                           dtype=np.int64)
 
 
 def pick_run(free_ids: np.ndarray, cached_ids: np.ndarray, n: int) -> list[int] | None:
@@ -178,8 +185,8 @@ def merge(local: np.ndarray, remote: np.ndarray, fault: str | None = None) -> Me
 
     - ``merge-long``: the first boundary is ignored, so the pieces after it are read as
       if the run went on (each into its neighbour's destination, and the last one's
-      destination left unread); without a boundary the last run reads one block past
-      its end, which no output reads (no effect);
+      destination left unread); without a boundary it does nothing (reading past the
+      run would write a block that is not this READ's, perhaps another request's);
     - ``merge-short``: the first run is one piece shorter, so that piece is never read.
     """
     assert local.shape == remote.shape and local.shape[1:] == (3,), "descriptor pairs"
@@ -213,9 +220,6 @@ def merge(local: np.ndarray, remote: np.ndarray, fault: str | None = None) -> Me
     out.local = la[first].copy()
     out.remote = ra[first].copy()
     out.local[:, 1] = out.remote[:, 1] = sizes
-    if fault == MERGE_LONG and not out.took:
-        out.local[-1, 1] += length[-1]
-        out.remote[-1, 1] += length[-1]
     if fault == MERGE_SHORT:
         # The first run's last piece.
         last = (first[1] if len(first) > 1 else len(la)) - 1

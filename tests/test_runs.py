@@ -66,7 +66,7 @@ def test_merge_long_reads_one_piece_from_the_wrong_place():
     assert unread in good and unread not in bad           # a destination left unread
     assert len(set(bad) - set(good)) == 1                 # one piece written elsewhere
     assert sum(bad[k] != good[k] for k in set(bad) & set(good)) == 1  # one from elsewhere
-    # Without a boundary it reads one piece past the run, which nothing reads.
+    # Without a boundary it does nothing: past the run lies a block of another READ.
     one_run = merge(_rows(1 << 40, [7, 8], regions=1), _rows(2 << 40, [1, 2], regions=1),
                     MERGE_LONG)
     assert not one_run.took and not one_run.unread

@@ -64,7 +64,7 @@ async def _scheme(scheme: str, cfg: BenchConfig, sweep: tuple[int, ...], repeats
         samples = []
         for k, prompt in enumerate(prompts):
             samples.append(await bench.one("handoff", prompt, cfg.seed + k, stage1_tokens=1,
-                                           beam=beam, alone=False))
+                                           beam=beam, d_cache="churn"))
         progress(f"{scheme}: churn")
         after = pair.d.counters
         tail = [_row(s) for s in samples[churn // 2:]]

@@ -130,22 +130,26 @@ class Pool:
             values = pattern(layer, torch.arange(view.shape[0], device=view.device), offset)
             view[:] = values.to(torch.uint8)[:, None]
 
-    def clear(self, blocks: np.ndarray) -> None:
-        """Every byte of ``blocks`` in every layer := :data:`CLEAR`."""
+    def clear(self, blocks: np.ndarray | None = None) -> None:
+        """Every byte of ``blocks`` (default: every block) in every layer := :data:`CLEAR`."""
         import torch
 
-        index = torch.as_tensor(blocks, device=self.views[0].device)
+        index = slice(None) if blocks is None else torch.as_tensor(
+            blocks, device=self.views[0].device)
         for view in self.views:
             view[index] = CLEAR
 
     def check(self, src: np.ndarray, dst: np.ndarray, what: str) -> None:
         """Every byte of this pool's block ``dst[i]`` of every layer is P's pattern for
-        ``src[i]`` (offset 0); raises RuntimeError otherwise: a READ that moved the
-        wrong blocks, or left a piece unread, fails here."""
+        ``src[i]`` (offset 0), and every other block still holds :data:`CLEAR` (the pool
+        cleared before the READs); raises RuntimeError otherwise: a READ that moved the
+        wrong blocks, left a piece unread or wrote past its destination fails here."""
         import torch
 
         dev = self.views[0].device
         src_t, dst_t = torch.as_tensor(src, device=dev), torch.as_tensor(dst, device=dev)
+        others = torch.ones(self.views[0].shape[0], dtype=torch.bool, device=dev)
+        others[dst_t] = False
         for layer, view in enumerate(self.views):
             got = view[dst_t]
             want = pattern(layer, src_t, 0).to(torch.uint8)[:, None]
@@ -154,6 +158,10 @@ class Pool:
                 raise RuntimeError(f"{what}: layer {layer}: {wrong} of {len(dst)} blocks "
                                    "read hold other bytes than the P blocks they were "
                                    "read from")
+            written = int((view[others] != CLEAR).any(dim=1).sum())
+            if written:
+                raise RuntimeError(f"{what}: layer {layer}: {written} blocks outside the "
+                                   "READ's destination were written")
 
 
 def make_pool(geo: Geometry, dev: Any, layout: str) -> Pool:

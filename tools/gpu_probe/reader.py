@@ -90,6 +90,7 @@ class Reader:
         local_ids, remote_ids = region_major(self.geo, dst), region_major(self.geo, src)
         nbytes = len(local_ids) * self.geo.page_bytes
         pool = self.pools[LAYER_OUTER]
+        pool.clear()
         seconds = []
         for i in range(repeats + 1):  # the first READ sets up the connection: not timed
             pool.clear(dst)
@@ -106,12 +107,13 @@ class Reader:
 
     def _run_ids(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """P's parent blocks and D's destination blocks, each one run of ``n``
-        consecutive ids starting at 1 or later, D's at another start than P's where the
+        consecutive ids strictly inside the pool (a block before it and one after, so
+        that a READ past either end shows), D's at another start than P's where the
         pool leaves room for one."""
-        room = self.geo.pool_blocks - n
+        room = self.geo.pool_blocks - n - 1  # the last start that leaves a block after
         if room < 1:
-            raise ValueError(f"a run of {n} blocks away from block 0 needs a pool of more "
-                             f"than {n} blocks, not {self.geo.pool_blocks}")
+            raise ValueError(f"a run of {n} blocks with a block on each side needs a pool "
+                             f"of {n + 2} blocks, not {self.geo.pool_blocks}")
         src_start = int(self.rng.integers(1, room + 1))
         others = [s for s in range(1, room + 1) if s != src_start] or [src_start]
         dst_start = int(self.rng.choice(others))
@@ -136,12 +138,14 @@ class Reader:
         remote_descs = self.agent.get_xfer_descs(merged.remote, self.mem_type)
         nbytes = int(merged.local[:, 1].sum())
         pool = self.pools[layout]
+        pool.clear()
         seconds = []
         for i in range(repeats + 1):
             pool.clear(dst)
             sync(self.dev)
             handle = self.agent.initialize_xfer("READ", local_descs, remote_descs, self.remote)
             elapsed = wait(self.agent, handle, f"{tokens}-token merged READ ({layout})")
+            self.backend = self.agent.query_xfer_backend(handle)
             self.agent.release_xfer_handle(handle)
             if i:
                 seconds.append(elapsed)
