@@ -51,7 +51,7 @@ def test_engines_start_with_onednns_primitive_cache_bounded(model_dir, monkeypat
 
 def test_engines_read_gpu_memory_with_cuda_ipc_where_ucx_sees_no_nvlink(model_dir, monkeypatch):
     # UCX's default ("auto") turns cuda_ipc READs off without NVLink: on an H100 the probe
-    # (tools/gpu_probe.py) then read at 0.5 GB/s over tcp/lo, 1.5 TB/s with this set.
+    # (tools/gpu_probe) then read at 0.5 GB/s over tcp/lo, 1.5 TB/s with this set.
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
     config = EngineConfig(model=model_dir, role="decode")
     assert config.on_cpu_host and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in engine_env(config, 5600)
