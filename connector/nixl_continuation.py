@@ -60,8 +60,8 @@ from connector.handoff import (
     token_digest,
 )
 from connector.logs import use_vllm_handlers
-from connector.runs import MERGE_LONG, RunAllocator
 from connector.nixl_worker import ContinuationConnectorWorker
+from connector.runs import MERGE_LONG, RunAllocator
 from connector.runtime import (
     bound_shm_reader_waits,
     guarded_handshake_listener,

@@ -183,10 +183,11 @@ def merge(local: np.ndarray, remote: np.ndarray, fault: str | None = None) -> Me
     (vLLM's descriptors for the READ, any order). Returns the merged pair, in the
     order of the local addresses, and what ``fault`` did:
 
-    - ``merge-long``: the first boundary is ignored, so the pieces after it are read as
-      if the run went on (each into its neighbour's destination, and the last one's
-      destination left unread); without a boundary it does nothing (reading past the
-      run would write a block that is not this READ's, perhaps another request's);
+    - ``merge-long``: the first boundary (one where the local side jumps, if any) is
+      ignored, so the pieces after it are read as if the run went on (each into its
+      neighbour's destination, the last one's destination left unread); without a
+      boundary it does nothing (reading past the run would write a block that is not
+      this READ's, perhaps another request's);
     - ``merge-short``: the first run is one piece shorter, so that piece is never read.
     """
     assert local.shape == remote.shape and local.shape[1:] == (3,), "descriptor pairs"
@@ -197,12 +198,19 @@ def merge(local: np.ndarray, remote: np.ndarray, fault: str | None = None) -> Me
     length = la[:, 1]
     # A new run starts where either side does not continue the previous piece.
     starts = np.ones(len(la), dtype=bool)
-    starts[1:] = ((la[:-1, 0] + length[:-1] != la[1:, 0])
+    local_jumps = (la[:-1, 0] + length[:-1] != la[1:, 0]) | (la[:-1, 2] != la[1:, 2])
+    starts[1:] = (local_jumps
                   | (ra[:-1, 0] + length[:-1] != ra[1:, 0])
                   | (la[:-1, 2] != la[1:, 2]) | (ra[:-1, 2] != ra[1:, 2]))
     out = Merged(la, ra)
     if fault == MERGE_LONG:
-        boundaries = np.flatnonzero(starts[1:]) + 1
+        # A boundary where D's side jumps (D allocates the import with a gap for it):
+        # there the joined run leaves a destination unread. Joined where only P's side
+        # jumps, the run reads P's next block, which may hold the very same KV (an
+        # earlier export of the same tokens), and the fault would not show.
+        boundaries = np.flatnonzero(starts[1:] & local_jumps) + 1
+        if not len(boundaries):
+            boundaries = np.flatnonzero(starts[1:]) + 1
         if len(boundaries):
             starts[boundaries[0]] = False
             out.took = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import time
@@ -387,9 +388,12 @@ def test_d_killed_mid_request_is_recomputed_on_the_other_d(fleet):
     assert s.failed_decode_endpoint == fleet["d0"].address
     assert s.decode_endpoint == fleet["d1"].address and s.num_imported_tokens == 0
     assert len(ref.thinking_token_ids) == LONG_STAGE1_TOKENS
-    # The reason is gRPC's for a call to a server that is gone (the router's channel
-    # to D0 can no longer connect).
-    assert_identical(got, ref, recomputed_for="failed to connect")
+    # The reason is gRPC's for a call to a server that is gone: the router's channel to
+    # D0 can no longer connect, or (the call raced the kill on a connection gRPC had not
+    # yet seen closed, seen once in a full run) the peer reset it.
+    assert re.search("failed to connect|Connection reset by peer", s.handoff_failure), \
+        s.handoff_failure
+    assert_identical(got, ref, recomputed_for=s.handoff_failure)
     after = metric_sum(fleet["router"].metrics_url, "kvhandoff_router_handoffs_recomputed_total")
     assert after - before == 1
     # Nobody read P's export: its lease ends and the blocks come back.

@@ -22,13 +22,14 @@ from tools.client import make_request
 
 PROMPT = "the user bought a warm coat and hiking boots so we think they like the outdoors"
 #: A stage 2 of seconds that fits the cluster's D (135 blocks) whatever length stage 1
-#: makes (the router counts the most any can need): 4 beams of 1000 tokens over a
-#: 40-token prompt (43-44 tokens with stage 1's token and the suffix) need 129 blocks.
-#: Each of its 1000 beam steps is an engine step, ~10 ms here at W=4 as at W=32
-#: (docs/performance.md): ~10 s, long after assert_idle_within's window on engines that a
-#: cancel or a deadline did not reach (the tests time it on the cluster and check).
+#: makes (the router counts the most any can need): one beam of 4000 tokens over a
+#: 40-token prompt (43-44 tokens with stage 1's token and the suffix) needs 127 blocks.
+#: Each of its 4000 beam steps is an engine step, 2-3 ms here (4 beams of 1000 tokens
+#: took ~3 s, too short): ~9 s, long after
+#: assert_idle_within's window on engines that a cancel or a deadline did not reach (the
+#: tests time it on the cluster and check).
 LONG_STAGE2_PROMPT = list(range(300, 340))
-LONG_STAGE2 = {"beam_width": 4, "beam_tokens": 1000}
+LONG_STAGE2 = {"beam_width": 1, "beam_tokens": 4000}
 #: Stage-1 tokens of the requests cancelled or past their deadline in stage 1: exactly
 #: this many (min_tokens = max_tokens), 2-5 ms each here, so 8 s or more of stage 1.
 #: With PROMPT's 21 tokens, the suffix and 4 beams of 3 tokens the router reserves 132 of

@@ -72,6 +72,16 @@ def test_merge_long_reads_one_piece_from_the_wrong_place():
     assert not one_run.took and not one_run.unread
 
 
+def test_merge_long_joins_where_ds_side_jumps():
+    """Joined where only P's side jumps, the run would read P's next block, which may
+    hold the same KV (an earlier export of the same tokens): the fault prefers the
+    boundary where D's side jumps, which always leaves a destination unread."""
+    local, remote = _rows(1 << 40, [7, 8, 9, 11], regions=1), _rows(2 << 40, [20, 30, 31, 32],
+                                                                      regions=1)
+    merged = merge(local, remote, MERGE_LONG)
+    assert merged.took and merged.unread == [(int(local[3, 0]), PIECE)]
+
+
 def test_merge_short_leaves_one_piece_unread():
     local, remote = _rows(1 << 40, [7, 8, 9]), _rows(2 << 40, [1, 2, 3])
     good = _bytes_moved(local, remote)
