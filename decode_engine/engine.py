@@ -59,10 +59,12 @@ async def run_beam_stage(
     first_step_extra_args: dict[str, Any] | None = None,
     held_parent: str | None = None,
     adapter: str = "",
+    cache_salt: str | None = None,
 ) -> Stage2Result:
-    """Stage 2 on ``engine`` (under ``adapter``, "": none); shared by the handoff path
-    (D) and the colocated path (``held_parent``: the stage-1 request id of a parent held
-    on ``engine``, whose blocks the first step copies from)."""
+    """Stage 2 on ``engine`` (under ``adapter``, "": none; every step under
+    ``cache_salt``, if any); shared by the handoff path (D) and the colocated path
+    (``held_parent``: the stage-1 request id of a parent held on ``engine``, whose blocks
+    the first step copies from)."""
     validate_prompt(
         prompt_token_ids,
         vocab_size=engine.vocab_size,
@@ -82,7 +84,7 @@ async def run_beam_stage(
     t0 = time.perf_counter()
     with reserving(engine, reserved):
         outcome = await beam_search(
-            functools.partial(engine.generate, adapter=adapter),
+            functools.partial(engine.generate, adapter=adapter, cache_salt=cache_salt),
             prompt_token_ids,
             beam,
             eos_token_id=engine.eos_token_id,
@@ -139,6 +141,7 @@ async def run_sample_stage(
     held_parent: str | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     adapter: str = "",
+    cache_salt: str | None = None,
 ) -> Stage2Result:
     """A sampled stage 2 on ``engine`` (under ``adapter``, "": none): one sequence of
     ``params`` over ``parent + suffix``, returned as one beam (tokens, the sum of their
@@ -166,7 +169,8 @@ async def run_sample_stage(
     first_step_s, first, last = 0.0, None, None
     token_ids: list[int] = []
     with reserving(engine, reserved):
-        async for out in engine.stream(prompt_token_ids, sampling, request_id, adapter):
+        async for out in engine.stream(prompt_token_ids, sampling, request_id, adapter,
+                                       cache_salt):
             if first is None:
                 first, first_step_s = out, time.perf_counter() - t0
             token_ids.extend(out.outputs[0].token_ids)
@@ -220,8 +224,15 @@ class DecodeEngine(VllmEngine):
         authority, and refusing there also tells P to release the parent's blocks."""
         assert (handoff.beam_width, handoff.beam_max_tokens) == (beam.beam_width, beam.max_tokens), \
             f"{request_id}: the import request was built for other beams"
+        # A stage 2 carrying an injected fault runs under a cache salt of its own: it
+        # finds nothing in D's prefix cache (the whole parent is imported, so the fault
+        # has blocks to corrupt even right after its positive twin ran the same prompt
+        # and seed) and leaves nothing another request can find (its corrupted blocks
+        # hash under the salt).
+        salt = None
         if handoff.fault is not None:
             self.check_fault(handoff.fault)
+            salt = f"kvhandoff-fault:{request_id}"
         # The stage 2s already running here: admission leaves their peaks free. It
         # counts the slots the search makes (a catalog may keep fewer than W alive).
         slots = beam.beam_width if sampling is not None else check_catalog(self, beam)
@@ -231,11 +242,12 @@ class DecodeEngine(VllmEngine):
             result = await run_sample_stage(
                 self, prompt_token_ids, sampling, request_id,
                 first_step_extra_args={"kv_transfer_params": params}, on_tokens=on_tokens,
-                adapter=adapter)
+                adapter=adapter, cache_salt=salt)
         else:
             result = await run_beam_stage(
                 self, prompt_token_ids, beam, request_id,
                 first_step_extra_args={"kv_transfer_params": params}, adapter=adapter,
+                cache_salt=salt,
             )
         expected = int(params.get(KEY, {}).get("num_computed_tokens", 0))
         if result.num_prompt_tokens - result.num_computed_tokens_first_step < expected:

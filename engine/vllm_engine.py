@@ -144,27 +144,26 @@ class VllmEngine:
         return found.lora_request()
 
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
-                     request_id: str, adapter: str = "") -> AsyncIterator[RequestOutput]:
-        """Run one request (under ``adapter``, "": none), yielding each output delta (new
+                     request_id: str, adapter: str = "", cache_salt: str | None = None
+                     ) -> AsyncIterator[RequestOutput]:
+        """Run one request (under ``adapter``, "": none; ``cache_salt``: its blocks hash
+        apart from every request without the same salt), yielding each output delta (new
         tokens only). Cancelling the consumer aborts the request in the engine."""
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         if self.llm is None:
             raise RuntimeError(f"engine {self.engine_id} is shut down")
         lora = self.lora_request(adapter)
         params.output_kind = RequestOutputKind.DELTA
-        async for out in self.llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id,
-            lora_request=lora,
-        ):
+        async for out in self.llm.generate(_prompt(prompt_token_ids, cache_salt), params,
+                                           request_id, lora_request=lora):
             yield out
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, adapter: str = "") -> RequestOutput:
-        """Run one request (under ``adapter``, "": none) to completion and return its
-        final output."""
-        from vllm.inputs import TokensPrompt
+                       request_id: str, adapter: str = "", cache_salt: str | None = None
+                       ) -> RequestOutput:
+        """Run one request (under ``adapter``, "": none; ``cache_salt`` as in
+        :meth:`stream`) to completion and return its final output."""
         from vllm.sampling_params import RequestOutputKind
 
         if self.llm is None:
@@ -172,10 +171,8 @@ class VllmEngine:
         lora = self.lora_request(adapter)
         params.output_kind = RequestOutputKind.FINAL_ONLY
         final = None
-        async for out in self.llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id,
-            lora_request=lora,
-        ):
+        async for out in self.llm.generate(_prompt(prompt_token_ids, cache_salt), params,
+                                           request_id, lora_request=lora):
             final = out
         assert final is not None and final.finished, f"{request_id}: no final output"
         return final
@@ -275,3 +272,12 @@ def shutdown_all(engines: list[VllmEngine | None]) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+def _prompt(prompt_token_ids: list[int], cache_salt: str | None) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt

@@ -80,7 +80,8 @@ class _Shared:
             close()
 
 
-_GROUPS = {"pair": _Shared(), "cluster": _Shared(), "family": _Shared()}
+_GROUPS = {"pair": _Shared(), "cluster": _Shared(), "family": _Shared(),
+           "vllm_peer": _Shared()}
 
 
 def _port_slice(worker: str | None) -> None:
@@ -174,7 +175,7 @@ def pytest_runtest_teardown(item, nextitem):
     def unused(name: str) -> bool:
         return nextitem is None or name not in getattr(nextitem, "fixturenames", ())
 
-    for name in ("pair", "cluster"):
+    for name in ("pair", "cluster", "vllm_peer"):
         if unused(name):
             _GROUPS[name].close()
     result = yield
@@ -245,6 +246,37 @@ def cluster(model_dir, tmp_path_factory):
                 lambda: cm.__exit__(None, None, None))
 
     return _GROUPS["cluster"].get(start)
+
+
+@pytest.fixture
+def vllm_peer(run, model_dir):
+    """One more engine of the built-in model in this process, with the engines' default
+    settings, for vLLM's own ``beam_search`` (tests/test_identity_e2e.py), with its
+    tokenizer and ``</think>`` id; shared by consecutive tests."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from engine import EngineConfig
+    from kvhandoff.model import ModelTokens
+    from prefill_engine.engine import PrefillEngine
+
+    async def start_engine():
+        return PrefillEngine.start(EngineConfig(model=model_dir, role="prefill",
+                                                kv_cache_memory_bytes=64 << 20))
+
+    async def stop(engine):
+        engine.shutdown()
+        # Its cancelled output handler finishes on this loop (as tools.local's pair).
+        await asyncio.sleep(0.1)
+
+    def start():
+        engine = run(start_engine(), timeout=300)
+        peer = (engine, AutoTokenizer.from_pretrained(model_dir),
+                ModelTokens.load(Path(model_dir)).think_end_id)
+        return peer, lambda: run(stop(engine))
+
+    return _GROUPS["vllm_peer"].get(start)
 
 
 #: The family's lease: short, so a test can outlive it; long enough for a continuation on
