@@ -81,8 +81,9 @@ class RunAllocator:
         if num_blocks < 2 and not gap:
             return None
         queue = self._pool.free_block_queue
-        want = num_blocks + (1 if gap else 0)
-        if want > queue.num_free_blocks:
+        # More than the pool has free: the first blocks in a run, vLLM's order after.
+        want = min(num_blocks + (1 if gap else 0), queue.num_free_blocks)
+        if want < 2:
             return None
         # One pass over the pool by id (a free block is linked in the free queue; the
         # null block never is): cheaper than walking the queue itself.
@@ -141,7 +142,8 @@ def pick_run(free_ids: np.ndarray, cached_ids: np.ndarray, n: int) -> list[int] 
     cost = np.where(is_free, 0, n + 1).astype(np.int64)
     cost[cached_ids] += 1
     if top >= n:
-        sums = np.convolve(cost, np.ones(n, dtype=np.int64), mode="valid")
+        total = np.concatenate(([0], np.cumsum(cost)))
+        sums = total[n:] - total[:-n]
         start = int(np.argmin(sums))
         if sums[start] <= n:
             return list(range(start, start + n))
