@@ -61,7 +61,7 @@ from connector.handoff import (
 )
 from connector.logs import use_vllm_handlers
 from connector.nixl_worker import ContinuationConnectorWorker
-from connector.runs import MERGE_LONG, RunAllocator
+from connector.runs import MERGE_LONG, RunAllocator, kv_layout
 from connector.runtime import (
     bound_shm_reader_waits,
     guarded_handshake_listener,
@@ -148,20 +148,12 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
 
     def _arrange_run(self, request: Request, num_computed_tokens: int, num_tokens: int,
                      gap: bool = False) -> None:
-        """Right before vLLM allocates ``request``'s blocks for ``num_tokens`` tokens (of
-        which ``num_computed_tokens`` hit the prefix cache): put the blocks it will get
-        at the front of the free queue as one run (``connector.runs``)."""
-        if self._runs is None:
-            return
-        num_hit_blocks = num_computed_tokens // self.block_size
-        num_blocks = -(-num_tokens // self.block_size) - num_hit_blocks
-        arranged = self._runs.arrange(
-            num_blocks, request.block_hashes[:num_hit_blocks], gap=gap)
-        if arranged is not None:
-            self.stats.record_runs(arranged.num_runs, arranged.num_out_of_order)
-            logger.debug("%s: %d blocks in %d runs, %d of them cached (%d out of LRU "
-                         "order)", request.request_id, len(arranged.block_ids),
-                         arranged.num_runs, arranged.num_cached, arranged.num_out_of_order)
+        """Right before vLLM allocates ``request``'s blocks: ``connector.runs``."""
+        if self._runs is not None:
+            arranged = self._runs.arrange_for(request, self.block_size, num_computed_tokens,
+                                              num_tokens, gap)
+            if arranged is not None:
+                self.stats.record_runs(arranged.num_runs, arranged.num_out_of_order)
 
     def _fault(self, request: Request) -> str | None:
         """The fault ``request`` names, if this engine injects faults."""
@@ -456,21 +448,9 @@ class ContinuationConnector(NixlPullConnector):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """The KV layout this connector asks vLLM for. On CUDA, blocks outermost
-        (``BLHNC``: every layer's page of a block side by side, one allocation), so a
-        run of blocks is one contiguous piece for all layers and a READ one descriptor
-        per run (``connector.runs``); vLLM's attention backends there take any layout.
-        Elsewhere (the CPU backend reads only ``LBHNC``), or with ``kv_layout`` set to
-        ``"vllm"`` in the connector's extra config, vLLM's NIXL choice."""
-        from vllm.platforms import current_platform
-
-        extra = vllm_config.kv_transfer_config
-        wanted = extra.get_from_extra_config("kv_layout", "auto") if extra else "auto"
-        model = vllm_config.model_config
-        if (wanted == "auto" and current_platform.is_cuda()
-                and model is not None and not model.use_mla):
-            return "BLHNC"
-        return super().get_required_kvcache_layout(vllm_config)
+        """The KV layout this connector asks vLLM for: ``connector.runs.kv_layout``,
+        else vLLM's NIXL choice."""
+        return kv_layout(vllm_config) or super().get_required_kvcache_layout(vllm_config)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """vLLM's scheduler hands over its block pool (any device, despite the name)."""

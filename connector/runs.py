@@ -108,6 +108,20 @@ class RunAllocator:
         out_of_order = sum(1 for i in cached if i not in lru_next)
         return Arranged(ids, count_runs(ids), len(cached), out_of_order)
 
+    def arrange_for(self, request: Any, block_size: int, num_computed_tokens: int,
+                    num_tokens: int, gap: bool = False) -> Arranged | None:
+        """:meth:`arrange` for ``request`` (a vLLM ``Request``) about to be allocated
+        blocks for ``num_tokens`` tokens, of which ``num_computed_tokens`` hit the
+        prefix cache (whole blocks)."""
+        num_hit_blocks = num_computed_tokens // block_size
+        arranged = self.arrange(-(-num_tokens // block_size) - num_hit_blocks,
+                                request.block_hashes[:num_hit_blocks], gap=gap)
+        if arranged is not None:
+            logger.debug("%s: %d blocks in %d runs, %d of them cached (%d out of LRU "
+                         "order)", request.request_id, len(arranged.block_ids),
+                         arranged.num_runs, arranged.num_cached, arranged.num_out_of_order)
+        return arranged
+
     def _lru_next(self, n: int) -> set[int]:
         """The ids of the ``n`` blocks vLLM would allocate next (the free queue's head)."""
         ids: set[int] = set()
@@ -157,6 +171,26 @@ def pick_run(free_ids: np.ndarray, cached_ids: np.ndarray, n: int) -> list[int] 
         if len(chosen) == n:
             break
     return sorted(chosen)
+
+
+def kv_layout(vllm_config: Any) -> str | None:
+    """The KV layout the connector asks vLLM for, None: vLLM's NIXL choice. On CUDA,
+    blocks outermost (``BLHNC``: every layer's page of a block side by side in one
+    allocation), so a run of blocks is one piece for all layers and a READ one
+    descriptor per run. FlashAttention takes any layout; a backend that does not take
+    it makes vLLM keep its own, with a warning. Elsewhere (the CPU backend reads only
+    ``LBHNC``), for MLA, or with ``kv_layout="vllm"`` in the connector's extra config:
+    None. P and D decide alike (the same connector and platform); NIXL's handshake
+    refuses a mismatch."""
+    from vllm.platforms import current_platform
+
+    extra = vllm_config.kv_transfer_config
+    wanted = extra.get_from_extra_config("kv_layout", "auto") if extra else "auto"
+    model = vllm_config.model_config
+    if (wanted == "auto" and current_platform.is_cuda()
+            and model is not None and not model.use_mla):
+        return "BLHNC"
+    return None
 
 
 def count_runs(ids: list[int]) -> int:
