@@ -46,11 +46,15 @@ def _serve_engine_cores() -> set[int]:
         try:
             if not in_this_netns(proc.pid):
                 continue
-            for child in proc.children(recursive=True):
-                if "EngineCore" in " ".join(child.cmdline()):
-                    found.add(child.pid)
+            children = proc.children(recursive=True)
         except psutil.Error:
             continue
+        for child in children:
+            try:  # one child gone meanwhile does not hide the others
+                if "EngineCore" in " ".join(child.cmdline()):
+                    found.add(child.pid)
+            except psutil.Error:
+                continue
     return found
 
 
@@ -157,7 +161,11 @@ def ray_app():
         _wait_healthy(serve, ("Prefill", "Decode", "Router"))
         address = f"127.0.0.1:{grpc_port}"
         _wait_proxy_routes(address)
-        cores = _serve_engine_cores()
+        # Looked for until seen: under load a replica's process tree was once read while
+        # it changed, and no engine core was found though the replicas were healthy.
+        deadline = time.monotonic() + 30
+        while not (cores := _serve_engine_cores()) and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert cores, f"no engine-core process under a Serve replica: {_engine_cores_seen()}"
         yield {"address": address, "serve": serve, "ray": ray}
     finally:

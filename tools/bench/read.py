@@ -31,11 +31,25 @@ from tools.local import local_pair
 SCHEMES = ("vllm", "runs")
 
 
-def _row(s: Any) -> dict[str, Any]:
+def _row(s: Any, post_ms: float | None = None) -> dict[str, Any]:
+    """A handoff's READ: NIXL's telemetry, from posting until the worker saw it complete
+    (``read_ms``), and the posting alone (``post_ms``: over UCX ``cma`` the copy runs
+    inside it, so the rest is the wait for the worker's next completion check)."""
     ms = s.transfer_ms or 0.0
     return {"parent_tokens": s.parent_tokens, "kv_bytes": s.kv_bytes,
             "descriptors": s.descriptors, "read_ms": round(ms, 3),
-            "read_gbps": round(s.kv_bytes / ms / 1e6, 3) if ms else None}
+            "read_gbps": round(s.kv_bytes / ms / 1e6, 3) if ms else None,
+            "post_ms": None if post_ms is None else round(post_ms, 3)}
+
+
+async def _handoff(bench: Bench, prompt: list[int], seed: int, beam: BeamParams,
+                   d_cache: str) -> tuple[Any, float | None]:
+    """One handoff and its READ's posting time (NIXL's telemetry, D's latest READ)."""
+    before = bench.d.counters.transfers
+    s = await bench.one("handoff", prompt, seed, stage1_tokens=1, beam=beam, d_cache=d_cache)
+    records = bench.d.counters.recent_transfers
+    post = records[-1].post_seconds * 1e3 if bench.d.counters.transfers > before else None
+    return s, post
 
 
 async def _scheme(scheme: str, cfg: BenchConfig, sweep: tuple[int, ...], repeats: int,
@@ -54,20 +68,18 @@ async def _scheme(scheme: str, cfg: BenchConfig, sweep: tuple[int, ...], repeats
         cold = []
         for i, n in enumerate(sweep):
             prompt = make_prompts(bench.tok, 1, n - 1, cfg.seed + 7 + i)[0]
-            runs = [await bench.one("handoff", prompt, cfg.seed + k, stage1_tokens=1,
-                                    beam=beam) for k in range(repeats)]
-            cold.append(_row(sorted(runs, key=lambda r: r.transfer_ms or 0.0)[repeats // 2]))
+            runs = [await _handoff(bench, prompt, cfg.seed + k, beam, "cold")
+                    for k in range(repeats)]
+            cold.append(_row(*sorted(runs, key=lambda r: r[0].transfer_ms or 0.0)[repeats // 2]))
             progress(f"{scheme}: cold {n}")
         await bench.empty_caches()
         before = dataclasses.replace(pair.d.counters)
         prompts = make_prompts(bench.tok, churn, churn_tokens - 1, cfg.seed + 300)
-        samples = []
-        for k, prompt in enumerate(prompts):
-            samples.append(await bench.one("handoff", prompt, cfg.seed + k, stage1_tokens=1,
-                                           beam=beam, d_cache="churn"))
+        samples = [await _handoff(bench, prompt, cfg.seed + k, beam, "churn")
+                   for k, prompt in enumerate(prompts)]
         progress(f"{scheme}: churn")
         after = pair.d.counters
-        tail = [_row(s) for s in samples[churn // 2:]]
+        tail = [_row(*s) for s in samples[churn // 2:]]
         return {"scheme": scheme, "d_pool_blocks": pool // block_bytes, "cold": cold,
                 "churn": {"handoffs": churn, "parent_tokens": churn_tokens,
                           "reported": len(tail),
@@ -78,7 +90,7 @@ async def _scheme(scheme: str, cfg: BenchConfig, sweep: tuple[int, ...], repeats
                           "d_evicted_out_of_lru_order":
                               after.runs_out_of_lru_order - before.runs_out_of_lru_order,
                           "d_blocks_read": sum(-(-(s.tokens_read) // s.block_size)
-                                               for s in samples)}}
+                                               for s, _ in samples)}}
 
 
 async def run_read(cfg: BenchConfig, sweep: tuple[int, ...] = (1024, 2048, 4096),
@@ -104,11 +116,12 @@ async def run_read(cfg: BenchConfig, sweep: tuple[int, ...] = (1024, 2048, 4096)
 
 
 def format_read(result: dict[str, Any]) -> str:
-    lines = ["scheme  parent  MiB  descriptors  READ ms  GB/s  raw 1-desc GB/s  ratio"]
+    lines = ["scheme  parent  MiB  descriptors  READ ms  (posting)  GB/s  raw 1-desc GB/s  ratio"]
     for name, s in result["schemes"].items():
         for r in s["cold"]:
             lines.append(f"{name:<7} {r['parent_tokens']:>6} {r['kv_bytes'] / 2**20:>4.0f} "
                          f"{r['descriptors']:>12} {r['read_ms']:>8.2f} "
+                         f"{r['post_ms'] or 0:>10.2f} "
                          f"{r['read_gbps'] or 0:>5.2f} {r['raw_nixl_gbps'] or 0:>16.2f} "
                          f"{r.get('read_vs_raw', 0):>6.2f}")
     lines.append(f"descriptors cut (vLLM's / runs): {result['descriptor_cut']}")
