@@ -90,20 +90,30 @@ class Reader:
         local_ids, remote_ids = region_major(self.geo, dst), region_major(self.geo, src)
         nbytes = len(local_ids) * self.geo.page_bytes
         pool = self.pools[LAYER_OUTER]
+        seconds = self._timed_reads(
+            pool, dst, repeats, f"{tokens}-token READ",
+            lambda: self.agent.make_prepped_xfer("READ", self.local_side, local_ids,
+                                                 self.remote_side, remote_ids))
+        pool.check(src, dst, f"vllm_descs, {tokens} tokens")
+        return {"descriptors": len(local_ids), "bytes": nbytes, **summary(seconds, nbytes)}
+
+    def _timed_reads(self, pool: Any, dst: np.ndarray, repeats: int, label: str,
+                     make_handle: Any) -> list[float]:
+        """``repeats`` timed READs of ``make_handle()``'s transfer into ``dst`` (cleared
+        before each, the whole pool once), after an untimed first one that sets up the
+        connection."""
         pool.clear()
         seconds = []
-        for i in range(repeats + 1):  # the first READ sets up the connection: not timed
+        for i in range(repeats + 1):
             pool.clear(dst)
             sync(self.dev)
-            handle = self.agent.make_prepped_xfer("READ", self.local_side, local_ids,
-                                                  self.remote_side, remote_ids)
-            elapsed = wait(self.agent, handle, f"{tokens}-token READ")
+            handle = make_handle()
+            elapsed = wait(self.agent, handle, label)
             self.backend = self.agent.query_xfer_backend(handle)
             self.agent.release_xfer_handle(handle)
             if i:
                 seconds.append(elapsed)
-        pool.check(src, dst, f"vllm_descs, {tokens} tokens")
-        return {"descriptors": len(local_ids), "bytes": nbytes, **summary(seconds, nbytes)}
+        return seconds
 
     def _run_ids(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """P's parent blocks and D's destination blocks, each one run of ``n``
@@ -138,17 +148,10 @@ class Reader:
         remote_descs = self.agent.get_xfer_descs(merged.remote, self.mem_type)
         nbytes = int(merged.local[:, 1].sum())
         pool = self.pools[layout]
-        pool.clear()
-        seconds = []
-        for i in range(repeats + 1):
-            pool.clear(dst)
-            sync(self.dev)
-            handle = self.agent.initialize_xfer("READ", local_descs, remote_descs, self.remote)
-            elapsed = wait(self.agent, handle, f"{tokens}-token merged READ ({layout})")
-            self.backend = self.agent.query_xfer_backend(handle)
-            self.agent.release_xfer_handle(handle)
-            if i:
-                seconds.append(elapsed)
+        seconds = self._timed_reads(
+            pool, dst, repeats, f"{tokens}-token merged READ ({layout})",
+            lambda: self.agent.initialize_xfer("READ", local_descs, remote_descs,
+                                               self.remote))
         pool.check(src, dst, f"runs ({layout}), {tokens} tokens")
         return {"descriptors": len(merged.local), "pieces": len(local), "bytes": nbytes,
                 "src_start": int(src[0]), "dst_start": int(dst[0]),
