@@ -22,6 +22,7 @@ import dataclasses
 import statistics
 from typing import Any
 
+from kvhandoff.model import DTYPE_BYTES, kv_bytes_per_block, model_dtype, resolve_model
 from kvhandoff.types import BeamParams
 from tools.bench.modes import Bench, make_prompts
 from tools.bench.nixl_probe import measure_transfer
@@ -55,10 +56,11 @@ async def _handoff(bench: Bench, prompt: list[int], seed: int, beam: BeamParams,
 async def _scheme(scheme: str, cfg: BenchConfig, sweep: tuple[int, ...], repeats: int,
                   churn: int, churn_tokens: int, progress: Any) -> dict[str, Any]:
     largest = max(*sweep, churn_tokens) + 64
-    block_bytes = 768 << 10  # the bench model: 24 KiB of KV per token, 32-token blocks
+    model_dir = resolve_model(cfg.model)
+    block_bytes = kv_bytes_per_block(model_dir, 32, DTYPE_BYTES[model_dtype(model_dir)])
     pool = 4 * (-(-largest // 32)) * block_bytes
     max_len = largest + 64
-    async with local_pair(cfg.model, kv_runs=scheme == "runs", lease_s=60,
+    async with local_pair(str(model_dir), kv_runs=scheme == "runs", lease_s=60,
                           max_model_len=max_len + (-max_len % 32),
                           decode_overrides={"kv_cache_memory_bytes": pool},
                           prefill_overrides={"kv_cache_memory_bytes": 2 * pool}) as pair:
