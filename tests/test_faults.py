@@ -283,8 +283,10 @@ def test_a_request_moved_p_to_p_then_to_d_streams_on_and_equals_not_moving(fleet
     # The faulted run's prompt is one no engine has cached: its import reads block 0.
     first = 50 if fault is None else 600
 
-    def request(path: str):  # 400 tokens: both moves land well before its end
-        return long_stage1_request(list(range(first, first + 80)), 400, seed=8,
+    # 1000 tokens: both moves land well before its end (400 took ~1-2 s on these engines,
+    # and a fresh-clone run once saw stage 1 on neither P by the time it looked).
+    def request(path: str):
+        return long_stage1_request(list(range(first, first + 80)), 1000, seed=8,
                                    beam_width=4, path=path,
                                    request_id=f"fault-p2p-{path}-{fault}")
 
