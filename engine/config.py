@@ -28,6 +28,8 @@ DECODE_SCHEDULER = "decode_engine.scheduler.ContinuationScheduler"
 PREFILL_SCHEDULER = "prefill_engine.scheduler.PrefillScheduler"
 #: The logits processor of positional sampling (``engine.sampling``), in every engine.
 POSITIONAL_SAMPLER = "engine.sampling:PositionalSampler"
+#: GPU hosts: each engine's share of the device's memory (``EngineConfig.gpu_memory_share``).
+GPU_SHARE_ENV = "KVHANDOFF_GPU_MEMORY_SHARE"
 #: Beam search inside the engine: each beam group's step (``connector.beam_processor``).
 BEAM_SLOT_PROCESSOR = "connector.beam_processor:BeamSlotProcessor"
 
@@ -112,6 +114,11 @@ class EngineConfig:
     #: LoRA adapters served here, (name, directory in PEFT's format) pairs
     #: (``connector.adapters``): vLLM's LoRA is on when there is one.
     adapters: tuple[tuple[str, str], ...] = ()
+    #: GPU hosts: the share of the device's memory this engine may take (vLLM's
+    #: gpu_memory_utilization): P and D on one GPU need shares that add up below 1,
+    #: since vLLM refuses to start when less than its share is free. None =
+    #: ``KVHANDOFF_GPU_MEMORY_SHARE`` if set, else vLLM's default (0.9). Unused on CPU.
+    gpu_memory_share: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -126,6 +133,8 @@ class EngineConfig:
             raise ValueError("max_logprobs must be >= 2 (beam width 1 needs 2)")
         if not 0 <= self.lease_safety_margin_s < self.lease_s:
             raise ValueError("lease_safety_margin_s must be in [0, lease_s)")
+        if self.gpu_share is not None and not 0 < self.gpu_share < 1:
+            raise ValueError(f"gpu_memory_share must be in (0, 1): {self.gpu_share}")
         if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 0:
             raise ValueError("onednn_cache_capacity must be >= 0 (or None: oneDNN's default)")
         for what, pairs in (("catalog", self.catalogs), ("adapter", self.adapters)):
@@ -140,6 +149,16 @@ class EngineConfig:
         from vllm.platforms import current_platform
 
         return False if current_platform.is_cpu() else None
+
+    @property
+    def gpu_share(self) -> float | None:
+        if self.gpu_memory_share is not None:
+            return self.gpu_memory_share
+        env = os.environ.get(GPU_SHARE_ENV)
+        try:
+            return float(env) if env else None
+        except ValueError:
+            raise ValueError(f"{GPU_SHARE_ENV}={env!r}: not a number") from None
 
     @property
     def on_cpu_host(self) -> bool:
@@ -198,6 +217,8 @@ class EngineConfig:
             tokenizer=self.model,
             block_size=self.block_size,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            **({"gpu_memory_utilization": self.gpu_share}
+               if self.gpu_share is not None and not self.on_cpu_host else {}),
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=(self.max_num_batched_tokens if chunked is not False

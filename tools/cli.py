@@ -1,4 +1,4 @@
-"""The ``kvhandoff`` command: verify, serve, client, demo, bench."""
+"""The ``kvhandoff`` command: verify, serve, client, drain, bench, demo, soak, bundle."""
 
 from __future__ import annotations
 
@@ -348,13 +348,23 @@ def _add_demo(sub: Any) -> None:
     demo.set_defaults(func=_demo)
 
 
+def _add_bundle(sub: Any) -> None:
+    from deploy.bundle.cli import add_arguments, run
+
+    bundle = sub.add_parser("bundle", help="an offline install bundle for an air-gapped "
+                                           "host: download, split into parts, install")
+    add_arguments(bundle)
+    bundle.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True)
     from tools.soak import add_soak_parser
 
-    for add in (_add_verify, _add_serve, _add_client, _add_drain, _add_bench, _add_demo, add_soak_parser):
+    for add in (_add_verify, _add_serve, _add_client, _add_drain, _add_bench, _add_demo,
+                add_soak_parser, _add_bundle):
         add(sub)
     return parser
 
