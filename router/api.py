@@ -17,6 +17,7 @@ import grpc
 
 from kvhandoff.types import BeamParams
 from kvhandoff.v1 import common_pb2, router_pb2
+from router.auth import Credentials
 from router.core import Router
 from router.errors import OVERLOAD_MESSAGE, RouterError, status_of
 from router.metrics import RouterMetrics
@@ -66,10 +67,18 @@ class RouterAPI:
     """What a front calls: each method admits (except the control calls Move and Drain),
     runs and counts one request; failures raise, and :meth:`failed` maps them."""
 
-    def __init__(self, router: Router, metrics: RouterMetrics | None = None):
+    def __init__(self, router: Router, metrics: RouterMetrics | None = None,
+                 credentials: Credentials | None = None):
         self.router = router
         self.metrics = metrics or RouterMetrics()
         self.admission = Admission(router.config.max_inflight, self.metrics)
+        #: Who may call (``router.auth``): checked by every front before anything runs.
+        self.credentials = credentials or Credentials()
+
+    def authorize(self, authorization: str | None, need: str) -> None:
+        """Raises the refusal for a caller whose ``authorization`` does not grant
+        ``need`` (``router.auth.CLIENT`` or ``OPERATOR``)."""
+        self.credentials.check(authorization, need)
 
     @property
     def inflight(self) -> int:

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -46,6 +45,8 @@ from kvhandoff.tls import ServerTLS
 from kvhandoff.types import InvalidRequest
 from kvhandoff.v1 import common_pb2, router_pb2
 from router.api import RouterAPI
+from router.auth import CLIENT, OPERATOR
+from router.errors import RouterError
 from router.http_schema import (
     CompletionRequest,
     bad,
@@ -69,9 +70,8 @@ FRONT = "http"
 class HttpFront:
     """The FastAPI app over ``api`` (see the module docstring)."""
 
-    def __init__(self, api: RouterAPI, api_key: str | None = None):
+    def __init__(self, api: RouterAPI):
         self.api, self.router, self.metrics = api, api.router, api.metrics
-        self._api_key = api_key.encode() if api_key else None
         self.app = FastAPI(title="kvhandoff router", docs_url=None, redoc_url=None)
         app = self.app
         app.post("/v1/completions")(self.completions)
@@ -83,16 +83,20 @@ class HttpFront:
     def model_name(self) -> str:
         return self.router.config.model_name
 
-    def _authorized(self, request: Request) -> bool:
-        if self._api_key is None:
-            return True
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(),
-                                                                     self._api_key)
+    def _refusal(self, request: Request, need: str = CLIENT) -> Response | None:
+        """The answer for a caller ``router.auth`` refuses (401 as OpenAI answers a
+        missing or wrong key; 403 where an operator's key is needed), else None."""
+        try:
+            self.api.authorize(request.headers.get("authorization"), need)
+        except RouterError as e:
+            if e.code == grpc.StatusCode.UNAUTHENTICATED and need == CLIENT:
+                return unauthorized()
+            return error_response(e.code, str(e))
+        return None
 
     async def models(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return unauthorized()
+        if (refused := self._refusal(request)) is not None:
+            return refused
         # The adapters as vLLM lists its LoRA modules: models whose parent is the base.
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvhandoff"},
@@ -107,8 +111,8 @@ class HttpFront:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return unauthorized()
+        if (refused := self._refusal(request)) is not None:
+            return refused
         try:
             body = CompletionRequest.model_validate(await request.json())
         except json.JSONDecodeError as e:
@@ -118,6 +122,8 @@ class HttpFront:
             param = ".".join(str(p) for p in first["loc"])
             return error_response(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"{param}: {first['msg']}", param)
+        if body.fault and (refused := self._refusal(request, OPERATOR)) is not None:
+            return refused
         try:
             # ``model`` names the base model or an adapter (vLLM's convention); an
             # answer under an adapter names it as its model, as vLLM's does.
@@ -353,14 +359,13 @@ async def _cancel_on_disconnect(work: Awaitable[Any], request: Request) -> Any:
     return task.result()
 
 
-async def serve_http(api: RouterAPI, host: str, port: int, tls: ServerTLS | None = None,
-                     api_key: str | None = None):
+async def serve_http(api: RouterAPI, host: str, port: int, tls: ServerTLS | None = None):
     """Start the HTTP front on this loop (HTTPS with ``tls``, the gRPC server's
     certificate; its client CA, if any, makes client certificates required); returns
     (uvicorn server, task, bound port)."""
     import uvicorn
 
-    front = HttpFront(api, api_key)
+    front = HttpFront(api)
     ssl_args: dict[str, Any] = {}
     if tls is not None:
         ssl_args = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}

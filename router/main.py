@@ -12,6 +12,7 @@ import contextlib
 from kvhandoff.tls import ServerTLS
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
 from router.api import RouterAPI
+from router.auth import Credentials
 from router.config import RouterConfig
 from router.core import Router
 from router.http import serve_http
@@ -33,13 +34,16 @@ async def _wait_for_engines(router: Router) -> None:
 
 async def serve_router(config: RouterConfig, host: str, port: int,
                        metrics_port: int | None = None, tls: ServerTLS | None = None,
-                       http_port: int | None = None, api_key: str | None = None) -> None:
+                       http_port: int | None = None,
+                       credentials: Credentials | None = None) -> None:
     """Serve the Router over gRPC (and, with ``http_port``, the OpenAI-compatible HTTP
-    front, with the same ``tls`` and, when given, ``api_key``) until SIGTERM/SIGINT."""
+    front, with the same ``tls``), both guarded by ``credentials`` (``router.auth``),
+    until SIGTERM/SIGINT."""
     router = Router(config)
     metrics = RouterMetrics()
     metrics.track_engines(router)
-    api = RouterAPI(router, metrics)
+    credentials = credentials or Credentials()
+    api = RouterAPI(router, metrics, credentials)
     if metrics_port is not None:
         bound_metrics = metrics.serve(host, metrics_port)
         print(f"kvhandoff router metrics on http://{host}:{bound_metrics}/metrics", flush=True)
@@ -55,12 +59,15 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     lag = asyncio.create_task(watch_loop_lag(metrics.loop_lag, "router"))
     http = None
     if http_port is not None:
-        http, http_task, bound_http = await serve_http(api, host, http_port, tls, api_key)
+        http, http_task, bound_http = await serve_http(api, host, http_port, tls)
         scheme = "https" if tls is not None else "http"
-        print(f"kvhandoff router HTTP (OpenAI-compatible) on {scheme}://{host}:{bound_http}"
-              f"{' (API key required)' if api_key else ''}", flush=True)
+        print(f"kvhandoff router HTTP (OpenAI-compatible) on {scheme}://{host}:{bound_http}",
+              flush=True)
     await set_serving(health, service, True)
-    print(f"kvhandoff router serving on {host}:{bound}", flush=True)
+    guard = ("open: no keys" if credentials.open else
+             f"client key {'required' if credentials.client_key else 'not required'}, "
+             f"operator calls {'by key' if credentials.operator_key else 'off'}")
+    print(f"kvhandoff router serving on {host}:{bound} ({guard})", flush=True)
     try:
         await wait_for_shutdown_signal()
     finally:

@@ -12,6 +12,7 @@ import grpc
 
 from kvhandoff.v1 import router_pb2_grpc
 from router.api import RouterAPI
+from router.auth import CLIENT, OPERATOR, grpc_authorization
 
 FRONT = "grpc"
 
@@ -21,9 +22,20 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+def _need(request) -> str:
+    """A request that names a negative-control fault is an operator's call."""
+    return OPERATOR if getattr(request, "fault", "") else CLIENT
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Every method checks the caller (``router.auth``) before anything runs: refusals
+    are counted and answered like any other error."""
+
     def __init__(self, api: RouterAPI):
         self.api = api
+
+    def _authorize(self, context: grpc.aio.ServicerContext, need: str) -> None:
+        self.api.authorize(grpc_authorization(context), need)
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         code, message = self.api.failed(FRONT, exc, context.time_remaining())
@@ -33,6 +45,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         try:
+            self._authorize(context, _need(request))
             async with contextlib.aclosing(
                     self.api.generate(FRONT, request, _deadline(context))) as events:
                 async for event in events:
@@ -43,6 +56,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def GenerateStream(self, request, context):
         try:
+            self._authorize(context, _need(request))
             async with contextlib.aclosing(
                     self.api.generate(FRONT, request, _deadline(context))) as events:
                 async for event in events:
@@ -52,6 +66,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def StartParent(self, request, context):
         try:
+            self._authorize(context, _need(request))
             async with contextlib.aclosing(
                     self.api.parent_events(FRONT, request, _deadline(context))) as events:
                 async for event in events:
@@ -61,24 +76,28 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Continue(self, request, context):
         try:
+            self._authorize(context, _need(request))
             return await self.api.continue_(FRONT, request, _deadline(context))
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 
     async def ReleaseParent(self, request, context):
         try:
+            self._authorize(context, OPERATOR)
             return await self.api.release_parent(request)
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 
     async def Move(self, request, context):
         try:
+            self._authorize(context, OPERATOR)
             return await self.api.move(request)
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)
 
     async def Drain(self, request, context):
         try:
+            self._authorize(context, OPERATOR)
             return await self.api.drain(request)
         except (Exception, asyncio.CancelledError) as e:
             await self._abort(context, e)

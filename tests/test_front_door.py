@@ -228,3 +228,82 @@ def test_the_http_front_serves_https_and_wants_its_api_key(cluster, tmp_path,
     finally:
         stop([router])
     assert_cluster_clean()
+
+
+def test_every_front_wants_the_key_and_operator_calls_the_operators(cluster, tmp_path,
+                                                                    assert_cluster_clean):
+    """``--api-key`` and ``--operator-key`` on one router, each refusal beside its twin
+    that passes: gRPC Generate without or with a wrong key is UNAUTHENTICATED and runs
+    nothing, with the client key it runs; Drain and ReleaseParent with the client key are
+    PERMISSION_DENIED, with the operator key they reach the router (NOT_FOUND for an
+    unknown engine or parent); a request naming a fault is PERMISSION_DENIED with the
+    client key on gRPC and HTTP (403), and passes the guard with the operator key (then
+    INVALID_ARGUMENT: no such fault; over HTTP, a continuation of no such parent: 404)."""
+    import httpx
+
+    from kvhandoff.ports import free_port
+    from tools.client import RouterClient, make_request
+    from tools.launch import spawn, stop, wait_serving
+
+    http_port = free_port()
+    router = spawn("router", free_port(), [
+        "--prefill", cluster["prefill"].address, "--decode", cluster["decode"][0].address,
+        "--no-warm-up", "--http-port", str(http_port), "--api-key", "client-key",
+        "--operator-key", "operator-key"], tmp_path)
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_serving(router.address, [router])
+
+        def code(call) -> grpc.StatusCode | None:
+            try:
+                call()
+            except grpc.RpcError as e:
+                return e.code()
+            return None
+
+        def req(fault: str = "") -> router_pb2.GenerateRequest:
+            r = make_request(prompt=list(range(700, 740)), max_tokens=4, seed=5,
+                             beam_width=2, beam_tokens=2)
+            r.fault = fault
+            return r
+
+        def refused_unauthenticated() -> float:
+            return metric_sum(router.metrics_url, "kvhandoff_router_requests_total",
+                              code="UNAUTHENTICATED")
+
+        def answered() -> float:
+            return metric_sum(router.metrics_url, "kvhandoff_router_requests_total",
+                              outcome="ok")
+
+        with RouterClient(router.address) as none, \
+                RouterClient(router.address, key="wrong") as wrong, \
+                RouterClient(router.address, key="client-key") as client, \
+                RouterClient(router.address, key="operator-key") as operator:
+            assert code(lambda: none.generate(req())) == grpc.StatusCode.UNAUTHENTICATED
+            assert code(lambda: wrong.generate(req())) == grpc.StatusCode.UNAUTHENTICATED
+            # Counted as refusals; nothing ran.
+            assert (refused_unauthenticated(), answered()) == (2, 0)
+            assert len(client.generate(req()).beams) == 2
+            assert answered() == 1
+            for who, want in ((client, grpc.StatusCode.PERMISSION_DENIED),
+                              (operator, grpc.StatusCode.NOT_FOUND)):
+                assert code(lambda w=who: w.drain("127.0.0.1:1", timeout_s=5)) == want
+                assert code(lambda w=who: w.release_parent("no-such-parent")) == want
+            assert code(lambda: client.generate(req("no-such-fault"))) == \
+                grpc.StatusCode.PERMISSION_DENIED
+            assert code(lambda: operator.generate(req("no-such-fault"))) == \
+                grpc.StatusCode.INVALID_ARGUMENT
+        body = {"prompt": "", "max_tokens": 2, "continuation_of": "no-such-parent",
+                "fault": "no-such-fault"}
+        as_client = httpx.post(base + "/v1/completions", json=body,
+                               headers={"authorization": "Bearer client-key"}, timeout=30)
+        assert as_client.status_code == 403, as_client.text
+        as_operator = httpx.post(base + "/v1/completions", json=body,
+                                 headers={"authorization": "Bearer operator-key"}, timeout=30)
+        # Past the guard: the unknown parent is what it trips on.
+        assert as_operator.status_code == 404 and "no-such-parent" in as_operator.text
+        assert httpx.post(base + "/v1/completions", json={"prompt": [1, 2, 3]},
+                          timeout=30).status_code == 401
+    finally:
+        stop([router])
+    assert_cluster_clean()

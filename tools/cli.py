@@ -12,6 +12,11 @@ from typing import Any
 from connector.faults import FAULTS
 from connector.logs import LEVEL_ENV
 
+#: Where ``kvhandoff serve --role router`` and the clients take their keys from when no
+#: flag names them (``router.auth``).
+API_KEY_ENV = "KVHANDOFF_API_KEY"
+OPERATOR_KEY_ENV = "KVHANDOFF_OPERATOR_KEY"
+
 
 # Each subcommand imports what it runs inside its function: ``kvhandoff client`` and the
 # router then start without loading vLLM, torch or Ray.
@@ -36,7 +41,16 @@ def _serve(args: argparse.Namespace) -> int:
     if args.role == "router":
         from kvhandoff.model import resolve_model
         from router import RouterConfig
+        from router.auth import Credentials
         from router.main import serve_router
+
+        try:
+            credentials = Credentials(
+                args.api_key or os.environ.get(API_KEY_ENV) or None,
+                args.operator_key or os.environ.get(OPERATOR_KEY_ENV) or None)
+        except ValueError as e:
+            print(f"kvhandoff serve: {e}", file=sys.stderr)
+            return 2
 
         config = RouterConfig(
             prefill=tuple(a for a in args.prefill.split(",") if a),
@@ -59,9 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
         )
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
         http_port = None if args.http_port < 0 else args.http_port
-        api_key = args.api_key or os.environ.get("KVHANDOFF_API_KEY") or None
         asyncio.run(serve_router(config, args.host, args.port, metrics_port, tls, http_port,
-                                 api_key))
+                                 credentials))
     else:
         from server.engine_service import serve_engine
         from tools.engine_args import engine_kwargs
@@ -213,9 +226,14 @@ def _add_router_flags(serve: argparse.ArgumentParser) -> None:
                             "with continuation_of, /v1/models, /health, /metrics) on this port "
                             "(0 = any; default: off); HTTPS with --tls-cert/--tls-key")
     serve.add_argument("--api-key", default=None,
-                       help="router: the HTTP front's /v1 routes want 'Authorization: Bearer "
-                            "<key>' (401 without it), as vLLM's server; default: "
-                            "$KVHANDOFF_API_KEY, else none")
+                       help="router: every request, gRPC and HTTP, wants 'authorization: "
+                            "Bearer <key>' (UNAUTHENTICATED / 401 without it); default: "
+                            f"${API_KEY_ENV}, else none")
+    serve.add_argument("--operator-key", default=None,
+                       help="router: the key Drain, Move, ReleaseParent and requests naming a "
+                            "fault want (PERMISSION_DENIED / 403 with the client's key); "
+                            f"default: ${OPERATOR_KEY_ENV}; without it those calls are off "
+                            "whenever --api-key is set")
     serve.add_argument("--max-parents", type=int, default=256,
                        help="router: parents (StartParent) kept for continuations; the least "
                             "recently used is forgotten first")
@@ -248,6 +266,8 @@ def _add_router_flags(serve: argparse.ArgumentParser) -> None:
 def _add_client(sub: Any) -> None:
     client = sub.add_parser("client", help="send one two-stage request to a router")
     client.add_argument("--router", default="127.0.0.1:50051")
+    client.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"the router's client key (default: ${API_KEY_ENV})")
     tls_channel_args(client, "")
     client.add_argument("--prompt", default=None, help="prompt text")
     client.add_argument("--prompt-ids", default=None, help="prompt token ids, comma-separated")
@@ -270,6 +290,8 @@ def _add_drain(sub: Any) -> None:
         "drain", help="drain an engine through the router: no new work goes to it, its "
                       "running stage 1s move to their D, the rest finish; returns when empty")
     drain.add_argument("--router", default="127.0.0.1:50051")
+    drain.add_argument("--operator-key", default=os.environ.get(OPERATOR_KEY_ENV) or None,
+                       help=f"the router's operator key (default: ${OPERATOR_KEY_ENV})")
     drain.add_argument("--engine", required=True, metavar="HOST:PORT",
                        help="the engine's address as the router knows it")
     drain.add_argument("--undo", action="store_true",

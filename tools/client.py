@@ -40,28 +40,37 @@ def make_request(*, prompt: str | list[int], max_tokens: int = 64, temperature: 
     return req
 
 
+def bearer(key: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying ``key`` as the router wants it (``router.auth``)."""
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
 class RouterClient:
-    def __init__(self, address: str, tls: ChannelTLS | None = None):
+    """``key``: sent with every call (the router's client key, or its operator key for
+    drain and release)."""
+
+    def __init__(self, address: str, tls: ChannelTLS | None = None, key: str | None = None):
         self.channel = (grpc.insecure_channel(address) if tls is None
                         else grpc.secure_channel(address, tls.credentials()))
         self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.metadata = bearer(key)
 
     def generate(self, req: router_pb2.GenerateRequest, timeout: float | None = 120.0):
-        return self.stub.Generate(req, timeout=timeout)
+        return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     def generate_stream(self, req: router_pb2.GenerateRequest, timeout: float | None = 120.0):
-        return self.stub.GenerateStream(req, timeout=timeout)
+        return self.stub.GenerateStream(req, timeout=timeout, metadata=self.metadata)
 
     def release_parent(self, parent_id: str, timeout: float = 30.0
                        ) -> router_pb2.ReleaseParentResponse:
         return self.stub.ReleaseParent(router_pb2.ReleaseParentRequest(parent_id=parent_id),
-                                       timeout=timeout)
+                                       timeout=timeout, metadata=self.metadata)
 
     def drain(self, endpoint: str, *, undo: bool = False, timeout_s: float = 300.0
               ) -> router_pb2.DrainResponse:
         return self.stub.Drain(router_pb2.DrainRequest(
             endpoint=endpoint, undo=undo, timeout_ms=int(timeout_s * 1e3)),
-            timeout=timeout_s + 30)
+            timeout=timeout_s + 30, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -107,7 +116,7 @@ def main_client(args: argparse.Namespace) -> int:
                        seed=args.seed, beam_width=args.beam_width, beam_tokens=args.beam_tokens,
                        path=args.path, catalog=args.catalog)
     tls = channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key)
-    with RouterClient(args.router, tls) as client:
+    with RouterClient(args.router, tls, args.api_key) as client:
         try:
             if args.stream:
                 resp = None
@@ -128,7 +137,7 @@ def main_client(args: argparse.Namespace) -> int:
 def main_drain(args: argparse.Namespace) -> int:
     """``kvhandoff drain``: drain an engine through the router (or undo a drain)."""
     tls = channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key)
-    with RouterClient(args.router, tls) as client:
+    with RouterClient(args.router, tls, args.operator_key) as client:
         try:
             resp = client.drain(args.engine, undo=args.undo, timeout_s=args.timeout)
         except grpc.RpcError as e:

@@ -1,0 +1,89 @@
+"""Who may call the router: one rule for every front (gRPC, HTTP, Ray Serve).
+
+Two bearer keys, each optional, both compared in constant time:
+- the **client key** (``--api-key``): every request (Generate, StartParent, Continue,
+  completions) must carry it as ``authorization: Bearer <key>`` (gRPC metadata or the
+  HTTP header);
+- the **operator key** (``--operator-key``): Drain, Move and ReleaseParent, and any
+  request that names a negative-control fault, must carry it. It also passes as a client.
+
+With neither key set the router is open, as a loopback development setup is (mutual TLS,
+where configured, still guards the connection). With a client key but no operator key,
+operator calls are refused: the client's key never grants them. Health and reflection
+stay open (load balancers probe them; they carry no data).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import grpc
+
+from router.errors import RouterError
+
+CLIENT = "client"
+OPERATOR = "operator"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    client_key: str | None = None
+    operator_key: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("client_key", "operator_key"):
+            key = getattr(self, name)
+            if key is not None and (not key or key != key.strip() or " " in key):
+                raise ValueError(f"{name.replace('_', ' ')} must be non-empty, without spaces")
+        if self.client_key and self.client_key == self.operator_key:
+            raise ValueError("the operator key must differ from the client key")
+
+    @property
+    def open(self) -> bool:
+        return self.client_key is None and self.operator_key is None
+
+    def check(self, authorization: str | None, need: str) -> None:
+        """Raises the caller's refusal (UNAUTHENTICATED: no or a wrong key;
+        PERMISSION_DENIED: a client key where an operator call needs the operator's)
+        unless ``authorization`` (the header's or metadata's value) grants ``need``."""
+        if self.open:
+            return
+        key = _bearer(authorization)
+        operator = key is not None and self.operator_key is not None and _same(
+            key, self.operator_key)
+        if need == OPERATOR:
+            if operator:
+                return
+            if self.operator_key is None:
+                raise RouterError(grpc.StatusCode.PERMISSION_DENIED,
+                                  "operator calls (Drain, Move, ReleaseParent, faults) are "
+                                  "off: the router has no --operator-key")
+            if key is not None and self.client_key is not None and _same(key, self.client_key):
+                raise RouterError(grpc.StatusCode.PERMISSION_DENIED,
+                                  "an operator call needs the operator key, not the "
+                                  "client's")
+            raise RouterError(grpc.StatusCode.UNAUTHENTICATED,
+                              "an operator call needs 'authorization: Bearer <operator key>'")
+        if operator or self.client_key is None or (
+                key is not None and _same(key, self.client_key)):
+            return
+        raise RouterError(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong API key: send 'authorization: Bearer <key>'")
+
+
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, key = (authorization or "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+
+def _same(a: str, b: str) -> bool:
+    return secrets.compare_digest(a.encode(), b.encode())
+
+
+def grpc_authorization(context: grpc.aio.ServicerContext) -> str | None:
+    """The ``authorization`` metadata of a gRPC call, if any."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return None
