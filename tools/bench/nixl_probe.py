@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -36,17 +37,43 @@ def _owner(size: int, conn: Any, host: Any = None, env: dict[str, str] | None = 
     conn.recv()
 
 
-def _read(owner: tuple, size: int, repeats: int, num_descriptors: int) -> float:
-    """Best GB/s of ``repeats`` READs of the owner's buffer (after one untimed READ that
-    sets up the connection)."""
+def _timed_reads(agent: Any, local: Any, remote: Any, remote_name: str, repeats: int
+                 ) -> list[float]:
+    """Seconds of each of ``repeats`` READs of ``remote`` into ``local`` (after one
+    untimed READ: the first sets up the connection)."""
+    times = []
+    for i in range(repeats + 1):
+        handle = agent.initialize_xfer("READ", local, remote, remote_name)
+        t0 = time.perf_counter()
+        state = agent.transfer(handle)
+        while state not in ("DONE", "ERR"):
+            state = agent.check_xfer_state(handle)
+        elapsed = time.perf_counter() - t0
+        agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL READ ended in {state}")
+        if i:
+            times.append(elapsed)
+    return times
+
+
+def _reader(name: str, size: int) -> tuple[Any, Any]:
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
-    meta, serialized, remote_addr = owner
-    agent = nixl_agent(f"kvh-probe-reader-{os.getpid()}",
+    agent = nixl_agent(f"{name}-{os.getpid()}",
                        nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     buf = np.zeros(size, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
+    return agent, buf
+
+
+def _read(owner: tuple, size: int, repeats: int, num_descriptors: int) -> float:
+    """Best GB/s of ``repeats`` READs of the owner's buffer."""
+    import numpy as np
+
+    meta, serialized, remote_addr = owner
+    agent, buf = _reader("kvh-probe-reader", size)
     remote_name = agent.add_remote_agent(meta)
     if num_descriptors == 1:
         local = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
@@ -62,24 +89,54 @@ def _read(owner: tuple, size: int, repeats: int, num_descriptors: int) -> float:
         remote = agent.get_xfer_descs(np.array(
             [(remote_addr + i * chunk, chunk, 0) for i in range(num_descriptors)],
             dtype=np.uint64), "DRAM")
-    best = float("inf")
-    for i in range(repeats + 1):  # the first READ sets up the connection: not timed
-        handle = agent.initialize_xfer("READ", local, remote, remote_name)
-        t0 = time.perf_counter()
-        state = agent.transfer(handle)
-        while state not in ("DONE", "ERR"):
-            state = agent.check_xfer_state(handle)
-        elapsed = time.perf_counter() - t0
-        agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"NIXL READ of {size} bytes ended in {state}")
-        if i:
-            best = min(best, elapsed)
+    best = min(_timed_reads(agent, local, remote, remote_name, repeats))
     moved = size // num_descriptors * num_descriptors
     if not buf[:16].all() or not buf[moved - 16:moved].all():
         raise RuntimeError("NIXL READ returned the wrong bytes")
     agent.remove_remote_agent(remote_name)
     return moved / best / 1e9
+
+
+class RawReader:
+    """Raw one-descriptor NIXL READs of up to ``capacity`` bytes from an owner process
+    that lives as long as this object, so that a raw rate can be taken right beside each
+    engine READ rather than once after the engines stopped: this machine's memory copy
+    rate drifts by up to 2x within a minute (docs/performance.md)."""
+
+    def __init__(self, capacity: int):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._owner = ctx.Process(target=_owner, daemon=True, args=(capacity, child))
+        self._owner.start()
+        meta, _, self._remote_addr = self._conn.recv()
+        self._agent, self._buf = _reader("kvh-raw-reader", capacity)
+        self._remote = self._agent.add_remote_agent(meta)
+        self.capacity = capacity
+
+    def gbps(self, size: int, repeats: int = 3) -> tuple[float, float]:
+        """Median and best GB/s of ``repeats`` READs of the owner's first ``size`` bytes
+        as one descriptor."""
+        if not 0 < size <= self.capacity:
+            raise ValueError(f"size {size} outside (0, {self.capacity}]")
+        local = self._agent.get_xfer_descs([(self._buf.ctypes.data, size, 0)], "DRAM")
+        remote = self._agent.get_xfer_descs([(self._remote_addr, size, 0)], "DRAM")
+        times = _timed_reads(self._agent, local, remote, self._remote, repeats)
+        if not self._buf[size - 16:size].all():
+            raise RuntimeError("NIXL READ returned the wrong bytes")
+        self._buf[:size] = 0  # the next READ must bring its bytes again
+        return (round(size / statistics.median(times) / 1e9, 3),
+                round(size / min(times) / 1e9, 3))
+
+    def close(self) -> None:
+        self._agent.remove_remote_agent(self._remote)
+        self._conn.send("stop")
+        self._owner.join(10)
+
+    def __enter__(self) -> RawReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def read_gbps(size: int, repeats: int, num_descriptors: int = 1, hosts: tuple = (),
