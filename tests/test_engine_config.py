@@ -92,3 +92,38 @@ def test_free_ports_are_not_handed_to_two_processes(monkeypatch):
     assert len(theirs) == len(ours) == 200
     assert all(low <= p < low + 1000 for p in theirs | ours)
     assert not theirs & ours
+
+
+def test_kv_events_stay_on_loopback_unless_asked(model_dir):
+    """KV events carry every prompt's token ids over unauthenticated ZMQ: an engine whose
+    side channel is on a network address still publishes them on loopback; ``serve
+    --kv-events off`` turns them off, ``--kv-events HOST`` exposes them on purpose."""
+    from tools.cli import build_parser
+    from tools.engine_args import engine_kwargs
+
+    def kwargs(*flags: str) -> dict:
+        args = build_parser().parse_args(["serve", "--role", "decode", "--model", model_dir,
+                                          "--side-channel-host", "10.213.7.1", *flags])
+        return engine_kwargs(args)
+
+    default = EngineConfig(role="decode", **kwargs())
+    assert default.side_channel_host == "10.213.7.1"
+    assert default.kv_events and default.kv_events_host == "127.0.0.1"
+    assert not EngineConfig(role="decode", **kwargs("--kv-events", "off")).kv_events
+    exposed = EngineConfig(role="decode", **kwargs("--kv-events", "10.213.7.1"))
+    assert exposed.kv_events and exposed.kv_events_host == "10.213.7.1"
+
+
+def test_gpu_memory_share_from_the_environment(model_dir, monkeypatch):
+    """Engines sharing one GPU each take a share of its memory (vLLM's
+    gpu_memory_utilization), from the config or KVHANDOFF_GPU_MEMORY_SHARE; not on CPU."""
+    monkeypatch.delenv("KVHANDOFF_GPU_MEMORY_SHARE", raising=False)
+    assert EngineConfig(model=model_dir, role="decode").gpu_share is None
+    monkeypatch.setenv("KVHANDOFF_GPU_MEMORY_SHARE", "0.3")
+    config = EngineConfig(model=model_dir, role="decode")
+    assert config.gpu_share == 0.3
+    assert config.engine_args("d").gpu_memory_utilization != 0.3  # CPU: vLLM's own
+    monkeypatch.setattr(EngineConfig, "on_cpu_host", property(lambda self: False))  # a GPU
+    assert config.engine_args("d").gpu_memory_utilization == 0.3
+    with pytest.raises(ValueError, match="gpu_memory_share"):
+        EngineConfig(model=model_dir, role="decode", gpu_memory_share=1.5)
