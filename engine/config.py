@@ -105,9 +105,12 @@ class EngineConfig:
     #: Negative controls only (``connector.faults``): honour a fault a request names.
     #: Off in every server; the harness turns it on for ``kvhandoff verify --inject``.
     fault_injection: bool = False
-    #: Publish vLLM's KV-cache events for the router's placement (``engine.kv_events``:
-    #: on this engine's ``side_channel_host``, ports picked at start).
+    #: Publish vLLM's KV-cache events for the router's placement (``engine.kv_events``,
+    #: ports picked at start) on ``kv_events_host``. They carry every prompt's token ids
+    #: over unauthenticated ZMQ: loopback unless asked, where only this host's processes
+    #: (a router beside the engine) read them; a router on another host places by load.
     kv_events: bool = True
+    kv_events_host: str = "127.0.0.1"
     #: Catalogs beams may be constrained to, (name, path) pairs (``connector.catalog``):
     #: loaded and checked at start by the front end and by each worker.
     catalogs: tuple[tuple[str, str], ...] = ()

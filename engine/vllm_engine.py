@@ -102,7 +102,7 @@ class VllmEngine:
         adapters = load_adapters(config.adapters)
         for a in adapters.values():
             logger.info("Adapter %r: rank %d, %s (%s)", a.name, a.rank, a.path, a.digest[:12])
-        events = (EventEndpoints.pick(engine_id, config.side_channel_host)
+        events = (EventEndpoints.pick(engine_id, config.kv_events_host)
                   if config.kv_events else None)
         env = engine_env(config, port)
         stats: dict[str, Any] = {}

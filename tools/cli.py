@@ -181,6 +181,12 @@ def _add_serve(sub: Any) -> None:
                             "model); repeat for several. Turns vLLM's LoRA on")
     serve.add_argument("--side-channel-host", default="127.0.0.1",
                        help="NIXL side channel address (a node IP across hosts)")
+    serve.add_argument("--kv-events", default="loopback", metavar="loopback|off|HOST",
+                       help="engines: where vLLM's KV-cache events (every prompt's token ids, "
+                            "unauthenticated ZMQ; the router's cache-aware placement reads "
+                            "them) are published: loopback (default: a router on this host), "
+                            "off, or an address of this host (plaintext to anyone who "
+                            "reaches it: a trusted network only)")
     serve.add_argument("--side-channel-port", type=int, default=0,
                        help="NIXL side channel port (0 = a free one)")
     serve.add_argument("--ucx-net-devices", default=None, metavar="DEVS",

@@ -16,7 +16,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               "nixl_progress_thread": args.nixl_progress_delay_us >= 0,
               "nixl_progress_delay_us": max(0, args.nixl_progress_delay_us),
               "side_channel_host": args.side_channel_host,
-              "handoff_secret_file": args.handoff_secret_file}
+              "handoff_secret_file": args.handoff_secret_file,
+              "kv_events": args.kv_events != "off"}
+    if args.kv_events not in ("off", "loopback"):
+        kwargs["kv_events_host"] = args.kv_events
     if args.kv_cache_mib:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
     if args.side_channel_port:
