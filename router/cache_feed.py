@@ -239,6 +239,20 @@ class EventFeed:
         self.index.clear()
 
 
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def reachable(address: str, endpoint: str) -> bool:
+    """Whether the events ``endpoint`` an engine at ``address`` names can be this
+    router's: an engine publishes on loopback unless told otherwise (its events carry
+    prompts' token ids), and an engine reached over the network then has its events on
+    its own host, not this one's loopback. Those engines are placed by load."""
+    engine_host = address.rsplit(":", 1)[0]
+    events_host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+    return not _is_loopback(events_host) or _is_loopback(engine_host)
+
+
 # ---- the router's view of every engine -----------------------------------------------
 class EngineCaches:
     """One :class:`BlockIndex` and :class:`EventFeed` per engine that publishes its KV
@@ -262,7 +276,7 @@ class EngineCaches:
         if current is not None:
             current[2].cancel()  # type: ignore[attr-defined]
             del self._feeds[address]
-        if not endpoint:
+        if not endpoint or not reachable(address, endpoint):
             return
         index = BlockIndex(capacity.block_size,  # type: ignore[attr-defined]
                            self._factor * max(capacity.num_total_blocks, 1))  # type: ignore[attr-defined]

@@ -322,3 +322,15 @@ def test_unreadable_batches_and_a_failed_loop_clear_the_index_and_the_feed_goes_
         engine.close()
 
     asyncio.run(scenario())
+
+
+def test_events_on_an_engines_loopback_are_not_read_from_another_host() -> None:
+    """An engine publishes its KV events on loopback unless told otherwise; a router
+    that reaches the engine over the network must not read its own loopback for them
+    (another process's, or nothing): that engine is placed by load."""
+    from router.cache_feed import reachable
+
+    assert reachable("127.0.0.1:5000", "tcp://127.0.0.1:6000")
+    assert reachable("localhost:5000", "tcp://127.0.0.1:6000")
+    assert not reachable("10.213.7.1:5000", "tcp://127.0.0.1:6000")
+    assert reachable("10.213.7.1:5000", "tcp://10.213.7.1:6000")  # --kv-events HOST
