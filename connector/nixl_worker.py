@@ -107,9 +107,14 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
             if expires is not None:
                 self._held[req_id] = expires
         for req_id in getattr(metadata, "kvhandoff_unhold", None) or ():
+            # A held parent, or an export its D refused before reading (the router's
+            # Release): its lease ends now, and vLLM's reaper frees it next.
             if req_id in self._held:
-                self._held[req_id] = 0.0  # _reap_expired_send_leases frees it next
+                self._held[req_id] = 0.0
                 logger.debug("Held parent %s released early", req_id)
+            elif req_id in self._reqs_to_send:
+                self._reqs_to_send[req_id] = 0.0
+                logger.debug("Export %s released early (its D will not read it)", req_id)
 
     def _take_merge_fault(self, request_id: str) -> str | None:
         """The merge fault ``request_id`` names (``connector.runs``), taken: it acts

@@ -31,6 +31,13 @@ from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
 
+#: D's refusals of a handoff that come before it reads anything (its checks of the
+#: request, the catalog, the adapter and the signature): P is told to release the export.
+#: Not RESOURCE_EXHAUSTED (D's scheduler tells P itself) nor UNAVAILABLE or
+#: FAILED_PRECONDITION (a READ may have begun: the lease ends those).
+REFUSED_BEFORE_READ = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                       grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE)
+
 #: What a request's run yields: stage-1 token batches, then its Outcome.
 Items = AsyncIterator[list[int] | Outcome]
 _Stage1Items = AsyncIterator[list[int] | common_pb2.Handoff]
@@ -132,8 +139,14 @@ class Executor:
                          handoff_msg.lease_expires_at - time.time())
         elif not handoff:
             running.d = running.p
-        running.set_claim(await self.stage2_or_recompute(
-            running.d, running.claim, request, plan, out, handoff and not on_d))
+        try:
+            claim = await self.stage2_or_recompute(running.d, running.claim, request, plan,
+                                                   out, handoff and not on_d)
+        except (RouterError, grpc.aio.AioRpcError) as e:
+            if handoff and not on_d and code_of(e) in REFUSED_BEFORE_READ:
+                await self._release_export(running.p, handoff_msg, plan, e)
+            raise
+        running.set_claim(claim)
 
     async def _stage1_resuming(self, running: Running, plan: Plan, out: Outcome, *,
                                export: bool, resume_at: int | None = None,
@@ -284,6 +297,18 @@ class Executor:
         return (e.code() == grpc.StatusCode.UNAVAILABLE and self.config.recompute
                 and (stage1.positional or stage1.temperature == 0)
                 and (len(self.pool.prefill) > 1 or on_d) and not plan.pinned)
+
+    async def _release_export(self, p: Endpoint, handoff: common_pb2.Handoff, plan: Plan,
+                              refusal: Exception) -> None:
+        """D refused the handoff before reading it: P's blocks go back now, not at the
+        lease's end. Best effort: the lease still ends them if P cannot be told."""
+        try:
+            await self.stages.release(p, [handoff.request_id])
+            logger.info("%s: D refused the handoff (%s); P %s released its export",
+                        plan.request_id, code_of(refusal).name, p.address)
+        except (RouterError, grpc.aio.AioRpcError) as e:
+            logger.warning("%s: could not tell P %s to release its export (%s); its lease "
+                           "ends it", plan.request_id, p.address, code_of(e).name)
 
     # ---- stage 2 ----------------------------------------------------------------------
     async def stage2_or_recompute(self, ep: Endpoint, claim: Claim | None,

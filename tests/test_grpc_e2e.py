@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvhandoff.v1 import common_pb2, engine_pb2
-from tests.conftest import engine_stub
+from tests.conftest import CLUSTER_LEASE_S, engine_stub
 from tests.utils import (
     assert_handed_off,
     assert_identical,
@@ -382,3 +382,22 @@ def test_beams_in_a_catalog_over_grpc_and_http_equal_colocated_and_fail_when_fau
     # (Its unfaulted pair is the first prompt's: D's prefix cache now holds this
     # parent's corrupted blocks, and a process cluster cannot empty it.)
     assert_cluster_clean()
+
+
+@pytest.mark.beams
+def test_a_handoff_d_refuses_before_reading_frees_ps_blocks_at_once(router_client, cluster,
+                                                                     assert_cluster_clean):
+    """D refuses a handoff before its scheduler sees it (here: beams too short for any
+    item of the catalog, which only D checks): INVALID_ARGUMENT naming the field, after P
+    ran stage 1 and exported. The router tells P to release the export, so P's pool is
+    clean within seconds, not at the end of the lease (the control: with the release
+    taken out, P still held the blocks at the check)."""
+    t0 = time.monotonic()
+    req = make_request(prompt=list(range(300, 360)), max_tokens=16, seed=9, beam_width=4,
+                       beam_tokens=1, path="handoff", catalog="shop")
+    with pytest.raises(grpc.RpcError) as err:
+        router_client.generate(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "shortest item" in err.value.details(), err.value.details()
+    assert_cluster_clean(timeout_s=8.0)  # the lease is CLUSTER_LEASE_S (30 s)
+    assert time.monotonic() - t0 < CLUSTER_LEASE_S / 2
