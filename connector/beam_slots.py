@@ -90,6 +90,9 @@ class _Group:
     parents: list[int] | None = None  # the last step's, until copied
     result: dict[str, Any] | None = None
     error: str | None = None
+    #: The refusal's reason (kvhandoff.errors): "beam_room" when the running requests
+    #: kept the group's room past START_TIMEOUT_S (the client may retry), else a failure.
+    reason: str = "beam_group"
     reported: bool = False  # the error was sent to the slots
     # Per beam step: the processor's milliseconds, the blocks copied after it.
     select_ms: list[float] = field(default_factory=list)
@@ -202,12 +205,14 @@ class SlotGroups:
             if group.started or group.error or group.members == 1:
                 continue
             if now - group.arrived_at > START_TIMEOUT_S:
-                group.error = (f"{len(group.slots)} of its {group.members} slots arrived "
-                               f"within {START_TIMEOUT_S:.0f}s"
-                               if len(group.slots) < group.members else
-                               f"no room for its {group.members} slots within "
-                               f"{START_TIMEOUT_S:.0f}s (sequences, token budget or "
-                               "blocks: the running requests kept them)")
+                if len(group.slots) < group.members:
+                    group.error = (f"{len(group.slots)} of its {group.members} slots "
+                                   f"arrived within {START_TIMEOUT_S:.0f}s")
+                else:
+                    group.reason = "beam_room"
+                    group.error = (f"no room for its {group.members} slots within "
+                                   f"{START_TIMEOUT_S:.0f}s (sequences, token budget or "
+                                   "blocks: the running requests kept them); retry later")
                 continue
             if len(group.slots) < group.members:
                 continue
@@ -365,7 +370,7 @@ class SlotGroups:
                 else:
                     # A slot ending without the group's beams says why, whichever step.
                     out.finish_reason = FinishReason.ERROR
-                    params[KEY] = {**(params.get(KEY) or {}), "reason": "beam_group",
+                    params[KEY] = {**(params.get(KEY) or {}), "reason": group.reason,
                                    "error": f"beam search failed: {group.error or 'no beams'}"}
                 out.kv_transfer_params = params or None
         for name, group in self._groups.items():
@@ -376,7 +381,7 @@ class SlotGroups:
                     request = scheduler.requests.get(rid)
                     if request is not None and not request.is_finished():
                         # Its output comes from the admission scheduler's _reject.
-                        self._fail(request, "beam_group", f"beam search failed: {group.error}")
+                        self._fail(request, group.reason, f"beam search failed: {group.error}")
         gone = [rid for rid in self._slot_of if rid not in scheduler.requests]
         for rid in gone:
             name, _ = self._slot_of.pop(rid)

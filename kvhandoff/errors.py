@@ -11,6 +11,8 @@ from kvhandoff.types import HandoffError, InvalidRequest, StageError
 #: StageError / HandoffError reasons -> status code. Unknown reasons are INTERNAL.
 _REASON_CODES = {
     "capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # A beam group that waited for room (sequences, tokens, blocks) past its limit.
+    "beam_room": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "expired": grpc.StatusCode.FAILED_PRECONDITION,
     "digest": grpc.StatusCode.INVALID_ARGUMENT,
     "protocol": grpc.StatusCode.INVALID_ARGUMENT,

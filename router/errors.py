@@ -61,8 +61,10 @@ def none_in_rotation(endpoints: list[Any], role: str, waited_s: float) -> Router
 # RESOURCE_EXHAUSTED answers carry the numbers a client needs to act on them.
 def decode_too_small(need: int, biggest: Any, num_prompt_tokens: int,
                beam: BeamParams) -> RouterError:
+    """No decode engine can ever hold the request: permanent (INVALID_ARGUMENT, HTTP 400
+    without Retry-After), the limits named."""
     cap = biggest.capacity
-    return grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+    return grpc_error(grpc.StatusCode.INVALID_ARGUMENT,
                       f"decode pool too small: needs {need} blocks ({num_prompt_tokens}-token "
                       f"prompt, beam width {beam.beam_width}, {beam.max_tokens} beam "
                       f"tokens), the largest decode engine holds {cap.num_total_blocks} (beam "

@@ -653,3 +653,28 @@ def test_a_beams_first_child_stays_in_its_parents_slot():
     assert [s for s in range(5) if source[s] != s] == [2]
     assert place_beams(np.array([2, 2, 2]), 3).tolist() == [2, 0, 1]
     assert place_beams(np.array([], dtype=np.int64), 3).tolist() == []
+
+
+def test_a_group_that_never_gets_room_ends_as_a_retryable_refusal(model_dir, monkeypatch):
+    """Every slot arrived but the group's W sequences never fit (here W=32 over a
+    scheduler of 16): it ends with reason ``beam_room``, RESOURCE_EXHAUSTED for its
+    client (retry later), not ``beam_group``'s INTERNAL."""
+    import grpc
+
+    import connector.beam_slots
+    from connector.handoff import KEY
+    from kvhandoff.errors import status_for
+    from kvhandoff.types import StageError
+    from tests.utils import assert_scheduler_clean, make_scheduler
+
+    monkeypatch.setattr(connector.beam_slots, "START_TIMEOUT_S", 0.0)
+    scheduler = make_scheduler(model_dir)
+    for slot in range(32):
+        scheduler.add_request(_slot_request(list(range(10, 50)), slot=slot, width=32))
+    out, outputs = _slot_step(scheduler)
+    assert out.num_scheduled_tokens == {}
+    info = outputs["g0"].kv_transfer_params[KEY]
+    assert info["reason"] == "beam_room" and "no room for its 32 slots" in info["error"]
+    code, _ = status_for(StageError("stage2", info["reason"], info["error"]))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert_scheduler_clean(scheduler)

@@ -106,14 +106,17 @@ def test_bad_input_is_invalid_argument_naming_the_field(router_client, assert_cl
     assert_cluster_clean(timeout_s=5)
 
 
-def test_d_too_small_is_resource_exhausted_with_numbers(router_client, assert_cluster_clean):
+def test_d_too_small_is_invalid_argument_with_numbers(router_client, assert_cluster_clean):
+    """A request no D can ever hold is permanent: INVALID_ARGUMENT (HTTP 400, no
+    Retry-After) naming the blocks it needs and the largest pool, not RESOURCE_EXHAUSTED
+    (which OpenAI clients retry)."""
     req = make_request(prompt=[i % 1000 + 10 for i in range(2500)], max_tokens=4, seed=1, beam_width=64,
                        path="handoff")
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         router_client.generate(req, timeout=120)
     # The router knows D's pool: refused before stage 1, without waiting for room.
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.search(r"needs 1\d\d blocks", err.value.details()), err.value.details()
     assert "holds 135" in err.value.details() and time.monotonic() - t0 < 5
     assert_cluster_clean()

@@ -322,12 +322,12 @@ def test_errors_keep_the_standalone_status_codes(proxy, router_client):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert e.value.details() == "prompt: token id 1000000000 is outside the vocabulary " \
                                     "[0, 1024)", "the message alone, no traceback"
-    # A parent D cannot hold (~94 + 64 blocks; its pool has 135): RESOURCE_EXHAUSTED.
+    # A parent D can never hold (~94 + 64 blocks; its pool has 135): INVALID_ARGUMENT.
     big = make_request(prompt=[6 + i % 1000 for i in range(3000)], max_tokens=4, beam_width=32,
                        path="handoff")
     with pytest.raises(grpc.RpcError) as e:
         proxy.Generate(big, metadata=METADATA, timeout=300)
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert "decode pool too small" in e.value.details()
 
 
