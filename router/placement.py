@@ -119,6 +119,21 @@ def check_adapter(adapter: str, live: Sequence[Any], role: str) -> None:
     _check_named("adapter", adapter, live, role, adapters_of)
 
 
+def check_catalog_with_adapter(catalog: str | None, adapter: str, live: Sequence[Any],
+                               role: str) -> None:
+    """NOT_FOUND when engines in rotation have ``catalog`` and ``adapter`` but none has
+    both (each checked alone first by :func:`check_catalog` and :func:`check_adapter`)."""
+    if not catalog or not adapter or not live:
+        return
+    if not any(catalog in ep.capacity.catalogs and adapter in adapters_of(ep) for ep in live):
+        raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                         f"no {role} engine has both catalog {catalog!r} and adapter "
+                         f"{adapter!r} (the catalog is on "
+                         f"{', '.join(ep.address for ep in live if catalog in ep.capacity.catalogs)}"
+                         f"; the adapter on "
+                         f"{', '.join(ep.address for ep in live if adapter in adapters_of(ep))})")
+
+
 def _check_named(what: str, name: str | None, live: Sequence[Any], role: str,
                  names_of: Callable[[Any], Sequence[str]]) -> None:
     if not name or not live:

@@ -43,7 +43,12 @@ from router.errors import (
     no_room_in_time,
     none_in_rotation,
 )
-from router.placement import catalog_widths, check_adapter, check_catalog
+from router.placement import (
+    catalog_widths,
+    check_adapter,
+    check_catalog,
+    check_catalog_with_adapter,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -350,6 +355,7 @@ class EnginePool:
                     self._raise_unless_answered_lately(decode, "decode")
                 check_catalog(beam.catalog, live, "decode")
                 check_adapter(adapter, live, "decode")
+                check_catalog_with_adapter(beam.catalog, adapter, live, "decode")
                 holding = [ep for ep in live if can_hold(ep)]
                 if live and not holding:
                     # The largest of those that could run it (the catalog's and the

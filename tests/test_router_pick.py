@@ -771,3 +771,33 @@ def test_an_engine_back_takes_no_work_until_its_pairs_are_warmed_up(model_dir):
         assert d0.takes_work
 
     asyncio.run(go())
+
+
+def test_a_catalog_and_an_adapter_on_different_ds_is_not_found_naming_both(model_dir):
+    """Two Ds, one with the catalog, the other with the adapter: a search kept in the
+    catalog under the adapter can run on neither. NOT_FOUND naming where each is (it was
+    "max() arg is an empty sequence", INTERNAL); the twin on the D that has both runs."""
+    class Stub(FakeEngineStub):
+        def __init__(self, catalog: bool, adapter: bool):
+            super().__init__(200)
+            self.catalog, self.adapter = catalog, adapter
+
+        async def GetCapacity(self, request, timeout=None):  # noqa: N802
+            cap = await super().GetCapacity(request, timeout)
+            if self.catalog:
+                cap.catalogs.append("shop")
+            if self.adapter:
+                cap.adapters.add(name="a")
+            return cap
+
+    beam = BeamParams(beam_width=4, max_tokens=3, catalog="shop")
+    router = _router(model_dir, [200, 200])
+    router.pool.decode[0].stub, router.pool.decode[1].stub = Stub(True, False), Stub(False, True)
+    with pytest.raises(RouterError, match="no decode engine has both catalog 'shop' and "
+                                          "adapter 'a'.*on d0; the adapter on d1") as e:
+        asyncio.run(router.pool.pick_decode(100, beam, None, adapter="a"))
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    router = _router(model_dir, [200, 200])
+    router.pool.decode[0].stub, router.pool.decode[1].stub = Stub(True, False), Stub(True, True)
+    claim = asyncio.run(router.pool.pick_decode(100, beam, None, adapter="a"))
+    assert claim.endpoint.address == "d1"
