@@ -77,11 +77,18 @@ def _serve(args: argparse.Namespace) -> int:
                                  credentials))
     else:
         from server.engine_service import serve_engine
-        from tools.engine_args import engine_kwargs
+        from tools.engine_args import check_engine_kwargs, engine_kwargs
 
+        try:
+            # A bad model path, catalog or adapter is one line here, not a traceback
+            # from inside the engine's start.
+            kwargs = engine_kwargs(args)
+            check_engine_kwargs(args.role, kwargs)
+        except (ValueError, OSError) as e:
+            print(f"kvhandoff serve: {e}", file=sys.stderr)
+            return 2
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
-        asyncio.run(serve_engine(args.role, engine_kwargs(args), args.host, args.port,
-                                 metrics_port, tls))
+        asyncio.run(serve_engine(args.role, kwargs, args.host, args.port, metrics_port, tls))
     return 0
 
 

@@ -48,6 +48,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def check_engine_kwargs(role: str, kwargs: dict) -> None:
+    """What the engine would refuse at its start, checked before it starts: the settings
+    (``EngineConfig``), every catalog file and every adapter (read and hashed). Raises
+    ValueError or OSError naming the bad one."""
+    from connector.adapters import load_all
+    from engine.config import EngineConfig
+    from engine.vllm_engine import load_catalogs
+
+    config = EngineConfig(role=role, **kwargs)
+    load_catalogs(config)
+    load_all(config.adapters)
+
+
 def ucx_net_devices(flag: str | None, side_channel_host: str) -> str | None:
     """UCX_NET_DEVICES: as asked ("all": UCX's choice); by default loopback only when
     the side channel is on loopback (one host), else every interface."""

@@ -1,0 +1,29 @@
+"""``kvhandoff serve`` refuses a bad model path, catalog, adapter, certificate or key as
+one line naming it, exit code 2, no traceback, and starts nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags,says", [
+    (["--role", "decode", "--catalog", "shop"], "--catalog wants NAME=PATH, not 'shop'"),
+    (["--role", "decode", "--catalog", "shop=/no/such/file"], "/no/such/file"),
+    (["--role", "decode", "--model", "/no/such/model"], "not a model directory"),
+    (["--role", "prefill", "--adapter", "a=/no/such/adapter"], "adapter 'a'"),
+    (["--role", "prefill", "--tls-cert", "/no/cert.pem", "--tls-key", "/no/key.pem"],
+     "/no/cert.pem"),
+    (["--role", "router", "--prefill", "127.0.0.1:1", "--api-key", "k", "--operator-key", "k"],
+     "operator key must differ"),
+])
+def test_a_bad_flag_is_one_line_and_exit_2(flags, says) -> None:
+    done = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=240)
+    err = [line for line in done.stderr.splitlines() if "Triton" not in line]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and len(err) == 1, done.stderr[-2000:]
+    assert says in err[0] and err[0].startswith("kvhandoff serve: "), err
