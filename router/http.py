@@ -77,6 +77,7 @@ class HttpFront:
         app.post("/v1/completions")(self.completions)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
+        app.get("/ready")(self.ready)
         app.get("/metrics")(self.prometheus)
 
     @property
@@ -104,8 +105,22 @@ class HttpFront:
                "parent": self.model_name} for name in self.router.adapters())]})
 
     async def health(self) -> Response:
-        ok = any(ep.in_rotation for ep in self.router.prefill)
-        return Response(status_code=200 if ok else 503)
+        """Liveness: the router answers (its engines may be down: restarting the
+        router would not bring them back)."""
+        return Response(status_code=200)
+
+    async def ready(self) -> Response:
+        """Readiness: a P takes work, and a D too when the router has any configured
+        (else two-stage requests could only fail or wait); 503 names what is missing."""
+        missing = [role for role, eps in (("prefill", self.router.prefill),
+                                          ("decode", self.router.decode))
+                   if (eps or role == "prefill") and not any(ep.takes_work for ep in eps)]
+        if missing:
+            return JSONResponse(status_code=503, content={
+                "ready": False, "missing": missing,
+                "engines": {ep.address: ep.out_reason or ("drained" if ep.draining else "ok")
+                            for ep in (*self.router.prefill, *self.router.decode)}})
+        return JSONResponse({"ready": True})
 
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

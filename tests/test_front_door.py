@@ -307,3 +307,38 @@ def test_every_front_wants_the_key_and_operator_calls_the_operators(cluster, tmp
     finally:
         stop([router])
     assert_cluster_clean()
+
+
+def test_ready_means_a_p_and_a_d_take_work_and_health_means_the_router_answers(
+        cluster, tmp_path, assert_cluster_clean):
+    """``/ready``: 200 while a P and a D take work; with the only D drained, 503 naming
+    ``decode`` (two-stage requests could only wait or fail), and 200 again once the drain
+    is undone. ``/health`` (liveness) stays 200 throughout."""
+    import httpx
+
+    from kvhandoff.ports import free_port
+    from tools.client import RouterClient
+    from tools.launch import spawn, stop, wait_serving
+
+    http_port = free_port()
+    d = cluster["decode"][0].address
+    router = spawn("router", free_port(), [
+        "--prefill", cluster["prefill"].address, "--decode", d, "--no-warm-up",
+        "--http-port", str(http_port)], tmp_path)
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_serving(router.address, [router])
+        assert httpx.get(base + "/ready", timeout=10).json() == {"ready": True}
+        with RouterClient(router.address) as client:
+            assert client.drain(d, timeout_s=30).empty
+            try:
+                got = httpx.get(base + "/ready", timeout=10)
+                assert got.status_code == 503 and got.json()["missing"] == ["decode"], got.text
+                assert got.json()["engines"][d] == "drained"
+                assert httpx.get(base + "/health", timeout=10).status_code == 200
+            finally:
+                client.drain(d, undo=True)
+        assert httpx.get(base + "/ready", timeout=10).status_code == 200
+    finally:
+        stop([router])
+    assert_cluster_clean()
