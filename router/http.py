@@ -46,7 +46,7 @@ from kvhandoff.types import InvalidRequest
 from kvhandoff.v1 import common_pb2, router_pb2
 from router.api import RouterAPI
 from router.auth import CLIENT, OPERATOR
-from router.errors import RouterError
+from router.errors import RouterError, grpc_error
 from router.http_schema import (
     CompletionRequest,
     bad,
@@ -296,6 +296,16 @@ class HttpFront:
             req.beam.catalog = body.catalog
 
     async def _continuation(self, body: CompletionRequest, adapter: str) -> JSONResponse:
+        # ``model`` naming the base model means the base model: a parent that ran under
+        # an adapter continues only under that adapter (its KV is the adapter's), and an
+        # answer labelled with the base model would say what did not run.
+        record = self.router.parents.get(body.continuation_of or "")
+        if body.model and not adapter and record is not None and record.adapter:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"parent {record.parent_id!r} ran under adapter "
+                             f"{record.adapter!r}: continue it as model {record.adapter!r} "
+                             "(or leave model out to inherit it)")
+        adapter = adapter or (record.adapter if record is not None else "")
         req = router_pb2.ContinueRequest(parent_id=body.continuation_of,
                                          strict=body.continuation_strict,
                                          model="" if adapter else body.model or "",

@@ -99,7 +99,9 @@ def test_a_continuation_inherits_its_parents_adapter_and_may_not_name_another(
 def test_the_openai_front_reads_model_as_the_base_or_an_adapter(lora_cluster):
     """With OpenAI's own client: the adapters are listed as models whose parent is the
     base (as vLLM lists LoRA modules); ``model="a"`` runs stage 1 under a (its tokens
-    are the gRPC request's under a); an unknown model is a 400 that names them."""
+    are the gRPC request's under a), and its continuation named as the base model is
+    refused (412) while one that leaves model out runs under a, labelled so; an unknown
+    model is a 400 that names them."""
     import openai
 
     client = openai.OpenAI(base_url=lora_cluster["http"] + "/v1", api_key="unused",
@@ -110,6 +112,16 @@ def test_the_openai_front_reads_model_as_the_base_or_an_adapter(lora_cluster):
     out = client.completions.create(model="a", prompt=PROMPT, max_tokens=12,
                                     temperature=1.0, seed=7)
     assert out.model == "a"
+    # Its continuation: named as the base model, refused (it would run under a, labelled
+    # the base); with model left out, it inherits a and says so.
+    beams = {"continuation_of": out.id, "use_beam_search": True}
+    with pytest.raises(openai.APIStatusError) as base:
+        client.completions.create(model=models[0].id, prompt="", max_tokens=2, n=2,
+                                  extra_body=beams)
+    assert base.value.status_code == 412 and "adapter 'a'" in str(base.value), base.value
+    inherited = client.completions.create(model="", prompt="", max_tokens=2, n=2,
+                                          extra_body=beams)
+    assert inherited.model == "a" and len(inherited.choices) == 2
     with RouterClient(lora_cluster["router"]) as grpc_client:
         grpc_client.release_parent(out.id)
     ref = _generate(lora_cluster, "a", "colocated")
