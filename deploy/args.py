@@ -68,6 +68,9 @@ class EngineArgs(_Strict):
     #: node a replica may land on (``kvhandoff serve --adapter NAME=PATH``). P and D must
     #: serve the same files under a name: D refuses an import whose digest differs.
     adapters: dict[str, str] = {}
+    #: Catalogs beams may be kept in: name -> a file of items on every node, or
+    #: "builtin" (the built-in model's shop) (``kvhandoff serve --catalog NAME=PATH``).
+    catalogs: dict[str, str] = {}
 
     @model_validator(mode="after")
     def _block_size(self) -> EngineArgs:
@@ -97,7 +100,11 @@ class RoleArgs(_Strict):
 
 
 class RouterArgs(_Strict):
-    num_replicas: PositiveInt = 1
+    #: One: the parents a StartParent leaves for its continuations, and the running
+    #: requests Move and Drain act on, live in the replica that took them, and Serve's
+    #: proxy would send the next call to any replica (NOT_FOUND there). Several replicas
+    #: need a registry they share, which this deployment does not have yet.
+    num_replicas: int = Field(1, ge=1, le=1)
     num_cpus: float = Field(0.5, ge=0)
     #: Custom Ray resources per replica (see ``RoleArgs.resources``).
     resources: dict[str, float] = Field(default_factory=dict)
@@ -176,6 +183,11 @@ class AppArgs(_Strict):
                     f"router.max_beam_width {self.router.max_beam_width} needs "
                     f"{name}.engine.max_logprobs >= {2 * self.router.max_beam_width} "
                     f"(is {role.engine.max_logprobs})")
+        if self.router.max_beam_width > d.engine.max_num_seqs:
+            raise ValueError(
+                f"router.max_beam_width {self.router.max_beam_width} needs "
+                f"decode.engine.max_num_seqs >= {self.router.max_beam_width} (is "
+                f"{d.engine.max_num_seqs}): a search's beams run as one batch on D")
         p_pins, d_pins = _vllm_pins(p.runtime_env), _vllm_pins(d.runtime_env)
         if p_pins != d_pins:
             raise ValueError(f"P and D must run the same vLLM: prefill pins {sorted(p_pins)}, "
@@ -213,4 +225,6 @@ class AppArgs(_Strict):
             kw["fault_injection"] = True
         if e.adapters:
             kw["adapters"] = tuple(e.adapters.items())
+        if e.catalogs:
+            kw["catalogs"] = tuple(e.catalogs.items())  # "builtin" resolved per replica
         return kw

@@ -57,6 +57,12 @@ class EngineServer:
             # A fixed range: this replica's rank within its deployment picks its port.
             port = side_channel_port + serve.get_replica_context().rank.rank
         host = side_channel_host or _node_ip()
+        if engine_kwargs.get("catalogs"):
+            from kvhandoff.model import builtin_catalog
+
+            engine_kwargs = {**engine_kwargs, "catalogs": tuple(
+                (name, str(builtin_catalog(model_dir)) if path == "builtin" else path)
+                for name, path in engine_kwargs["catalogs"])}
         config = EngineConfig(model=model_dir, role=role, side_channel_host=host,
                               side_channel_port=port, **engine_kwargs)
         self.servicer = make_servicer(role, model_dir)

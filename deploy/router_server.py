@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from kvhandoff.model import resolve_model
 from kvhandoff.types import check_beam_width
 from kvhandoff.v1 import router_pb2
 from router import Endpoint, Router, RouterAPI, RouterConfig, RouterError
+from router.auth import API_KEY_ENV, CLIENT, OPERATOR, OPERATOR_KEY_ENV, Credentials
 from router.metrics import RouterMetrics
 
 logger = logging.getLogger("kvhandoff.deploy")
@@ -50,7 +52,10 @@ class RouterServer:
         self.router = Router(config, endpoints=(
             [Endpoint("serve:Prefill", HandleStub(prefill), None)],
             [Endpoint("serve:Decode", HandleStub(decode), None)]))
-        self.api = RouterAPI(self.router, RouterMetrics())
+        # The standalone router's keys (router.auth), from the replica's environment
+        # (the application's runtime_env env_vars), checked on the proxy's metadata.
+        self.api = RouterAPI(self.router, RouterMetrics(), Credentials(
+            os.environ.get(API_KEY_ENV) or None, os.environ.get(OPERATOR_KEY_ENV) or None))
         self.max_beam_width = max_beam_width
         self._prefill, self._decode = prefill, decode
         self._checked = False
@@ -76,6 +81,14 @@ class RouterServer:
         if missing:
             await self.router.refresh_capacity(missing)
 
+    def _authorize(self, grpc_context: Any, need: str) -> None:
+        """The caller's key, from the proxy's metadata (a call through a handle, with
+        no gRPC context, comes from inside the cluster)."""
+        if grpc_context is None:
+            return
+        metadata = dict(grpc_context.invocation_metadata() or ())
+        self.api.authorize(metadata.get("authorization"), need)
+
     def _fail(self, grpc_context: Any, exc: BaseException) -> None:
         """Set the status the standalone router would send, then raise RequestFailed
         (a CancelledError stays one: the client went away)."""
@@ -99,6 +112,7 @@ class RouterServer:
     async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:
         try:
+            self._authorize(grpc_context, OPERATOR if request.fault else CLIENT)
             async with contextlib.aclosing(self._events(request)) as events:
                 async for event in events:
                     if event.HasField("result"):
@@ -110,6 +124,7 @@ class RouterServer:
     async def GenerateStream(self, request: router_pb2.GenerateRequest,  # noqa: N802
                              grpc_context: Any = None):
         try:
+            self._authorize(grpc_context, OPERATOR if request.fault else CLIENT)
             async with contextlib.aclosing(self._events(request)) as events:
                 async for event in events:
                     yield event
@@ -119,6 +134,7 @@ class RouterServer:
     async def StartParent(self, request: router_pb2.ParentRequest,  # noqa: N802
                           grpc_context: Any = None):
         try:
+            self._authorize(grpc_context, CLIENT)
             # Every engine: without a D's snapshot the parent would not be held.
             await self._ready(ask=self.router.pool.endpoints)
             async with contextlib.aclosing(
@@ -128,9 +144,14 @@ class RouterServer:
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
 
-    async def _unary(self, grpc_context: Any, call: Any) -> Any:
-        """Await ``call`` (a coroutine of the API) as one unary RPC: its answer, or the
-        standalone router's status through ``_fail``."""
+    async def _unary(self, grpc_context: Any, call: Any, need: str) -> Any:
+        """Await ``call`` (a coroutine of the API) as one unary RPC for a caller granted
+        ``need``: its answer, or the standalone router's status through ``_fail``."""
+        try:
+            self._authorize(grpc_context, need)
+        except RouterError as e:
+            call.close()  # never started
+            self._fail(grpc_context, e)
         try:
             return await call
         except (Exception, asyncio.CancelledError) as e:
@@ -144,19 +165,20 @@ class RouterServer:
 
     async def Continue(self, request: router_pb2.ContinueRequest,  # noqa: N802
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:
-        return await self._unary(grpc_context, self._continue(request))
+        return await self._unary(grpc_context, self._continue(request),
+                                 OPERATOR if request.fault else CLIENT)
 
     async def ReleaseParent(self, request: router_pb2.ReleaseParentRequest,  # noqa: N802
                             grpc_context: Any = None) -> router_pb2.ReleaseParentResponse:
-        return await self._unary(grpc_context, self.api.release_parent(request))
+        return await self._unary(grpc_context, self.api.release_parent(request), OPERATOR)
 
     async def Move(self, request: router_pb2.MoveRequest,  # noqa: N802
                    grpc_context: Any = None) -> router_pb2.MoveResponse:
-        return await self._unary(grpc_context, self.api.move(request))
+        return await self._unary(grpc_context, self.api.move(request), OPERATOR)
 
     async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
                     grpc_context: Any = None) -> router_pb2.DrainResponse:
-        return await self._unary(grpc_context, self.api.drain(request))
+        return await self._unary(grpc_context, self.api.drain(request), OPERATOR)
 
     async def check_health(self) -> None:
         endpoints = self.router.pool.endpoints

@@ -24,6 +24,10 @@ from router.errors import RouterError
 
 CLIENT = "client"
 OPERATOR = "operator"
+#: Where a router (``kvhandoff serve --role router``, the Serve deployment) and the
+#: clients take the keys from when no flag names them.
+API_KEY_ENV = "KVHANDOFF_API_KEY"
+OPERATOR_KEY_ENV = "KVHANDOFF_OPERATOR_KEY"
 
 
 @dataclass(frozen=True)

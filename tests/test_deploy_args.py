@@ -39,6 +39,13 @@ def test_shipped_configs_validate_and_build(name):
       "decode": {"runtime_env": {"pip": ["vllm==0.31.0"]}}}, "same vLLM"),
     ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas"),
     ({"prefill": {"engine": {"kv_cache_gb": 3}}}, "Extra inputs are not permitted"),
+    # A search's beams run as one batch on D (issue 46: 512 beside 128 was accepted).
+    ({"router": {"max_beam_width": 512}, "decode": {"engine": {"max_num_seqs": 128,
+                                                                "max_logprobs": 1024}},
+      "prefill": {"engine": {"max_logprobs": 1024}}},
+     "needs decode.engine.max_num_seqs >= 512"),
+    # Parents and running requests live in the replica that took them.
+    ({"router": {"num_replicas": 2}}, "less than or equal to 1"),
 ])
 def test_bad_args_are_refused_with_the_reason(args, message):
     with pytest.raises(ValidationError, match=message):
@@ -113,3 +120,13 @@ def test_adapters_go_to_the_engines_of_their_role():
     assert args.engine_kwargs(args.prefill)["adapters"] == (("a", "/models/lora-a"),)
     plain = AppArgs.model_validate({"device": "cpu"})
     assert "adapters" not in plain.engine_kwargs(plain.decode)  # LoRA stays off
+
+
+def test_catalogs_go_to_the_engines_of_their_role():
+    """``engine.catalogs`` (as ``kvhandoff serve --catalog``): EngineConfig's, per role;
+    "builtin" is resolved on the replica (tests/test_ray_serve.py runs one)."""
+    a = AppArgs.model_validate({"device": "cpu", "decode": {"engine": {
+        "catalogs": {"shop": "builtin", "other": "/data/other.txt"}}}})
+    assert a.engine_kwargs(a.decode)["catalogs"] == (("shop", "builtin"),
+                                                     ("other", "/data/other.txt"))
+    assert "catalogs" not in a.engine_kwargs(a.prefill)

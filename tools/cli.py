@@ -11,11 +11,7 @@ from typing import Any
 
 from connector.faults import FAULTS
 from connector.logs import LEVEL_ENV
-
-#: Where ``kvhandoff serve --role router`` and the clients take their keys from when no
-#: flag names them (``router.auth``).
-API_KEY_ENV = "KVHANDOFF_API_KEY"
-OPERATOR_KEY_ENV = "KVHANDOFF_OPERATOR_KEY"
+from router.auth import API_KEY_ENV, OPERATOR_KEY_ENV
 
 
 # Each subcommand imports what it runs inside its function: ``kvhandoff client`` and the
