@@ -27,6 +27,9 @@ FLOOD = 6 * LIMIT
 #: A refusal answers at once; on 2 busy cores "at once" is within this (3.0 s held on a
 #: quiet machine; a fresh-clone run saw 3.01 s while the other lane ran engines).
 REFUSAL_S = 5.0
+#: The guarded router also wants a client key (router.auth): the flood carries it, and
+#: the guard still bounds what runs.
+FLOOD_KEY = "flood-key"
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,8 @@ def _started():
 @pytest.fixture
 def flood_routers(cluster, tmp_path_factory, _started):
     """Two routers with HTTP fronts over the cluster's P and D, started once for the
-    module: ``guarded`` (``--max-inflight 4``) and ``open`` (a limit no flood reaches:
-    the control)."""
+    module: ``guarded`` (``--max-inflight 4``, ``--api-key``) and ``open`` (no key, a
+    limit no flood reaches: the control)."""
     from kvhandoff.ports import free_port
     from tools.launch import spawn, wait_serving
 
@@ -52,10 +55,11 @@ def flood_routers(cluster, tmp_path_factory, _started):
         engines = ["--prefill", cluster["prefill"].address,
                    "--decode", ",".join(d.address for d in cluster["decode"]),
                    "--no-warm-up", "--parent-hold-s", "10"]
-        for name, limit in (("guarded", LIMIT), ("open", 100_000)):
+        for name, limit, key in (("guarded", LIMIT, ["--api-key", FLOOD_KEY]),
+                                 ("open", 100_000, [])):
             http = free_port()
             _started[name] = (spawn("router", free_port(), [
-                *engines, "--max-inflight", str(limit), "--http-port", str(http)],
+                *engines, "--max-inflight", str(limit), "--http-port", str(http), *key],
                 log_dir, f"router-{name}"), f"http://127.0.0.1:{http}")
         routers = [r for r, _ in _started.values()]
         for r in routers:
@@ -63,8 +67,14 @@ def flood_routers(cluster, tmp_path_factory, _started):
     return _started
 
 
-def _parents(address: str, n: int) -> list[str]:
+def _key_of(router) -> str | None:
+    return FLOOD_KEY if "--api-key" in router.proc.args else None
+
+
+def _parents(address: str, n: int, key: str | None = None) -> list[str]:
     """``n`` parents (StartParent) on the router at ``address``, for continuations."""
+    from tools.client import bearer
+
     ids = []
     with grpc.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
@@ -72,17 +82,22 @@ def _parents(address: str, n: int) -> list[str]:
             req = router_pb2.ParentRequest()
             req.prompt_token_ids.ids.extend(range(300 + i, 360 + i))
             req.stage1.max_tokens, req.stage1.seed = 8, i
-            events = list(stub.StartParent(req, timeout=120))
+            events = list(stub.StartParent(req, timeout=120, metadata=bearer(key)))
             ids.append(events[-1].parent.parent_id)
     return ids
 
 
 def _flood(front: str, router, base_url: str) -> list:
-    parents = _parents(router.address, 2)
+    from tools.client import bearer
+
+    key = _key_of(router)
+    parents = _parents(router.address, 2, key)
     if front == "http":
-        return http_flood(base_url, FLOOD, parents)
+        return http_flood(base_url, FLOOD, parents,
+                          headers={"authorization": f"Bearer {key}"} if key else None)
     with grpc.insecure_channel(router.address) as channel:
-        return grpc_flood(router_pb2_grpc.RouterStub(channel), FLOOD, parents)
+        return grpc_flood(router_pb2_grpc.RouterStub(channel), FLOOD, parents,
+                          metadata=bearer(key))
 
 
 def _inflight(router) -> float:
@@ -100,13 +115,15 @@ def _served_after(router, base_url: str) -> None:
 
     from tools.client import RouterClient, make_request
 
-    with RouterClient(router.address) as client:
+    key = _key_of(router)
+    with RouterClient(router.address, key=key) as client:
         resp = client.generate(make_request(prompt=list(range(50, 110)), max_tokens=8,
                                             seed=1, beam_width=2, beam_tokens=2,
                                             path="handoff"))
         assert resp.beams and resp.stats.num_imported_tokens > 0
     got = httpx.post(base_url + "/v1/completions", json={
-        "prompt": list(range(50, 110)), "max_tokens": 8, "seed": 1}, timeout=120)
+        "prompt": list(range(50, 110)), "max_tokens": 8, "seed": 1}, timeout=120,
+        headers={"authorization": f"Bearer {key}"} if key else None)
     assert got.status_code == 200 and got.json()["choices"][0]["token_ids"]
 
 
