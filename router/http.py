@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -41,7 +40,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from kvhandoff.tls import ServerTLS
 from kvhandoff.types import InvalidRequest
 from kvhandoff.v1 import common_pb2, router_pb2
 from router.api import RouterAPI
@@ -382,29 +380,3 @@ async def _cancel_on_disconnect(work: Awaitable[Any], request: Request) -> Any:
         logger.info("client disconnected: request cancelled")
         return error_response(grpc.StatusCode.CANCELLED, "client disconnected")
     return task.result()
-
-
-async def serve_http(api: RouterAPI, host: str, port: int, tls: ServerTLS | None = None):
-    """Start the HTTP front on this loop (HTTPS with ``tls``, the gRPC server's
-    certificate; its client CA, if any, makes client certificates required); returns
-    (uvicorn server, task, bound port)."""
-    import uvicorn
-
-    front = HttpFront(api)
-    ssl_args: dict[str, Any] = {}
-    if tls is not None:
-        ssl_args = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
-        if tls.client_ca:
-            ssl_args.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-    config = uvicorn.Config(front.app, host=host, port=port, log_level="warning",
-                            lifespan="off", timeout_graceful_shutdown=2, **ssl_args)
-    server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # the router handles SIGTERM/SIGINT
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()  # raises why it could not start (e.g. the port is taken)
-            raise RuntimeError("the HTTP front stopped before it started")
-        await asyncio.sleep(0.02)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    return server, task, bound

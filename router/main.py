@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
+from typing import Any
 
 from kvhandoff.tls import ServerTLS
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
@@ -15,10 +17,36 @@ from router.api import RouterAPI
 from router.auth import Credentials
 from router.config import RouterConfig
 from router.core import Router
-from router.http import serve_http
+from router.http import HttpFront
 from router.metrics import RouterMetrics
 from router.service import RouterServicer
 from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal, watch_loop_lag
+
+
+async def serve_http(api: RouterAPI, host: str, port: int, tls: ServerTLS | None = None):
+    """Start the HTTP front on this loop (HTTPS with ``tls``, the gRPC server's
+    certificate; its client CA, if any, makes client certificates required); returns
+    (uvicorn server, task, bound port)."""
+    import uvicorn
+
+    front = HttpFront(api)
+    ssl_args: dict[str, Any] = {}
+    if tls is not None:
+        ssl_args = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+        if tls.client_ca:
+            ssl_args.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    config = uvicorn.Config(front.app, host=host, port=port, log_level="warning",
+                            lifespan="off", timeout_graceful_shutdown=2, **ssl_args)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # the router handles SIGTERM/SIGINT
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises why it could not start (e.g. the port is taken)
+            raise RuntimeError("the HTTP front stopped before it started")
+        await asyncio.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return server, task, bound
 
 
 async def _wait_for_engines(router: Router) -> None:

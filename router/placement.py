@@ -119,6 +119,14 @@ def check_adapter(adapter: str, live: Sequence[Any], role: str) -> None:
     _check_named("adapter", adapter, live, role, adapters_of)
 
 
+def check_servable(catalog: str | None, adapter: str, live: Sequence[Any], role: str) -> None:
+    """NOT_FOUND unless some engine in rotation has ``catalog``, some serves ``adapter``,
+    and one does both."""
+    check_catalog(catalog, live, role)
+    check_adapter(adapter, live, role)
+    check_catalog_with_adapter(catalog, adapter, live, role)
+
+
 def check_catalog_with_adapter(catalog: str | None, adapter: str, live: Sequence[Any],
                                role: str) -> None:
     """NOT_FOUND when engines in rotation have ``catalog`` and ``adapter`` but none has

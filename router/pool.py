@@ -43,12 +43,7 @@ from router.errors import (
     no_room_in_time,
     none_in_rotation,
 )
-from router.placement import (
-    catalog_widths,
-    check_adapter,
-    check_catalog,
-    check_catalog_with_adapter,
-)
+from router.placement import catalog_widths, check_servable
 
 logger = logging.getLogger(__name__)
 
@@ -280,8 +275,7 @@ class EnginePool:
             changed = self._changed
             candidates = [ep for ep in self.prefill if ep is not exclude]
             live = [ep for ep in candidates if ep.takes_work]
-            check_catalog(catalog, live, "prefill")
-            check_adapter(adapter, live, "prefill")
+            check_servable(catalog, adapter, live, "prefill")
             chosen = picker.pick(live)
             if chosen is not None:
                 self.observer.placed("prefill", chosen.address,
@@ -353,9 +347,7 @@ class EnginePool:
                 live = [ep for ep in decode if usable(ep)]
                 if not live:
                     self._raise_unless_answered_lately(decode, "decode")
-                check_catalog(beam.catalog, live, "decode")
-                check_adapter(adapter, live, "decode")
-                check_catalog_with_adapter(beam.catalog, adapter, live, "decode")
+                check_servable(beam.catalog, adapter, live, "decode")
                 holding = [ep for ep in live if can_hold(ep)]
                 if live and not holding:
                     # The largest of those that could run it (the catalog's and the
