@@ -6,6 +6,7 @@ restarts and stops the feeds as the engines' capacity snapshots name their endpo
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -239,18 +240,21 @@ class EventFeed:
         self.index.clear()
 
 
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+def _network_address(host: str) -> bool:
+    """An IP address literal other than loopback (a hostname cannot be told apart)."""
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def reachable(address: str, endpoint: str) -> bool:
     """Whether the events ``endpoint`` an engine at ``address`` names can be this
     router's: an engine publishes on loopback unless told otherwise (its events carry
-    prompts' token ids), and an engine reached over the network then has its events on
-    its own host, not this one's loopback. Those engines are placed by load."""
-    engine_host = address.rsplit(":", 1)[0]
+    prompts' token ids), and an engine reached at a network address then has them on its
+    own host's loopback, not this one's. Those engines are placed by load."""
     events_host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
-    return not _is_loopback(events_host) or _is_loopback(engine_host)
+    return _network_address(events_host) or not _network_address(address.rsplit(":", 1)[0])
 
 
 # ---- the router's view of every engine -----------------------------------------------

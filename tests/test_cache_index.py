@@ -334,3 +334,4 @@ def test_events_on_an_engines_loopback_are_not_read_from_another_host() -> None:
     assert reachable("localhost:5000", "tcp://127.0.0.1:6000")
     assert not reachable("10.213.7.1:5000", "tcp://127.0.0.1:6000")
     assert reachable("10.213.7.1:5000", "tcp://10.213.7.1:6000")  # --kv-events HOST
+    assert reachable("p", "tcp://127.0.0.1:6000")  # a name: cannot tell, follow it
