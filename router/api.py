@@ -39,6 +39,9 @@ class Admission:
         self.inflight = 0
         #: The most requests admitted at once since the start (or ``reset_peak``).
         self.peak = 0
+        #: Running now and the most at once, per front.
+        self._by_front: dict[str, int] = {}
+        self._front_peak: dict[str, int] = {}
 
     def reset_peak(self) -> None:
         self.peak = self.inflight
@@ -54,12 +57,17 @@ class Admission:
         if self.inflight > self.peak:
             self.peak = self.inflight
             self.metrics.inflight_peak.set(self.peak)
+        self._by_front[front] = self._by_front.get(front, 0) + 1
+        if self._by_front[front] > self._front_peak.get(front, 0):
+            self._front_peak[front] = self._by_front[front]
+            self.metrics.front_inflight_peak.labels(front).set(self._by_front[front])
         gauge = self.metrics.inflight.labels(front)
         gauge.inc()
         try:
             yield
         finally:
             self.inflight -= 1
+            self._by_front[front] -= 1
             gauge.dec()
 
 

@@ -71,6 +71,10 @@ class RouterMetrics:
         self.inflight_peak = Gauge("kvhandoff_router_inflight_peak",
                                    "The most requests the router has run at once, all "
                                    "fronts together (never above --max-inflight)", registry=r)
+        self.front_inflight_peak = Gauge(
+            "kvhandoff_router_front_inflight_peak",
+            "The most requests that came in through one front and ran at once", ["front"],
+            registry=r)
         self.overhead_seconds = Histogram(
             "kvhandoff_router_overhead_seconds",
             "The router's own time per request (excluding waiting on the engines)",

@@ -177,8 +177,12 @@ def test_the_control_the_same_flood_without_the_guard_runs_past_the_limit(
             results = _flood(front, router, base_url)
         assert all(r.ok for r in results), [r for r in results if not r.ok]
         assert not [r for r in results if r.recomputed], results
-        # The in-flight gauge, sampled during this front's flood, passed the limit.
-        assert inflight.samples and inflight.peak > LIMIT, (inflight.samples, inflight.peak)
+        # More than the limit ran at once: the router's own high-water mark for this
+        # front (exact: sampling the gauge over HTTP caught only 2 of them once, on
+        # busy cores), never below what the sampled gauge saw.
+        peak = metric_sum(router.metrics_url, "kvhandoff_router_front_inflight_peak",
+                          front=front)
+        assert peak > LIMIT and inflight.peak <= peak, (peak, inflight.peak)
     assert _peak(router) > LIMIT
     assert_cluster_clean()
 
