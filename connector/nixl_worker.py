@@ -152,7 +152,12 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
     def get_transfer_results(self) -> Any:
         """Each step, after the forward pass: READs done (and failed), exports read, and
         the kept beam steps released (reported as sent, so the scheduler frees them)."""
-        return self._report_fork_releases(super().get_transfer_results())
+        results = super().get_transfer_results()
+        # A READ vLLM failed without posting it (its P marked invalid) ends here, not in
+        # _pop_done_transfers: its deadline goes with it.
+        for req_id in getattr(results, "finished_recving", None) or ():
+            self._read_deadlines.pop(req_id, None)
+        return self._report_fork_releases(results)
 
     def _inject_import_faults(self, done: set[str]) -> None:
         for req_id in done:
