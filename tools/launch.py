@@ -253,6 +253,24 @@ def rss_mib(server: ServerProcess) -> float:
     return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
 
 
+def rss_by_process_mib(server: ServerProcess) -> dict[str, float]:
+    """Resident memory of each of a server's processes, by ``name:pid`` (the server, its
+    engine core, any worker), and their unique set size (``uss``, not shared with
+    another process): which one grows, where ``rss_mib`` only says that one does."""
+    import psutil
+
+    proc = psutil.Process(server.proc.pid)
+    out = {}
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            info = p.memory_full_info()
+            out[f"{p.name()}:{p.pid}"] = round(info.rss / 2**20, 1)
+            out[f"{p.name()}:{p.pid}:uss"] = round(info.uss / 2**20, 1)
+        except psutil.Error:  # gone between the listing and the read
+            continue
+    return out
+
+
 def cpu_s(server: ServerProcess) -> float:
     """CPU seconds (user + system) a server and its live processes have used so far."""
     import psutil

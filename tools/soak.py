@@ -21,6 +21,7 @@ from tools.launch import (
     local_cluster,
     percentile,
     pool_state,
+    rss_by_process_mib,
     rss_mib,
     wait_pool_clean,
 )
@@ -99,6 +100,7 @@ def _record(n: int, done: Interval, processes: list[ServerProcess],
     return {
         "minute": n,
         "rss_mib": {s.role: round(rss_mib(s), 1) for s in processes},
+        "rss_by_process_mib": {s.role: rss_by_process_mib(s) for s in processes},
         "cpu_s": cpu,
         "cpu_ms_per_request": {role: round(1e3 * c / max(handled, 1), 2)
                                for role, c in cpu.items()},
