@@ -100,11 +100,10 @@ class RoleArgs(_Strict):
 
 
 class RouterArgs(_Strict):
-    #: One: the parents a StartParent leaves for its continuations, and the running
-    #: requests Move and Drain act on, live in the replica that took them, and Serve's
-    #: proxy would send the next call to any replica (NOT_FOUND there). Several replicas
-    #: need a registry they share, which this deployment does not have yet.
-    num_replicas: int = Field(1, ge=1, le=1)
+    #: Parents and running requests live in the replica that took them; Serve routes
+    #: each call naming one to the replica owning its id (deploy.affinity). Drain needs
+    #: one replica (rotation is per replica).
+    num_replicas: PositiveInt = 1
     num_cpus: float = Field(0.5, ge=0)
     #: Custom Ray resources per replica (see ``RoleArgs.resources``).
     resources: dict[str, float] = Field(default_factory=dict)

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from ray import serve
 
+from deploy.affinity import owned_id
 from deploy.handles import HandleStub
 from kvhandoff.model import resolve_model
 from kvhandoff.types import check_beam_width
@@ -36,9 +37,10 @@ class RequestFailed(Exception):
 @serve.deployment
 class RouterServer:
     """``kvhandoff.v1.Router`` behind Serve's gRPC proxy: same messages, semantics and
-    status codes as ``kvhandoff serve --role router``. The parent registry and the
-    running requests are this replica's: run one Router replica for continuations, moves
-    and drains (a call that lands on another gets NOT_FOUND)."""
+    status codes as ``kvhandoff serve --role router``. The parents this replica started
+    and the requests it runs are its own; with several replicas, Serve routes each call
+    that names one to its owner (``deploy.request_router.OwnerRouter``, by this replica's
+    rank in :meth:`record_routing_stats`), and the ids a replica makes are its own."""
 
     def __init__(self, prefill: Any, decode: Any, model: str, colocated_below_tokens: int = 0,
                  max_beam_width: int = 32, max_inflight: int = 256):
@@ -51,7 +53,8 @@ class RouterServer:
                               placement="load")
         self.router = Router(config, endpoints=(
             [Endpoint("serve:Prefill", HandleStub(prefill), None)],
-            [Endpoint("serve:Decode", HandleStub(decode), None)]))
+            [Endpoint("serve:Decode", HandleStub(decode), None)]),
+            new_id=lambda: owned_id(*self._rank()))
         # The standalone router's keys (router.auth), from the replica's environment
         # (the application's runtime_env env_vars), checked on the proxy's metadata.
         self.api = RouterAPI(self.router, RouterMetrics(), Credentials(
@@ -61,6 +64,18 @@ class RouterServer:
         self._checked = False
         #: The background warm-up, started by the first health check that finds P and D.
         self._warm_up: asyncio.Task | None = None
+
+    @staticmethod
+    def _rank() -> tuple[int, int]:
+        """This replica's rank and the deployment's replicas (read each time: Serve sets
+        them, and a scaled deployment changes the second)."""
+        context = serve.get_replica_context()
+        return context.rank.rank, context.world_size
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What OwnerRouter routes by (Serve polls it)."""
+        rank, world_size = self._rank()
+        return {"rank": rank, "world_size": world_size}
 
     async def _ready(self, beam_width: int | None = None,
                      ask: list[Endpoint] | None = None) -> None:
@@ -178,7 +193,18 @@ class RouterServer:
 
     async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
                     grpc_context: Any = None) -> router_pb2.DrainResponse:
-        return await self._unary(grpc_context, self.api.drain(request), OPERATOR)
+        return await self._unary(grpc_context, self._drain(request), OPERATOR)
+
+    async def _drain(self, request: router_pb2.DrainRequest) -> router_pb2.DrainResponse:
+        _, world_size = self._rank()
+        if world_size > 1:
+            # Rotation is each replica's own, and a call reaches one of them.
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"Drain takes an engine out of one router replica's rotation and this "
+                f"deployment runs {world_size}: drain engine replicas through Serve "
+                "(lower the role's num_replicas; a replica stops after finishing its "
+                "requests, within graceful_shutdown_timeout_s)"))
+        return await self.api.drain(request)
 
     async def check_health(self) -> None:
         endpoints = self.router.pool.endpoints
@@ -189,21 +215,28 @@ class RouterServer:
             # sets up the NIXL connection between the P and D replicas Serve picks for it.
             self._warm_up = asyncio.create_task(self.router.warm_up())
 
-    async def warm_up_outcome(self) -> dict[str, str] | None:
+    # The operator's per-replica calls, through a deployment handle: ``rank`` picks the
+    # replica (OwnerRouter routes by it; unused here).
+
+    async def warm_up_outcome(self, rank: int | None = None) -> dict[str, str] | None:
         """What the background warm-up did (None while it has not finished)."""
         if self._warm_up is None or not self._warm_up.done():
             return None
         return self._warm_up.result()
 
-    def inflight(self) -> tuple[int, int]:
+    def inflight(self, rank: int | None = None) -> tuple[int, int]:
         """Requests this replica runs now, and the most it has run at once since the
         start or the last ``set_max_inflight``."""
         return self.api.inflight, self.api.admission.peak
 
-    def set_max_inflight(self, limit: int | None) -> None:
+    def set_max_inflight(self, limit: int | None, rank: int | None = None) -> None:
         """Change this replica's ``max_inflight`` while it serves; None turns the guard
         off (the flood test's control: what the guard prevents)."""
         if limit is not None and limit < 1:
             raise ValueError("max_inflight must be positive (None: no limit)")
         self.api.admission.limit = limit
         self.api.admission.reset_peak()
+
+    def parent_ids(self, rank: int | None = None) -> list[str]:
+        """The parents in this replica's registry."""
+        return self.router.parents.ids()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import BeamParams, InvalidRequest
@@ -39,10 +39,14 @@ from router.warmup import WarmUp
 
 class Router:
     def __init__(self, config: RouterConfig,
-                 endpoints: tuple[list[Endpoint], list[Endpoint]] | None = None):
+                 endpoints: tuple[list[Endpoint], list[Endpoint]] | None = None,
+                 new_id: Callable[[], str] | None = None):
         """``endpoints`` (P, D) replace gRPC channels to ``config``'s addresses (the Ray
-        Serve router passes deployment handles)."""
+        Serve router passes deployment handles). ``new_id`` makes the ids of requests
+        that name none (Serve's router replicas make ids they own)."""
         self.config = config
+        self._ids = itertools.count()
+        self.new_id = new_id or (lambda: f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}")
         self.tokens = ModelTokens.load(config.model)
         prefill, decode = endpoints if endpoints is not None else connect(config)
         self.pool = EnginePool(config, prefill, decode)
@@ -54,7 +58,6 @@ class Router:
         self.continuations = Continuations(config, self.tokens, self.pool, self.parents,
                                            self.stages, self.executor)
         self.warmup = WarmUp(self.tokens, self.pool, self.stages, self.executor)
-        self._ids = itertools.count()
 
     @property
     def prefill(self) -> list[Endpoint]:
@@ -98,7 +101,7 @@ class Router:
             prefill_capacity=next((ep.capacity for ep in self.prefill if ep.capacity), None),
             has_decode=bool(self.decode),
             colocated_below_tokens=self.config.colocated_below_tokens,
-            new_id=lambda: f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+            new_id=self.new_id,
             positional=self.config.positional_sampling)
 
     def run(self, plan: Plan) -> Items:

@@ -174,6 +174,10 @@ class ParentRegistry:
             logger.info("parent %s evicted (least recently used of %d)", old_id,
                         self.max_parents)
 
+    def ids(self) -> list[str]:
+        self.sweep()
+        return list(self._records)
+
     def get(self, parent_id: str) -> ParentRecord | None:
         self.sweep()
         record = self._records.get(parent_id)

@@ -44,8 +44,7 @@ def test_shipped_configs_validate_and_build(name):
                                                                 "max_logprobs": 1024}},
       "prefill": {"engine": {"max_logprobs": 1024}}},
      "needs decode.engine.max_num_seqs >= 512"),
-    # Parents and running requests live in the replica that took them.
-    ({"router": {"num_replicas": 2}}, "less than or equal to 1"),
+    ({"router": {"num_replicas": 0}}, "greater than 0"),
 ])
 def test_bad_args_are_refused_with_the_reason(args, message):
     with pytest.raises(ValidationError, match=message):

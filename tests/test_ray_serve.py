@@ -4,11 +4,15 @@ standalone router's answers; a killed D replica is replaced and serving goes on.
 
 from __future__ import annotations
 
+import itertools
 import time
+from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
+from deploy.affinity import owner
 from kvhandoff.ports import free_port
 from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from tests.utils import RACED, assert_handed_off, assert_identical, in_this_netns, move_or_raced
@@ -17,6 +21,9 @@ from tools.client import make_request
 pytestmark = [pytest.mark.ray, pytest.mark.engines]
 
 APP = "kvhandoff"
+#: The shipped GPU config's Router replicas (two): parents and requests live in one.
+ROUTERS = yaml.safe_load((Path(__file__).resolve().parents[1] / "deploy" / "config.yaml")
+                         .read_text())["applications"][0]["args"]["router"]["num_replicas"]
 #: Small pools, short lease: the built-in model on a 2-core machine.
 ARGS = {
     "model": "builtin",
@@ -28,7 +35,7 @@ ARGS = {
     # As small as vLLM allows for 4096-token requests (136 blocks), like the cluster's D.
     "decode": {"num_cpus": 1, "engine": {"kv_cache_mib": 17, "max_model_len": 4096,
                                          "fault_injection": True}},
-    "router": {"num_cpus": 0.5},
+    "router": {"num_cpus": 0.5, "num_replicas": ROUTERS},
 }
 
 
@@ -339,10 +346,12 @@ def test_the_router_warms_up_its_pair_in_the_background(ray_app):
     that failed or ran past P's lease; "failed: ..." says why the handoff did not run)."""
     router = ray_app["serve"].get_deployment_handle("Router", app_name=APP)
     deadline = time.monotonic() + 120
-    while (outcome := router.warm_up_outcome.remote().result(timeout_s=30)) is None:
-        assert time.monotonic() < deadline, "the router did not warm up within 120 s"
-        time.sleep(1)
-    assert outcome == {"serve:Prefill -> serve:Decode": "imported"}, outcome
+    for rank in range(ROUTERS):
+        while (outcome := router.warm_up_outcome.remote(rank=rank).result(timeout_s=30)
+               ) is None:
+            assert time.monotonic() < deadline, f"router {rank} did not warm up in 120 s"
+            time.sleep(1)
+        assert outcome == {"serve:Prefill -> serve:Decode": "imported"}, (rank, outcome)
 
 
 def test_streaming_through_the_proxy(proxy, router_client):
@@ -455,6 +464,46 @@ def test_a_call_no_replica_takes_fails_unavailable_not_at_the_deadline(ray_app):
         assert 2 <= after_s < 10, (name, after_s)
 
 
+def test_parents_live_with_the_router_replica_owning_their_ids(ray_app, proxy):
+    """The shipped config's two Router replicas: parents whose ids each replica owns are
+    started, continued and released through the proxy, every call landing on the replica
+    that holds the parent (``OwnerRouter``). Each parent is in its owner's registry and
+    not the other's (where a Continue or Release would be NOT_FOUND, as the second
+    Release shows). Drain, whose rotation would be one replica's, is refused."""
+    assert ROUTERS == 2, "deploy/config.yaml runs two Router replicas"
+    router = ray_app["serve"].get_deployment_handle("Router", app_name=APP)
+    by_rank: dict[int, list[str]] = {0: [], 1: []}
+    for pid in (f"owned-parent-{i}" for i in itertools.count()):
+        if len(by_rank[owner(pid, 2)]) < 2:
+            by_rank[owner(pid, 2)].append(pid)
+        if all(len(ids) == 2 for ids in by_rank.values()):
+            break
+    for n, pid in enumerate(by_rank[0] + by_rank[1]):
+        req = router_pb2.ParentRequest(request_id=pid)
+        req.prompt_token_ids.ids.extend(range(700 + n, 760 + n))
+        req.stage1.max_tokens, req.stage1.seed = 8, n
+        *_, last = proxy.StartParent(req, metadata=METADATA, timeout=300)
+        assert last.parent.parent_id == pid and last.parent.held, last.parent
+    for rank, ids in by_rank.items():
+        held = set(router.parent_ids.remote(rank=rank).result(timeout_s=30))
+        assert set(ids) <= held and not held & set(by_rank[1 - rank]), (rank, held)
+    for pid in by_rank[0] + by_rank[1]:
+        cont = router_pb2.ContinueRequest(parent_id=pid)
+        cont.beam.beam_width, cont.beam.max_tokens = 2, 2
+        got = proxy.Continue(cont, metadata=METADATA, timeout=300)
+        assert got.parent_id == pid and len(got.beams) == 2 and not got.stats.recomputed
+        release = router_pb2.ReleaseParentRequest(parent_id=pid)
+        assert proxy.ReleaseParent(release, metadata=METADATA, timeout=60).hold_ended
+        with pytest.raises(grpc.RpcError) as e:
+            proxy.ReleaseParent(release, metadata=METADATA, timeout=60)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        proxy.Drain(router_pb2.DrainRequest(endpoint="serve:Decode"), metadata=METADATA,
+                    timeout=60)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+    assert "this deployment runs 2" in e.value.details()
+
+
 def test_a_killed_decode_replica_is_replaced(ray_app, proxy):
     """D's replica is killed: Serve notices and starts another (a new actor). The next
     handoff through the proxy lands on it, imports its whole parent from P (no recompute
@@ -503,10 +552,11 @@ def _pools_clean_through_handles(timeout_s: float) -> None:
 
 @pytest.mark.timeout(600)
 def test_a_flood_through_the_proxy_is_served_or_refused_at_once(ray_app, proxy):
-    """The Serve front has the standalone router's guard: with max_inflight 4, a flood of
-    16 mixed requests through Serve's gRPC proxy is served or refused RESOURCE_EXHAUSTED
-    at once, never more than 4 in flight on the router replica, the pools clean after.
-    The control: the same flood with the guard off runs more than 4 at once."""
+    """The Serve front has the standalone router's guard: with max_inflight 4 on each
+    Router replica, a flood of 16 mixed requests through Serve's gRPC proxy is served or
+    refused RESOURCE_EXHAUSTED at once, never more than 4 in flight on a replica, the
+    pools clean after. The control: the same flood with the guard off runs more than 4 at
+    once on a replica."""
     from ray import serve
 
     from tests.flood import grpc_flood
@@ -520,11 +570,16 @@ def test_a_flood_through_the_proxy_is_served_or_refused_at_once(ray_app, proxy):
         *_, last = proxy.StartParent(req, metadata=METADATA, timeout=300)
         parents.append(last.parent.parent_id)
 
+    def set_limit(limit: int | None) -> None:  # resets the peaks
+        for rank in range(ROUTERS):
+            router.set_max_inflight.remote(limit, rank=rank).result(timeout_s=30)
+
     def flood(limit: int | None):
-        """The flood's results and the most requests the replica ran at once."""
-        router.set_max_inflight.remote(limit).result(timeout_s=30)  # resets the peak
+        """The flood's results and the most requests a replica ran at once."""
+        set_limit(limit)
         results = grpc_flood(proxy, 16, parents, metadata=METADATA, timeout_s=300)
-        return results, router.inflight.remote().result(timeout_s=30)[1]
+        return results, max(router.inflight.remote(rank=rank).result(timeout_s=30)[1]
+                            for rank in range(ROUTERS))
 
     try:
         results, peak = flood(4)
@@ -540,8 +595,7 @@ def test_a_flood_through_the_proxy_is_served_or_refused_at_once(ray_app, proxy):
         assert not [r for r in results if r.recomputed], results
         assert peak > 4
     finally:
-        router.set_max_inflight.remote(ARGS["router"].get("max_inflight", 256)).result(
-            timeout_s=30)
+        set_limit(ARGS["router"].get("max_inflight", 256))
     resp = proxy.Generate(make_request(prompt=list(range(70, 130)), max_tokens=8, seed=2,
                                        beam_width=2, path="handoff"),
                           metadata=METADATA, timeout=300)
