@@ -16,7 +16,6 @@ from deploy.request_router import OwnerRouter
 from kvhandoff.v1 import router_pb2
 
 
-
 def _proxy_bytes(message) -> bytes:
     """What Serve's gRPC proxy passes a replica: its pickled gRPCRequest."""
     from ray.serve._private.proxy_request_response import gRPCRequest
