@@ -15,8 +15,11 @@ from tools.soak_verdict import Bounds, verdict
 #: that fit twice in the four minutes after the warm-up.
 BASELINE = 2
 CLEAN = {"prefill": True, "decode": True}
-ALL_CHECKS = ["throughput", "p99", "rss:prefill", "rss:decode", "rss:router", "pools",
+ALL_CHECKS = ["throughput", "p99", "rss:prefill", "rss:decode", "rss:router",
+              "rss_slope:prefill", "rss_slope:decode", "rss_slope:router", "pools",
               "errors", "recompute_share"]
+#: The RSS-change checks alone: a step at the last minute is also a steep slope.
+NO_SLOPE = Bounds(max_rss_slope_mib_h=1e9)
 
 
 def _soak(changes: dict[int, dict[str, Any]] | None = None, minutes: int = 6
@@ -92,19 +95,49 @@ def test_one_slow_minute_at_the_end_is_levelled_a_slow_end_is_not():
 
 
 def test_rss_growth_of_d_fails_naming_d():
-    v = verdict(_soak({6: {"rss_mib": {"decode": 2400.0 * 1.06}}}), BASELINE, CLEAN)
+    v = verdict(_soak({6: {"rss_mib": {"decode": 2400.0 * 1.06}}}), BASELINE, CLEAN, NO_SLOPE)
     assert v.failed == ["rss:decode"] and "+6.0%" in v.check("rss:decode").detail
+    assert verdict(_soak({6: {"rss_mib": {"decode": 2400.0 * 1.06}}}), BASELINE, CLEAN
+                   ).failed == ["rss:decode", "rss_slope:decode"]
 
 
 def test_rss_growth_of_the_router_fails_naming_the_router():
-    v = verdict(_soak({6: {"rss_mib": {"router": 530.0}}}), BASELINE, CLEAN)
+    v = verdict(_soak({6: {"rss_mib": {"router": 530.0}}}), BASELINE, CLEAN, NO_SLOPE)
     assert v.failed == ["rss:router"]
 
 
 def test_rss_growth_of_p_fails_but_growth_during_the_warm_up_does_not():
-    assert verdict(_soak({6: {"rss_mib": {"prefill": 2700.0}}}), BASELINE, CLEAN
+    assert verdict(_soak({6: {"rss_mib": {"prefill": 2700.0}}}), BASELINE, CLEAN, NO_SLOPE
                    ).failed == ["rss:prefill"]
     assert verdict(_soak({1: {"rss_mib": {"prefill": 1000.0}}}), BASELINE, CLEAN).ok
+
+
+def _growing(role: str, mib_per_minute: float, minutes: int = 30, start: int = 3,
+             base: float = 2400.0) -> dict[int, dict[str, Any]]:
+    """``role``'s RSS rising by ``mib_per_minute`` from minute ``start`` on."""
+    return {n: {"rss_mib": {role: base + mib_per_minute * max(0, n - start)}}
+            for n in range(1, minutes + 1)}
+
+
+def test_a_slope_over_the_bound_at_the_end_fails_naming_the_role():
+    """30 minutes, warm-up 3: D growing 1.5 MiB a minute (90 MiB/h) stays within +5% of
+    its RSS after the warm-up (2400 -> 2440.5: +1.7%) and fails on its slope alone; 0.9
+    MiB a minute (54 MiB/h) passes; a run that grew fast early (the warm-up's caches
+    filling) and is flat in its last third passes."""
+    v = verdict(_soak(_growing("decode", 1.5, start=3), minutes=30), 3, CLEAN)
+    assert v.failed == ["rss_slope:decode"], v.lines()
+    figures = v.check("rss_slope:decode").figures
+    assert figures["slope_mib_h"] == 90.0 and figures["minutes"] == list(range(22, 31))
+    assert verdict(_soak(_growing("decode", 0.9), minutes=30), 3, CLEAN).ok
+    early = {n: {"rss_mib": {"decode": 2400.0 + 5.0 * min(n, 18)}} for n in range(1, 31)}
+    v = verdict(_soak(early, minutes=30), 3, CLEAN, Bounds(max_rss_growth=0.05))
+    assert v.ok, v.lines()
+    # The interval sets the hour: the same records 6 s apart are 10x as steep.
+    assert verdict(_soak(_growing("router", 0.2, base=500.0), minutes=30), 3, CLEAN).ok
+    v = verdict(_soak(_growing("router", 0.2, base=500.0), minutes=30), 3, CLEAN,
+                interval_s=6.0)
+    assert v.failed == ["rss_slope:router"]
+    assert v.check("rss_slope:router").figures["slope_mib_h"] == 120.0
 
 
 def test_one_recomputed_handoff_fails_with_the_default_bound():
@@ -143,9 +176,13 @@ def test_a_change_of_exactly_the_bound_passes_and_a_little_more_fails():
     odd = {n: {"p99_s": 1.13} for n in range(1, 5)} | _after_baseline(p99_s=1.243)
     assert verdict(_soak(odd), BASELINE, CLEAN).ok
     # RSS: 5% up is at the limit.
-    assert verdict(_soak({6: {"rss_mib": {"decode": 2520.0}}}), BASELINE, CLEAN).ok
-    assert verdict(_soak({6: {"rss_mib": {"decode": 2520.1}}}), BASELINE, CLEAN
+    assert verdict(_soak({6: {"rss_mib": {"decode": 2520.0}}}), BASELINE, CLEAN, NO_SLOPE).ok
+    assert verdict(_soak({6: {"rss_mib": {"decode": 2520.1}}}), BASELINE, CLEAN, NO_SLOPE
                    ).failed == ["rss:decode"]
+    # Slope: 60 MiB/h (1 MiB a minute) is at the limit.
+    assert verdict(_soak(_growing("decode", 1.0), minutes=30), 3, CLEAN).ok
+    assert verdict(_soak(_growing("decode", 1.01), minutes=30), 3, CLEAN
+                   ).failed == ["rss_slope:decode"]
     # Recompute share: 6 of 6000 served is exactly 0.1%.
     loose = Bounds(max_recompute_share=0.001)
     assert verdict(_soak({4: {"recomputed": 6}}), BASELINE, CLEAN, loose).ok

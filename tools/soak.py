@@ -161,7 +161,7 @@ def run_soak(args: argparse.Namespace, bounds: Bounds) -> tuple[dict[str, Any], 
                 t.join(timeout=330)
         pools_end = _pools_end(engines)
     clean = {role: p["clean"] for role, p in pools_end.items()}
-    v = verdict(minutes, args.baseline_minutes, clean, bounds)
+    v = verdict(minutes, args.baseline_minutes, clean, bounds, args.interval_s)
     return {"minutes": minutes, "pools_end": pools_end, "pools_clean": all(clean.values()),
             "config": {"minutes": args.minutes, "interval_s": args.interval_s,
                        "concurrency": args.concurrency, "seed": args.seed,
@@ -202,8 +202,11 @@ def plot(result: dict[str, Any], path: str) -> None:
 def main_soak(args: argparse.Namespace) -> int:
     # Refused before the cluster starts, not after the minutes of load.
     try:
-        bounds = Bounds(args.max_throughput_drop, args.max_p99_rise, args.max_rss_growth,
-                        args.max_recompute_share, args.level_minutes)
+        bounds = Bounds(max_throughput_drop=args.max_throughput_drop,
+                        max_p99_rise=args.max_p99_rise, max_rss_growth=args.max_rss_growth,
+                        max_rss_slope_mib_h=args.max_rss_slope_mib_h,
+                        max_recompute_share=args.max_recompute_share,
+                        level_minutes=args.level_minutes)
         if not 1 <= args.baseline_minutes < args.minutes:
             raise ValueError(f"--baseline-minutes ({args.baseline_minutes}) must be at least "
                              f"1 and leave a minute after it within --minutes "
@@ -248,6 +251,9 @@ def add_soak_parser(sub: Any) -> None:
     soak.add_argument("--max-rss-growth", type=float, default=d.max_rss_growth,
                       help="largest RSS growth of P, D or the router after the baseline "
                            "(share)")
+    soak.add_argument("--max-rss-slope-mib-h", type=float, default=d.max_rss_slope_mib_h,
+                      help="largest RSS slope of P, D or the router over the last third "
+                           "of the run, after the warm-up (MiB an hour, least squares)")
     soak.add_argument("--max-recompute-share", type=float, default=d.max_recompute_share,
                       help="largest share of served requests whose handoff the router "
                            "recomputed (0: none may be)")

@@ -18,6 +18,11 @@ for two windows that do not overlap):
   have served something.
 - ``rss:<role>`` (prefill, decode, router, each its own check): RSS at the end at most
   ``(1 + max_rss_growth)`` times the sample after minute N.
+- ``rss_slope:<role>``: the least-squares slope of RSS over the last third of the minutes
+  after the warm-up (at least 3 of them), in MiB an hour (a minute lasts
+  ``interval_s``), at most ``max_rss_slope_mib_h``: a process still growing at the end
+  fails even when its growth since the warm-up is within ``max_rss_growth`` (a leak that
+  would pass a short run), and one that grew early and then levelled off passes.
 - ``pools``: every engine's pool clean once the load stopped.
 - ``errors``: no unintended error in the whole run, warm-up included.
 - ``recompute_share``: handoffs the router recomputed (its fallback when a handoff fails)
@@ -58,6 +63,8 @@ class Bounds:
     max_p99_rise: float = 0.10
     #: Largest growth of a process's RSS after the baseline that is not a leak.
     max_rss_growth: float = 0.05
+    #: Largest RSS slope (MiB an hour) of a process over the last third of the run.
+    max_rss_slope_mib_h: float = 60.0
     #: Largest share of served requests whose handoff the router recomputed.
     max_recompute_share: float = 0.0
     #: Minutes averaged into each level (reference and end) of throughput and p99.
@@ -72,7 +79,7 @@ class Bounds:
         if not 0.0 <= self.max_recompute_share <= 1.0:
             raise ValueError(f"max_recompute_share must be in [0, 1], "
                              f"not {self.max_recompute_share}")
-        for name in ("max_p99_rise", "max_rss_growth"):
+        for name in ("max_p99_rise", "max_rss_growth", "max_rss_slope_mib_h"):
             if getattr(self, name) < 0.0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
 
@@ -188,6 +195,25 @@ def _rss(role: str, base: Mapping[str, Any], end: Mapping[str, Any], bound: floa
                   "limit": limit})
 
 
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ``ys`` against ``xs``."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+            / sum((x - mx) ** 2 for x in xs))
+
+
+def _rss_slope(role: str, tail: Sequence[Mapping[str, Any]], interval_s: float,
+               bound: float) -> Check:
+    hours = [m["minute"] * interval_s / 3600 for m in tail]
+    slope = round(_slope(hours, [m["rss_mib"][role] for m in tail]), 1)
+    first, last = tail[0]["minute"], tail[-1]["minute"]
+    return Check(f"rss_slope:{role}", slope <= bound,
+                 f"{slope:+.1f} MiB/h over minutes {first}-{last} (least squares), bound "
+                 f"{bound:g} MiB/h",
+                 {"minutes": [m["minute"] for m in tail], "slope_mib_h": slope,
+                  "bound": bound, "interval_s": interval_s})
+
+
 def _pools(pools_clean: Mapping[str, bool]) -> Check:
     dirty = [role for role, clean in pools_clean.items() if not clean]
     detail = (f"not clean after the load: {', '.join(dirty)}" if dirty
@@ -216,11 +242,13 @@ def _recompute_share(minutes: Sequence[Mapping[str, Any]], bound: float) -> Chec
 
 
 def verdict(minutes: Sequence[Mapping[str, Any]], baseline_minutes: int,
-            pools_clean: Mapping[str, bool], bounds: Bounds | None = None) -> Verdict:
+            pools_clean: Mapping[str, bool], bounds: Bounds | None = None,
+            interval_s: float = 60.0) -> Verdict:
     """The verdict of a soak from its per-minute records, in order from minute 1, each
     with ``minute``, ``served``, ``p99_s``, ``errors`` (a list), ``recomputed`` (a count)
     and ``rss_mib`` (MiB by process role), and whether each engine's pool (by role) was
-    clean after the load. The module's docstring defines each check."""
+    clean after the load; a minute lasted ``interval_s``. The module's docstring defines
+    each check."""
     if baseline_minutes < 1:
         raise ValueError(f"baseline_minutes must be >= 1, not {baseline_minutes}")
     if len(minutes) <= baseline_minutes:
@@ -233,10 +261,13 @@ def verdict(minutes: Sequence[Mapping[str, Any]], baseline_minutes: int,
     after = minutes[baseline_minutes:]
     k = max(1, min(bounds.level_minutes, len(after) // 2))
     ref_window, end_window = after[:k], after[-k:]
+    tail = after[-max(3, -(-len(after) // 3)):]  # the last third, at least 3 minutes
     return Verdict((
         _throughput(ref_window, end_window, bounds.max_throughput_drop),
         _p99(ref_window, end_window, bounds.max_p99_rise),
         *(_rss(role, base, end, bounds.max_rss_growth) for role in base["rss_mib"]),
+        *(_rss_slope(role, tail, interval_s, bounds.max_rss_slope_mib_h)
+          for role in base["rss_mib"]),
         _pools(pools_clean),
         _errors(minutes),
         _recompute_share(minutes, bounds.max_recompute_share),
