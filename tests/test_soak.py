@@ -100,18 +100,20 @@ def test_a_short_soak_passes(tmp_path, model_dir):
     out = tmp_path / "soak.json"
     # Two 30 s intervals after the baseline cannot show a slowdown, and one 30 s p99 against
     # another is noisy: throughput and p99 are held loosely here; a slowdown is the long
-    # soak's to see. Errors, pools, RSS and recomputes are held to their defaults.
+    # soak's to see, as is an RSS slope (two 30 s points make an hour's slope of noise).
+    # Errors, pools, RSS growth and recomputes are held to their defaults.
     proc = subprocess.run(
         [sys.executable, "-m", "tools.cli", "soak", "--model", model_dir, "--minutes", "4",
          "--interval-s", "30", "--baseline-minutes", "2", "--max-throughput-drop", "0.5",
-         "--max-p99-rise", "1.0", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+         "--max-p99-rise", "1.0", "--max-rss-slope-mib-h", "1e9", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
         capture_output=True, text=True, timeout=800)
     print(proc.stdout)
     result = json.loads(out.read_text())
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
     assert result["verdict"]["ok"] and result["pools_clean"], result["verdict"]["failed"]
     names = [c["name"] for c in result["verdict"]["checks"]]
-    assert names == ["throughput", "p99", "rss:prefill", "rss:decode", "rss:router", "pools",
+    assert names == ["throughput", "p99", "rss:prefill", "rss:decode", "rss:router",
+                     "rss_slope:prefill", "rss_slope:decode", "rss_slope:router", "pools",
                      "errors", "recompute_share"], names
     kinds = {k.split(":")[0] for m in result["minutes"] for k in m["outcomes"]}
     assert kinds == {"unary", "stream", "cancel", "deadline", "bad"}, kinds

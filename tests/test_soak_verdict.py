@@ -132,6 +132,8 @@ def test_a_slope_over_the_bound_at_the_end_fails_naming_the_role():
     early = {n: {"rss_mib": {"decode": 2400.0 + 5.0 * min(n, 18)}} for n in range(1, 31)}
     v = verdict(_soak(early, minutes=30), 3, CLEAN, Bounds(max_rss_growth=0.05))
     assert v.ok, v.lines()
+    # One minute after the warm-up has no slope.
+    assert verdict(_soak(minutes=3), BASELINE, CLEAN).check("rss_slope:decode").ok
     # The interval sets the hour: the same records 6 s apart are 10x as steep.
     assert verdict(_soak(_growing("router", 0.2, base=500.0), minutes=30), 3, CLEAN).ok
     v = verdict(_soak(_growing("router", 0.2, base=500.0), minutes=30), 3, CLEAN,

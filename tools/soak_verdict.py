@@ -204,6 +204,9 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 def _rss_slope(role: str, tail: Sequence[Mapping[str, Any]], interval_s: float,
                bound: float) -> Check:
+    if len(tail) < 2:
+        return Check(f"rss_slope:{role}", True, "one minute after the warm-up: no slope "
+                     "to judge", {"minutes": [m["minute"] for m in tail], "bound": bound})
     hours = [m["minute"] * interval_s / 3600 for m in tail]
     slope = round(_slope(hours, [m["rss_mib"][role] for m in tail]), 1)
     first, last = tail[0]["minute"], tail[-1]["minute"]
