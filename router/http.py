@@ -88,6 +88,7 @@ class HttpFront:
         try:
             self.api.authorize(request.headers.get("authorization"), need)
         except RouterError as e:
+            self.api.failed(FRONT, e)  # counted as the gRPC front counts its refusals
             if e.code == grpc.StatusCode.UNAUTHENTICATED and need == CLIENT:
                 return unauthorized()
             return error_response(e.code, str(e))

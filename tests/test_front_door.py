@@ -231,7 +231,11 @@ def test_the_http_front_serves_https_and_wants_its_api_key(cluster, tmp_path,
         assert len(beams.choices) == 2
         assert beams.usage.prompt_tokens_details.model_extra["imported_tokens"] > 0
 
-        before = metric_sum(router.metrics_url, "kvhandoff_router_front_requests_total")
+        def counted(**labels) -> float:
+            return metric_sum(router.metrics_url, "kvhandoff_router_requests_total", **labels)
+
+        answered = counted(outcome="ok")
+        assert counted(code="UNAUTHENTICATED") == 0
         with pytest.raises(openai.AuthenticationError) as e:
             client("wrong-key").completions.create(model=model, prompt=[1, 2, 3], max_tokens=2)
         assert e.value.status_code == 401
@@ -241,8 +245,10 @@ def test_the_http_front_serves_https_and_wants_its_api_key(cluster, tmp_path,
                    if path.endswith("completions") else httpx.get(base + path, verify=ca_path))
             assert got.status_code == 401
             assert got.json()["error"]["code"] == "invalid_api_key"
-        # Refused before it reached the router's request API: nothing ran, nothing counted.
-        assert metric_sum(router.metrics_url, "kvhandoff_router_front_requests_total") == before
+        # Refused before it reached the router's request API: nothing ran; each refusal
+        # counted, as the gRPC front counts its own.
+        assert counted(outcome="ok") == answered
+        assert counted(code="UNAUTHENTICATED") == 3
         assert httpx.get(base + "/health", verify=ca_path).status_code == 200
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=5)
