@@ -50,6 +50,7 @@ from connector.handoff import (
 )
 from connector.signing import load_secret, verify
 from kvhandoff.budget import blocks_needed
+from kvhandoff.heap import Trimmer, start_from_env
 from kvhandoff.model import model_fingerprint
 from kvhandoff.types import HandoffError
 
@@ -94,6 +95,10 @@ class AdmissionScheduler(Scheduler):
         # Beam search inside the engine: the groups of beam slots (connector.beam_slots).
         self._slots = SlotGroups(self.block_size, self._reject, _block_hasher(self),
                                  hash_block_size=self.hash_block_size)
+        # The engine core's heap (kvhandoff.heap): free pages given back every few
+        # seconds of work; snapshots only when asked (a diagnostic).
+        self._trimmer = Trimmer()
+        start_from_env(f"{self.pool_name}-core")
 
     @property
     def num_total_blocks(self) -> int:
@@ -107,6 +112,7 @@ class AdmissionScheduler(Scheduler):
             self.add_request(clone)
 
     def schedule(self, *args: Any, **kwargs: Any):
+        self._trimmer.maybe_trim()
         self._admit_new_imports()
         self._slots.before_schedule(self)
         output = super().schedule(*args, **kwargs)

@@ -1,5 +1,14 @@
-"""Python heap snapshots of an engine's processes, for finding what grows (a diagnostic,
-off unless asked).
+"""An engine process's heap: returning glibc's free pages (:class:`Trimmer`, on by
+default), and Python heap snapshots for finding what grows (a diagnostic, off unless
+asked).
+
+``Trimmer``: glibc keeps the pages of freed chunks inside its main heap (brk) mapped, and
+an engine core's churn of differently sized buffers (tensors of each step's batch, event
+payloads, request records) leaves more of them behind over hours: resident, counted in
+RSS, never reused whole. ``malloc_trim(0)`` gives those pages back to the kernel
+(``madvise(MADV_DONTNEED)`` on free chunks); :meth:`Trimmer.maybe_trim`, called from the
+scheduler's step, runs it at most every ``KVHANDOFF_MALLOC_TRIM_S`` seconds (default 10;
+0 turns it off). It frees no live memory: a real leak still shows.
 
 With ``KVHANDOFF_HEAP_DIR`` set, :func:`start_from_env` (called by our scheduler, so in
 the engine-core process, and by the server) starts ``tracemalloc`` with
@@ -14,14 +23,45 @@ snapshot and the ``--from`` one.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import threading
+import time
 import tracemalloc
 from pathlib import Path
 
 ENV_DIR = "KVHANDOFF_HEAP_DIR"
+ENV_TRIM_S = "KVHANDOFF_MALLOC_TRIM_S"
 _started = False
+
+
+class Trimmer:
+    """``malloc_trim(0)`` at most every ``every_s`` seconds (glibc only; else never)."""
+
+    def __init__(self, every_s: float | None = None):
+        if every_s is None:
+            every_s = float(os.environ.get(ENV_TRIM_S, "10"))
+        self.every_s = every_s
+        self.trims = 0
+        self._next = time.monotonic() + every_s
+        self._trim = None
+        if every_s > 0:
+            try:
+                libc = ctypes.CDLL("libc.so.6")
+                self._trim = libc.malloc_trim
+                self._trim.argtypes, self._trim.restype = [ctypes.c_size_t], ctypes.c_int
+            except (OSError, AttributeError):  # not glibc: nothing to trim this way
+                self._trim = None
+
+    def maybe_trim(self) -> bool:
+        """Trim when the interval has passed; whether it did."""
+        if self._trim is None or time.monotonic() < self._next:
+            return False
+        self._trim(0)
+        self.trims += 1
+        self._next = time.monotonic() + self.every_s
+        return True
 
 
 def start_from_env(role: str) -> bool:

@@ -18,17 +18,12 @@ import logging
 
 from connector.admission import AdmissionScheduler
 from connector.signing import TARGET_KEY
-from kvhandoff.heap import start_from_env
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillScheduler(AdmissionScheduler):
     pool_name = "prefill"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        start_from_env("prefill-core")  # the engine core's heap, when asked (a diagnostic)
 
     def schedule(self, *args, **kwargs):
         connector = getattr(self.connector, "connector_scheduler", None)

@@ -123,3 +123,38 @@ def test_a_short_soak_passes(tmp_path, model_dir):
         assert set(m["cpu_s"]) == {"prefill", "decode", "router", "client"}, m["cpu_s"]
         assert all(c > 0 for c in m["cpu_s"].values()), m["cpu_s"]
         assert m["machine"]["yardstick_ms"] > 0 and m["machine"]["steal_s"] >= 0, m
+
+
+@pytest.mark.engines
+@pytest.mark.soak
+@pytest.mark.timeout(600)
+def test_a_soak_stopped_by_sigterm_leaves_no_server(tmp_path, model_dir):
+    """SIGTERM (as a job scheduler stops it) during the load: the soak exits 130 with no
+    verdict, and P, D and the router (each in its own session, so no signal reaches them
+    from a terminal) are stopped, not left running."""
+    import signal
+    import time
+
+    import psutil
+
+    log = tmp_path / "soak.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.cli", "soak", "--model", model_dir, "--minutes",
+             "100", "--interval-s", "5", "--baseline-minutes", "2", "--log-dir",
+             str(tmp_path / "logs")], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 400
+        while "minute 1:" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(1)
+        servers = psutil.Process(proc.pid).children(recursive=True)
+        assert len([p for p in servers if "serve" in " ".join(p.cmdline())]) == 3, servers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130, log.read_text()[-2000:]
+        assert "interrupted; servers stopped" in log.read_text()
+        gone, alive = psutil.wait_procs(servers, timeout=60)
+        assert not alive, [p.cmdline()[:4] for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

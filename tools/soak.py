@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -155,10 +156,15 @@ def run_soak(args: argparse.Namespace, bounds: Bounds) -> tuple[dict[str, Any], 
                       f"RSS MiB {record['rss_mib']}; CPU ms per request "
                       f"{record['cpu_ms_per_request']}; machine {record['machine']}; pools "
                       f"{ {r: p['used'] for r, p in record['pools'].items()} }", flush=True)
+        except KeyboardInterrupt:
+            # Ctrl-C or SIGTERM (main_soak): no verdict; the servers stop below, and the
+            # load's threads (daemons) are not waited for.
+            soak.stop.set()
+            raise
         finally:
             soak.stop.set()
             for t in threads:
-                t.join(timeout=330)
+                t.join(timeout=330 if not sys.exc_info()[0] else 5)
         pools_end = _pools_end(engines)
     clean = {role: p["clean"] for role, p in pools_end.items()}
     v = verdict(minutes, args.baseline_minutes, clean, bounds, args.interval_s)
@@ -214,7 +220,14 @@ def main_soak(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvhandoff soak: {e}", file=sys.stderr)
         return 2
-    result, v = run_soak(args, bounds)
+    # SIGTERM as Ctrl-C: the cluster's servers (their own sessions) are stopped, not
+    # left behind.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        result, v = run_soak(args, bounds)
+    except KeyboardInterrupt:
+        print("kvhandoff soak: interrupted; servers stopped, no verdict", file=sys.stderr)
+        return 130
     print(f"soak: {'PASS' if v.ok else 'FAIL'}"
           + (f" ({', '.join(v.failed)})" if v.failed else ""))
     for line in v.lines():
