@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from connector.adapters import ADAPTERS_KEY, Adapter, load_all, max_lora_rank
 from connector.catalog import CATALOGS_KEY
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
+from kvhandoff.ports import is_loopback
 from kvhandoff.types import MAX_BEAM_WIDTH
 
 if TYPE_CHECKING:
@@ -106,11 +107,13 @@ class EngineConfig:
     #: Off in every server; the harness turns it on for ``kvhandoff verify --inject``.
     fault_injection: bool = False
     #: Publish vLLM's KV-cache events for the router's placement (``engine.kv_events``,
-    #: ports picked at start) on ``kv_events_host``. They carry every prompt's token ids
-    #: over unauthenticated ZMQ: loopback unless asked, where only this host's processes
-    #: (a router beside the engine) read them; a router on another host places by load.
+    #: ports picked at start) on ``kv_events_host``. They carry every prompt's token ids:
+    #: loopback unless asked, where only this host's processes (a router beside the
+    #: engine) read them; on any other address only with ``kv_events_key_file``
+    #: (``kvhandoff.event_keys``: ZMQ CURVE, for routers holding the same file).
     kv_events: bool = True
     kv_events_host: str = "127.0.0.1"
+    kv_events_key_file: str | None = None
     #: Catalogs beams may be constrained to, (name, path) pairs (``connector.catalog``):
     #: loaded and checked at start by the front end and by each worker.
     catalogs: tuple[tuple[str, str], ...] = ()
@@ -140,6 +143,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_share must be in (0, 1): {self.gpu_share}")
         if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 0:
             raise ValueError("onednn_cache_capacity must be >= 0 (or None: oneDNN's default)")
+        if (self.kv_events and not self.kv_events_key_file
+                and not is_loopback(self.kv_events_host)):
+            raise ValueError(f"KV events on {self.kv_events_host} carry every prompt's "
+                             "token ids: give a key (--kv-events-key FILE, shared with the "
+                             "routers) or keep them on loopback")
         for what, pairs in (("catalog", self.catalogs), ("adapter", self.adapters)):
             names = [name for name, _ in pairs]
             if len(set(names)) != len(names) or not all(names):

@@ -23,6 +23,7 @@ from connector.faults import FAULTS
 from engine.config import EngineConfig, engine_env, environment
 from engine.kv_events import EventEndpoints, EventRelay
 from engine.stats import EngineCounters, PoolSnapshot, stats_logger_factory
+from kvhandoff.event_keys import EventKeys
 from kvhandoff.ports import check_listenable, free_port
 from kvhandoff.types import StageError
 
@@ -102,7 +103,9 @@ class VllmEngine:
         adapters = load_adapters(config.adapters)
         for a in adapters.values():
             logger.info("Adapter %r: rank %d, %s (%s)", a.name, a.rank, a.path, a.digest[:12])
-        events = (EventEndpoints.pick(engine_id, config.kv_events_host)
+        keys = (EventKeys.from_file(config.kv_events_key_file)
+                if config.kv_events and config.kv_events_key_file else None)
+        events = (EventEndpoints.pick(engine_id, config.kv_events_host, keyed=keys is not None)
                   if config.kv_events else None)
         env = engine_env(config, port)
         stats: dict[str, Any] = {}
@@ -123,7 +126,7 @@ class VllmEngine:
                 **kwargs,
             )
         if events is not None:
-            engine.kv_events, engine._relay = events, EventRelay(events)
+            engine.kv_events, engine._relay = events, EventRelay(events, keys)
         logger.info("Engine %s (%s) up in %.1fs, NIXL side channel %s:%d%s",
                     engine_id, config.role, time.perf_counter() - t0,
                     config.side_channel_host, port,

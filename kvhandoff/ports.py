@@ -103,3 +103,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost`` (any other name or
+    address may be reached from elsewhere)."""
+    import ipaddress
+
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

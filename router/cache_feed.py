@@ -9,8 +9,12 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from router.cache_index import BlockIndex, prefix_keys
+
+if TYPE_CHECKING:
+    from kvhandoff.event_keys import EventKeys
 
 #: vLLM's replay end marker (``ZmqEventPublisher.END_SEQ``).
 _END_SEQ = -1
@@ -91,9 +95,12 @@ class EventFeed:
     error) is logged, counted and started again; only a cancel ends :meth:`run`."""
 
     def __init__(self, name: str, endpoint: str, replay_endpoint: str, index: BlockIndex,
-                 logger: object | None = None, max_queued: int = 10_000):
+                 logger: object | None = None, max_queued: int = 10_000,
+                 keys: EventKeys | None = None):
         self.name, self.endpoint, self.replay_endpoint = name, endpoint, replay_endpoint
         self.index = index
+        #: The engine's events are CURVE (``kvhandoff.event_keys``): read with these.
+        self.keys = keys
         self.stats = FeedStats()
         self._next: int | None = None  # the sequence number expected next
         self._last_ts = float("-inf")  # the latest batch's time applied
@@ -142,6 +149,8 @@ class EventFeed:
         sub.setsockopt(zmq.RCVHWM, self.max_queued)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.connect(sub)
         sub.connect(self.endpoint)
         try:
             # What the engine stored before (or while) this feed did not listen.
@@ -204,6 +213,8 @@ class EventFeed:
         self.stats.replays += 1
         sock = ctx.socket(zmq.DEALER)  # type: ignore[attr-defined]
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.connect(sock)
         sock.connect(self.replay_endpoint)
         try:
             await sock.send_multipart((b"", start.to_bytes(8, "big")))
@@ -264,10 +275,14 @@ class EngineCaches:
     them, started again when they change (a restarted engine on new ports), stopped by
     :meth:`close`. ``index_factor``: blocks an index keeps, times the engine's pool."""
 
-    def __init__(self, logger: object | None = None, index_factor: int = 2):
+    def __init__(self, logger: object | None = None, index_factor: int = 2,
+                 keys: EventKeys | None = None):
         self._log = logger
         self._factor = index_factor
+        #: For engines whose events are CURVE (``Capacity.kv_events_curve``).
+        self._keys = keys
         self._feeds: dict[str, tuple[str, EventFeed, object]] = {}  # address -> feed
+        self._unkeyed: set[str] = set()  # engines whose CURVE events this cannot read
 
     def follow(self, address: str, capacity: object) -> None:
         """After a snapshot of the engine at ``address``."""
@@ -282,10 +297,17 @@ class EngineCaches:
             del self._feeds[address]
         if not endpoint or not reachable(address, endpoint):
             return
+        curve = bool(getattr(capacity, "kv_events_curve", False))
+        if curve and self._keys is None:
+            if address not in self._unkeyed and self._log is not None:
+                self._log.warning("KV events of %s are CURVE and this router has no "
+                                  "--kv-events-key: placed by load", address)
+            self._unkeyed.add(address)
+            return
         index = BlockIndex(capacity.block_size,  # type: ignore[attr-defined]
                            self._factor * max(capacity.num_total_blocks, 1))  # type: ignore[attr-defined]
         feed = EventFeed(address, endpoint, capacity.kv_events_replay_endpoint,  # type: ignore[attr-defined]
-                         index, self._log)
+                         index, self._log, keys=self._keys if curve else None)
         task = asyncio.get_running_loop().create_task(feed.run(), name=f"kv-events-{address}")
         self._feeds[address] = (endpoint, feed, task)
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvhandoff.tls import ChannelTLS
+
+if TYPE_CHECKING:
+    from kvhandoff.event_keys import EventKeys
 
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
 #: A held parent is imported only while P's lease has at least this long to run: D
@@ -66,6 +70,9 @@ class RouterConfig:
     #: events) against its queue (router.placement), and falls back to "load" (the
     #: queue and room alone) where an engine's events are not followed.
     placement: str = "cache"
+    #: The engines' KV-events secret (``kvhandoff.event_keys``) for engines that publish
+    #: CURVE events; None: those engines are placed by load.
+    kv_events_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.placement not in ("cache", "load"):
@@ -89,8 +96,15 @@ class RouterConfig:
                              "a parent is imported only while its hold has that long to run")
         if not 0 <= self.parent_pool_share <= 1:
             raise ValueError("parent_pool_share must be in [0, 1]")
+        if self.kv_events_key_file:
+            self.kv_events_keys()  # a missing or short file: ValueError naming it
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:
             raise ValueError(f"on_handoff_failure must be one of {HANDOFF_FAILURE_POLICIES}")
+
+    def kv_events_keys(self) -> EventKeys | None:
+        from kvhandoff.event_keys import EventKeys
+
+        return EventKeys.from_file(self.kv_events_key_file) if self.kv_events_key_file else None
 
     @property
     def recompute(self) -> bool:

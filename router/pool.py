@@ -92,7 +92,8 @@ class EnginePool:
         self._refreshing: dict[str, asyncio.Task] = {}
         #: What each engine's prefix cache holds, from its KV events (None: placement by
         #: load alone, ``RouterConfig.placement``).
-        self.caches = EngineCaches(logger) if config.placement == "cache" else None
+        self.caches = (EngineCaches(logger, keys=config.kv_events_keys())
+                       if config.placement == "cache" else None)
 
     @property
     def endpoints(self) -> list[Endpoint]:

@@ -224,6 +224,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                             for name, catalog in sorted(self.engine.catalogs.items())],
             kv_events_endpoint=events.endpoint if events else "",
             kv_events_replay_endpoint=events.replay_endpoint if events else "",
+            kv_events_curve=bool(events and events.keyed),
             adapters=[engine_pb2.AdapterInfo(name=a.name, digest=a.digest)
                       for _, a in sorted(self.engine.adapters.items())],
         )

@@ -94,10 +94,11 @@ def test_free_ports_are_not_handed_to_two_processes(monkeypatch):
     assert not theirs & ours
 
 
-def test_kv_events_stay_on_loopback_unless_asked(model_dir):
-    """KV events carry every prompt's token ids over unauthenticated ZMQ: an engine whose
-    side channel is on a network address still publishes them on loopback; ``serve
-    --kv-events off`` turns them off, ``--kv-events HOST`` exposes them on purpose."""
+def test_kv_events_stay_on_loopback_unless_asked(model_dir, tmp_path):
+    """KV events carry every prompt's token ids: an engine whose side channel is on a
+    network address still publishes them on loopback; ``serve --kv-events off`` turns
+    them off, ``--kv-events HOST`` exposes them on purpose, and only with a key (CURVE:
+    tests/test_kv_events_keys.py); without one it is refused naming the flag."""
     from tools.cli import build_parser
     from tools.engine_args import engine_kwargs
 
@@ -110,8 +111,14 @@ def test_kv_events_stay_on_loopback_unless_asked(model_dir):
     assert default.side_channel_host == "10.213.7.1"
     assert default.kv_events and default.kv_events_host == "127.0.0.1"
     assert not EngineConfig(role="decode", **kwargs("--kv-events", "off")).kv_events
-    exposed = EngineConfig(role="decode", **kwargs("--kv-events", "10.213.7.1"))
+    key = tmp_path / "events.key"
+    key.write_text("x" * 32)
+    exposed = EngineConfig(role="decode", **kwargs("--kv-events", "10.213.7.1",
+                                                   "--kv-events-key", str(key)))
     assert exposed.kv_events and exposed.kv_events_host == "10.213.7.1"
+    assert exposed.kv_events_key_file == str(key)
+    with pytest.raises(ValueError, match="--kv-events-key"):
+        EngineConfig(role="decode", **kwargs("--kv-events", "10.213.7.1"))
 
 
 def test_gpu_memory_share_from_the_environment(model_dir, monkeypatch):

@@ -17,7 +17,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               "nixl_progress_delay_us": max(0, args.nixl_progress_delay_us),
               "side_channel_host": args.side_channel_host,
               "handoff_secret_file": args.handoff_secret_file,
-              "kv_events": args.kv_events != "off"}
+              "kv_events": args.kv_events != "off",
+              "kv_events_key_file": args.kv_events_key}
     if args.kv_events not in ("off", "loopback"):
         kwargs["kv_events_host"] = args.kv_events
     if args.kv_cache_mib:
@@ -50,7 +51,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def check_engine_kwargs(role: str, kwargs: dict) -> None:
     """What the engine would refuse at its start, checked before it starts: the settings
-    (``EngineConfig``), every catalog file and every adapter (read and hashed). Raises
+    (``EngineConfig``), every catalog file and every adapter (read and hashed), the KV
+    events key. Raises
     ValueError or OSError naming the bad one."""
     from connector.adapters import load_all
     from engine.config import EngineConfig
@@ -59,6 +61,10 @@ def check_engine_kwargs(role: str, kwargs: dict) -> None:
     config = EngineConfig(role=role, **kwargs)
     load_catalogs(config)
     load_all(config.adapters)
+    if config.kv_events and config.kv_events_key_file:
+        from kvhandoff.event_keys import EventKeys
+
+        EventKeys.from_file(config.kv_events_key_file)
 
 
 def ucx_net_devices(flag: str | None, side_channel_host: str) -> str | None:

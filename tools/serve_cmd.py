@@ -38,25 +38,30 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"kvhandoff serve: {e}", file=sys.stderr)
             return 2
 
-        config = RouterConfig(
-            prefill=tuple(a for a in args.prefill.split(",") if a),
-            decode=tuple(a for a in (args.decode or "").split(",") if a),
-            model=str(resolve_model(args.model)),
-            colocated_below_tokens=args.colocated_below,
-            max_inflight=args.max_inflight,
-            decode_queue_limit=args.decode_queue_limit,
-            decode_wait_s=args.decode_wait_s,
-            engine_silence_s=args.engine_silence_s,
-            max_parents=args.max_parents,
-            parent_ttl_s=args.parent_ttl_s,
-            parent_pool_share=args.parent_pool_share,
-            parent_hold_s=args.parent_hold_s,
-            positional_sampling=args.sampling == "positional",
-            placement=args.placement,
-            on_handoff_failure=args.on_handoff_failure,
-            warm_up=not args.no_warm_up,
-            channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
-        )
+        try:
+            config = RouterConfig(
+                prefill=tuple(a for a in args.prefill.split(",") if a),
+                decode=tuple(a for a in (args.decode or "").split(",") if a),
+                model=str(resolve_model(args.model)),
+                colocated_below_tokens=args.colocated_below,
+                max_inflight=args.max_inflight,
+                decode_queue_limit=args.decode_queue_limit,
+                decode_wait_s=args.decode_wait_s,
+                engine_silence_s=args.engine_silence_s,
+                max_parents=args.max_parents,
+                parent_ttl_s=args.parent_ttl_s,
+                parent_pool_share=args.parent_pool_share,
+                parent_hold_s=args.parent_hold_s,
+                positional_sampling=args.sampling == "positional",
+                placement=args.placement,
+                on_handoff_failure=args.on_handoff_failure,
+                warm_up=not args.no_warm_up,
+                channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
+                kv_events_key_file=args.kv_events_key,
+            )
+        except ValueError as e:  # a bad setting, or an unreadable events key
+            print(f"kvhandoff serve: {e}", file=sys.stderr)
+            return 2
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
         http_port = None if args.http_port < 0 else args.http_port
         asyncio.run(serve_router(config, args.host, args.port, metrics_port, tls, http_port,
@@ -106,11 +111,14 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--side-channel-host", default="127.0.0.1",
                        help="NIXL side channel address (a node IP across hosts)")
     serve.add_argument("--kv-events", default="loopback", metavar="loopback|off|HOST",
-                       help="engines: where vLLM's KV-cache events (every prompt's token ids, "
-                            "unauthenticated ZMQ; the router's cache-aware placement reads "
-                            "them) are published: loopback (default: a router on this host), "
-                            "off, or an address of this host (plaintext to anyone who "
-                            "reaches it: a trusted network only)")
+                       help="engines: where vLLM's KV-cache events (every prompt's token ids; "
+                            "the router's cache-aware placement reads them) are published: "
+                            "loopback (default: a router on this host), off, or an address "
+                            "of this host (needs --kv-events-key)")
+    serve.add_argument("--kv-events-key", default=None, metavar="FILE",
+                       help="engines and router: a secret file (>= 16 bytes) shared by the "
+                            "engines and their routers; the events are then ZMQ CURVE "
+                            "(encrypted, only holders of the file read them)")
     serve.add_argument("--side-channel-port", type=int, default=0,
                        help="NIXL side channel port (0 = a free one)")
     serve.add_argument("--ucx-net-devices", default=None, metavar="DEVS",

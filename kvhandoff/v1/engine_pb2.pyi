@@ -108,7 +108,7 @@ class CapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint", "handoff_target", "num_reserved_blocks", "beam_fork", "catalogs", "kv_events_endpoint", "kv_events_replay_endpoint", "catalog_widths", "adapters")
+    __slots__ = ("role", "engine_id", "num_total_blocks", "num_free_blocks", "block_size", "num_running_reqs", "num_waiting_reqs", "max_model_len", "max_beam_width", "vocab_size", "model_fingerprint", "handoff_target", "num_reserved_blocks", "beam_fork", "catalogs", "kv_events_endpoint", "kv_events_replay_endpoint", "catalog_widths", "adapters", "kv_events_curve")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class Capacity(_message.Message):
     KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     CATALOG_WIDTHS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_CURVE_FIELD_NUMBER: _ClassVar[int]
     role: str
     engine_id: str
     num_total_blocks: int
@@ -147,7 +148,8 @@ class Capacity(_message.Message):
     kv_events_replay_endpoint: str
     catalog_widths: _containers.RepeatedCompositeFieldContainer[CatalogWidths]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
-    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., handoff_target: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., beam_fork: _Optional[bool] = ..., catalogs: _Optional[_Iterable[str]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., catalog_widths: _Optional[_Iterable[_Union[CatalogWidths, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+    kv_events_curve: bool
+    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., handoff_target: _Optional[str] = ..., num_reserved_blocks: _Optional[int] = ..., beam_fork: _Optional[bool] = ..., catalogs: _Optional[_Iterable[str]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., catalog_widths: _Optional[_Iterable[_Union[CatalogWidths, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., kv_events_curve: _Optional[bool] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("name", "digest")
