@@ -105,7 +105,8 @@ def test_a_short_soak_passes(tmp_path, model_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "tools.cli", "soak", "--model", model_dir, "--minutes", "4",
          "--interval-s", "30", "--baseline-minutes", "2", "--max-throughput-drop", "0.5",
-         "--max-p99-rise", "1.0", "--max-rss-slope-mib-h", "1e9", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+         "--max-p99-rise", "1.0", "--max-rss-slope-mib-h", "1e9", "--json", str(out),
+         "--log-dir", str(tmp_path / "logs")],
         capture_output=True, text=True, timeout=800)
     print(proc.stdout)
     result = json.loads(out.read_text())
