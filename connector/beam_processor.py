@@ -152,9 +152,11 @@ class BeamSlotProcessor(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self._rows, batch_update, _slot_of)
         present = {row.group for row in self._rows.values()}
-        for group in [g for g in self._groups if g not in present]:
-            del self._groups[group]
-            self._slot_of_beam.pop(group, None)
+        # Every group's state goes with its last row (a one-slot group's search ends
+        # before its row does, and its slot map must go too).
+        for state in (self._groups, self._slot_of_beam):
+            for group in [g for g in state if g not in present]:
+                del state[group]
         self._failed &= present
         OUTBOX.active = bool(self._rows)
 
@@ -194,7 +196,9 @@ class BeamSlotProcessor(LogitsProcessor):
         if search.done:
             return self._fail(group, search.step + 1, "a step past its last one")
         live = search.num_live
-        slot_of = self._slot_of_beam.setdefault(group, np.arange(live))
+        slot_of = self._slot_of_beam.get(group)
+        if slot_of is None:
+            slot_of = self._slot_of_beam[group] = np.arange(live)
         if any(int(slot) not in rows for slot in slot_of):
             return self._fail(group, search.step + 1,
                               f"{sum(int(s) in rows for s in slot_of)} of its {live} live "

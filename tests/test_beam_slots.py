@@ -278,6 +278,9 @@ def test_step_0_decides_again_when_its_row_comes_again():
     assert [len(r["result"]["live"]) for r in records] == [4, 4]
     assert records[0]["result"] != records[1]["result"]  # each from its own row
     processor.update_state(SimpleNamespace(batch_size=0, removed=[0], moved=[], added=[]))
+    # Nothing of the group stays once its row has gone (a map kept per one-slot group,
+    # every W=1 search and every step 0, grew D's heap under the soak).
+    assert not (processor._groups or processor._slot_of_beam or processor._failed)
 
 
 def test_slot_params_are_checked_where_vllm_checks_them():
