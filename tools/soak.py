@@ -31,6 +31,8 @@ from tools.soak_verdict import Bounds, Verdict, verdict
 
 #: Reasons kept per minute in a record (the count keeps them all).
 RECOMPUTED_KEPT = 5
+#: Seconds between RSS samples within a minute: a minute's RSS is the lowest of them.
+RSS_EVERY_S = 5.0
 
 
 class CpuMeter:
@@ -85,12 +87,31 @@ def _steal_s() -> float:
         return 0.0
 
 
+def _rss_floor(processes: list[ServerProcess], until: float) -> dict[str, tuple[float, int]]:
+    """Until ``until`` (monotonic): each server's lowest RSS of samples taken every
+    ``RSS_EVERY_S`` (at least one, at the end), and how many samples. The floor is what
+    a leak raises; one sample's RSS also holds whatever the requests in flight and the
+    allocator's free pages held at that instant (P's swung by +-40 MiB a minute, which
+    made an hour's slope out of a 9-minute window of noise)."""
+    floor: dict[str, tuple[float, int]] = {}
+    while True:
+        left = until - time.monotonic()
+        time.sleep(max(0.0, min(left, RSS_EVERY_S)))
+        for s in processes:
+            low, count = floor.get(s.role, (float("inf"), 0))
+            floor[s.role] = (min(low, rss_mib(s)), count + 1)
+        if left <= RSS_EVERY_S:
+            return floor
+
+
 def _record(n: int, done: Interval, processes: list[ServerProcess],
             engines: list[ServerProcess], cpu: dict[str, float],
-            machine: dict[str, float]) -> dict[str, Any]:
+            machine: dict[str, float],
+            floor: dict[str, tuple[float, int]]) -> dict[str, Any]:
     """Minute ``n``'s record: what the verdict reads (served, p99_s, errors, recomputed,
-    rss_mib) and what a reader of the JSON wants besides (``cpu_s`` by process, and per
-    request served or failed on purpose, ``cpu_ms_per_request``)."""
+    rss_mib: the minute's lowest RSS, ``_rss_floor``) and what a reader of the JSON
+    wants besides (``cpu_s`` by process, and per request served or failed on purpose,
+    ``cpu_ms_per_request``)."""
     handled = len(done.latencies) + sum(v for k, v in done.outcomes.items()
                                          if k.endswith(":intended"))
     pools = {}
@@ -100,7 +121,9 @@ def _record(n: int, done: Interval, processes: list[ServerProcess],
                          "total": cap.num_total_blocks, "running": cap.num_running_reqs}
     return {
         "minute": n,
-        "rss_mib": {s.role: round(rss_mib(s), 1) for s in processes},
+        "rss_mib": {role: round(low, 1) for role, (low, _) in floor.items()},
+        "rss_samples": {role: count for role, (_, count) in floor.items()},
+        "rss_end_mib": {s.role: round(rss_mib(s), 1) for s in processes},
         "rss_by_process_mib": {s.role: rss_by_process_mib(s) for s in processes},
         "cpu_s": cpu,
         "cpu_ms_per_request": {role: round(1e3 * c / max(handled, 1), 2)
@@ -144,9 +167,9 @@ def run_soak(args: argparse.Namespace, bounds: Bounds) -> tuple[dict[str, Any], 
         t_start = time.monotonic()
         try:
             for n in range(1, args.minutes + 1):
-                time.sleep(max(0.0, t_start + n * args.interval_s - time.monotonic()))
+                floor = _rss_floor(processes, t_start + n * args.interval_s)
                 record = _record(n, soak.take(), processes, engines, meter.take(),
-                                 meter.machine())
+                                 meter.machine(), floor)
                 minutes.append(record)
                 intended = sum(v for k, v in record["outcomes"].items()
                                if k.endswith(":intended"))
