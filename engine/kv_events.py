@@ -138,10 +138,14 @@ class EventRelay:
         ``ZmqEventPublisher._service_replay``), one request at a time."""
         import zmq
 
-        inner = self._ctx.socket(zmq.DEALER)
-        inner.setsockopt(zmq.LINGER, 0)
-        inner.setsockopt(zmq.RCVTIMEO, int(REPLAY_TIMEOUT_S * 1000))
-        inner.connect(self._inner)
+        def connect() -> Any:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, int(REPLAY_TIMEOUT_S * 1000))
+            sock.connect(self._inner)
+            return sock
+
+        inner = connect()
         try:
             while True:
                 frames = self._replay.recv_multipart()
@@ -154,6 +158,8 @@ class EventRelay:
                         answer = inner.recv_multipart()
                     except zmq.Again:  # vLLM did not finish: the client times out too
                         logger.warning("KV events: vLLM's replay did not answer")
+                        inner.close(linger=0)  # its late frames are nobody's
+                        inner = connect()
                         break
                     self._replay.send_multipart((client, *answer))
                     if len(answer) >= 2 and answer[-2] == END_SEQ:

@@ -1,5 +1,5 @@
-"""``kvhandoff serve`` refuses a bad model path, catalog, adapter, certificate or key as
-one line naming it, exit code 2, no traceback, and starts nothing."""
+"""``kvhandoff serve`` refuses a bad model path, catalog, adapter, certificate, key or KV
+events setting as one line naming it, exit code 2, no traceback, and starts nothing."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ import pytest
      "/no/cert.pem"),
     (["--role", "router", "--prefill", "127.0.0.1:1", "--api-key", "k", "--operator-key", "k"],
      "operator key must differ"),
+    # KV events off loopback without a key; a key file that is not there.
+    (["--role", "decode", "--kv-events", "10.213.7.1"], "--kv-events-key"),
+    (["--role", "decode", "--kv-events-key", "/no/such/key"], "/no/such/key"),
+    (["--role", "router", "--prefill", "127.0.0.1:1", "--kv-events-key", "/no/such/key"],
+     "/no/such/key"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(flags, says) -> None:
     done = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--port", "0", *flags],
