@@ -134,3 +134,37 @@ def test_only_the_keys_holder_reads_the_events_and_their_replay(tmp_path):
     finally:
         relay.close()
         engine.close()
+
+
+def test_a_router_follows_curve_events_only_with_the_key(tmp_path, caplog):
+    """``Capacity.kv_events_curve``: a router without the key places that engine by load
+    (no feed, one warning); with it, the feed reads with the key; plain events are read
+    plainly by either."""
+    from types import SimpleNamespace
+
+    from router.cache_feed import EngineCaches
+
+    keys = _keys(tmp_path, "events.key", "the shared secret of this fleet")
+
+    def capacity(curve: bool, port: int):
+        return SimpleNamespace(kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+                               kv_events_replay_endpoint=f"tcp://127.0.0.1:{port + 1}",
+                               kv_events_curve=curve, block_size=16, num_total_blocks=8)
+
+    async def follow(caches: EngineCaches) -> dict:
+        import logging
+
+        caches._log = logging.getLogger("test")
+        caches.follow("127.0.0.1:1", capacity(True, 20001))
+        caches.follow("127.0.0.1:1", capacity(True, 20001))  # warned once
+        caches.follow("127.0.0.1:2", capacity(False, 20003))
+        feeds = {a: f for a, (_, f, _) in caches._feeds.items()}
+        for _, _, task in caches._feeds.values():
+            task.cancel()
+        return feeds
+
+    without = asyncio.run(follow(EngineCaches()))
+    assert list(without) == ["127.0.0.1:2"] and without["127.0.0.1:2"].keys is None
+    assert caplog.text.count("placed by load") == 1
+    with_key = asyncio.run(follow(EngineCaches(keys=keys)))
+    assert with_key["127.0.0.1:1"].keys == keys and with_key["127.0.0.1:2"].keys is None
