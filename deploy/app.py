@@ -48,12 +48,16 @@ def role_options(a: AppArgs, role: RoleArgs, name: str) -> dict[str, Any]:
 
 
 def router_options(a: AppArgs) -> dict[str, Any]:
-    return {
-        "name": "Router", "num_replicas": a.router.num_replicas,
+    owner: dict[str, Any] = {}
+    if a.router.num_replicas > 1:
         # Calls naming a parent or a running request go to the replica owning its id.
-        "request_router_config": RequestRouterConfig(
+        # Serve's proxy runs this router: it imports deploy.request_router (the repo on
+        # its PYTHONPATH, or in the image); one replica needs no routing.
+        owner["request_router_config"] = RequestRouterConfig(
             request_router_class="deploy.request_router:OwnerRouter",
-            request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0),
+            request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0)
+    return {
+        "name": "Router", "num_replicas": a.router.num_replicas, **owner,
         # Above max_inflight: calls reach the router's own admission, which refuses the
         # excess at once (RESOURCE_EXHAUSTED), instead of waiting in Serve's queue; the
         # margin lets Move and Drain through a full router.

@@ -63,7 +63,8 @@ class OwnerRouter(RequestRouter):
         stats = [(r, r.routing_stats or {}) for r in candidate_replicas]
         world = max((int(s.get("world_size", 0)) for _, s in stats), default=0)
         if world == 0:
-            return [[]]  # no replica has reported its rank yet: wait for the next poll
+            # No rank reported yet: one replica owns every id; several wait for the poll.
+            return [candidate_replicas] if len(candidate_replicas) == 1 else [[]]
         if want is None:
             want = owner(key, world)
         return [[r for r, s in stats if s.get("rank") == want]]

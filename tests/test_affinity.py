@@ -77,6 +77,8 @@ def test_a_call_waits_while_its_owner_is_unknown():
     pid = next(f"p{i}" for i in range(100) if owner(f"p{i}", 2) == 1)
     request = router_pb2.ReleaseParentRequest(parent_id=pid)
     assert _choose(_replicas(None, None), "ReleaseParent", request) == [[]]
+    lone = _replicas(None)  # one replica owns every id, reported or not
+    assert _choose(lone, "ReleaseParent", request) == [lone]
     assert _choose(_replicas({"rank": 0, "world_size": 2}), "ReleaseParent", request) == [[]]
     one = _replicas({"rank": 0, "world_size": 1})
     assert _choose(one, "ReleaseParent", request) == [one]
