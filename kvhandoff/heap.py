@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import os
 import re
 import threading
@@ -78,11 +79,9 @@ def start_from_env(role: str) -> bool:
     prefix = Path(directory) / f"{role}-{os.getpid()}"
 
     def run() -> None:
-        n = 0
-        stop = threading.Event()
-        while not stop.wait(every_s):
+        for n in itertools.count():  # until the process ends (a daemon thread)
+            time.sleep(every_s)
             tracemalloc.take_snapshot().dump(f"{prefix}-{n:03d}.snap")
-            n += 1
 
     threading.Thread(target=run, name="kvhandoff-heap", daemon=True).start()
     return True
