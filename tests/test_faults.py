@@ -283,8 +283,8 @@ def test_a_request_moved_p_to_p_then_to_d_streams_on_and_equals_not_moving(fleet
     # The faulted run's prompt is one no engine has cached: its import reads block 0.
     first = 50 if fault is None else 600
 
-    # 1000 tokens: both moves land well before its end (400 took ~1-2 s on these engines,
-    # and a fresh-clone run once saw stage 1 on neither P by the time it looked).
+    # 1000 tokens: both moves usually land well before its end (400 took ~1-2 s on these
+    # engines; a fresh-clone run once saw stage 1 on neither P by the time it looked).
     def request(path: str):
         return long_stage1_request(list(range(first, first + 80)), 1000, seed=8,
                                    beam_width=4, path=path,
@@ -329,7 +329,9 @@ def test_a_request_moved_p_to_p_then_to_d_streams_on_and_equals_not_moving(fleet
     assert (first.from_endpoint, first.to_endpoint) == (source, dest)
     assert (second.from_endpoint, second.to_endpoint) == (dest, moves[1].to_endpoint)
     assert first.reason == second.reason == "move"
-    assert 20 <= first.at_token < second.at_token < 400
+    # Where each move lands is the engines' pace, not a contract (a fresh-clone run
+    # on 2 busy cores saw the second at token 886 of 1000): only the order is.
+    assert 20 <= first.at_token < second.at_token < 1000
     prompt = len(req.prompt_token_ids.ids)
     for move in (first, second):
         # Each destination imported every token but the last it was given, computed

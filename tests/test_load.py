@@ -279,7 +279,10 @@ def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(
         cluster, model_dir, tmp_path, assert_cluster_clean):
     """A router whose queue for D holds two: of eight requests that fit D two at a time,
     two run, two wait for them, and the rest are refused at once; those served went by
-    handoff (none recomputed)."""
+    handoff (none recomputed). D is paused (SIGSTOP, well below --engine-silence-s) while
+    the burst arrives, so the first two hold their claims until every request has been
+    placed or refused: on 2 busy cores the burst's requests were seen to arrive spread out
+    enough that the first ones finished before the last came (eight served, none refused)."""
     from kvhandoff.ports import free_port
     from tools.launch import spawn, stop, wait_serving
 
@@ -290,7 +293,13 @@ def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(
     try:
         wait_serving(router.address, [router])
         requests = _long_requests(8, "burst")
-        results = _run_all(router.address, requests, 8)
+        results: list = []
+        burst = threading.Thread(
+            target=lambda: results.extend(_run_all(router.address, requests, 8)))
+        with paused(cluster["decode"][0]):
+            burst.start()
+            time.sleep(4.0)
+        burst.join()
     finally:
         stop([router])
     ok = [t for r, t in results if not isinstance(r, Exception)]
