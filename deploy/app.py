@@ -102,7 +102,14 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
 
     if ray.is_initialized():  # serve run / serve deploy: the cluster is known here
         check_fits(a, ray.cluster_resources())
-    prefill = EngineServer.options(**role_options(a, a.prefill, "Prefill")).bind(
+    prefill_opts = role_options(a, a.prefill, "Prefill")
+    # Stop and Release reach the P replica they name; with placement by cache, stage 1
+    # the replica holding its prompt (the router's handle passes prompts only then).
+    prefill_opts["request_router_config"] = RequestRouterConfig(
+        request_router_class="deploy.request_router:PrefillRouter",
+        request_router_kwargs={"kv_events_key_file": a.router.kv_events_key_file},
+        request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0)
+    prefill = EngineServer.options(**prefill_opts).bind(
         "prefill", a.model, a.engine_kwargs(a.prefill),
         a.prefill.engine.side_channel_host, a.prefill.engine.side_channel_port)
     decode_opts = role_options(a, a.decode, "Decode")
@@ -116,4 +123,4 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         a.decode.engine.side_channel_host, a.decode.engine.side_channel_port)
     return RouterServer.options(**router_options(a)).bind(
         prefill, decode, a.model, a.router.colocated_below_tokens, a.router.max_beam_width,
-        a.router.max_inflight)
+        a.router.max_inflight, a.router.placement == "cache")

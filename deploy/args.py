@@ -71,11 +71,24 @@ class EngineArgs(_Strict):
     #: Catalogs beams may be kept in: name -> a file of items on every node, or
     #: "builtin" (the built-in model's shop) (``kvhandoff serve --catalog NAME=PATH``).
     catalogs: dict[str, str] = {}
+    #: Publish vLLM's KV events (P's are what the router places stage 1 by). They carry
+    #: every prompt's token ids: on loopback (followed by router replicas on the same
+    #: node) unless ``kv_events_host`` says otherwise, which needs ``kv_events_key_file``
+    #: (CURVE; ``kvhandoff serve --kv-events-key``).
+    kv_events: bool = True
+    kv_events_host: str = "127.0.0.1"
+    kv_events_key_file: str | None = None
 
     @model_validator(mode="after")
     def _block_size(self) -> EngineArgs:
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16, not {self.block_size}")
+        from kvhandoff.ports import is_loopback
+
+        if self.kv_events and not self.kv_events_key_file and not is_loopback(
+                self.kv_events_host):
+            raise ValueError(f"kv_events_host {self.kv_events_host} needs kv_events_key_file: "
+                             "KV events carry every prompt's token ids")
         return self
 
 
@@ -114,6 +127,13 @@ class RouterArgs(_Strict):
     #: Requests one router replica runs at once; beyond it, RESOURCE_EXHAUSTED at once
     #: (the standalone router's ``--max-inflight``).
     max_inflight: PositiveInt = 256
+    #: Where stage 1 runs among P replicas: "cache", the replica whose prefix cache
+    #: holds most of the prompt against its queue (deploy.request_router.PrefillRouter,
+    #: following P's KV events); "load", Serve's own choice.
+    placement: Literal["cache", "load"] = "cache"
+    #: The CURVE key of P's KV events when they are not on loopback (the engines'
+    #: ``kv_events_key_file``).
+    kv_events_key_file: str | None = None
 
 
 _VLLM_PIN = re.compile(r"^\s*(vllm(?:-cpu)?)\s*(==.*)?$", re.IGNORECASE)
@@ -187,6 +207,11 @@ class AppArgs(_Strict):
                 f"router.max_beam_width {self.router.max_beam_width} needs "
                 f"decode.engine.max_num_seqs >= {self.router.max_beam_width} (is "
                 f"{d.engine.max_num_seqs}): a search's beams run as one batch on D")
+        if (self.router.placement == "cache" and p.engine.kv_events_key_file
+                and not self.router.kv_events_key_file):
+            raise ValueError("prefill.engine.kv_events_key_file is set: placement by cache "
+                             "needs router.kv_events_key_file (the same key) to read P's "
+                             "events, or router.placement: load")
         p_pins, d_pins = _vllm_pins(p.runtime_env), _vllm_pins(d.runtime_env)
         if p_pins != d_pins:
             raise ValueError(f"P and D must run the same vLLM: prefill pins {sorted(p_pins)}, "
@@ -226,4 +251,7 @@ class AppArgs(_Strict):
             kw["adapters"] = tuple(e.adapters.items())
         if e.catalogs:
             kw["catalogs"] = tuple(e.catalogs.items())  # "builtin" resolved per replica
+        kw["kv_events"] = e.kv_events
+        kw["kv_events_host"] = e.kv_events_host
+        kw["kv_events_key_file"] = e.kv_events_key_file
         return kw

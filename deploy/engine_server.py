@@ -70,18 +70,21 @@ class EngineServer:
         logger.info("%s replica ready: engine %s, NIXL side channel %s", role,
                     self.engine.engine_id, host)
 
-    async def stage1(self, request: bytes) -> AsyncIterator[bytes]:
+    # The keyword arguments after the request (``blocks_needed``, ``prefix``, ``engine``)
+    # are read by the deployment's request router (``deploy.request_router``) before
+    # the call lands here: nothing in the replica uses them.
+
+    async def stage1(self, request: bytes, prefix: tuple = ()) -> AsyncIterator[bytes]:
         req = engine_pb2.Stage1Request.FromString(request)
         async for event in self.servicer.Stage1(req, _CallContext()):
             yield event.SerializeToString()
 
-    async def stage2(self, request: bytes, blocks_needed: int = 0) -> bytes:
-        # ``blocks_needed`` is read by CapacityRouter before the call lands here.
+    async def stage2(self, request: bytes, blocks_needed: int = 0, prefix: tuple = ()) -> bytes:
         req = engine_pb2.Stage2Request.FromString(request)
         return (await self.servicer.Stage2(req, _CallContext())).SerializeToString()
 
-    async def stage2_stream(self, request: bytes, blocks_needed: int = 0
-                            ) -> AsyncIterator[bytes]:
+    async def stage2_stream(self, request: bytes, blocks_needed: int = 0,
+                            prefix: tuple = ()) -> AsyncIterator[bytes]:
         req = engine_pb2.Stage2Request.FromString(request)
         async for event in self.servicer.Stage2Stream(req, _CallContext()):
             yield event.SerializeToString()
@@ -90,11 +93,11 @@ class EngineServer:
         cap = await self.servicer.GetCapacity(engine_pb2.CapacityRequest(), _CallContext())
         return cap.SerializeToString()
 
-    async def stop(self, request: bytes) -> bytes:
+    async def stop(self, request: bytes, engine: str = "") -> bytes:
         req = engine_pb2.StopRequest.FromString(request)
         return (await self.servicer.Stop(req, _CallContext())).SerializeToString()
 
-    async def release(self, request: bytes) -> bytes:
+    async def release(self, request: bytes, engine: str = "") -> bytes:
         req = engine_pb2.ReleaseRequest.FromString(request)
         return (await self.servicer.Release(req, _CallContext())).SerializeToString()
 
@@ -107,9 +110,22 @@ class EngineServer:
                 "block_size": self.engine.block_size}
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What CapacityRouter routes D's calls by (Serve polls it)."""
+        """What the request routers route by (Serve polls it): D's free blocks
+        (CapacityRouter); P's engine id, queue and where its KV events are published,
+        with the Ray node it runs on (PrefillRouter follows them: loopback events only
+        from its own node)."""
+        import ray
+
         snap = self.engine.pool()
-        return {"free_blocks": snap.num_free_blocks, "block_size": snap.block_size}
+        events = self.engine.kv_events
+        return {"engine_id": self.engine.engine_id,
+                "free_blocks": snap.num_free_blocks, "block_size": snap.block_size,
+                "outstanding": snap.num_running_reqs + snap.num_waiting_reqs,
+                "num_total_blocks": snap.num_total_blocks,
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "kv_events_endpoint": events.endpoint if events else "",
+                "kv_events_replay_endpoint": events.replay_endpoint if events else "",
+                "kv_events_curve": bool(events and events.keyed)}
 
     def check_health(self) -> None:
         if self.engine.llm.errored:

@@ -78,10 +78,19 @@ class HandleStub:
     cancelled) once ``watch`` finds the deployment without a running replica; a call a
     replica is running when that replica dies fails UNAVAILABLE through Ray's error."""
 
-    def __init__(self, handle: Any, watch: ReplicaWatch | None = None):
+    def __init__(self, handle: Any, watch: ReplicaWatch | None = None, *,
+                 by_prefix: bool = False):
         self.handle = handle
         self.watch = watch or ReplicaWatch(handle.app_name, handle.deployment_name)
         self.block_size = 0  # learnt from GetCapacity
+        #: Calls carry their prompt (``prefix``) for the deployment's PrefillRouter.
+        self.by_prefix = by_prefix
+
+    def _prefix(self, request: Any) -> tuple:
+        """What PrefillRouter places a call by: (adapter, prompt token ids); () without."""
+        if not self.by_prefix:
+            return ()
+        return (request.adapter, tuple(request.prompt_token_ids))
 
     @staticmethod
     def _error(exc: BaseException) -> Exception:
@@ -134,7 +143,8 @@ class HandleStub:
 
     async def Stage1(self, request: engine_pb2.Stage1Request,  # noqa: N802 (gRPC names)
                      timeout: float | None = None) -> AsyncIterator[engine_pb2.Stage1Event]:
-        stream = self.handle.options(stream=True).stage1.remote(request.SerializeToString())
+        stream = self.handle.options(stream=True).stage1.remote(
+            request.SerializeToString(), prefix=self._prefix(request))
         async with self._call(stream, timeout):
             async for data in stream:
                 yield engine_pb2.Stage1Event.FromString(data)
@@ -142,28 +152,32 @@ class HandleStub:
     async def Stage2(self, request: engine_pb2.Stage2Request,  # noqa: N802
                      timeout: float | None = None) -> engine_pb2.Stage2Response:
         response = self.handle.stage2.remote(request.SerializeToString(),
-                                             blocks_needed=self._need(request))
+                                             blocks_needed=self._need(request),
+                                             prefix=self._prefix(request))
         return engine_pb2.Stage2Response.FromString(await self._unary(response, timeout))
 
     async def Stage2Stream(self, request: engine_pb2.Stage2Request,  # noqa: N802
                            timeout: float | None = None
                            ) -> AsyncIterator[engine_pb2.Stage2Event]:
         stream = self.handle.options(stream=True).stage2_stream.remote(
-            request.SerializeToString(), blocks_needed=self._need(request))
+            request.SerializeToString(), blocks_needed=self._need(request),
+            prefix=self._prefix(request))
         async with self._call(stream, timeout):
             async for data in stream:
                 yield engine_pb2.Stage2Event.FromString(data)
 
     async def Release(self, request: engine_pb2.ReleaseRequest,  # noqa: N802
                       timeout: float | None = None) -> engine_pb2.ReleaseResponse:
-        # A held parent is on one P replica; the handle may pick another, which ignores
-        # names it does not hold (that hold then ends at its lease).
-        response = self.handle.release.remote(request.SerializeToString())
+        # A held parent is on one P replica: the request names its engine, which
+        # Prefill's request router sends the call to.
+        response = self.handle.release.remote(request.SerializeToString(),
+                                              engine=request.engine_id)
         return engine_pb2.ReleaseResponse.FromString(await self._unary(response, timeout))
 
     async def Stop(self, request: engine_pb2.StopRequest,  # noqa: N802
                    timeout: float | None = None) -> engine_pb2.StopResponse:
-        response = self.handle.stop.remote(request.SerializeToString())
+        response = self.handle.stop.remote(request.SerializeToString(),
+                                           engine=request.engine_id)
         return engine_pb2.StopResponse.FromString(await self._unary(response, timeout))
 
     async def GetCapacity(self, request: Any,  # noqa: N802

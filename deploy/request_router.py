@@ -14,15 +14,33 @@ starting, or being replaced) the call waits in Serve's queue, within the client'
 deadline. A handle call with a ``rank`` keyword goes to that replica (only handles pass
 keywords; the gRPC proxy passes the client's message alone). Calls naming neither use
 Serve's own order.
+
+``PrefillRouter`` (Prefill): a call naming an engine (``engine``: Stop and Release of
+what one P replica runs or holds) goes to the replica running it (replicas report their
+engine ids), or, if none does any more, to any. A call carrying its prompt (``prefix``: the adapter and the
+token ids, as ``HandleStub`` passes them) goes to the P replica whose prefix cache holds
+most of it, against its queue, by the standalone router's rule (``router.placement``:
+an outstanding request weighs ``LOAD_TOKENS`` cached tokens). It follows each replica's
+vLLM KV events as the standalone router follows each engine's
+(``router.cache_feed.EngineCaches``): replicas report where they publish them, their
+queue and their Ray node (``EngineServer.record_routing_stats``); events on loopback are
+followed only from the replica's own node (others: placed by queue alone); CURVE events
+need the key (``kv_events_key_file``, from ``request_router_kwargs``). The best replica
+comes first, the others after it (Serve takes the next when the first is full).
 """
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deploy.affinity import owner, routing_key
+from kvhandoff.ports import is_loopback
+
+logger = logging.getLogger("kvhandoff.deploy")
 
 
 def _free_blocks(replica: RunningReplica) -> int:
@@ -68,3 +86,81 @@ class OwnerRouter(RequestRouter):
         if want is None:
             want = owner(key, world)
         return [[r for r, s in stats if s.get("rank") == want]]
+
+
+class PrefillRouter(RequestRouter):
+    def initialize_state(self, kv_events_key_file: str | None = None, **_: Any) -> None:
+        from router.cache_feed import EngineCaches
+
+        keys = None
+        if kv_events_key_file:
+            from kvhandoff.event_keys import EventKeys
+
+            keys = EventKeys.from_file(kv_events_key_file)
+        self.caches = EngineCaches(logger, keys=keys)
+        self._node_id: str | None = None
+
+    def _here(self) -> str:
+        if self._node_id is None:
+            import ray
+
+            self._node_id = ray.get_runtime_context().get_node_id()
+        return self._node_id
+
+    def _view(self, replica: RunningReplica) -> SimpleNamespace:
+        """The replica as ``router.placement`` scores an engine; its events followed
+        (started on its first report that names them, again when they change)."""
+        stats: dict[str, Any] = replica.routing_stats or {}
+        name = replica.replica_id.unique_id
+        endpoint = str(stats.get("kv_events_endpoint", ""))
+        host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+        if endpoint and (stats.get("node_id") == self._here() or not is_loopback(host)):
+            # Named by its replica id (not an IP): EngineCaches takes the endpoint as
+            # reachable, which the node check above has said.
+            self.caches.follow(name, SimpleNamespace(
+                kv_events_endpoint=endpoint,
+                kv_events_replay_endpoint=stats.get("kv_events_replay_endpoint", ""),
+                kv_events_curve=bool(stats.get("kv_events_curve")),
+                block_size=int(stats.get("block_size", 0)) or 1,
+                num_total_blocks=int(stats.get("num_total_blocks", 0))))
+        else:
+            self.caches.forget(name)
+        # Its queue: the engine's (as of its last report, every second), or the calls
+        # Serve's handle knows it has sent there since, whichever is more.
+        sent = self._replica_queue_len_cache.get(replica.replica_id) or 0
+        return SimpleNamespace(address=name, replica=replica,
+                               outstanding=max(int(stats.get("outstanding", 0)), sent),
+                               block_size=int(stats.get("block_size", 0)))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for name in self.caches.addresses():
+            if name not in live:
+                self.caches.forget(name)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        from router import placement
+
+        kwargs = (pending_request.kwargs or {}) if pending_request else {}
+        engine = kwargs.get("engine")
+        if engine:
+            named = [r for r in candidate_replicas
+                     if (r.routing_stats or {}).get("engine_id") == engine]
+            return [named] if named else [candidate_replicas]
+        prefix = kwargs.get("prefix")
+        if not prefix or not candidate_replicas:
+            return [candidate_replicas]
+        adapter, token_ids = prefix
+        views = [self._view(r) for r in candidate_replicas]
+        picker = placement.Picker(filters=(), scorers=(
+            placement.cached_prefix(
+                lambda v: self.caches.cached_blocks(v.address, token_ids, adapter or None),
+                lambda v: v.block_size),
+            placement.queue()))
+        ranked = [v.replica for _, v in picker.ranked(views)]
+        return [ranked[:1], ranked[1:]]

@@ -43,16 +43,18 @@ class RouterServer:
     rank in :meth:`record_routing_stats`), and the ids a replica makes are its own."""
 
     def __init__(self, prefill: Any, decode: Any, model: str, colocated_below_tokens: int = 0,
-                 max_beam_width: int = 32, max_inflight: int = 256):
+                 max_beam_width: int = 32, max_inflight: int = 256,
+                 by_cache: bool = False):
         config = RouterConfig(prefill=("serve:Prefill",), decode=("serve:Decode",),
                               model=str(resolve_model(model)),
                               colocated_below_tokens=colocated_below_tokens,
                               max_inflight=max_inflight,
-                              # One endpoint per role stands for all its replicas, and
-                              # Serve picks the replica: no one engine's events to follow.
+                              # One endpoint per role stands for all its replicas:
+                              # Serve's request router picks the replica (by cache:
+                              # PrefillRouter, which follows each P replica's events).
                               placement="load")
         self.router = Router(config, endpoints=(
-            [Endpoint("serve:Prefill", HandleStub(prefill), None)],
+            [Endpoint("serve:Prefill", HandleStub(prefill, by_prefix=by_cache), None)],
             [Endpoint("serve:Decode", HandleStub(decode), None)]),
             new_id=lambda: owned_id(*self._rank()))
         # The standalone router's keys (router.auth), from the replica's environment

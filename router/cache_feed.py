@@ -321,6 +321,17 @@ class EngineCaches:
         index = current[1].index
         return index.cached_blocks(prefix_keys(token_ids, index.block_size, adapter))
 
+    def forget(self, address: str) -> None:
+        """Stop following the engine at ``address`` (gone from the fleet)."""
+        current = self._feeds.pop(address, None)
+        if current is not None:
+            current[2].cancel()  # type: ignore[attr-defined]
+        self._unkeyed.discard(address)
+
+    def addresses(self) -> list[str]:
+        """The engines followed now."""
+        return list(self._feeds)
+
     def feed(self, address: str) -> EventFeed | None:
         current = self._feeds.get(address)
         return None if current is None else current[1]

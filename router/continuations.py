@@ -77,7 +77,7 @@ class Continuations:
         registry.add(record)
         try:
             cap = p.capacity
-            releases: dict[int, tuple[Endpoint, list[str]]] = {}
+            releases: dict[tuple[int, str], tuple[Endpoint, str, list[str]]] = {}
             if cap is not None:
                 record.num_blocks = math.ceil(
                     (len(plan.prompt_ids) + plan.stage1.max_tokens) / cap.block_size)
@@ -109,6 +109,7 @@ class Continuations:
                 else:
                     handoff = item
             record.thinking_ids = out.thinking_ids
+            record.prefill_engine_id = out.prefill_engine_id
             record.finish_reason = out.stage1_finish_reason
             record.stage1_ms = (time.perf_counter() - t0) * 1e3
             if hold:
@@ -145,23 +146,25 @@ class Continuations:
         blocks uncounted now (a continuation starting meanwhile recomputes, never reads
         blocks being freed); returns what to tell each P (``_send_releases``)."""
         records = self.registry.to_release(num_blocks, p_total_blocks)
-        by_prefill: dict[int, tuple[Endpoint, list[str]]] = {}
+        by_prefill: dict[tuple[int, str], tuple[Endpoint, str, list[str]]] = {}
         for r in records:
             r.not_held_reason = "released early: P's share for held parents was needed"
             self.registry.unhold(r)
             self.registry.evictions["released"] += 1
-            by_prefill.setdefault(id(r.prefill_ep), (r.prefill_ep, []))[1].append(r.held_name)
+            by_prefill.setdefault((id(r.prefill_ep), r.prefill_engine_id),
+                                  (r.prefill_ep, r.prefill_engine_id, []))[2].append(r.held_name)
         if records:
             logger.info("releasing %d held parents early for a new one: %s", len(records),
                         ", ".join(r.parent_id for r in records))
         return by_prefill
 
-    async def _send_releases(self, releases: list[tuple[Endpoint, list[str]]]) -> None:
-        """Tell each P which holds end now; a failed Release leaves their blocks to
-        their lease end (already uncounted: the share may exceed by that, briefly)."""
-        for ep, names in releases:
+    async def _send_releases(self, releases: list[tuple[Endpoint, str, list[str]]]) -> None:
+        """Tell each P (an endpoint and the engine behind it) which holds end now; a
+        failed Release leaves their blocks to their lease end (already uncounted: the
+        share may exceed by that, briefly)."""
+        for ep, engine_id, names in releases:
             try:
-                await self.stages.release(ep, names)
+                await self.stages.release(ep, names, engine_id)
             except Exception as e:  # their blocks come back at their leases' end
                 logger.warning("Release on %s failed (%s): %d held parents kept until "
                                "their leases end", ep.address, e, len(names))
@@ -235,7 +238,8 @@ class Continuations:
         self.registry.discard(parent_id)
         self.registry.evictions["client"] += 1
         if hold_ended:
-            await self._send_releases([(record.prefill_ep, [record.held_name])])
+            await self._send_releases([(record.prefill_ep, record.prefill_engine_id,
+                                        [record.held_name])])
         logger.info("parent %s released by the client%s", parent_id,
                     " (P's hold ended)" if hold_ended else "")
         return router_pb2.ReleaseParentResponse(parent_id=parent_id, hold_ended=hold_ended)

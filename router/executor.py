@@ -69,7 +69,7 @@ class Executor:
             plan.deadline, prompt_ids=plan.prompt_ids, adapter=plan.adapter,
             catalog=None if handoff else plan.beam.catalog)
         out = Outcome(plan, p.address, None)
-        running = Running(plan, p, None, s1_id=f"{plan.request_id}-s1")
+        running = Running(plan, p, None, s1_id=f"{plan.request_id}-s1", out=out)
         try:
             with self.desk.track(running):
                 async for item in self._run(running, plan, out, t0, handoff):
@@ -303,7 +303,7 @@ class Executor:
         """D refused the handoff before reading it: P's blocks go back now, not at the
         lease's end. Best effort: the lease still ends them if P cannot be told."""
         try:
-            await self.stages.release(p, [handoff.request_id])
+            await self.stages.release(p, [handoff.request_id], handoff.engine_id)
             logger.info("%s: D refused the handoff (%s); P %s released its export",
                         plan.request_id, code_of(refusal).name, p.address)
         except (RouterError, grpc.aio.AioRpcError) as e:

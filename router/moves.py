@@ -19,7 +19,7 @@ import grpc
 from kvhandoff.v1 import common_pb2, router_pb2
 from router.endpoint import Claim, Endpoint
 from router.errors import RouterError, grpc_error
-from router.plan import Plan
+from router.plan import Outcome, Plan
 from router.pool import EnginePool
 from router.stages import StageCalls
 
@@ -39,6 +39,9 @@ class Running:
     claim: Claim | None = None
     #: Stage 1's request id on ``p`` (what P's Stop names).
     s1_id: str = ""
+    #: What the run has so far (``stage1_engine_id``: the engine behind ``p`` that
+    #: runs stage 1, which P's Stop names).
+    out: Outcome | None = None
     stage: int = 1
     #: "move" or "drain" once a move was asked for (until the destination streams).
     move_reason: str = ""
@@ -157,7 +160,8 @@ class MoveDesk:
         taken.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             await self.stages.stop(source, running.s1_id,
-                                   dest.handoff_target if dest is not None else "")
+                                   dest.handoff_target if dest is not None else "",
+                                   running.out.stage1_engine_id if running.out else "")
         except BaseException:
             running.move_reason, running.move_to, running.move_taken = "", None, None
             raise

@@ -46,8 +46,10 @@ class ParentRecord:
     prefill: str = ""
     #: The D its handoff is addressed to (signed for), when held for a D.
     decode: Endpoint | None = None
-    #: The P that ran stage 1 (and holds the parent itself, when ``local``).
+    #: The P that ran stage 1 (and holds the parent itself, when ``local``), and its
+    #: engine id (one of several behind ``prefill_ep`` under Serve).
     prefill_ep: Endpoint | None = None
+    prefill_engine_id: str = ""
     #: Held on P for continuations on P (the one-engine path), not exported.
     local: bool = False
     #: When P's hold on the blocks ends (Unix time); 0 until known.

@@ -84,6 +84,12 @@ class Outcome:
     moves: list[router_pb2.Move] = field(default_factory=list)
     #: time.perf_counter() when the last stage-1 token came from P.
     last_token_at: float = 0.0
+    #: Prompt tokens stage 1's first engine found in its prefix cache.
+    cached_prompt_tokens: int = 0
+    #: The engine id of that engine, and of the one stage 1 runs on now (another
+    #: after a resume or a move to another P).
+    prefill_engine_id: str = ""
+    stage1_engine_id: str = ""
 
 
 def _ids_of(tokens: ModelTokens, text: str, field_name: str) -> list[int]:
@@ -216,5 +222,7 @@ def to_response(out: Outcome, tokenizer: Any,
             handoff_failure=out.handoff_failure,
             num_found_on_d_tokens=max(0, len(out.plan.prompt_ids) + len(out.thinking_ids)
                                       + len(out.suffix_ids) - s2.num_imported_tokens
-                                      - s2.num_computed_tokens_first_step)),
+                                      - s2.num_computed_tokens_first_step),
+            num_cached_prompt_tokens=out.cached_prompt_tokens,
+            prefill_engine_id=out.prefill_engine_id),
     )

@@ -89,6 +89,9 @@ class StageCalls:
             waiting_since = time.perf_counter()
             async for event in call:
                 out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
+                if event.engine_id:
+                    out.stage1_engine_id = event.engine_id
+                    out.prefill_engine_id = out.prefill_engine_id or event.engine_id
                 new, logprobs = list(event.new_token_ids), list(event.logprobs)
                 if replay and new:
                     k = min(replay, len(new))
@@ -109,6 +112,9 @@ class StageCalls:
                 if event.finish_reason:
                     out.stage1_finish_reason = event.finish_reason
                     out.held_until = event.held_until
+                    if resume_at is None and import_from is None:
+                        out.cached_prompt_tokens = max(
+                            0, len(prompt) - event.num_computed_tokens)
                     if move is not None:
                         move.num_imported_tokens = event.num_imported_tokens
                         move.num_computed_tokens = event.num_computed_tokens
@@ -215,14 +221,19 @@ class StageCalls:
             out.engine_ms += (time.perf_counter() - waiting_since) * 1e3
             ep.outstanding -= 1
 
-    async def stop(self, p: Endpoint, request_id: str, target_engine_id: str = "") -> None:
+    async def stop(self, p: Endpoint, request_id: str, target_engine_id: str = "",
+                   engine_id: str = "") -> None:
         """Ask P to stop ``request_id`` after its next token (its handoff retargeted to
-        ``target_engine_id`` when given)."""
+        ``target_engine_id`` when given). ``engine_id``: the engine behind ``p`` that
+        runs it, where ``p`` stands for several (Serve)."""
         await p.stub.Stop(engine_pb2.StopRequest(request_ids=[request_id],
-                                                 target_engine_id=target_engine_id),
+                                                 target_engine_id=target_engine_id,
+                                                 engine_id=engine_id),
                           timeout=self.call_timeout_s)
 
-    async def release(self, ep: Endpoint, request_ids: list[str]) -> None:
-        """End P's holds on these requests' blocks now."""
-        await ep.stub.Release(engine_pb2.ReleaseRequest(request_ids=request_ids),
+    async def release(self, ep: Endpoint, request_ids: list[str], engine_id: str = "") -> None:
+        """End P's holds on these requests' blocks now (``engine_id``: as in
+        :meth:`stop`)."""
+        await ep.stub.Release(engine_pb2.ReleaseRequest(request_ids=request_ids,
+                                                        engine_id=engine_id),
                               timeout=self.call_timeout_s)

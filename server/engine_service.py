@@ -90,13 +90,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 ):
                     if result is None:
                         yield engine_pb2.Stage1Event(
-                            new_token_ids=new, logprobs=engine_pb.logprobs_to_pb(logprobs))
+                            new_token_ids=new, logprobs=engine_pb.logprobs_to_pb(logprobs),
+                            engine_id=self.engine.engine_id)
                         continue
                     event = engine_pb2.Stage1Event(
                         finish_reason=result.finish_reason, held_until=result.held_until,
                         num_imported_tokens=result.num_imported_tokens,
                         num_imported_bytes=result.num_imported_bytes,
-                        num_computed_tokens=result.num_computed_tokens)
+                        num_computed_tokens=result.num_computed_tokens,
+                        engine_id=self.engine.engine_id)
                     if result.handoff_params:
                         event.handoff.CopyFrom(engine_pb.handoff_to_pb(result.handoff_params))
                         self.counts.exports += 1

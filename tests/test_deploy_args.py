@@ -45,6 +45,12 @@ def test_shipped_configs_validate_and_build(name):
       "prefill": {"engine": {"max_logprobs": 1024}}},
      "needs decode.engine.max_num_seqs >= 512"),
     ({"router": {"num_replicas": 0}}, "greater than 0"),
+    # KV events carry prompts: off loopback only with a key, and the router reads them
+    # with the same key.
+    ({"prefill": {"engine": {"kv_events_host": "10.0.0.5"}}}, "needs kv_events_key_file"),
+    ({"prefill": {"engine": {"kv_events_host": "10.0.0.5", "kv_events_key_file": "/k"}}},
+     "needs router.kv_events_key_file"),
+    ({"router": {"placement": "random"}}, "'cache' or 'load'"),
 ])
 def test_bad_args_are_refused_with_the_reason(args, message):
     with pytest.raises(ValidationError, match=message):
@@ -129,3 +135,28 @@ def test_catalogs_go_to_the_engines_of_their_role():
     assert a.engine_kwargs(a.decode)["catalogs"] == (("shop", "builtin"),
                                                      ("other", "/data/other.txt"))
     assert "catalogs" not in a.engine_kwargs(a.prefill)
+
+
+def test_p_is_placed_by_cache_unless_the_config_says_load():
+    """Prefill's request router is PrefillRouter (Stop and Release to the replica they
+    name), with the router's events key; ``router.placement: cache`` (the default) has
+    the router's handle pass prompts to place stage 1 by, ``load`` does not (Serve's
+    own order)."""
+    from deploy.app import build_app
+
+    def prefill_and_router(args):
+        router = build_app(AppArgs.model_validate(args))._bound_deployment
+        return router.init_args[0]._bound_deployment, router
+
+    keyed = {"device": "cpu", "router": {"kv_events_key_file": "/keys/events"},
+             "prefill": {"engine": {"kv_events_host": "10.0.0.5",
+                                    "kv_events_key_file": "/keys/events"}}}
+    prefill, router = prefill_and_router(keyed)
+    config = prefill._deployment_config.request_router_config
+    assert config.request_router_class == "deploy.request_router:PrefillRouter"
+    assert config.request_router_kwargs == {"kv_events_key_file": "/keys/events"}
+    assert router.init_args[-1] is True
+    a = AppArgs.model_validate(keyed)
+    assert a.engine_kwargs(a.prefill)["kv_events_host"] == "10.0.0.5"
+    prefill, router = prefill_and_router({"device": "cpu", "router": {"placement": "load"}})
+    assert router.init_args[-1] is False

@@ -89,3 +89,83 @@ def test_engines_kv_events_tell_the_router_where_a_prefix_is_cached(pair, run,
 
     run(scenario())
     assert_pools_clean()
+
+
+def _replica(name: str, engine, node: str = "here", outstanding: int = 0):
+    """A Serve replica as PrefillRouter sees it: its id and its routing stats
+    (``EngineServer.record_routing_stats``), naming ``engine``'s events."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    events = engine.kv_events
+    return SimpleNamespace(
+        replica_id=ReplicaID(unique_id=name,
+                             deployment_id=DeploymentID(name="Prefill", app_name="t")),
+        routing_stats={"engine_id": engine.engine_id,
+                       "outstanding": outstanding, "block_size": engine.block_size,
+                       "num_total_blocks": engine.num_total_blocks, "node_id": node,
+                       "kv_events_endpoint": events.endpoint,
+                       "kv_events_replay_endpoint": events.replay_endpoint,
+                       "kv_events_curve": False})
+
+
+@pytest.mark.timeout(600)
+def test_serves_cache_router_places_stage_1_on_the_p_replica_holding_the_prompt(pair, run):
+    """``deploy.request_router.PrefillRouter`` (Ray Serve's Prefill), over real engines'
+    KV events named in their replicas' routing stats: a prompt stage 1 ran on P2 goes
+    to P2's replica first, one that ran on P to P's. Controls: the same P2 reported from
+    another Ray node (its loopback events are not this node's: not followed) and a P2
+    whose queue outweighs the cached prompt both lose to P; a call without a prompt
+    keeps Serve's order; a replica gone from the deployment is no longer followed. A
+    call naming an engine (Stop, Release) goes to its replica only; one naming an
+    engine no replica runs, to any."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from deploy.request_router import PrefillRouter
+
+    on_p2 = history_prompt(600, "serve-cache-p2", pair.tokenizer)
+    on_p = history_prompt(600, "serve-cache-p", pair.tokenizer)
+    stage1 = Stage1Params(max_tokens=4, temperature=0.0, stop_token_ids=())
+
+    async def scenario():
+        router = PrefillRouter(deployment_id=DeploymentID(name="Prefill", app_name="t"),
+                             handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state()
+        router._node_id = "here"
+
+        async def first(replicas, prompt):
+            ranks = await router.choose_replicas(
+                replicas, SimpleNamespace(kwargs={"prefix": ("", tuple(prompt))}))
+            return ranks[0][0].replica_id.unique_id
+
+        async def until_first(replicas, prompt, want):
+            for _ in range(200):
+                if await first(replicas, prompt) == want:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"{want} never ranked first")
+
+        p, p2 = _replica("p", pair.p), _replica("p2", pair.p2)
+        try:
+            await pair.p2.run_stage1(on_p2, stage1, "serve-cache-p2", export=False)
+            await pair.p.run_stage1(on_p, stage1, "serve-cache-p", export=False)
+            await until_first([p, p2], on_p2, "p2")
+            await until_first([p2, p], on_p, "p")
+            cached = router.caches.cached_blocks("p2", on_p2)
+            assert cached == len(on_p2) // pair.p.block_size, cached
+            # Controls.
+            far = _replica("p2-far", pair.p2, node="elsewhere")
+            assert await first([p, far], on_p2) == "p"
+            assert "p2-far" not in router.caches.addresses()
+            busy = _replica("p2", pair.p2, outstanding=2)  # 2 x 512 > 576 cached tokens
+            assert await first([p, busy], on_p2) == "p"
+            assert await router.choose_replicas([p2, p], SimpleNamespace(kwargs={})) == [[p2, p]]
+            for engine, want in ((pair.p2.engine_id, [[p2]]), (pair.p.engine_id, [[p]]),
+                                 ("gone", [[p, p2]])):
+                named = SimpleNamespace(kwargs={"engine": engine, "prefix": ("", on_p2)})
+                assert await router.choose_replicas([p, p2], named) == want, engine
+            router.update_replicas([])
+            assert router.caches.addresses() == []
+        finally:
+            await router.caches.close()
+
+    run(scenario())

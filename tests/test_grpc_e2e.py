@@ -68,6 +68,10 @@ def test_token_prompt_handoff_equals_colocated(router_client, assert_cluster_cle
                                               path="colocated"))
     assert list(got.prompt_token_ids) == ids
     assert_identical(got, ref)  # its negative control: tests/test_identity_e2e.py
+    # The second stage 1 of the prompt found its full blocks in P's prefix cache (the
+    # cluster's one P, named by its engine id).
+    assert ref.stats.num_cached_prompt_tokens >= 64, ref.stats
+    assert ref.stats.prefill_engine_id == got.stats.prefill_engine_id != ""
     # Beam steps forked every beam's partial block on D: no context recomputed.
     assert got.stats.num_recomputed_beam_tokens == 0
     assert_cluster_clean()

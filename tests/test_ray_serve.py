@@ -30,8 +30,10 @@ ARGS = {
     "device": "cpu",
     "lease_s": 30,
     # fault_injection: the negative control injects a fault through the proxy.
-    "prefill": {"num_cpus": 1, "engine": {"kv_cache_mib": 64, "max_model_len": 4096,
-                                          "fault_injection": True}},
+    # Two P replicas: stage 1 is placed by their caches (PrefillRouter).
+    "prefill": {"num_cpus": 1, "num_replicas": 2,
+                "engine": {"kv_cache_mib": 64, "max_model_len": 4096,
+                           "fault_injection": True}},
     # As small as vLLM allows for 4096-token requests (136 blocks), like the cluster's D.
     "decode": {"num_cpus": 1, "engine": {"kv_cache_mib": 17, "max_model_len": 4096,
                                          "fault_injection": True}},
@@ -103,6 +105,14 @@ def _wait_healthy(serve, deployments: tuple[str, ...], timeout_s: float = 600.0)
     raise TimeoutError(f"{deployments} not healthy after {timeout_s:.0f}s: {serve.status()}")
 
 
+def _wait_replicas(serve, deployment: str, n: int, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while serve.status().applications[APP].deployments[deployment].replica_states.get(
+            "RUNNING", 0) < n:
+        assert time.monotonic() < deadline, f"{deployment}: fewer than {n} replicas run"
+        time.sleep(1.0)
+
+
 def _wait_proxy_routes(address: str, timeout_s: float = 120.0) -> None:
     """Until Serve's gRPC proxy lists the application."""
     from ray.serve.generated import serve_pb2, serve_pb2_grpc
@@ -166,6 +176,10 @@ def ray_app():
         # An ingress needs a route prefix to be routable, by the gRPC proxy too.
         serve.run(build_app(ARGS), name=APP, route_prefix="/kvhandoff", blocking=False)
         _wait_healthy(serve, ("Prefill", "Decode", "Router"))
+        # Every replica up before the first test: one still starting (loading weights,
+        # profiling) takes the cores from those that serve.
+        _wait_replicas(serve, "Prefill", ARGS["prefill"]["num_replicas"])
+        _wait_replicas(serve, "Router", ROUTERS)
         address = f"127.0.0.1:{grpc_port}"
         _wait_proxy_routes(address)
         # Looked for until seen: under load a replica's process tree was once read while
@@ -502,6 +516,44 @@ def test_parents_live_with_the_router_replica_owning_their_ids(ray_app, proxy):
                     timeout=60)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
     assert "this deployment runs 2" in e.value.details()
+
+
+def test_stage_1_goes_to_the_p_replica_whose_cache_holds_its_prompt(ray_app, proxy):
+    """Two P replicas behind Serve's Prefill (``PrefillRouter``, following their KV
+    events). Four new prompts sent at once spread over both replicas (by queue); each
+    sent again alone goes to the replica that ran it (the response's
+    ``prefill_engine_id``) and finds every full block of its prompt cached there. The
+    control is in the spread: placed by anything but the cache (Serve's own order, or
+    the first replica on a tie), the prompts the other replica ran would find nothing
+    cached where they landed. Component test with real engines' events and its
+    controls: tests/test_fleet.py."""
+    from concurrent.futures import ThreadPoolExecutor
+    import random
+
+    serve = ray_app["serve"]
+    block = serve.get_deployment_handle("Prefill", app_name=APP).info.remote().result(
+        timeout_s=60)["block_size"]
+    rng = random.Random("serve-cache")
+    # 24 full blocks: more cached tokens than a queued request weighs (512), so a
+    # replica's queue as last reported (each second) does not outweigh its cache.
+    prompts = [[rng.randrange(10, 1000) for _ in range(24 * block + 3)] for _ in range(4)]
+
+    def send(i: int, tag: str) -> router_pb2.GenerateResponse:
+        return proxy.Generate(make_request(prompt=prompts[i], max_tokens=4, seed=i,
+                                           beam_width=2, path="handoff",
+                                           request_id=f"serve-cache-{tag}-{i}"),
+                              metadata=METADATA, timeout=300)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        first = list(pool.map(lambda i: send(i, "first"), range(len(prompts))))
+    placed = [r.stats.prefill_engine_id for r in first]
+    assert all(r.stats.num_cached_prompt_tokens == 0 for r in first), \
+        [r.stats.num_cached_prompt_tokens for r in first]
+    assert len(set(placed)) == 2, f"the first sends did not spread over both replicas: {placed}"
+    for i in range(len(prompts)):
+        again = send(i, "again")
+        assert again.stats.prefill_engine_id == placed[i], (i, placed, again.stats)
+        assert again.stats.num_cached_prompt_tokens == 24 * block, again.stats
 
 
 def test_a_killed_decode_replica_is_replaced(ray_app, proxy):

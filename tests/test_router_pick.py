@@ -601,7 +601,7 @@ def test_a_move_answers_where_stage_1_ran_even_when_it_completes_during_the_stop
     class Stages:  # the run moves on before the stop call answers
         call_timeout_s = 5.0
 
-        async def stop(self, p, s1_id, target):
+        async def stop(self, p, s1_id, target, engine_id=""):
             assert (p, s1_id) == (source, "s1")
             running.p = dest
             running.settle_move(True)
@@ -642,7 +642,7 @@ def test_a_move_answers_only_what_the_run_did_with_the_stop(model_dir):
         class Stages:  # P answers the stop; stage 1's end reaches the run after it
             call_timeout_s = 5.0
 
-            async def stop(self, p, s1_id, target):
+            async def stop(self, p, s1_id, target, engine_id=""):
                 asyncio.get_running_loop().call_later(0.01, stage1_ended)
 
         def stage1_ended():

@@ -32,7 +32,7 @@ class Stage1Request(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Stage1Event(_message.Message):
-    __slots__ = ("new_token_ids", "finish_reason", "handoff", "held_until", "logprobs", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens")
+    __slots__ = ("new_token_ids", "finish_reason", "handoff", "held_until", "logprobs", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens", "engine_id")
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Stage1Event(_message.Message):
     NUM_IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMPORTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     handoff: _common_pb2.Handoff
@@ -49,7 +50,8 @@ class Stage1Event(_message.Message):
     num_imported_tokens: int
     num_imported_bytes: int
     num_computed_tokens: int
-    def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_until: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    engine_id: str
+    def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_until: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class Stage2Request(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "beam", "handoff", "held_parent", "sampling", "fault", "adapter")
@@ -178,22 +180,26 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "engine_id")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    engine_id: str
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StopRequest(_message.Message):
-    __slots__ = ("request_ids", "target_engine_id")
+    __slots__ = ("request_ids", "target_engine_id", "engine_id")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     target_engine_id: str
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., target_engine_id: _Optional[str] = ...) -> None: ...
+    engine_id: str
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., target_engine_id: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class StopResponse(_message.Message):
     __slots__ = ()
