@@ -46,13 +46,13 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from connector.beam_group import START_TIMEOUT_S, Group, mid_prompt, shared_from_free
 from connector.beam_processor import BeamStepMeta
 from connector.handoff import BEAM_KEY, CLONE_SEP, KEY, SLOT_KEY
 
@@ -67,40 +67,12 @@ logger = logging.getLogger(__name__)
 
 #: ``kv_transfer_params[BEAM_KEY]`` flag on a slot: not yet (the connector skips it).
 WAIT_KEY = "slot_wait"
-#: How long a group's first slot waits for the others.
-START_TIMEOUT_S = 30.0
 
 
 def slot_of(request: Request) -> dict[str, Any] | None:
     """The request's slot parameters (None: not a beam slot)."""
     params = request.sampling_params
     return ((params.extra_args or {}) if params is not None else {}).get(SLOT_KEY)
-
-
-@dataclass(slots=True)
-class _Group:
-    members: int  # its slots
-    first_block: int  # index of the first block each slot holds alone
-    tokens_each: int  # tokens a slot computes at its first step (worst case)
-    own_blocks: int  # blocks a slot holds alone at its first step
-    first_computed: int = 0  # tokens its slots computed at their first step
-    slots: dict[int, str] = field(default_factory=dict)  # slot -> request id
-    started: bool = False
-    step: int = 0  # beam steps decided so far
-    parents: list[int] | None = None  # the last step's, until copied
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    #: The refusal's reason (kvhandoff.errors): "beam_room" when the running requests
-    #: kept the group's room past START_TIMEOUT_S (the client may retry), else a failure.
-    reason: str = "beam_group"
-    reported: bool = False  # the error was sent to the slots
-    # Per beam step: the processor's milliseconds, the blocks copied after it.
-    select_ms: list[float] = field(default_factory=list)
-    copied: list[int] = field(default_factory=list)
-    arrived_at: float = field(default_factory=time.monotonic)  # its first slot
-
-    def ids(self) -> list[str]:
-        return [self.slots[i] for i in sorted(self.slots)]
 
 
 class SlotGroups:
@@ -116,7 +88,7 @@ class SlotGroups:
         self._fail = fail
         self._block_hasher = block_hasher
         self._hash_block_size = hash_block_size or block_size
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, Group] = {}
         self._slot_of: dict[str, tuple[str, int]] = {}  # request id -> (group, slot)
 
     def add(self, request: Request) -> list[Request]:
@@ -181,7 +153,7 @@ class SlotGroups:
             last = request.num_prompt_tokens - 1
             forked = bool(((request.kv_transfer_params or {}).get(BEAM_KEY) or {})
                           .get("fork_from"))
-            group = self._groups[name] = _Group(
+            group = self._groups[name] = Group(
                 members=members, first_block=last // self._block_size,
                 tokens_each=1 if forked else last % self._block_size + 1,
                 own_blocks=-(-request.num_prompt_tokens // self._block_size)
@@ -222,7 +194,7 @@ class SlotGroups:
                 continue
             # Each slot's own blocks at its first step, and the shared ones it takes from
             # the free count: those not cached, and cached ones no request holds.
-            blocks = group.members * group.own_blocks + _shared_from_free(
+            blocks = group.members * group.own_blocks + shared_from_free(
                 pool, members[0], group.first_block)
             if blocks > pool.num_gpu_blocks - 1:
                 group.error = (f"its {group.members} slots need {blocks} blocks at their "
@@ -291,7 +263,7 @@ class SlotGroups:
         return copies
 
     @staticmethod
-    def _copies(group: _Group, blocks: list[list[int]], pool: Any) -> list[KVCacheBlockCopy]:
+    def _copies(group: Group, blocks: list[list[int]], pool: Any) -> list[KVCacheBlockCopy]:
         assert group.parents is not None
         copies = []
         for child, parent in enumerate(group.parents):
@@ -323,7 +295,7 @@ class SlotGroups:
             if group.error or not group.started or not any(r in scheduled for r in group.ids()):
                 continue
             record = records.get(name)
-            if group.members == 1 and not (record or {}).get("error") and _mid_prompt(
+            if group.members == 1 and not (record or {}).get("error") and mid_prompt(
                     requests.get(group.ids()[0])):
                 continue  # a partial (chunked) prefill step: its sample is discarded
             if record is None:
@@ -399,20 +371,3 @@ class SlotGroups:
                 logger.info("Beam group %s: %s ended; ending its %d other slots", name,
                             rid, len(left))
                 scheduler.finish_requests(left, RequestStatus.FINISHED_ABORTED)
-
-
-def _mid_prompt(request: Request | None) -> bool:
-    """Whether ``request``'s last scheduled step left part of its prompt to compute."""
-    return request is not None and request.num_computed_tokens < request.num_prompt_tokens
-
-
-def _shared_from_free(pool: Any, leader: Request, num_blocks: int) -> int:
-    """Of the first ``num_blocks`` blocks of ``leader``'s prompt (the group's shared
-    prefix), those its first step takes from the pool's free count: not cached (the
-    first slot computes it; the others hit it), or cached with no request holding it."""
-    hashes = leader.block_hashes[:num_blocks]
-    taken = num_blocks - len(hashes)
-    for block_hash in hashes:
-        cached = pool.get_cached_block(block_hash, [0])
-        taken += cached is None or cached[0].ref_cnt == 0
-    return taken

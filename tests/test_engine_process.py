@@ -112,7 +112,7 @@ def _listening_port() -> socket.socket:
 
 def test_a_side_channel_that_cannot_listen_fails_the_start_with_the_reason():
     # vLLM's listener thread dies on a port in use and its caller waits forever.
-    from connector.nixl_continuation import ContinuationConnectorScheduler
+    from connector.nixl_scheduler import ContinuationConnectorScheduler
 
     with _listening_port() as busy:
         sched = ContinuationConnectorScheduler.__new__(ContinuationConnectorScheduler)

@@ -527,8 +527,8 @@ def test_stage_1_goes_to_the_p_replica_whose_cache_holds_its_prompt(ray_app, pro
     the first replica on a tie), the prompts the other replica ran would find nothing
     cached where they landed. Component test with real engines' events and its
     controls: tests/test_fleet.py."""
-    from concurrent.futures import ThreadPoolExecutor
     import random
+    from concurrent.futures import ThreadPoolExecutor
 
     serve = ray_app["serve"]
     block = serve.get_deployment_handle("Prefill", app_name=APP).info.remote().result(

@@ -1,0 +1,58 @@
+"""One beam group's state (:class:`Group`) and the arithmetic of its first step
+(:func:`shared_from_free`, :func:`mid_prompt`), for ``connector.beam_slots``, which owns
+the groups."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+#: How long a group's first slot waits for the others.
+START_TIMEOUT_S = 30.0
+
+
+@dataclass(slots=True)
+class Group:
+    members: int  # its slots
+    first_block: int  # index of the first block each slot holds alone
+    tokens_each: int  # tokens a slot computes at its first step (worst case)
+    own_blocks: int  # blocks a slot holds alone at its first step
+    first_computed: int = 0  # tokens its slots computed at their first step
+    slots: dict[int, str] = field(default_factory=dict)  # slot -> request id
+    started: bool = False
+    step: int = 0  # beam steps decided so far
+    parents: list[int] | None = None  # the last step's, until copied
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    #: The refusal's reason (kvhandoff.errors): "beam_room" when the running requests
+    #: kept the group's room past START_TIMEOUT_S (the client may retry), else a failure.
+    reason: str = "beam_group"
+    reported: bool = False  # the error was sent to the slots
+    # Per beam step: the processor's milliseconds, the blocks copied after it.
+    select_ms: list[float] = field(default_factory=list)
+    copied: list[int] = field(default_factory=list)
+    arrived_at: float = field(default_factory=time.monotonic)  # its first slot
+
+    def ids(self) -> list[str]:
+        return [self.slots[i] for i in sorted(self.slots)]
+
+
+def mid_prompt(request: Request | None) -> bool:
+    """Whether ``request``'s last scheduled step left part of its prompt to compute."""
+    return request is not None and request.num_computed_tokens < request.num_prompt_tokens
+
+
+def shared_from_free(pool: Any, leader: Request, num_blocks: int) -> int:
+    """Of the first ``num_blocks`` blocks of ``leader``'s prompt (the group's shared
+    prefix), those its first step takes from the pool's free count: not cached (the
+    first slot computes it; the others hit it), or cached with no request holding it."""
+    hashes = leader.block_hashes[:num_blocks]
+    taken = num_blocks - len(hashes)
+    for block_hash in hashes:
+        cached = pool.get_cached_block(block_hash, [0])
+        taken += cached is None or cached[0].ref_cnt == 0
+    return taken
