@@ -1,4 +1,4 @@
-"""AdmissionScheduler: an engine admits a handoff import only if it is valid and fits.
+r"""AdmissionScheduler: an engine admits a handoff import only if it is valid and fits.
 
 vLLM's scheduler plus an up-front check of every import; the base of D's scheduler
 (``decode_engine.scheduler``: stage 2 imports P's parent) and of P's
@@ -24,20 +24,24 @@ request it cannot allocate WAITING forever, holding the queue and the exporter's
 
 The block budget it admits against is :mod:`kvhandoff.budget`, shared with the router,
 D's server and the Ray Serve deployments.
+
+A subclass adds what it runs beside vLLM's scheduling as :class:`StepHook`\ s
+(``hooks``: factories of the scheduler), called at each point of a step; beam search
+inside the engine is one (``decode_engine.beam_slots``). This module knows none of them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from connector.adapters import adapter_of, check_import_adapter, digests_of
-from connector.beam_slots import SlotGroups
 from connector.faults import ANY_ADAPTER_FAULT
 from connector.handoff import (
     BEAM_KEY,
@@ -45,7 +49,6 @@ from connector.handoff import (
     KEY,
     ImportRequest,
     can_reach_p,
-    is_made_slot,
     validate_import,
 )
 from connector.signing import load_secret, verify
@@ -61,11 +64,37 @@ _ADMITTED = "_kvhandoff_admitted"
 _UNVERIFIED = frozenset({"missing", "malformed", "protocol", "unsigned", "signature", "target"})
 
 
+class StepHook(Protocol):
+    """Work a scheduler runs beside vLLM's at each point of a step (the engine-core
+    process, one thread). Requests it makes are its own; block copies it returns run in
+    this step's worker, before the forward."""
+
+    def add(self, request: Request) -> list[Request]:
+        """A new request; returns requests it makes from it, for the scheduler to add."""
+
+    def before_schedule(self, scheduler: Scheduler) -> None: ...
+
+    def after_schedule(self, scheduler: Scheduler, output: Any) -> list[Any]:
+        """This step's schedule; returns the block copies it needs (vLLM's
+        ``KVCacheBlockCopy``)."""
+
+    def on_step_output(self, scheduler_output: Any, model_runner_output: Any,
+                       requests: dict[str, Request]) -> None: ...
+
+    def after_output(self, scheduler: Scheduler, outputs: dict[int, EngineCoreOutputs]
+                     ) -> None: ...
+
+    def hides(self, request_id: str) -> bool:
+        """Whether the request's outputs stay in the engine (a request it made)."""
+
+
 class AdmissionScheduler(Scheduler):
     """vLLM's scheduler with an up-front admission check for handoff imports."""
 
     #: Names the pool in a refusal ("decode pool too small: ...").
     pool_name = "this engine's"
+    #: Made once per scheduler, in order (module docstring).
+    hooks: tuple[Callable[[AdmissionScheduler], StepHook], ...] = ()
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -92,9 +121,7 @@ class AdmissionScheduler(Scheduler):
         self._rejected: list[tuple[Request, str, str]] = []
         # Admitted imports whose request has not finished yet.
         self._importing: set[str] = set()
-        # Beam search inside the engine: the groups of beam slots (connector.beam_slots).
-        self._slots = SlotGroups(self.block_size, self._reject, _block_hasher(self),
-                                 hash_block_size=self.hash_block_size)
+        self._hooks = [make(self) for make in self.hooks]
         # The engine core's heap (kvhandoff.heap): free pages given back every few
         # seconds of work; snapshots only when asked (a diagnostic).
         self._trimmer = Trimmer()
@@ -106,23 +133,24 @@ class AdmissionScheduler(Scheduler):
         return self.kv_cache_config.num_blocks - 1
 
     def add_request(self, request: Request) -> None:
-        clones = self._slots.add(request)
+        made = [m for hook in self._hooks for m in hook.add(request)]
         super().add_request(request)
-        for clone in clones:  # a beam group's other slots, made from its leader
-            self.add_request(clone)
+        for request in made:  # e.g. a beam group's other slots, made from its leader
+            self.add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any):
         self._trimmer.maybe_trim()
         self._admit_new_imports()
-        self._slots.before_schedule(self)
+        for hook in self._hooks:
+            hook.before_schedule(self)
         output = super().schedule(*args, **kwargs)
-        copies = self._slots.after_schedule(self, output)
+        copies = [c for hook in self._hooks for c in hook.after_schedule(self, output)]
         if copies:
             self._send_copies(output, copies)
         return output
 
     def _send_copies(self, output: Any, copies: list[Any]) -> None:
-        """Beam slots' block copies for this step's worker. With beam fork on, the
+        """The hooks' block copies for this step's worker. With beam fork on, the
         connector's worker runs them with its fork copies (``connector.beam_fork``: one
         gather and one scatter per KV tensor); else vLLM's ``kv_cache_block_copies``,
         which on CPU copies through a byte view and cost ~0.8 ms a step for 25 blocks
@@ -147,7 +175,7 @@ class AdmissionScheduler(Scheduler):
             try:
                 claimed += self._check_import(request, params, claimed)
             except HandoffError as e:
-                self._reject(request, e.reason, str(e))
+                self.reject(request, e.reason, str(e))
             else:
                 self._importing.add(request.request_id)
 
@@ -212,7 +240,7 @@ class AdmissionScheduler(Scheduler):
                      handoff.lease_remaining_s(), time.time() - request.arrival_time)
         return needed
 
-    def _reject(self, request: Request, reason: str, message: str) -> None:
+    def reject(self, request: Request, reason: str, message: str) -> None:
         """End ``request`` with ``FINISHED_ERROR``; its client gets ``reason`` and
         ``message`` (an import refused at admission, or a failed beam group's slot)."""
         logger.warning("Ending %s: %s", request.request_id, message)
@@ -228,7 +256,8 @@ class AdmissionScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any
                            ) -> dict[int, EngineCoreOutputs]:
-        self._slots.on_step_output(scheduler_output, model_runner_output, self.requests)
+        for hook in self._hooks:
+            hook.on_step_output(scheduler_output, model_runner_output, self.requests)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for eco in outputs.values():
             for out in eco.outputs:
@@ -244,7 +273,8 @@ class AdmissionScheduler(Scheduler):
                     }}
         # Forget imports finished without an output (aborted by the client).
         self._importing.intersection_update(self.requests)
-        self._slots.after_output(self, outputs)
+        for hook in self._hooks:
+            hook.after_output(self, outputs)
         rejected, self._rejected = self._rejected, []
         for request, reason, message in rejected:
             eco = outputs.get(request.client_index)
@@ -259,20 +289,11 @@ class AdmissionScheduler(Scheduler):
                 )
             )
         for eco in outputs.values():
-            # Slots made here (connector.beam_slots) have no client: their outputs would
-            # cross to the front end only to be dropped there, 511 a step at W=512.
-            if any(is_made_slot(out.request_id) for out in eco.outputs):
-                eco.outputs = [out for out in eco.outputs if not is_made_slot(out.request_id)]
+            # Requests the hooks made have no client: their outputs would cross to the
+            # front end only to be dropped there (511 beam slots a step at W=512).
+            shown = [out for out in eco.outputs
+                     if not any(hook.hides(out.request_id) for hook in self._hooks)]
+            if len(shown) < len(eco.outputs):
+                eco.outputs = shown
         return outputs
 
-
-def _block_hasher(scheduler: Any) -> Any:
-    """vLLM's request block hasher, as its engine core builds it (for requests made in
-    the scheduler: ``connector.beam_slots``'s cloned slots)."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-
-    if not scheduler.cache_config.enable_prefix_caching:
-        return None
-    return get_request_block_hasher(scheduler.hash_block_size, get_hash_fn_by_name(
-        scheduler.cache_config.prefix_caching_hash_algo))

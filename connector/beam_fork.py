@@ -1,7 +1,7 @@
 """Beam fork: a request copies the partial last block of a kept request it extends
 instead of recomputing it. Mixed into the connector's scheduler and worker sides.
 
-vLLM's prefix cache shares only full blocks, so each beam slot (``connector.beam_slots``)
+vLLM's prefix cache shares only full blocks, so each beam slot (``decode_engine.beam_slots``)
 would recompute the partial last block of the parent it starts from (up to
 ``block_size`` tokens per slot). Stage 2's step 0 sent with ``kv_transfer_params[BEAM_KEY]``
 = ``{"id": name, "keep": True}`` keeps its blocks when it ends; a slot with

@@ -41,7 +41,7 @@ KEY = "kvhandoff"
 #: from them (``{"fork_from": name}``).
 BEAM_KEY = "kvhandoff_beam"
 #: ``SamplingParams.extra_args`` key of a beam slot's parameters (beam search inside the
-#: engine: ``connector.beam_processor.slot_spec``), and of the group's beams on the final
+#: engine: ``decode_engine.beam_processor.slot_spec``), and of the group's beams on the final
 #: output of its slot 0 (``kv_transfer_params[KEY][SLOT_KEY]``).
 SLOT_KEY = "kvhandoff_slot"
 #: Connector stats key: prompt tokens beam steps copied from a kept beam (beam fork). vLLM
@@ -54,9 +54,13 @@ FAULTS_KEY = "kvhandoff_faults_injected"
 #: (the runs made), and the cached blocks each evicted out of the LRU order.
 RUNS_KEY = "kvhandoff_runs"
 RUNS_OUT_OF_ORDER_KEY = "kvhandoff_runs_out_of_lru_order"
-#: A beam slot made in the engine from its group's leader (``connector.beam_slots``):
+#: A beam slot made in the engine from its group's leader (``decode_engine.beam_slots``):
 #: ``<leader's request id>`` + this + its index. The front end never sees its outputs.
 CLONE_SEP = ".slot"
+
+
+#: ``kv_transfer_params[BEAM_KEY]`` flag on a beam slot: not yet (the connector skips it).
+WAIT_KEY = "slot_wait"
 
 
 def is_made_slot(request_id: str) -> bool:

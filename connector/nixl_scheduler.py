@@ -18,7 +18,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 
 from connector.adapters import adapter_of, digests_of
 from connector.beam_fork import BeamForkScheduler, beam_params
-from connector.beam_slots import WAIT_KEY
 from connector.faults import (
     FAULTS,
     fault_of,
@@ -33,6 +32,7 @@ from connector.handoff import (
     RELEASE_KEY,
     RETARGET_KEY,
     STOP_KEY,
+    WAIT_KEY,
     Handoff,
     token_digest,
 )

@@ -1,9 +1,11 @@
-"""D, the decode/beam engine: the import of a parent's KV, beam search over
-``AsyncLLM.generate`` (``beam``), and the admission-checking scheduler vLLM loads by class
-path (``scheduler``, which imports vLLM)."""
+"""D, the decode/beam engine: the import of a parent's KV and beam search inside the
+engine. The engine (``engine``: ``DecodeEngine``, ``run_beam_stage``) and the front side
+of a search (``beam``: ``AsyncLLM.generate`` with its slots' parameters); the engine side:
+the groups of slots in the scheduler (``beam_slots``, ``beam_group``), the logits
+processor that picks each step's beams (``beam_processor``, its arithmetic in
+``beam_search``), the catalogs beams may be kept in (``catalog``), and D's scheduler
+vLLM loads by class path (``scheduler``). P's colocated path runs the same beam search.
 
-from __future__ import annotations
-
-from decode_engine.engine import DecodeEngine, run_beam_stage
-
-__all__ = ["DecodeEngine", "run_beam_stage"]
+Nothing is imported here: ``engine`` (under it, vLLM's engine) imports this package's
+catalogs, and the engine-core and worker processes load only the parts they run.
+"""

@@ -11,14 +11,14 @@ trailing EOS). Here, token for token the same, but inside the engine:
 - **Step 0** is one request over ``parent + suffix`` that carries the import
   (``first_step_extra_args``) and is a beam group of one slot: the engine's logits
   processor picks its W best first tokens from its row, as vLLM reads them from a
-  ``2W``-logprobs request (ties by vLLM's numpy calls: ``connector.beam_search``), and
+  ``2W``-logprobs request (ties by vLLM's numpy calls: ``decode_engine.beam_search``), and
   they come back on its output; no logprobs travel.
 - **Steps 1 to T-1** run in the engine: W slot requests, slot ``i`` over ``parent +
   [token i]``, each decoding ``T - 1`` tokens (slot 0 is sent, the engine's scheduler
   makes the others from it: one prompt through the front end, not W); at every engine
   step the logits processor picks the W new beams and forces each slot's token, and the
   scheduler copies each parent beam's KV into its children's slots
-  (``connector.beam_slots``). No request is made per step; slot 0's final output
+  (``decode_engine.beam_slots``). No request is made per step; slot 0's final output
   carries the beams.
 
 With ``fork`` (engines running our connector) the slots copy step 0's partial last
@@ -28,7 +28,7 @@ its first step; without it, up to ``block_size``.
 **Constrained to a catalog** (``params.catalog``), the same steps with every beam's
 candidates limited to the catalog's, step 0's included (its first tokens are items'
 first tokens); the slots start one token into an item and return only whole items
-(``connector.beam_search``: the rules; ``tools/harness/constrained.py``: the reference).
+(``decode_engine.beam_search``: the rules; ``tools/harness/constrained.py``: the reference).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connector.beam_search import slot_spec
 from connector.handoff import BEAM_KEY, KEY, SLOT_KEY
+from decode_engine.beam_search import slot_spec
 from kvhandoff.types import Beam, BeamParams, StageError
 
 if TYPE_CHECKING:
@@ -123,8 +123,8 @@ async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamP
     """The steps inside the engine: a slot per beam (``members`` slots, the first
     ``len(beams)`` starting with a live beam, the rest waiting to be forked into), each
     running the search's remaining steps. Only slot 0 is sent; the engine makes the
-    others from it (``connector.beam_slots``). The search's result, from slot 0's final
-    output (``connector.beam_search.GroupSearch.result``, with the steps' figures)."""
+    others from it (``decode_engine.beam_slots``). The search's result, from slot 0's final
+    output (``decode_engine.beam_search.GroupSearch.result``, with the steps' figures)."""
     from vllm import SamplingParams
 
     group, live = _unique(f"{request_id}-g"), len(beams)
@@ -137,7 +137,7 @@ async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamP
                      cum_logprob=starts[0].cum_logprob, eos_token_id=eos_token_id,
                      ignore_eos=params.ignore_eos, catalog=params.catalog,
                      in_item=params.catalog is not None)
-    # The other slots are made in the engine from this one (connector.beam_slots): each
+    # The other slots are made in the engine from this one (decode_engine.beam_slots): each
     # the same prompt with its own last token.
     spec["clones"] = [[seq.tokens[-1], seq.cum_logprob] for seq in starts[1:]]
     sampling = SamplingParams(max_tokens=params.max_tokens - 1, temperature=0.0,

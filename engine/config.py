@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from connector.adapters import ADAPTERS_KEY, Adapter, load_all, max_lora_rank
-from connector.catalog import CATALOGS_KEY
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
+from decode_engine.catalog import CATALOGS_KEY
 from kvhandoff.ports import is_loopback
 from kvhandoff.types import MAX_BEAM_WIDTH
 
@@ -31,8 +31,8 @@ PREFILL_SCHEDULER = "prefill_engine.scheduler.PrefillScheduler"
 POSITIONAL_SAMPLER = "engine.sampling:PositionalSampler"
 #: GPU hosts: each engine's share of the device's memory (``EngineConfig.gpu_memory_share``).
 GPU_SHARE_ENV = "KVHANDOFF_GPU_MEMORY_SHARE"
-#: Beam search inside the engine: each beam group's step (``connector.beam_processor``).
-BEAM_SLOT_PROCESSOR = "connector.beam_processor:BeamSlotProcessor"
+#: Beam search inside the engine: each beam group's step (``decode_engine.beam_processor``).
+BEAM_SLOT_PROCESSOR = "decode_engine.beam_processor:BeamSlotProcessor"
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class EngineConfig:
     kv_events: bool = True
     kv_events_host: str = "127.0.0.1"
     kv_events_key_file: str | None = None
-    #: Catalogs beams may be constrained to, (name, path) pairs (``connector.catalog``):
+    #: Catalogs beams may be constrained to, (name, path) pairs (``decode_engine.catalog``):
     #: loaded and checked at start by the front end and by each worker.
     catalogs: tuple[tuple[str, str], ...] = ()
     #: LoRA adapters served here, (name, directory in PEFT's format) pairs
@@ -250,7 +250,7 @@ class EngineConfig:
             # leaves), and on GPUs vLLM would otherwise turn it on.
             async_scheduling=False,
             # Positional sampling (engine.sampling) and beam slots
-            # (connector.beam_processor), for the requests that ask for them.
+            # (decode_engine.beam_processor), for the requests that ask for them.
             logits_processors=[POSITIONAL_SAMPLER, BEAM_SLOT_PROCESSOR],
             additional_config={
                 **({CATALOGS_KEY: dict(self.catalogs)} if self.catalogs else {}),

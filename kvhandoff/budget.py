@@ -6,7 +6,7 @@ Block arithmetic for a prompt of n tokens, block size B, beam width W, T beam to
     | full blocks: n // B, shared by all beams | tail: n % B + T tokens, one per beam |
     needed = n // B + W * cdiv(n % B + T, B)
 
-Beam search runs in W slots (``connector.beam_slots``), each over ``parent + [its first
+Beam search runs in W slots (``decode_engine.beam_slots``), each over ``parent + [its first
 token]`` until T tokens. With beam fork on (the default), step 0's request is kept until
 every slot copied its partial last block: at the slots' first step it still holds its
 private block (``priv(n) = cdiv(n, B) - n // B``) beside the slots' first blocks::

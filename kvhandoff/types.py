@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: Beam search runs W slots in one engine batch (``connector.beam_slots``): an engine
+#: Beam search runs W slots in one engine batch (``decode_engine.beam_slots``): an engine
 #: takes widths up to its ``max_num_seqs`` and ``max_logprobs / 2`` (step 0 asks for 2W
 #: logprobs), within its vocabulary's half.
 MAX_BEAM_WIDTH = 512
@@ -99,7 +99,7 @@ class BeamParams:
     max_tokens: int = 3
     length_penalty: float = 1.0
     ignore_eos: bool = False
-    #: Beams stay in this catalog of D's (``connector.catalog``); None: unconstrained.
+    #: Beams stay in this catalog of D's (``decode_engine.catalog``); None: unconstrained.
     catalog: str | None = None
 
     def __post_init__(self) -> None:

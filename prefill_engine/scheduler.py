@@ -18,12 +18,15 @@ import logging
 
 from connector.admission import AdmissionScheduler
 from connector.signing import TARGET_KEY
+from decode_engine.beam_slots import SlotGroups
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillScheduler(AdmissionScheduler):
     pool_name = "prefill"
+    # The colocated path's beam search runs on P.
+    hooks = (SlotGroups.for_scheduler,)
 
     def schedule(self, *args, **kwargs):
         connector = getattr(self.connector, "connector_scheduler", None)

@@ -49,7 +49,7 @@ from router.parents import ParentRecord, ParentRegistry
 from router.plan import Outcome, Plan, fault_of, sampling_of, suffix_ids_of, to_response
 from router.pool import EnginePool
 from router.stages import StageCalls
-from server import convert
+from wire import common as convert
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ from router.http_schema import (
 )
 from router.parents import ParentRecord
 from router.plan import Plan
-from server import convert
+from wire import common as convert
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from router.core import Router
 from router.http import HttpFront
 from router.metrics import RouterMetrics
 from router.service import RouterServicer
-from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal, watch_loop_lag
+from wire.grpc_server import set_serving, start_server, wait_for_shutdown_signal, watch_loop_lag
 
 
 async def serve_http(api: RouterAPI, host: str, port: int, tls: ServerTLS | None = None):

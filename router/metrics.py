@@ -116,7 +116,7 @@ class RouterMetrics:
             "kvhandoff_router_capacity_rpc_seconds",
             "GetCapacity round trips from the router, answered or not", ["role"],
             buckets=_LATENCY_BUCKETS, registry=r)
-        from server.grpc_common import loop_lag_histogram
+        from wire.grpc_server import loop_lag_histogram
 
         self.loop_lag = loop_lag_histogram(r)
 

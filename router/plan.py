@@ -21,7 +21,7 @@ from kvhandoff.types import (
     validate_token_ids,
 )
 from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2
-from server import convert
+from wire import common as convert
 
 if TYPE_CHECKING:
     from router.endpoint import Endpoint

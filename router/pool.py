@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 #: gone) fails the calls in flight to it within ~20 s (a ping every 10 s, 10 s to answer)
 #: instead of when TCP gives up (minutes). A stopped process (SIGSTOP) answers pings once
 #: it resumes: pauses under 10 s do not end its calls. The engine servers accept pings
-#: this often (server.grpc_common.SERVER_OPTIONS).
+#: this often (wire.grpc_server.SERVER_OPTIONS).
 KEEPALIVE_MS = 10_000
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),

@@ -20,7 +20,7 @@ from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2
 from router.endpoint import Claim, Endpoint
 from router.errors import grpc_error
 from router.plan import Outcome, Plan
-from server import convert
+from wire import common as convert
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ from kvhandoff.types import BeamParams, InvalidRequest
 from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
 from prefill_engine.engine import PrefillEngine
 from server import convert as engine_pb
-from server.grpc_common import set_serving, start_server, wait_for_shutdown_signal, watch_loop_lag
 from server.metrics import LOOP_LAG, HandoffCounts, serve_metrics
+from wire import common
+from wire.grpc_server import set_serving, start_server, wait_for_shutdown_signal, watch_loop_lag
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             if self.role != "prefill":
                 raise InvalidRequest("role", "stage 1 runs on a prefill engine")
-            params = engine_pb.stage1_from_pb(request.sampling,
+            params = common.stage1_from_pb(request.sampling,
                                               default_stop_ids=self.default_stop_ids)
             handoff = None
             if request.HasField("handoff"):  # a stage 1 moved here from another P
@@ -90,7 +91,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 ):
                     if result is None:
                         yield engine_pb2.Stage1Event(
-                            new_token_ids=new, logprobs=engine_pb.logprobs_to_pb(logprobs),
+                            new_token_ids=new, logprobs=common.logprobs_to_pb(logprobs),
                             engine_id=self.engine.engine_id)
                         continue
                     event = engine_pb2.Stage1Event(
@@ -144,11 +145,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def _stage2(self, request: engine_pb2.Stage2Request,
                       on_tokens=None) -> engine_pb2.Stage2Response:
         """Stage 2 (beam search, or sampled with ``on_tokens`` told of each batch)."""
-        beam = engine_pb.beam_from_pb(request.beam)
+        beam = common.beam_from_pb(request.beam)
         sampling = None
         if request.HasField("sampling"):
             # A sampled stage 2: empty stop_token_ids means EOS only.
-            sampling = engine_pb.stage1_from_pb(request.sampling)
+            sampling = common.stage1_from_pb(request.sampling)
             beam = BeamParams(beam_width=1, max_tokens=sampling.max_tokens)
         prompt = list(request.prompt_token_ids)
         if request.fault and not request.HasField("handoff"):
@@ -188,7 +189,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                               held_parent=request.held_parent,
                                               adapter=request.adapter)
         return engine_pb2.Stage2Response(
-            beams=engine_pb.beams_to_pb(result.beams),
+            beams=common.beams_to_pb(result.beams),
             num_imported_tokens=result.num_imported_tokens,
             num_imported_bytes=result.num_imported_bytes,
             num_computed_tokens_first_step=result.num_computed_tokens_first_step,

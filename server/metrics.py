@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine import EngineCounters
-from server.grpc_common import loop_lag_histogram
+from wire.grpc_server import loop_lag_histogram
 
 #: ``kvhandoff_event_loop_lag_seconds{loop}`` of the engine server's loop (which also
 #: runs vLLM's AsyncLLM output handler).

@@ -19,10 +19,10 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from connector.beam_processor import OUTBOX, BeamSlotProcessor
-from connector.beam_search import slot_spec
 from connector.handoff import KEY, SLOT_KEY
 from decode_engine.beam import beam_search
+from decode_engine.beam_processor import OUTBOX, BeamSlotProcessor
+from decode_engine.beam_search import slot_spec
 from kvhandoff.types import BeamParams, StageError
 
 EOS = 1
@@ -76,7 +76,7 @@ class ScriptedEngine:
         future = asyncio.get_running_loop().create_future()
         self.slots[spec["slot"]] = (list(tokens), sampling, future)
         # The leader brings its group's other slots (the scheduler makes them:
-        # connector.beam_slots, tested below over vLLM's Scheduler).
+        # decode_engine.beam_slots, tested below over vLLM's Scheduler).
         own = {k: v for k, v in spec.items() if k != "clones"}
         for i, (token, cum) in enumerate(spec.get("clones") or [], start=1):
             clone = SamplingParams(**{**_fields(sampling), "extra_args": {
@@ -112,7 +112,7 @@ class ScriptedEngine:
             contexts = {i: source.get(i, contexts[i]) + [by_slot[i]] for i in order}
         processor.update_state(SimpleNamespace(batch_size=0, removed=list(range(len(rows))),
                                                moved=[], added=[]))
-        # As the scheduler answers (connector.beam_slots): the result, the steps' figures.
+        # As the scheduler answers (decode_engine.beam_slots): the result, the steps' figures.
         info = ({SLOT_KEY: {**record["result"], "steps": {"select_ms": select_ms}}}
                 if "result" in record
                 else {"reason": "beam_group", "error": record.get("error", "no result")})
@@ -224,9 +224,9 @@ def test_a_stable_pick_among_ties_leaves_vllms_beams(monkeypatch):
     stable sort) leaves vLLM's beams on some cases, so the comparison above sees ties."""
     import numpy as np
 
-    import connector.beam_search
+    import decode_engine.beam_search
 
-    monkeypatch.setattr(connector.beam_search, "top_candidates",
+    monkeypatch.setattr(decode_engine.beam_search, "top_candidates",
                         lambda cums, width: np.argsort(-cums, kind="stable")[:width])
     differ = [case for case in CASES
               if ours([3, 4, case[0], case[1]], BeamParams(*case[:2], length_penalty=case[2],
@@ -332,7 +332,7 @@ def _slot_step(scheduler, groups=None, finished_sending=()):
     processor's records (``groups``) in the worker metadata."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-    from connector.beam_processor import BeamStepMeta
+    from decode_engine.beam_processor import BeamStepMeta
 
     out = scheduler.schedule()
     ids = list(out.num_scheduled_tokens)
@@ -433,11 +433,11 @@ def test_a_group_waits_for_room_and_a_step_without_decision_ends_it(model_dir):
 
 
 def test_an_incomplete_group_ends_after_its_start_timeout(model_dir, monkeypatch):
-    import connector.beam_slots
+    import decode_engine.beam_slots
     from connector.handoff import KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
-    monkeypatch.setattr(connector.beam_slots, "START_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(decode_engine.beam_slots, "START_TIMEOUT_S", 0.0)
     scheduler = make_scheduler(model_dir)
     scheduler.add_request(_slot_request(list(range(10, 50)), slot=0, width=2))
     out, outputs = _slot_step(scheduler)
@@ -572,8 +572,8 @@ def test_the_deciding_candidates_pick_what_the_whole_list_picks():
     (logits rounded to halves) it declines, and the whole list decides."""
     import numpy as np
 
-    from connector.beam_processor import _candidates, _deciding_candidates
-    from connector.beam_search import GroupSearch
+    from decode_engine.beam_processor import _candidates, _deciding_candidates
+    from decode_engine.beam_search import GroupSearch
 
     def search(width, eos, ignore, cums):
         return GroupSearch(width=width, steps=8, eos_token_id=eos, ignore_eos=ignore,
@@ -620,7 +620,7 @@ def test_a_made_slot_copies_its_leaders_block_hashes_and_goes_on_as_vllm_would(p
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
-    from connector.beam_slots import SlotGroups
+    from decode_engine.beam_slots import SlotGroups
     from tests.utils import BLOCK_SIZE
 
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
@@ -647,7 +647,7 @@ def test_a_beams_first_child_stays_in_its_parents_slot():
     the slots' sources ask for that one copy only."""
     import numpy as np
 
-    from connector.beam_processor import place_beams
+    from decode_engine.beam_processor import place_beams
 
     slots = place_beams(np.array([0, 0, 1, 3]), 5)
     assert slots.tolist() == [0, 2, 1, 3]
@@ -664,13 +664,13 @@ def test_a_group_that_never_gets_room_ends_as_a_retryable_refusal(model_dir, mon
     client (retry later), not ``beam_group``'s INTERNAL."""
     import grpc
 
-    import connector.beam_slots
+    import decode_engine.beam_slots
     from connector.handoff import KEY
     from kvhandoff.errors import status_for
     from kvhandoff.types import StageError
     from tests.utils import assert_scheduler_clean, make_scheduler
 
-    monkeypatch.setattr(connector.beam_slots, "START_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(decode_engine.beam_slots, "START_TIMEOUT_S", 0.0)
     scheduler = make_scheduler(model_dir)
     for slot in range(32):
         scheduler.add_request(_slot_request(list(range(10, 50)), slot=slot, width=32))

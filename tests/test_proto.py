@@ -20,7 +20,7 @@ def test_checked_in_stubs_match_the_protos(tmp_path):
 def test_stage1_sampling_round_trips_and_unset_fields_take_the_defaults():
     from kvhandoff.types import Stage1Params
     from kvhandoff.v1 import common_pb2
-    from server import convert as engine_pb
+    from wire import common as engine_pb
 
     params = Stage1Params(max_tokens=7, temperature=0.5, top_p=0.75, top_k=3, seed=11,
                           stop_token_ids=(2, 5), ignore_eos=True, min_tokens=4)

@@ -30,10 +30,10 @@ from kvhandoff.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from server import convert as engine_pb
 from server.engine_service import start_engine_server
 from tools.client import RouterClient, make_request
 from tools.launch import local_cluster, spawn, stop, wait_serving
+from wire import common as engine_pb
 
 
 def _median(values: list[float]) -> float | None:

@@ -34,7 +34,7 @@ Token ids are compared exactly whatever the noise.
 Ties. Beams whose cumulative logprobs are exactly equal (frequent in bf16, where many
 logits round to the same value) are compared in their order too, against vLLM's beams
 as against the colocated run's: our beam search picks each step's W by the same numpy
-calls as vLLM's online beam search (``connector.beam_search.top_candidates``), so a tie
+calls as vLLM's online beam search (``decode_engine.beam_search.top_candidates``), so a tie
 resolves the same way on both (``tests/test_beam_search.py`` checks it against vLLM's
 code on a model whose scores tie at every step).
 """

@@ -1,11 +1,11 @@
 """The reference for beam search constrained to a catalog, written apart from the engine's
-fast path (``connector.catalog``, ``connector.beam_search``, ``connector.beam_processor``).
+fast path (``decode_engine.catalog``, ``decode_engine.beam_search``, ``decode_engine.beam_processor``).
 
 It shares no code with it: items are a dict-of-dicts trie built here; every step asks
 for each live beam's logprobs over the whole vocabulary (``next_logprobs``: one engine
 request per beam per step, ``logprobs`` = the vocabulary); candidates, ranks and
 selection are plain Python sorts. The rules it implements (the ones
-``connector.beam_search`` states):
+``decode_engine.beam_search`` states):
 
 - a beam's candidates are the tokens that keep it a prefix of an item, plus EOS where it
   is a whole item (unless EOS is ignored); each scored by its full-vocabulary logprob;

@@ -1,12 +1,12 @@
 """The worker side of beam search inside the engine: a logits processor that runs each
 beam group's step and forces every slot's next token.
 
-Loaded by vLLM in each worker (``logits_processors=[..., "connector.beam_processor:
+Loaded by vLLM in each worker (``logits_processors=[..., "decode_engine.beam_processor:
 BeamSlotProcessor"]``, ``engine.config``). A slot is a request sent with
 ``SamplingParams(temperature=0, ignore_eos=True, max_tokens=T-1,
-extra_args={SLOT_KEY: spec})`` (``connector.beam_search.slot_spec``); the W slots of a group are scheduled
-together every step (``connector.beam_slots``). At each step :meth:`apply` takes the
-group's rows in slot order, lets ``connector.beam_search`` pick the W new beams, and
+extra_args={SLOT_KEY: spec})`` (``decode_engine.beam_search.slot_spec``); the W slots of a group are scheduled
+together every step (``decode_engine.beam_slots``). At each step :meth:`apply` takes the
+group's rows in slot order, lets ``decode_engine.beam_search`` pick the W new beams, and
 turns each slot's row into one finite logit (0 at its token, -inf elsewhere), so vLLM's
 greedy sampler picks it. Rows of other requests are left as they are. A search's step 0
 is a group of one slot (``max_tokens=1``, the import's request): its one row gives the W
@@ -21,9 +21,9 @@ sampling, before the step's output goes to the scheduler (``async_scheduling`` i
 A step the processor cannot run (a slot missing from the batch) is posted as an error:
 the scheduler ends the group; no beam is ever guessed.
 
-A group may name a catalog (``connector.catalog``): the processor loads the engine's
+A group may name a catalog (``decode_engine.catalog``): the processor loads the engine's
 catalogs once, at its start (``additional_config[CATALOGS_KEY]``), and limits each
-beam's candidates to the catalog's (``connector.beam_search.catalog_candidates``).
+beam's candidates to the catalog's (``decode_engine.beam_search.catalog_candidates``).
 """
 
 from __future__ import annotations
@@ -39,15 +39,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from connector import catalog as catalogs
-from connector.beam_search import (
+from connector import step_meta
+from connector.handoff import SLOT_KEY
+from decode_engine import catalog as catalogs
+from decode_engine.beam_search import (
     SPEC_FIELDS,
     Candidates,
     GroupSearch,
     catalog_candidates,
     row_candidates,
 )
-from connector.handoff import SLOT_KEY
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -96,6 +97,7 @@ class Outbox:
 
 #: One per worker process: the processor and the connector worker meet here.
 OUTBOX = Outbox()
+step_meta.register(OUTBOX.open_step)
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ and lines starting with ``#`` are skipped). D loads its catalogs at start
 (``--catalog NAME=PATH``, ``EngineConfig.catalogs``): the front end to check them (a
 token outside the vocabulary, or EOS inside an item, refuses the start with the file and
 line) and to answer which it has, each worker to constrain the beams
-(``connector.beam_processor``). Loaded once, shared by every request that names it.
+(``decode_engine.beam_processor``). Loaded once, shared by every request that names it.
 
 The trie is a transition table in flat arrays (no Python object per node): node ``k``'s
 children are ``tokens[offsets[k]:offsets[k+1]]`` (ascending) leading to

@@ -1,5 +1,5 @@
 """One beam group's state (:class:`Group`) and the arithmetic of its first step
-(:func:`shared_from_free`, :func:`mid_prompt`), for ``connector.beam_slots``, which owns
+(:func:`shared_from_free`, :func:`mid_prompt`), for ``decode_engine.beam_slots``, which owns
 the groups."""
 
 from __future__ import annotations

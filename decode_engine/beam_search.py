@@ -1,6 +1,6 @@
 """One beam group's search, step by step, with vLLM's beam-search semantics.
 
-Beam search inside the engine (``connector.beam_slots``): after stage 2's first step,
+Beam search inside the engine (``decode_engine.beam_slots``): after stage 2's first step,
 W requests ("slots") decode the group's beams side by side, one engine step per beam
 step. At each step the logits processor hands this module the group's W rows of logits
 (slot order = beam order, best first) and gets back, for each slot, the beam it now
@@ -16,7 +16,7 @@ the beam's cumulative logprob plus the token's (float32 logprob, float64 sum);
 EOS-ending candidates go to ``completed``, and the W best of the others are picked by
 :func:`top_candidates`, the same numpy calls, so that exact ties resolve as vLLM's.
 
-A search constrained to a catalog (``connector.catalog``) keeps vLLM's scores (the
+A search constrained to a catalog (``decode_engine.catalog``) keeps vLLM's scores (the
 model's full-vocabulary logprobs) and rules, with each beam's candidates limited to the
 tokens that keep it inside the catalog (EOS only where it completes an item): each
 row's ``2W`` best allowed tokens by logprob, ties by token id (:func:`catalog_candidates`),
@@ -38,7 +38,7 @@ import numpy as np
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from connector.catalog import Catalog
+    from decode_engine.catalog import Catalog
 
 
 def top_candidates(cum_logprobs: np.ndarray, width: int) -> np.ndarray:
@@ -172,7 +172,7 @@ class GroupSearch:
     def done(self) -> bool:
         """Every step ran, or a step left no live beam (all ended by EOS, as whole
         items, or with no candidate): nothing is left to search, and the slots end
-        with this step (``connector.beam_slots`` caps their ``max_tokens``)."""
+        with this step (``decode_engine.beam_slots`` caps their ``max_tokens``)."""
         return self.step >= self.steps or (self.step > 0 and self.num_live == 0)
 
     def select(self, candidates: Candidates) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,7 @@ group's beams, one engine step per beam step, until the search ends
 (``max_tokens`` = T - 1) and forks the first step's kept request (``connector.beam_fork``:
 the shared full blocks are prefix hits, the partial last one is copied). A one-slot
 group neither waits nor copies, and its blocks stay in the prefix cache. The logits
-processor (``connector.beam_processor``) picks each step's beams and forces the slots'
+processor (``decode_engine.beam_processor``) picks each step's beams and forces the slots'
 tokens; this part, owned by the engine's scheduler (``connector.admission``), does the
 rest:
 
@@ -52,9 +52,9 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from connector.beam_group import START_TIMEOUT_S, Group, mid_prompt, shared_from_free
-from connector.beam_processor import BeamStepMeta
-from connector.handoff import BEAM_KEY, CLONE_SEP, KEY, SLOT_KEY
+from connector.handoff import BEAM_KEY, CLONE_SEP, KEY, SLOT_KEY, WAIT_KEY, is_made_slot
+from decode_engine.beam_group import START_TIMEOUT_S, Group, mid_prompt, shared_from_free
+from decode_engine.beam_processor import BeamStepMeta
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -65,8 +65,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: ``kv_transfer_params[BEAM_KEY]`` flag on a slot: not yet (the connector skips it).
-WAIT_KEY = "slot_wait"
 
 
 def slot_of(request: Request) -> dict[str, Any] | None:
@@ -90,6 +88,17 @@ class SlotGroups:
         self._hash_block_size = hash_block_size or block_size
         self._groups: dict[str, Group] = {}
         self._slot_of: dict[str, tuple[str, int]] = {}  # request id -> (group, slot)
+
+    @classmethod
+    def for_scheduler(cls, scheduler: Any) -> SlotGroups:
+        """The groups of an ``AdmissionScheduler`` (one of its ``hooks``): its block
+        size, its ``reject``, vLLM's block hasher as its engine core builds it."""
+        return cls(scheduler.block_size, scheduler.reject, block_hasher(scheduler),
+                   hash_block_size=scheduler.hash_block_size)
+
+    def hides(self, request_id: str) -> bool:
+        """Slots made here have no client (``CLONE_SEP``)."""
+        return is_made_slot(request_id)
 
     def add(self, request: Request) -> list[Request]:
         """A new request: a slot joins its group and waits for the others. A leader
@@ -371,3 +380,15 @@ class SlotGroups:
                 logger.info("Beam group %s: %s ended; ending its %d other slots", name,
                             rid, len(left))
                 scheduler.finish_requests(left, RequestStatus.FINISHED_ABORTED)
+
+
+def block_hasher(scheduler: Any) -> Any:
+    """vLLM's request block hasher, as its engine core builds it (for the slots made
+    here); None without prefix caching."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    if not scheduler.cache_config.enable_prefix_caching:
+        return None
+    return get_request_block_hasher(scheduler.hash_block_size, get_hash_fn_by_name(
+        scheduler.cache_config.prefix_caching_hash_algo))
