@@ -58,7 +58,7 @@ class EngineServer:
             port = side_channel_port + serve.get_replica_context().rank.rank
         host = side_channel_host or _node_ip()
         if engine_kwargs.get("catalogs"):
-            from kvhandoff.model import builtin_catalog
+            from kvhandoff.builtin.generate import builtin_catalog
 
             engine_kwargs = {**engine_kwargs, "catalogs": tuple(
                 (name, str(builtin_catalog(model_dir)) if path == "builtin" else path)

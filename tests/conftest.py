@@ -32,7 +32,7 @@ LEASE_S = 10
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from kvhandoff.model import builtin_model_dir
+    from kvhandoff.builtin.generate import builtin_model_dir
 
     return str(builtin_model_dir())
 
@@ -197,7 +197,7 @@ def pair(run, model_dir):
     the harness's moves between Ps), each with the built-in catalog ``shop``. Fault
     injection is allowed (the negative controls of tests/test_harness.py and
     tests/test_catalog_engine.py); no other test names a fault."""
-    from kvhandoff.model import builtin_catalog
+    from kvhandoff.builtin.generate import builtin_catalog
     from tools.local import local_pair
 
     def start():

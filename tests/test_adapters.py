@@ -20,7 +20,7 @@ LEASE_S = 20
 
 @pytest.fixture(scope="module")
 def lora(run, model_dir):
-    from kvhandoff.builtin_adapters import builtin_adapter
+    from kvhandoff.builtin.adapters import builtin_adapter
     from tools.local import local_pair
 
     def adapters(c_seed: int) -> tuple[tuple[str, str], ...]:

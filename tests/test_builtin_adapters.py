@@ -1,4 +1,4 @@
-"""The built-in adapters (``kvhandoff.builtin_adapters``) and an engine's reading of an
+"""The built-in adapters (``kvhandoff.builtin.adapters``) and an engine's reading of an
 adapter directory (``connector.adapters``), without engines: the files vLLM's LoRA
 loader reads (PEFT's names and shapes for the built-in model), with a B that is not
 zero (a zero B would leave the model unchanged and every "the adapter changes the
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.builtin_adapters import RANK, write_adapter
+from kvhandoff.builtin.adapters import RANK, write_adapter
 
 pytestmark = pytest.mark.fleet
 
@@ -44,7 +44,7 @@ def test_the_adapter_is_one_vllms_peft_reader_takes(model_dir, tmp_path):
 def test_an_adapter_is_named_by_its_files_and_bad_directories_fail_at_load(model_dir,
                                                                           tmp_path):
     from connector.adapters import AdapterError, load, load_all, max_lora_rank
-    from kvhandoff.builtin_adapters import builtin_adapter, resolve
+    from kvhandoff.builtin.adapters import builtin_adapter, resolve
 
     one = builtin_adapter(model_dir, 1)
     assert builtin_adapter(model_dir, 1) == one and resolve(model_dir, "builtin:1") == str(one)

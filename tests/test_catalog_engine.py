@@ -10,7 +10,7 @@ import pytest
 
 from connector.handoff import ImportRequest
 from decode_engine.engine import run_beam_stage
-from kvhandoff.corpus import shop_items
+from kvhandoff.builtin.corpus import shop_items
 from kvhandoff.types import BeamParams, Stage1Params
 from tools.harness import LOGPROB_TOLERANCE
 from tools.harness.cases import history_prompt

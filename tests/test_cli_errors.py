@@ -26,7 +26,7 @@ import pytest
      "/no/such/key"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(flags, says) -> None:
-    done = subprocess.run([sys.executable, "-m", "tools.cli", "serve", "--port", "0", *flags],
+    done = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--port", "0", *flags],
                           capture_output=True, text=True, timeout=240)
     err = [line for line in done.stderr.splitlines() if "Triton" not in line]
     assert done.returncode == 2, done.stderr[-2000:]

@@ -30,7 +30,7 @@ def _processes_in(cwd: Path) -> list[int]:
 
 def test_demo_verifies_every_request_and_leaves_nothing_running(model_dir, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "demo", "--model", model_dir, "--requests", "3",
+        [sys.executable, "-m", "cli.main", "demo", "--model", model_dir, "--requests", "3",
          "--beam-width", "4", "--json", str(tmp_path / "demo.json")],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -99,8 +99,8 @@ def test_kv_events_stay_on_loopback_unless_asked(model_dir, tmp_path):
     network address still publishes them on loopback; ``serve --kv-events off`` turns
     them off, ``--kv-events HOST`` exposes them on purpose, and only with a key (CURVE:
     tests/test_kv_events_keys.py); without one it is refused naming the flag."""
-    from tools.cli import build_parser
-    from tools.engine_args import engine_kwargs
+    from cli.engine_args import engine_kwargs
+    from cli.main import build_parser
 
     def kwargs(*flags: str) -> dict:
         args = build_parser().parse_args(["serve", "--role", "decode", "--model", model_dir,

@@ -138,7 +138,7 @@ def test_an_engine_server_whose_side_channel_port_is_taken_exits_saying_so(model
     with _listening_port() as busy:
         port = busy.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "tools.cli", "serve", "--role", "decode",
+            [sys.executable, "-m", "cli.main", "serve", "--role", "decode",
              "--model", model_dir, "--port", str(free_port()), "--kv-cache-mib", "24",
              "--side-channel-port", str(port)],
             capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])

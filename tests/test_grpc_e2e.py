@@ -343,7 +343,7 @@ def test_beams_in_a_catalog_over_grpc_and_http_equal_colocated_and_fail_when_fau
     import openai
     from transformers import AutoTokenizer
 
-    from kvhandoff.corpus import shop_items
+    from kvhandoff.builtin.corpus import shop_items
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     shop = {tuple(tokenizer.convert_tokens_to_ids(item)) for item in shop_items()}

@@ -130,7 +130,7 @@ def test_the_demo_across_hosts_is_identical_and_reads_the_kv_over_tcp(model_dir,
     if why:
         pytest.skip(why)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "demo", "--hosts", "netns", "--model", model_dir,
+        [sys.executable, "-m", "cli.main", "demo", "--hosts", "netns", "--model", model_dir,
          "--requests", "2", "--beam-width", "4", "--json", str(tmp_path / "demo.json")],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=900)
@@ -157,7 +157,7 @@ def test_verify_across_hosts_is_identical_and_reads_the_kv_over_tcp(model_dir, t
     if why:
         pytest.skip(why)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "verify", "--quick", "--hosts", "netns",
+        [sys.executable, "-m", "cli.main", "verify", "--quick", "--hosts", "netns",
          "--model", model_dir, "--json", str(tmp_path / "verify.json")],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=900)

@@ -18,7 +18,7 @@ def test_vllm_transformers_and_nixl_import_in_the_venv():
 def test_builtin_model_has_single_token_specials(model_dir):
     from transformers import AutoTokenizer
 
-    from kvhandoff.model import SPECIAL_TOKENS
+    from kvhandoff.builtin.tokens import SPECIAL_TOKENS
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     for text in SPECIAL_TOKENS:

@@ -1,4 +1,4 @@
-"""Models that are not the built-in one (``kvhandoff.shapes.VARIANTS``): generated
+"""Models that are not the built-in one (``kvhandoff.builtin.shapes.VARIANTS``): generated
 with the geometry, architecture and dtype they claim, and the harness on one of them on
 real engines, with a fault it must catch."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from kvhandoff.builtin.shapes import VARIANT_SHAPES
 from kvhandoff.model import DTYPE_BYTES, kv_bytes_per_block, model_dtype, resolve_model
-from kvhandoff.shapes import VARIANT_SHAPES
 
 
 @pytest.mark.parametrize("name", sorted(VARIANT_SHAPES))

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from kvhandoff.v1 import common_pb2, router_pb2
-from tools import soak_load
-from tools.soak_load import Soak
+from tools.soak import load as soak_load
+from tools.soak.load import Soak
 
 
 class _FakeRouter:
@@ -103,7 +103,7 @@ def test_a_short_soak_passes(tmp_path, model_dir):
     # soak's to see, as is an RSS slope (two 30 s points make an hour's slope of noise).
     # Errors, pools, RSS growth and recomputes are held to their defaults.
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "soak", "--model", model_dir, "--minutes", "4",
+        [sys.executable, "-m", "cli.main", "soak", "--model", model_dir, "--minutes", "4",
          "--interval-s", "30", "--baseline-minutes", "2", "--max-throughput-drop", "0.5",
          "--max-p99-rise", "1.0", "--max-rss-slope-mib-h", "1e9", "--json", str(out),
          "--log-dir", str(tmp_path / "logs")],
@@ -141,7 +141,7 @@ def test_a_soak_stopped_by_sigterm_leaves_no_server(tmp_path, model_dir):
     log = tmp_path / "soak.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.cli", "soak", "--model", model_dir, "--minutes",
+            [sys.executable, "-m", "cli.main", "soak", "--model", model_dir, "--minutes",
              "100", "--interval-s", "5", "--baseline-minutes", "2", "--log-dir",
              str(tmp_path / "logs")], stdout=out, stderr=subprocess.STDOUT)
     try:

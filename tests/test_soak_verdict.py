@@ -1,4 +1,4 @@
-"""The soak's verdict (tools.soak_verdict) on small synthetic runs: a healthy run passes,
+"""The soak's verdict (tools.soak.verdict) on small synthetic runs: a healthy run passes,
 and each criterion, alone, fails it by name; the borders pass as documented."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tools.soak_verdict import Bounds, verdict
+from tools.soak.verdict import Bounds, verdict
 
 #: Minutes 1-2 are warm-up: RSS is taken after minute 2; of the 6 minutes, throughput and
 #: p99 are levelled over minutes 3-4 (reference) and 5-6 (end): windows of two, the most

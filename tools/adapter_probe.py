@@ -31,7 +31,7 @@ from prefill_engine.engine import PrefillEngine, stage1_sampling
 
 
 async def probe() -> dict[str, Any]:
-    from kvhandoff.builtin_adapters import builtin_adapter
+    from kvhandoff.builtin.adapters import builtin_adapter
 
     model_dir = resolve_model(None)
     tokens = ModelTokens.load(model_dir)
@@ -97,7 +97,7 @@ async def cost(repeats: int = 7) -> dict[str, Any]:
     import time
 
     from decode_engine.engine import run_beam_stage
-    from kvhandoff.builtin_adapters import builtin_adapter
+    from kvhandoff.builtin.adapters import builtin_adapter
 
     model_dir = resolve_model(None)
     prompt, beam = list(range(100, 602)), BeamParams(beam_width=4, max_tokens=8)

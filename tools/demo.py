@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from kvhandoff.corpus import Example, make_example, semantic_id, shop_items
+from kvhandoff.builtin.corpus import Example, make_example, semantic_id, shop_items
 from kvhandoff.model import resolve_model
 from kvhandoff.v1 import common_pb2
 from tools.client import RouterClient, make_request

@@ -63,7 +63,7 @@ def steps(work: Path, rehearse: bool) -> list[Step]:
     Llama-3-8B shape, then the harness's quick set, then the quick bench, each at GPU
     sizes; rehearsed: the same commands at CPU sizes."""
     py = sys.executable
-    cli = (py, "-m", "tools.cli")
+    cli = (py, "-m", "cli.main")
     probe_tokens = "64,128" if rehearse else "1024,4096,16384"
     probe_shape = ("--layers", "2", "--kv-heads", "2", "--head-dim", "16") if rehearse else ()
     return [

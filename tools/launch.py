@@ -3,7 +3,7 @@ the bench, the soak and the tests use (``spawn``, ``stop``, ``wait_serving``,
 ``local_cluster``), and what they measure of them (``pool_state``, ``rss_mib``,
 ``paused``, ``CapacityProbe``).
 
-Each server runs ``python -m tools.cli serve`` in its own process group, so stopping
+Each server runs ``python -m cli.main serve`` in its own process group, so stopping
 it also ends its engine core and workers: nothing is left running.
 """
 
@@ -46,7 +46,7 @@ def spawn(role: str, port: int, extra: list[str], log_dir: Path,
     log_path = log_dir / f"{name or role}.log"
     metrics_port = free_port()
     address = host.address if host else "127.0.0.1"
-    cmd = [*(host.run_prefix if host else []), sys.executable, "-m", "tools.cli", "serve",
+    cmd = [*(host.run_prefix if host else []), sys.executable, "-m", "cli.main", "serve",
            "--role", role, "--port", str(port), "--metrics-port", str(metrics_port), *extra]
     if host:
         cmd += ["--host", address]

@@ -1,6 +1,6 @@
 """``kvhandoff bench``: its flags to the measurement they select, and that measurement's
 outputs (the printed report, ``--json``, ``--plot``). The flags themselves are defined in
-``tools.cli``.
+``cli.main``.
 
 One measurement per run: ``--beams`` (``tools.bench.beams``), ``--fleet``
 (``tools.bench.fleet``),

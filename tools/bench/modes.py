@@ -31,7 +31,8 @@ from typing import Any
 from connector.handoff import ImportRequest
 from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
-from kvhandoff.model import _WORDS, DEFAULT_SUFFIX_TEXT
+from kvhandoff.builtin.generate import _WORDS
+from kvhandoff.builtin.tokens import DEFAULT_SUFFIX_TEXT
 from kvhandoff.types import BeamParams, Stage1Params
 from tools.bench.types import BenchConfig, BenchError, Sample
 from tools.pipeline import TwoStageRequest, stage2_prompt

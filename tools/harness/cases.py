@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from kvhandoff.corpus import HISTORY_PREFIX, ITEMS
+from kvhandoff.builtin.corpus import HISTORY_PREFIX, ITEMS
 
 Ending = Literal["think_end", "eos", "length"]
 #: ``cold``: D's prefix cache is reset before the handoff (the import reads the whole

@@ -88,7 +88,7 @@ async def verify(model: str | None, *, quick: bool, json_path: str | None,
 
 def builtin_adapters(model_dir: Path) -> tuple[tuple[str, str], ...]:
     """The adapters the adapter cases name: a and b, built-in (seeds 1 and 2)."""
-    from kvhandoff.builtin_adapters import builtin_adapter
+    from kvhandoff.builtin.adapters import builtin_adapter
 
     return tuple((name, str(builtin_adapter(model_dir, seed)))
                  for name, seed in (("a", 1), ("b", 2)))

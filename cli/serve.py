@@ -9,8 +9,8 @@ import os
 import sys
 from typing import Any
 
+from cli.args import model_arg, tls_channel_args
 from router.auth import API_KEY_ENV, OPERATOR_KEY_ENV
-from tools.cli_args import model_arg, tls_channel_args
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -67,8 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
         asyncio.run(serve_router(config, args.host, args.port, metrics_port, tls, http_port,
                                  credentials))
     else:
+        from cli.engine_args import check_engine_kwargs, engine_kwargs
         from server.engine_service import serve_engine
-        from tools.engine_args import check_engine_kwargs, engine_kwargs
 
         try:
             # A bad model path, catalog or adapter is one line here, not a traceback

@@ -35,14 +35,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["fault_injection"] = True
     if args.catalog:
         from decode_engine.catalog import parse_spec
-        from kvhandoff.model import builtin_catalog
+        from kvhandoff.builtin.generate import builtin_catalog
 
         kwargs["catalogs"] = tuple(
             (name, str(builtin_catalog(model_dir)) if path == "builtin" else path)
             for name, path in map(parse_spec, args.catalog))
     if args.adapter:
         from decode_engine.catalog import parse_spec
-        from kvhandoff.builtin_adapters import resolve
+        from kvhandoff.builtin.adapters import resolve
 
         kwargs["adapters"] = tuple((name, resolve(model_dir, path)) for name, path in
                                    (parse_spec(spec, "--adapter") for spec in args.adapter))

@@ -1,4 +1,4 @@
-"""Train the built-in model on the synthetic two-stage corpus (:mod:`kvhandoff.corpus`).
+"""Train the built-in model on the synthetic two-stage corpus (:mod:`kvhandoff.builtin.corpus`).
 
 Called once by :mod:`kvhandoff.model` when the model is generated; deterministic for a
 given seed, thread count and torch build (the cached result is what every engine loads,
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvhandoff.corpus import SID_TOKENS, Example, make_example, semantic_id
+from kvhandoff.builtin.corpus import SID_TOKENS, Example, make_example, semantic_id
 
 logger = logging.getLogger(__name__)
 

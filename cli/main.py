@@ -8,10 +8,10 @@ import os
 import sys
 from typing import Any
 
+from cli.args import model_arg, tls_channel_args
 from connector.faults import FAULTS
 from connector.logs import LEVEL_ENV
 from router.auth import API_KEY_ENV, OPERATOR_KEY_ENV
-from tools.cli_args import model_arg, tls_channel_args
 
 
 # Each subcommand imports what it runs inside its function: ``kvhandoff client`` and the
@@ -197,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True)
-    from tools.serve_cmd import add_serve_parser
-    from tools.soak import add_soak_parser
+    from cli.serve import add_serve_parser
+    from tools.soak.run import add_soak_parser
 
     for add in (_add_verify, add_serve_parser, _add_client, _add_drain, _add_bench, _add_demo,
                 add_soak_parser, _add_bundle):

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from kvhandoff.model import cache_dir
+from kvhandoff.builtin.generate import cache_dir
 
 RANK = 8
 

@@ -1,6 +1,6 @@
 """``kvhandoff soak``: P, D and the router as processes under a steady mixed load
-(``tools.soak_load``) for N minutes, with per-minute memory, pool usage, latency, error and
-recompute counts (JSON and a plot), and a verdict over them (``tools.soak_verdict``:
+(``tools.soak.load``) for N minutes, with per-minute memory, pool usage, latency, error and
+recompute counts (JSON and a plot), and a verdict over them (``tools.soak.verdict``:
 throughput and p99 held, RSS of each process, pools clean, no error, no recompute).
 """
 
@@ -26,8 +26,8 @@ from tools.launch import (
     rss_mib,
     wait_pool_clean,
 )
-from tools.soak_load import Interval, Soak
-from tools.soak_verdict import Bounds, Verdict, verdict
+from tools.soak.load import Interval, Soak
+from tools.soak.verdict import Bounds, Verdict, verdict
 
 #: Reasons kept per minute in a record (the count keeps them all).
 RECOMPUTED_KEPT = 5
