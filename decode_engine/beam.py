@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from connector.handoff import BEAM_KEY, KEY, SLOT_KEY
-from decode_engine.beam_search import slot_spec
+from decode_engine.slot_spec import GroupResult, slot_spec
 from kvhandoff.types import Beam, BeamParams, StageError
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def _step0_extra(extra_args: dict[str, Any] | None, fork: bool, keep: bool, name
 
 async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamParams, *,
                      eos_token_id: int | None, request_id: str, fork_from: str | None,
-                     members: int | None = None) -> dict[str, Any]:
+                     members: int | None = None) -> GroupResult:
     """The steps inside the engine: a slot per beam (``members`` slots, the first
     ``len(beams)`` starting with a live beam, the rest waiting to be forked into), each
     running the search's remaining steps. Only slot 0 is sent; the engine makes the
@@ -136,10 +136,11 @@ async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamP
                      live=live, steps=params.max_tokens - 1,
                      cum_logprob=starts[0].cum_logprob, eos_token_id=eos_token_id,
                      ignore_eos=params.ignore_eos, catalog=params.catalog,
-                     in_item=params.catalog is not None)
-    # The other slots are made in the engine from this one (decode_engine.beam_slots): each
-    # the same prompt with its own last token.
-    spec["clones"] = [[seq.tokens[-1], seq.cum_logprob] for seq in starts[1:]]
+                     in_item=params.catalog is not None,
+                     # The other slots are made in the engine from this one
+                     # (decode_engine.beam_slots): each the same prompt with its own
+                     # last token.
+                     clones=[(seq.tokens[-1], seq.cum_logprob) for seq in starts[1:]])
     sampling = SamplingParams(max_tokens=params.max_tokens - 1, temperature=0.0,
                               ignore_eos=True, detokenize=False, extra_args={
                                   SLOT_KEY: spec, "kv_transfer_params": {BEAM_KEY: beam}})
@@ -152,13 +153,13 @@ def _unique(name: str) -> str:
     return f"{name}:{uuid.uuid4().hex[:8]}"
 
 
-def _group_result(out: Any) -> dict[str, Any]:
+def _group_result(out: Any) -> GroupResult:
     """A beam group's result, from its slot 0's final output."""
     _check_outputs([out])
     info = (out.kv_transfer_params or {}).get(KEY) or {}
     if SLOT_KEY not in info:
         raise StageError("stage2", info.get("reason", "beam_group"), error_message(out))
-    return info[SLOT_KEY]
+    return GroupResult.read(info[SLOT_KEY])
 
 
 async def beam_search(
@@ -202,9 +203,9 @@ async def beam_search(
         fork = False  # D admitted the import only without it: step 0 was not kept
     step_computed = [len(first.prompt_token_ids) - (first.num_cached_tokens or 0)]
     completed = [_Sequence(prompt + list(tokens), float(cum))
-                 for _, tokens, cum in step0["completed"]]
-    beams = [_Sequence(prompt + list(tokens), float(cum)) for _, tokens, cum in step0["live"]]
-    recomputed, slot_steps, dropped = 0, None, int(step0.get("dropped", 0))
+                 for _, tokens, cum in step0.completed]
+    beams = [_Sequence(prompt + list(tokens), float(cum)) for _, tokens, cum in step0.live]
+    recomputed, slot_steps, dropped = 0, None, step0.dropped
     if params.max_tokens > 1 and beams:
         members = len(beams)
         if params.catalog is not None:  # room for the beams the catalog may grow to
@@ -212,16 +213,16 @@ async def beam_search(
         result = await _run_slots(generate, beams, params, eos_token_id=eos_token_id,
                                   request_id=request_id, fork_from=name if fork else None,
                                   members=members)
-        slot_steps = result.get("steps") or {}
+        slot_steps = result.steps or {}
         first_computed = int(slot_steps.get("first_computed", members))
         # The slots' steps that ran: fewer than planned when no live beam was left.
         ran = len(slot_steps.get("select_ms") or ()) or params.max_tokens - 1
         step_computed += [first_computed] + [members] * (ran - 1)
         recomputed = max(first_computed - members, 0)
-        dropped = int(result.get("dropped", 0))
-        for key in ("completed", "live"):
+        dropped = result.dropped
+        for found in (result.completed, result.live):
             completed.extend(_Sequence(beams[origin].tokens + list(tokens), float(cum))
-                             for origin, tokens, cum in result[key])
+                             for origin, tokens, cum in found)
     else:
         completed.extend(beams)
     best = sorted(completed, key=score, reverse=True)[:params.beam_width]

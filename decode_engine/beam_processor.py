@@ -4,7 +4,7 @@ beam group's step and forces every slot's next token.
 Loaded by vLLM in each worker (``logits_processors=[..., "decode_engine.beam_processor:
 BeamSlotProcessor"]``, ``engine.config``). A slot is a request sent with
 ``SamplingParams(temperature=0, ignore_eos=True, max_tokens=T-1,
-extra_args={SLOT_KEY: spec})`` (``decode_engine.beam_search.slot_spec``); the W slots of a group are scheduled
+extra_args={SLOT_KEY: spec})`` (``decode_engine.slot_spec``); the W slots of a group are scheduled
 together every step (``decode_engine.beam_slots``). At each step :meth:`apply` takes the
 group's rows in slot order, lets ``decode_engine.beam_search`` pick the W new beams, and
 turns each slot's row into one finite logit (0 at its token, -inf elsewhere), so vLLM's
@@ -43,12 +43,12 @@ from connector import step_meta
 from connector.handoff import SLOT_KEY
 from decode_engine import catalog as catalogs
 from decode_engine.beam_search import (
-    SPEC_FIELDS,
     Candidates,
     GroupSearch,
     catalog_candidates,
     row_candidates,
 )
+from decode_engine.slot_spec import SlotSpec
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -104,17 +104,17 @@ step_meta.register(OUTBOX.open_step)
 class _Slot:
     group: str
     slot: int
-    spec: dict[str, Any]
+    spec: SlotSpec
     last_token: int  # its last prompt token
 
 
 def _slot_of(params: SamplingParams | None, prompt_token_ids: list[int] | None,
              output_token_ids: list[int]) -> _Slot | None:
-    spec = ((params.extra_args or {}) if params is not None else {}).get(SLOT_KEY)
+    spec = SlotSpec.read(params.extra_args if params is not None else None)
     if spec is None:
         return None
     last = int(prompt_token_ids[-1]) if prompt_token_ids else -1
-    return _Slot(str(spec["group"]), int(spec["slot"]), spec, last)
+    return _Slot(spec.group, spec.slot, spec, last)
 
 
 class BeamSlotProcessor(LogitsProcessor):
@@ -122,21 +122,11 @@ class BeamSlotProcessor(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        spec = (sampling_params.extra_args or {}).get(SLOT_KEY)
-        if spec is None:
+        if SlotSpec.read(sampling_params.extra_args) is None:  # raises what is wrong
             return
-        missing = [name for name in SPEC_FIELDS if name not in spec]
-        if missing:
-            raise ValueError(f"{SLOT_KEY}: missing {missing}")
         if sampling_params.temperature != 0.0 or not sampling_params.ignore_eos:
             raise ValueError(f"{SLOT_KEY}: a slot is greedy (temperature 0) and ignores "
                              "EOS; the search applies the EOS rule")
-        if not 0 <= int(spec["slot"]) < int(spec["members"]):
-            raise ValueError(f"{SLOT_KEY}: slot {spec['slot']} outside the group's "
-                             f"{spec['members']}")
-        if not 0 <= int(spec["live"]) <= int(spec["members"]) <= int(spec["width"]):
-            raise ValueError(f"{SLOT_KEY}: live {spec['live']}, members {spec['members']}, "
-                             f"width {spec['width']} (live <= members <= width)")
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device,
                  is_pin_memory: bool) -> None:
@@ -175,23 +165,23 @@ class BeamSlotProcessor(LogitsProcessor):
 
     def _step(self, group: str, rows: dict[int, int], logits: torch.Tensor) -> None:
         spec = self._rows[next(iter(rows.values()))].spec
-        width, members = int(spec["width"]), int(spec["members"])
+        width, members = spec.width, spec.members
         search = self._groups.get(group)
         if search is None:
             if len(rows) != members:
                 return self._fail(group, 0, f"{len(rows)} of its {members} slots in the "
                                             "batch at its first step")
             catalog = None
-            if spec["catalog"] is not None:
-                catalog = self._catalogs.get(spec["catalog"])
+            if spec.catalog is not None:
+                catalog = self._catalogs.get(spec.catalog)
                 if catalog is None:
-                    return self._fail(group, 0, f"no catalog {spec['catalog']!r} here")
-            live = [self._rows[rows[i]] for i in range(int(spec["live"]))]
+                    return self._fail(group, 0, f"no catalog {spec.catalog!r} here")
+            live = [self._rows[rows[i]] for i in range(spec.live)]
             search = self._groups[group] = GroupSearch(
-                width=width, steps=int(spec["steps"]), eos_token_id=spec["eos"],
-                ignore_eos=bool(spec["ignore_eos"]), catalog=catalog,
-                cum_logprobs=np.array([row.spec["cum"] for row in live]))
-            if catalog is not None and spec.get("in_item"):
+                width=width, steps=spec.steps, eos_token_id=spec.eos,
+                ignore_eos=spec.ignore_eos, catalog=catalog,
+                cum_logprobs=np.array([row.spec.cum for row in live]))
+            if catalog is not None and spec.in_item:
                 # Its beams hold an item's first token already: their last prompt token.
                 search.nodes = catalog.step(search.nodes,
                                             np.array([row.last_token for row in live]))
@@ -231,7 +221,7 @@ class BeamSlotProcessor(LogitsProcessor):
         record: dict[str, Any] = {"step": search.step, "parents": source.tolist(),
                                   "select_ms": (time.perf_counter() - t0) * 1e3}
         if search.done:
-            record["result"] = search.result(goes_on=bool(spec.get("goes_on")))
+            record["result"] = search.result(goes_on=spec.goes_on)
         OUTBOX.post(group, record)
         if members == 1 and search.done:
             # A one-slot group decides again if its row comes again: a chunked prompt's

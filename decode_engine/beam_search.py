@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from decode_engine.slot_spec import GroupResult, WireBeam
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -51,33 +53,6 @@ def top_candidates(cum_logprobs: np.ndarray, width: int) -> np.ndarray:
         return np.argsort(-cum_logprobs)
     top = np.argpartition(-cum_logprobs, width - 1)[:width]
     return top[np.argsort(-cum_logprobs[top])]
-
-
-#: A slot's parameters, every one required (``slot_spec``).
-SPEC_FIELDS = ("group", "slot", "members", "width", "live", "steps", "cum", "eos",
-               "ignore_eos", "catalog")
-
-
-def slot_spec(*, group: str, slot: int, members: int, width: int, live: int, steps: int,
-              cum_logprob: float, eos_token_id: int | None, ignore_eos: bool,
-              catalog: str | None = None, in_item: bool = False,
-              goes_on: bool = False) -> dict[str, Any]:
-    """A slot's parameters (``extra_args[SLOT_KEY]``): its group, its index, the number
-    of slots in the group, the beam width, how many slots start with a live beam (the
-    first ``live``; the others wait to be forked into), the beam steps the slots run, the
-    cumulative logprob of the beam it starts with, the EOS rule of the search, the
-    catalog the beams stay in (None: unconstrained), whether the beams start one
-    token into an item (their last prompt token: the search's step 0 picked it), and
-    whether the search goes on after this group (step 0's: its live beams are returned
-    whole items or not)."""
-    spec = {"group": group, "slot": slot, "members": members, "width": width, "live": live,
-            "steps": steps, "cum": float(cum_logprob), "eos": eos_token_id,
-            "ignore_eos": bool(ignore_eos), "catalog": catalog}
-    if in_item:
-        spec["in_item"] = True
-    if goes_on:
-        spec["goes_on"] = True
-    return spec
 
 
 @dataclass(slots=True)
@@ -134,8 +109,8 @@ class Finished:
     tokens: list[int]
     cum_logprob: float
 
-    def to_wire(self) -> list[Any]:
-        return [self.origin, self.tokens, self.cum_logprob]
+    def to_wire(self) -> WireBeam:
+        return (self.origin, self.tokens, self.cum_logprob)
 
 
 @dataclass(slots=True)
@@ -220,5 +195,5 @@ class GroupSearch:
             whole = self.catalog.is_item[np.maximum(self.nodes, 0)] & (self.nodes >= 0)
             dropped = int((~whole).sum())
             live = [f for f, ok in zip(live, whole) if ok]
-        return {"completed": [f.to_wire() for f in self.completed],
-                "live": [f.to_wire() for f in live], "dropped": dropped}
+        return GroupResult(completed=[f.to_wire() for f in self.completed],
+                           live=[f.to_wire() for f in live], dropped=dropped).to_wire()

@@ -55,6 +55,7 @@ from vllm.v1.request import RequestStatus
 from connector.handoff import BEAM_KEY, CLONE_SEP, KEY, SLOT_KEY, WAIT_KEY, is_made_slot
 from decode_engine.beam_group import START_TIMEOUT_S, Group, mid_prompt, shared_from_free
 from decode_engine.beam_processor import BeamStepMeta
+from decode_engine.slot_spec import GroupResult, SlotSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -67,10 +68,11 @@ logger = logging.getLogger(__name__)
 
 
 
-def slot_of(request: Request) -> dict[str, Any] | None:
-    """The request's slot parameters (None: not a beam slot)."""
+def slot_of(request: Request) -> SlotSpec | None:
+    """The request's slot parameters (None: not a beam slot; checked by the processor's
+    ``validate_params`` when the request came in)."""
     params = request.sampling_params
-    return ((params.extra_args or {}) if params is not None else {}).get(SLOT_KEY)
+    return SlotSpec.read(params.extra_args if params is not None else None)
 
 
 class SlotGroups:
@@ -109,9 +111,9 @@ class SlotGroups:
             return []
         self._join(request, spec)
         return [self._clone(request, spec, i, token, cum)
-                for i, (token, cum) in enumerate(spec.get("clones") or [], start=1)]
+                for i, (token, cum) in enumerate(spec.clones, start=1)]
 
-    def _clone(self, leader: Request, spec: dict[str, Any], slot: int, token: int | None,
+    def _clone(self, leader: Request, spec: SlotSpec, slot: int, token: int | None,
                cum: float) -> Request:
         """Slot ``slot`` of the leader's group: the leader's prompt with its own last
         token (``token``; None: the same prompt), its own slot parameters; its outputs
@@ -123,13 +125,12 @@ class SlotGroups:
         prompt = list(leader.prompt_token_ids or [])
         if token is not None:
             prompt[-1] = int(token)
-        own = {k: v for k, v in spec.items() if k != "clones"}
         # Its own dicts one level down (its beam parameters are changed per slot); the
         # leader's sampling parameters, already checked, with its own extra_args
         # (``msgspec.structs.replace`` would check them again: 511 clones at W=512).
         transfer = {k: dict(v) if isinstance(v, dict) else v
                     for k, v in (params.extra_args.get("kv_transfer_params") or {}).items()}
-        extra = {**params.extra_args, SLOT_KEY: {**own, "slot": slot, "cum": float(cum)},
+        extra = {**params.extra_args, SLOT_KEY: spec.for_slot(slot, cum).to_wire(),
                  "kv_transfer_params": transfer or None}
         sampling = copy.copy(params)
         sampling.extra_args = extra
@@ -153,8 +154,8 @@ class SlotGroups:
             clone.update_block_hashes()
         return clone
 
-    def _join(self, request: Request, spec: dict[str, Any]) -> None:
-        name, slot, members = str(spec["group"]), int(spec["slot"]), int(spec["members"])
+    def _join(self, request: Request, spec: SlotSpec) -> None:
+        name, slot, members = spec.group, spec.slot, spec.members
         group = self._groups.get(name)
         if group is None:
             # A slot's own blocks start at the one holding its last prompt token (never
@@ -344,7 +345,8 @@ class SlotGroups:
                         steps = {"select_ms": group.select_ms, "copied_blocks": group.copied,
                                  "first_computed": group.first_computed}
                         params[KEY] = {**(params.get(KEY) or {}),
-                                       SLOT_KEY: {**group.result, "steps": steps}}
+                                       SLOT_KEY: GroupResult.read(group.result)
+                                       .with_steps(steps).to_wire()}
                 elif not group.error and out.finish_reason in (FinishReason.ERROR,
                                                                FinishReason.ABORT):
                     pass  # it ended before its group decided anything: its own reason

@@ -22,7 +22,7 @@ from vllm import SamplingParams
 from connector.handoff import KEY, SLOT_KEY
 from decode_engine.beam import beam_search
 from decode_engine.beam_processor import OUTBOX, BeamSlotProcessor
-from decode_engine.beam_search import slot_spec
+from decode_engine.slot_spec import slot_spec
 from kvhandoff.types import BeamParams, StageError
 
 EOS = 1

@@ -525,8 +525,9 @@ def test_stage_1_goes_to_the_p_replica_whose_cache_holds_its_prompt(ray_app, pro
     ``prefill_engine_id``) and finds every full block of its prompt cached there. The
     control is in the spread: placed by anything but the cache (Serve's own order, or
     the first replica on a tie), the prompts the other replica ran would find nothing
-    cached where they landed. Component test with real engines' events and its
-    controls: tests/test_fleet.py."""
+    cached where they landed: run with ``router.placement: load`` (2026-11-28), prompt 0
+    sent again landed on the other replica and the test failed. Component test with
+    real engines' events and its controls: tests/test_fleet.py."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 

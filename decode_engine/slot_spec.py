@@ -1,0 +1,145 @@
+"""What a beam slot carries through vLLM, typed: the only code that writes a slot's
+parameters into a request (``SamplingParams.extra_args[SLOT_KEY]``, a plain dict that
+crosses from the front end to the engine core and its worker) and the only code that
+reads them back (:meth:`SlotSpec.read`, which checks them).
+
+The front side (``decode_engine.beam``) writes a group's slot 0, listing the other
+slots to make (``clones``: each one's last prompt token and score); the scheduler side
+(``decode_engine.beam_slots``) makes them (:meth:`SlotSpec.for_slot`); the logits
+processor (``decode_engine.beam_processor``) reads every slot's in the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from connector.handoff import SLOT_KEY
+
+#: A slot's parameters, every one required on the wire.
+REQUIRED = ("group", "slot", "members", "width", "live", "steps", "cum", "eos",
+            "ignore_eos", "catalog")
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSpec:
+    """One slot: its group, its index, the number of slots in the group, the beam width,
+    how many slots start with a live beam (the first ``live``; the others wait to be
+    forked into), the beam steps the slots run, the cumulative logprob of the beam it
+    starts with, the EOS rule of the search, the catalog the beams stay in (None:
+    unconstrained), whether the beams start one token into an item (their last prompt
+    token: the search's step 0 picked it), whether the search goes on after this group
+    (step 0's: its live beams are returned whole items or not), and, on slot 0 as the
+    front end sends it, the other slots to make: (last prompt token, score) each."""
+
+    group: str
+    slot: int
+    members: int
+    width: int
+    live: int
+    steps: int
+    cum: float
+    eos: int | None
+    ignore_eos: bool
+    catalog: str | None = None
+    in_item: bool = False
+    goes_on: bool = False
+    clones: tuple[tuple[int | None, float], ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        """The dict that travels under ``extra_args[SLOT_KEY]``."""
+        wire: dict[str, Any] = {
+            "group": self.group, "slot": self.slot, "members": self.members,
+            "width": self.width, "live": self.live, "steps": self.steps,
+            "cum": float(self.cum), "eos": self.eos, "ignore_eos": bool(self.ignore_eos),
+            "catalog": self.catalog}
+        if self.in_item:
+            wire["in_item"] = True
+        if self.goes_on:
+            wire["goes_on"] = True
+        if self.clones:
+            wire["clones"] = [[token, float(cum)] for token, cum in self.clones]
+        return wire
+
+    def for_slot(self, slot: int, cum: float) -> SlotSpec:
+        """Slot ``slot`` of this one's group, starting with a beam of score ``cum``."""
+        return replace(self, slot=slot, cum=float(cum), clones=())
+
+    @classmethod
+    def read(cls, extra_args: dict[str, Any] | None) -> SlotSpec | None:
+        """The slot a request's ``extra_args`` carry (None: not a beam slot). Raises
+        ``ValueError`` naming what is wrong: a field missing, a slot outside its group,
+        not ``live <= members <= width``."""
+        wire = (extra_args or {}).get(SLOT_KEY)
+        if wire is None:
+            return None
+        missing = [name for name in REQUIRED if name not in wire]
+        if missing:
+            raise ValueError(f"{SLOT_KEY}: missing {missing}")
+        spec = cls(group=str(wire["group"]), slot=int(wire["slot"]),
+                   members=int(wire["members"]), width=int(wire["width"]),
+                   live=int(wire["live"]), steps=int(wire["steps"]), cum=float(wire["cum"]),
+                   eos=None if wire["eos"] is None else int(wire["eos"]),
+                   ignore_eos=bool(wire["ignore_eos"]), catalog=wire["catalog"],
+                   in_item=bool(wire.get("in_item")), goes_on=bool(wire.get("goes_on")),
+                   clones=tuple((None if t is None else int(t), float(c))
+                                for t, c in wire.get("clones") or ()))
+        if not 0 <= spec.slot < spec.members:
+            raise ValueError(f"{SLOT_KEY}: slot {spec.slot} outside the group's "
+                             f"{spec.members}")
+        if not 0 <= spec.live <= spec.members <= spec.width:
+            raise ValueError(f"{SLOT_KEY}: live {spec.live}, members {spec.members}, "
+                             f"width {spec.width} (live <= members <= width)")
+        return spec
+
+
+def slot_spec(*, group: str, slot: int, members: int, width: int, live: int, steps: int,
+              cum_logprob: float, eos_token_id: int | None, ignore_eos: bool,
+              catalog: str | None = None, in_item: bool = False, goes_on: bool = False,
+              clones: list[tuple[int | None, float]] | None = None) -> dict[str, Any]:
+    """A slot's parameters as they travel (:class:`SlotSpec`, its fields)."""
+    return SlotSpec(group=group, slot=slot, members=members, width=width, live=live,
+                    steps=steps, cum=float(cum_logprob), eos=eos_token_id,
+                    ignore_eos=ignore_eos, catalog=catalog, in_item=in_item,
+                    goes_on=goes_on, clones=tuple(clones or ())).to_wire()
+
+
+#: A beam a group returns: the slot it started in, the tokens the slots generated for
+#: it (after the slot's first token, which the caller knows), its cumulative logprob.
+WireBeam = tuple[int, list[int], float]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupResult:
+    """What a group returns on its slot 0's final output (``kv_transfer_params[KEY]
+    [SLOT_KEY]``): the completed beams, then the live ones, in vLLM's order; how many
+    live beams were dropped for not being whole items (a catalog's); each step's figures
+    (``steps``: the processor's milliseconds, blocks copied, tokens the slots computed at
+    their first step), added by the scheduler. The processor writes it, the scheduler
+    adds the steps, the front side reads it."""
+
+    completed: list[WireBeam]
+    live: list[WireBeam]
+    dropped: int = 0
+    steps: dict[str, Any] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {
+            "completed": [[int(o), list(t), float(c)] for o, t, c in self.completed],
+            "live": [[int(o), list(t), float(c)] for o, t, c in self.live]}
+        if self.dropped:
+            wire["dropped"] = int(self.dropped)
+        if self.steps is not None:
+            wire["steps"] = self.steps
+        return wire
+
+    def with_steps(self, steps: dict[str, Any]) -> GroupResult:
+        return replace(self, steps=steps)
+
+    @classmethod
+    def read(cls, wire: dict[str, Any]) -> GroupResult:
+        def beams(key: str) -> list[WireBeam]:
+            return [(int(o), list(t), float(c)) for o, t, c in wire.get(key) or ()]
+
+        return cls(completed=beams("completed"), live=beams("live"),
+                   dropped=int(wire.get("dropped", 0)), steps=wire.get("steps"))
