@@ -1,4 +1,4 @@
-r"""AdmissionScheduler: an engine admits a handoff import only if it is valid and fits.
+"""AdmissionScheduler: an engine admits a handoff import only if it is valid and fits.
 
 vLLM's scheduler plus an up-front check of every import; the base of D's scheduler
 (``decode_engine.scheduler``: stage 2 imports P's parent) and of P's
@@ -25,7 +25,7 @@ request it cannot allocate WAITING forever, holding the queue and the exporter's
 The block budget it admits against is :mod:`kvhandoff.budget`, shared with the router,
 D's server and the Ray Serve deployments.
 
-A subclass adds what it runs beside vLLM's scheduling as :class:`StepHook`\ s
+A subclass adds what it runs beside vLLM's scheduling as :class:`StepHook` objects
 (``hooks``: factories of the scheduler), called at each point of a step; beam search
 inside the engine is one (``decode_engine.beam_slots``). This module knows none of them.
 """
@@ -135,8 +135,8 @@ class AdmissionScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         made = [m for hook in self._hooks for m in hook.add(request)]
         super().add_request(request)
-        for request in made:  # e.g. a beam group's other slots, made from its leader
-            self.add_request(request)
+        for other in made:  # e.g. a beam group's other slots, made from its leader
+            self.add_request(other)
 
     def schedule(self, *args: Any, **kwargs: Any):
         self._trimmer.maybe_trim()

@@ -17,9 +17,9 @@ Serve's own order.
 
 ``PrefillRouter`` (Prefill): a call naming an engine (``engine``: Stop and Release of
 what one P replica runs or holds) goes to the replica running it (replicas report their
-engine ids), or, if none does any more, to any. A call carrying its prompt (``prefix``: the adapter and the
-token ids, as ``HandleStub`` passes them) goes to the P replica whose prefix cache holds
-most of it, against its queue, by the standalone router's rule (``router.placement``:
+engine ids), or, if none does any more, to any. A call carrying its prompt (``prefix``:
+the adapter and the token ids, as ``HandleStub`` passes them) goes to the P replica
+whose prefix cache holds most of it, against its queue, by the standalone router's rule (``router.placement``:
 an outstanding request weighs ``LOAD_TOKENS`` cached tokens). It follows each replica's
 vLLM KV events as the standalone router follows each engine's
 (``router.cache_feed.EngineCaches``): replicas report where they publish them, their
@@ -134,10 +134,11 @@ class PrefillRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        caches = getattr(self, "caches", None)  # None before Serve's initialize_state
         live = {r.replica_id.unique_id for r in replicas}
-        for name in self.caches.addresses():
+        for name in caches.addresses() if caches is not None else ():
             if name not in live:
-                self.caches.forget(name)
+                caches.forget(name)
 
     async def choose_replicas(
         self,

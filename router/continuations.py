@@ -109,7 +109,7 @@ class Continuations:
                 else:
                     handoff = item
             record.thinking_ids = out.thinking_ids
-            record.prefill_engine_id = out.prefill_engine_id
+            record.prefill_engine_id = out.stage1_engine_id  # where it ended: the holder
             record.finish_reason = out.stage1_finish_reason
             record.stage1_ms = (time.perf_counter() - t0) * 1e3
             if hold:
