@@ -125,11 +125,13 @@ class PrefillRouter(RequestRouter):
                 num_total_blocks=int(stats.get("num_total_blocks", 0))))
         else:
             self.caches.forget(name)
-        # Its queue: the engine's (as of its last report, every second), or the calls
-        # Serve's handle knows it has sent there since, whichever is more.
-        sent = self._replica_queue_len_cache.get(replica.replica_id) or 0
-        return SimpleNamespace(address=name, replica=replica,
-                               outstanding=max(int(stats.get("outstanding", 0)), sent),
+        # Its queue: what Serve's handle knows is running there (kept current as calls
+        # are sent and end), else the engine's own count as of its last report (up to a
+        # second or more old: a burst that has ended still weighed against its cache
+        # there, and a repeated prompt went to the replica without it).
+        sent = self._replica_queue_len_cache.get(replica.replica_id)
+        outstanding = int(stats.get("outstanding", 0)) if sent is None else sent
+        return SimpleNamespace(address=name, replica=replica, outstanding=outstanding,
                                block_size=int(stats.get("block_size", 0)))
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

@@ -114,7 +114,8 @@ def test_serves_cache_router_places_stage_1_on_the_p_replica_holding_the_prompt(
     KV events named in their replicas' routing stats: a prompt stage 1 ran on P2 goes
     to P2's replica first, one that ran on P to P's. Controls: the same P2 reported from
     another Ray node (its loopback events are not this node's: not followed) and a P2
-    whose queue outweighs the cached prompt both lose to P; a call without a prompt
+    whose queue (the handle's count, else the engine's last report) outweighs the cached
+    prompt both lose to P; a call without a prompt
     keeps Serve's order; a replica gone from the deployment is no longer followed. A
     call naming an engine (Stop, Release) goes to its replica only; one naming an
     engine no replica runs, to any."""
@@ -157,6 +158,12 @@ def test_serves_cache_router_places_stage_1_on_the_p_replica_holding_the_prompt(
             assert await first([p, far], on_p2) == "p"
             assert "p2-far" not in router.caches.addresses()
             busy = _replica("p2", pair.p2, outstanding=2)  # 2 x 512 > 576 cached tokens
+            assert await first([p, busy], on_p2) == "p"
+            # What the handle knows runs there now wins over the engine's last report
+            # (a burst that has ended): the cache decides again.
+            router._replica_queue_len_cache.update(busy.replica_id, 0)
+            assert await first([p, busy], on_p2) == "p2"
+            router._replica_queue_len_cache.update(busy.replica_id, 2)
             assert await first([p, busy], on_p2) == "p"
             assert await router.choose_replicas([p2, p], SimpleNamespace(kwargs={})) == [[p2, p]]
             for engine, want in ((pair.p2.engine_id, [[p2]]), (pair.p.engine_id, [[p]]),
