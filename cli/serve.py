@@ -44,20 +44,11 @@ def _serve(args: argparse.Namespace) -> int:
                 decode=tuple(a for a in (args.decode or "").split(",") if a),
                 model=str(resolve_model(args.model)),
                 colocated_below_tokens=args.colocated_below,
-                max_inflight=args.max_inflight,
-                decode_queue_limit=args.decode_queue_limit,
-                decode_wait_s=args.decode_wait_s,
-                engine_silence_s=args.engine_silence_s,
-                max_parents=args.max_parents,
-                parent_ttl_s=args.parent_ttl_s,
-                parent_pool_share=args.parent_pool_share,
-                parent_hold_s=args.parent_hold_s,
                 positional_sampling=args.sampling == "positional",
-                placement=args.placement,
-                on_handoff_failure=args.on_handoff_failure,
                 warm_up=not args.no_warm_up,
                 channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
                 kv_events_key_file=args.kv_events_key,
+                **{name: getattr(args, name) for name in ROUTER_FLAGS_AS_CONFIG},
             )
         except ValueError as e:  # a bad setting, or an unreadable events key
             print(f"kvhandoff serve: {e}", file=sys.stderr)
@@ -137,6 +128,13 @@ def add_serve_parser(sub: Any) -> None:
                        help="require client certificates signed by this CA (mutual TLS)")
     tls_channel_args(serve, "router: ")
     serve.set_defaults(func=_serve)
+
+
+#: The router's flags that are RouterConfig's fields by the same name and value.
+ROUTER_FLAGS_AS_CONFIG = ("max_inflight", "decode_queue_limit", "decode_wait_s",
+                          "engine_silence_s", "max_parents", "parent_ttl_s",
+                          "parent_pool_share", "parent_hold_s", "placement",
+                          "on_handoff_failure")
 
 
 def _add_router_flags(serve: argparse.ArgumentParser) -> None:

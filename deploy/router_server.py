@@ -21,6 +21,7 @@ from kvhandoff.model import resolve_model
 from kvhandoff.types import check_beam_width
 from kvhandoff.v1 import router_pb2
 from router import Endpoint, Router, RouterAPI, RouterConfig, RouterError
+from router import grpc_wire as wire
 from router.auth import API_KEY_ENV, CLIENT, OPERATOR, OPERATOR_KEY_ENV, Credentials
 from router.metrics import RouterMetrics
 
@@ -122,9 +123,10 @@ class RouterServer:
         prefill = self.router.prefill
         await self._ready(request.beam.beam_width,
                           ask=None if any(ep.capacity for ep in prefill) else prefill)
-        async with contextlib.aclosing(self.api.generate(FRONT, request, None)) as events:
-            async for event in events:
-                yield event
+        async with contextlib.aclosing(
+                self.api.generate(FRONT, wire.generate_call(request), None)) as items:
+            async for item in items:
+                yield wire.event_to_pb(item)
 
     async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:
@@ -154,10 +156,11 @@ class RouterServer:
             self._authorize(grpc_context, CLIENT)
             # Every engine: without a D's snapshot the parent would not be held.
             await self._ready(ask=self.router.pool.endpoints)
-            async with contextlib.aclosing(
-                    self.api.parent_events(FRONT, request, None)) as events:
-                async for event in events:
-                    yield event
+            plan = self.api.parent_plan(wire.parent_call(request), None)
+            tokenizer = self.router.tokens.tokenizer
+            async with contextlib.aclosing(self.api.parent(FRONT, plan)) as items:
+                async for item in items:
+                    yield wire.parent_event_to_pb(item, tokenizer)
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
 
@@ -178,7 +181,8 @@ class RouterServer:
     async def _continue(self, request: router_pb2.ContinueRequest
                         ) -> router_pb2.GenerateResponse:
         await self._ready(request.beam.beam_width)
-        return await self.api.continue_(FRONT, request, None)
+        return wire.result_to_pb(
+            await self.api.continue_(FRONT, wire.continue_call(request), None))
 
     async def Continue(self, request: router_pb2.ContinueRequest,  # noqa: N802
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:
@@ -187,11 +191,18 @@ class RouterServer:
 
     async def ReleaseParent(self, request: router_pb2.ReleaseParentRequest,  # noqa: N802
                             grpc_context: Any = None) -> router_pb2.ReleaseParentResponse:
-        return await self._unary(grpc_context, self.api.release_parent(request), OPERATOR)
+        return await self._unary(grpc_context, self._release(request), OPERATOR)
+
+    async def _release(self, request: router_pb2.ReleaseParentRequest
+                       ) -> router_pb2.ReleaseParentResponse:
+        return wire.released_to_pb(await self.api.release_parent(request.parent_id))
 
     async def Move(self, request: router_pb2.MoveRequest,  # noqa: N802
                    grpc_context: Any = None) -> router_pb2.MoveResponse:
-        return await self._unary(grpc_context, self.api.move(request), OPERATOR)
+        return await self._unary(grpc_context, self._move(request), OPERATOR)
+
+    async def _move(self, request: router_pb2.MoveRequest) -> router_pb2.MoveResponse:
+        return wire.moved_to_pb(await self.api.move(request.request_id, request.to_endpoint))
 
     async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
                     grpc_context: Any = None) -> router_pb2.DrainResponse:
@@ -206,7 +217,8 @@ class RouterServer:
                 f"deployment runs {world_size}: drain engine replicas through Serve "
                 "(lower the role's num_replicas; a replica stops after finishing its "
                 "requests, within graceful_shutdown_timeout_s)"))
-        return await self.api.drain(request)
+        return wire.drained_to_pb(await self.api.drain(request.endpoint, request.timeout_ms,
+                                                       request.undo))
 
     async def check_health(self) -> None:
         endpoints = self.router.pool.endpoints

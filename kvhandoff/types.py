@@ -7,6 +7,7 @@ Parameters are frozen dataclasses validated on construction; bad values raise
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 #: Beam search runs W slots in one engine batch (``decode_engine.beam_slots``): an engine
 #: takes widths up to its ``max_num_seqs`` and ``max_logprobs / 2`` (step 0 asks for 2W
@@ -85,6 +86,50 @@ class Stage1Params:
                                  f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.positional and self.seed is None:
             raise InvalidRequest("stage1.seed", "positional sampling needs a seed")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling as a caller asked for it: None (or empty) where it left a field to the
+    one who runs it, which :meth:`resolve` fills in. What every front builds from its
+    wire; the engines and the router resolve it with their own defaults."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    positional: bool | None = None
+    logprobs: int | None = None
+
+    def resolve(self, *, default_stop_ids: tuple[int, ...] = (),
+                default_max_tokens: int = 256, default_positional: bool = False,
+                default_seed: int | None = None) -> Stage1Params:
+        """The parameters that run (validated: InvalidRequest names a bad field)."""
+        return Stage1Params(
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k, seed=default_seed if self.seed is None else self.seed,
+            stop_token_ids=tuple(self.stop_token_ids) or default_stop_ids,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, min_p=self.min_p,
+            positional=default_positional if self.positional is None else self.positional,
+            logprobs=self.logprobs)
+
+
+class Path(IntEnum):
+    """Where stage 2 runs (``common.proto``'s ``Path``, the same numbers)."""
+
+    #: The router decides (colocated below its parent-length threshold).
+    AUTO = 0
+    #: Stage 1 on P, KV handed to D over NIXL, stage 2 on D.
+    HANDOFF = 1
+    #: Both stages on one prefill engine (the reference and the fallback).
+    COLOCATED = 2
 
 
 #: Largest |length_penalty| accepted (vLLM's beam search uses 0-2 in practice).
@@ -180,6 +225,8 @@ class Beam:
     token_ids: list[int]
     cum_logprob: float
     finish_reason: str  # "length" or "stop" (EOS)
+    #: The tokens as text (the router decodes them; "" on the engines).
+    text: str = ""
 
 
 @dataclass(frozen=True, slots=True)

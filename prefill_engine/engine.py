@@ -211,24 +211,10 @@ class PrefillEngine(VllmEngine):
                                 extra_args={"kv_transfer_params": transfer})
         await self.generate([self.eos_token_id or 0], params, f"stop-{uuid.uuid4().hex[:12]}")
 
-    async def run_stage1(
-        self,
-        prompt_token_ids: list[int],
-        params: Stage1Params,
-        request_id: str,
-        *,
-        export: bool,
-        target: str | None = None,
-        fault: str | None = None,
-        hold: bool | float = False,
-        handoff: ImportRequest | None = None,
-        adapter: str = "",
-    ) -> Stage1Result:
+    async def run_stage1(self, *args: Any, **kwargs: Any) -> Stage1Result:
+        """:meth:`stream_stage1` (the same arguments) run to its end: its result."""
         result = None
-        async for _, _, final in self.stream_stage1(prompt_token_ids, params, request_id,
-                                                 export=export, target=target, fault=fault,
-                                                 hold=hold, handoff=handoff,
-                                                 adapter=adapter):
+        async for _, _, final in self.stream_stage1(*args, **kwargs):
             result = final or result
         assert result is not None
         return result

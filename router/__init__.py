@@ -1,9 +1,10 @@
 """The gRPC router (``kvhandoff serve --role router``): a :class:`Router` wired from small
 parts (``config``, ``errors``, ``plan``, ``endpoint``, ``pool``, ``parents``, ``stages``,
 ``moves``, ``executor``, ``continuations``, ``warmup``; ``docs/structure.md`` has the
-picture), one request API under its fronts (``api``: admission, runs, errors), and the
-fronts (``service``: gRPC; ``http``: OpenAI-compatible HTTP; ``deploy.router_server``:
-Ray Serve); ``main`` starts the process. Imports no engine: vLLM stays out of the router."""
+picture), one request API under its fronts (``api``: admission, runs, errors; it takes
+and gives the types of ``requests``), and the fronts (``service``: gRPC, and
+``deploy.router_server``: Ray Serve, both converting with ``grpc_wire``; ``http``:
+OpenAI-compatible HTTP); ``main`` starts the process. Imports no engine: vLLM stays out of the router."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from router.config import RouterConfig
 from router.core import Router
 from router.endpoint import ADMIT_S, Claim, Endpoint
 from router.errors import RouterError, status_of
-from router.plan import Outcome, Plan, to_response
+from router.plan import Outcome, Plan, to_result
 
 __all__ = ["ADMIT_S", "Admission", "Claim", "Endpoint", "Outcome", "Plan", "Router",
-           "RouterAPI", "RouterConfig", "RouterError", "status_of", "to_response"]
+           "RouterAPI", "RouterConfig", "RouterError", "status_of", "to_result"]

@@ -4,7 +4,8 @@ request, whichever front it came in through, is admitted by the same guard
 (:class:`Admission`: ``max_inflight`` over all fronts, refused at once beyond it), planned
 and run by the same :class:`~router.core.Router`, counted under its front, and its
 failure mapped to one status (``router.errors.status_of``) that each front then writes in
-its own form (gRPC status, HTTP error body, Serve's proxy status)."""
+its own form (gRPC status, HTTP error body, Serve's proxy status). It takes and gives
+the types of ``router.requests``: each front converts its own wire."""
 
 from __future__ import annotations
 
@@ -15,14 +16,22 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from kvhandoff.types import BeamParams
-from kvhandoff.v1 import common_pb2, router_pb2
+from kvhandoff.types import BeamParams, Path
 from router.auth import Credentials
 from router.core import Router
 from router.errors import OVERLOAD_MESSAGE, RouterError, status_of
 from router.metrics import RouterMetrics
-from router.parents import ParentRecord, parent_to_pb
-from router.plan import Outcome, Plan, to_response
+from router.parents import ParentRecord
+from router.plan import Outcome, Plan, to_result
+from router.requests import (
+    ContinueCall,
+    Drained,
+    GenerateCall,
+    Moved,
+    ParentCall,
+    Released,
+    Result,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +115,8 @@ class RouterAPI:
         return code, message
 
     # ---- requests (admitted) ----------------------------------------------------------
-    async def generate(self, front: str, request: router_pb2.GenerateRequest,
-                       deadline: float | None
-                       ) -> AsyncIterator[router_pb2.GenerateStreamEvent]:
+    async def generate(self, front: str, request: GenerateCall, deadline: float | None
+                       ) -> AsyncIterator[list[int] | Result]:
         """Generate / GenerateStream: stage-1 token batches as P samples them, then the
         result."""
         received_at = time.perf_counter()
@@ -117,28 +125,23 @@ class RouterAPI:
             async with contextlib.aclosing(self.router.run(plan)) as items:
                 async for item in items:
                     if isinstance(item, Outcome):
-                        resp = to_response(item, self.router.tokens.tokenizer, received_at)
-                        self.metrics.observe(resp, front)
-                        yield router_pb2.GenerateStreamEvent(result=resp)
+                        result = to_result(item, self.router.tokens.tokenizer, received_at)
+                        self.metrics.observe(result, front)
+                        yield result
                     else:
-                        yield router_pb2.GenerateStreamEvent(stage1_tokens={"ids": item})
+                        yield item
 
-    def parent_plan(self, request: router_pb2.ParentRequest, deadline: float | None) -> Plan:
+    def parent_plan(self, request: ParentCall, deadline: float | None) -> Plan:
         """A StartParent request as a Plan (validated, tokenised): stage 1 for P to export
         to a D (COLOCATED: to hold itself)."""
         router = self.router
         router.check_model(request.model)
-        as_generate = router_pb2.GenerateRequest(
-            request_id=request.request_id, stage1=request.stage1,
-            timeout_ms=request.timeout_ms, adapter=request.adapter,
-            path=(common_pb2.PATH_HANDOFF
-                  if router.decode and request.path != common_pb2.PATH_COLOCATED
-                  else common_pb2.PATH_COLOCATED))
-        if request.WhichOneof("prompt") == "prompt_text":
-            as_generate.prompt_text = request.prompt_text
-        elif request.WhichOneof("prompt") == "prompt_token_ids":
-            as_generate.prompt_token_ids.CopyFrom(request.prompt_token_ids)
-        return router.plan(as_generate, deadline)
+        path = (Path.HANDOFF if router.decode and request.path != Path.COLOCATED
+                else Path.COLOCATED)
+        return router.plan(GenerateCall(
+            prompt=request.prompt, stage1=request.stage1, path=path,
+            request_id=request.request_id, timeout_ms=request.timeout_ms,
+            adapter=request.adapter), deadline)
 
     async def parent(self, front: str, plan: Plan
                      ) -> AsyncIterator[list[int] | ParentRecord]:
@@ -150,48 +153,31 @@ class RouterAPI:
                         self.metrics.observe_served(front)
                     yield item
 
-    async def parent_events(self, front: str, request: router_pb2.ParentRequest,
-                            deadline: float | None
-                            ) -> AsyncIterator[router_pb2.ParentEvent]:
-        """StartParent in protobuf: token batches as P samples them, then the Parent."""
-        plan = self.parent_plan(request, deadline)
-        tokenizer = self.router.tokens.tokenizer
-        async with contextlib.aclosing(self.parent(front, plan)) as items:
-            async for item in items:
-                if isinstance(item, ParentRecord):
-                    yield router_pb2.ParentEvent(parent=parent_to_pb(item, tokenizer))
-                else:
-                    yield router_pb2.ParentEvent(stage1_tokens={"ids": item})
-
-    async def continue_(self, front: str, request: router_pb2.ContinueRequest,
-                        deadline: float | None) -> router_pb2.GenerateResponse:
+    async def continue_(self, front: str, request: ContinueCall,
+                        deadline: float | None) -> Result:
         """Continue: stage 2 of a parent."""
         with self.admission.admit(front):
-            resp = await self.router.run_continuation(request, deadline)
-        self.metrics.observe(resp, front)
-        return resp
+            result = await self.router.run_continuation(request, deadline)
+        self.metrics.observe(result, front)
+        return result
 
-    async def release_parent(self, request: router_pb2.ReleaseParentRequest
-                             ) -> router_pb2.ReleaseParentResponse:
+    async def release_parent(self, parent_id: str) -> Released:
         """ReleaseParent (not admitted: it frees room, so it must get through a full
         router)."""
-        return await self.router.release_parent(request.parent_id)
+        return await self.router.release_parent(parent_id)
 
     async def prompt_beams(self, front: str, prompt_ids: list[int], beam: BeamParams,
-                           deadline: float | None, adapter: str = ""
-                           ) -> router_pb2.GenerateResponse:
+                           deadline: float | None, adapter: str = "") -> Result:
         """Beam search over a whole prompt (nothing imported), under ``adapter``."""
         with self.admission.admit(front):
-            resp = await self.router.run_prompt_beams(prompt_ids, beam, "", deadline,
-                                                      adapter)
-        self.metrics.observe(resp, front)
-        return resp
+            result = await self.router.run_prompt_beams(prompt_ids, beam, "", deadline,
+                                                        adapter)
+        self.metrics.observe(result, front)
+        return result
 
     # ---- control calls (not admitted: they must get through an overloaded router) ----
-    async def move(self, request: router_pb2.MoveRequest) -> router_pb2.MoveResponse:
-        return await self.router.move(request.request_id, to=request.to_endpoint)
+    async def move(self, request_id: str, to_endpoint: str = "") -> Moved:
+        return await self.router.move(request_id, to=to_endpoint)
 
-    async def drain(self, request: router_pb2.DrainRequest) -> router_pb2.DrainResponse:
-        return await self.router.drain(request.endpoint, (request.timeout_ms or 300_000) / 1e3,
-                                       undo=request.undo)
-
+    async def drain(self, endpoint: str, timeout_ms: int = 0, undo: bool = False) -> Drained:
+        return await self.router.drain(endpoint, (timeout_ms or 300_000) / 1e3, undo=undo)

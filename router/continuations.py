@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
+from pathlib import PurePath
 
 import grpc
 
@@ -34,22 +34,22 @@ from kvhandoff.model import ModelTokens
 from kvhandoff.types import (
     BeamParams,
     InvalidRequest,
+    Path,
     Stage1Params,
     continuation_prompt,
     validate_prompt,
     validate_token_ids,
 )
-from kvhandoff.v1 import common_pb2, router_pb2
 from router import placement
 from router.config import RouterConfig
 from router.endpoint import Endpoint
 from router.errors import grpc_error
 from router.executor import Executor
 from router.parents import ParentRecord, ParentRegistry
-from router.plan import Outcome, Plan, fault_of, sampling_of, suffix_ids_of, to_response
+from router.plan import Outcome, Plan, fault_of, sampling_of, suffix_ids_of, to_result
 from router.pool import EnginePool
+from router.requests import ContinueCall, Released, Result
 from router.stages import StageCalls
-from wire import common as convert
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Continuations:
         t0 = time.perf_counter()
         p = await self.pool.pick_prefill(plan.deadline, prompt_ids=plan.prompt_ids,
                                          adapter=plan.adapter)
-        local = plan.path == common_pb2.PATH_COLOCATED
+        local = plan.path == Path.COLOCATED
         record = ParentRecord(plan.request_id, self.config.model_name, list(plan.prompt_ids),
                               adapter=plan.adapter, prefill=p.address, prefill_ep=p,
                               local=local, stage1=plan.stage1)
@@ -182,7 +182,7 @@ class Continuations:
                                       self.pool.cached_blocks(d, prompt_ids, adapter))
         return d
 
-    async def _parent_of(self, req: router_pb2.ContinueRequest,
+    async def _parent_of(self, req: ContinueCall,
                          deadline: float | None) -> ParentRecord:
         """The finished parent ``req`` names (waiting for its stage 1, within
         ``deadline``), or the status that says why there is none."""
@@ -196,7 +196,7 @@ class Continuations:
                              f"parent {req.parent_id!r} is unknown: never served here, or "
                              f"forgotten (parents live {self.config.parent_ttl_s:g} s after "
                              f"their last use, at most {self.config.max_parents})")
-        if req.model and record.model not in {req.model, Path(req.model).name}:
+        if req.model and record.model not in {req.model, PurePath(req.model).name}:
             counts["refused"] += 1
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"parent {req.parent_id!r} ran under model {record.model!r}, "
@@ -218,7 +218,7 @@ class Continuations:
                              f"parent {req.parent_id!r} failed: {record.error}")
         return record
 
-    async def release_parent(self, parent_id: str) -> router_pb2.ReleaseParentResponse:
+    async def release_parent(self, parent_id: str) -> Released:
         """Router.ReleaseParent: forget a finished, idle parent and end P's hold on its
         blocks now (see the proto for the statuses)."""
         record = self.registry.get(parent_id) if parent_id else None
@@ -242,10 +242,9 @@ class Continuations:
                                         [record.held_name])])
         logger.info("parent %s released by the client%s", parent_id,
                     " (P's hold ended)" if hold_ended else "")
-        return router_pb2.ReleaseParentResponse(parent_id=parent_id, hold_ended=hold_ended)
+        return Released(parent_id, hold_ended)
 
-    async def run_continuation(self, req: router_pb2.ContinueRequest,
-                               deadline: float | None) -> router_pb2.GenerateResponse:
+    async def run_continuation(self, req: ContinueCall, deadline: float | None) -> Result:
         """Stage 2 of ``req``'s parent (see the module docstring)."""
         received_at = time.perf_counter()
         if req.timeout_ms:
@@ -288,19 +287,19 @@ class Continuations:
             if claim is not None:
                 claim.release()
         out.total_ms = (time.perf_counter() - t0) * 1e3
-        resp = to_response(out, self.tokens.tokenizer, received_at)
-        resp.parent_id = record.parent_id
+        result = to_result(out, self.tokens.tokenizer, received_at)
+        result.parent_id = record.parent_id
         if record.stage1 is not None:
-            resp.stage1_seed = record.stage1.seed or 0
-            resp.stage1_positional = record.stage1.positional
-        resp.stats.num_parent_tokens = len(record.prompt_ids) + len(record.thinking_ids)
-        outcome = "recomputed" if resp.stats.recomputed else "imported"
+            result.stage1_seed = record.stage1.seed or 0
+            result.stage1_positional = record.stage1.positional
+        result.stats.num_parent_tokens = len(record.prompt_ids) + len(record.thinking_ids)
+        outcome = "recomputed" if result.stats.recomputed else "imported"
         self.registry.continuations[outcome] += 1
-        return resp
+        return result
 
     async def run_prompt_beams(self, prompt_ids: list[int], beam: BeamParams,
                                request_id: str, deadline: float | None, adapter: str = ""
-                               ) -> router_pb2.GenerateResponse:
+                               ) -> Result:
         """Beam search over a whole prompt on a D (under ``adapter``), nothing imported:
         what a client gets that sends stage 2 as a brand-new text request."""
         received_at = time.perf_counter()
@@ -311,21 +310,21 @@ class Continuations:
         elif not prompt_ids:
             raise InvalidRequest("prompt", "is empty")
         plan = Plan(request_id or f"b{next(self._ids)}", list(prompt_ids), [],
-                    Stage1Params(max_tokens=1), beam, common_pb2.PATH_HANDOFF, deadline,
+                    Stage1Params(max_tokens=1), beam, Path.HANDOFF, deadline,
                     adapter=adapter)
         t0 = time.perf_counter()
         out = Outcome(plan, "", None)
         await self.executor.stage2_anywhere(self.stages.stage2_request(plan, out), plan, out)
         out.total_ms = (time.perf_counter() - t0) * 1e3
-        return to_response(out, self.tokens.tokenizer, received_at)
+        return to_result(out, self.tokens.tokenizer, received_at)
 
-    def _continuation_plan(self, req: router_pb2.ContinueRequest, record: ParentRecord,
+    def _continuation_plan(self, req: ContinueCall, record: ParentRecord,
                            deadline: float | None) -> Plan:
-        suffix = suffix_ids_of(req, self.tokens)
-        beam = convert.beam_from_pb(req.beam)
+        suffix = suffix_ids_of(req.suffix, self.tokens)
+        beam = req.beam
         cap = next((ep.capacity for ep in self.pool.endpoints if ep.capacity), None)
         sampling = None
-        if req.HasField("sampling"):
+        if req.sampling is not None:
             sampling = sampling_of(req.sampling, self.config.positional_sampling)
             # What D's blocks are claimed for: one sequence of that many tokens.
             beam = BeamParams(beam_width=1, max_tokens=sampling.max_tokens)
@@ -342,8 +341,8 @@ class Continuations:
         if len(request_id) > 128:
             raise InvalidRequest("request_id", "longer than 128 characters")
         return Plan(request_id, list(record.prompt_ids), suffix, Stage1Params(max_tokens=1),
-                    beam, common_pb2.PATH_COLOCATED if record.local else common_pb2.PATH_HANDOFF,
-                    deadline, stage2_sampling=sampling, fault=fault_of(req),
+                    beam, Path.COLOCATED if record.local else Path.HANDOFF,
+                    deadline, stage2_sampling=sampling, fault=fault_of(req.fault),
                     adapter=record.adapter)
 
 

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Callable
 
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import BeamParams, InvalidRequest
-from kvhandoff.v1 import router_pb2
 from router import placement
 from router.config import RouterConfig
 from router.continuations import Continuations
@@ -33,6 +32,7 @@ from router.moves import MoveDesk
 from router.parents import ParentRecord, ParentRegistry
 from router.plan import Plan, plan_request
 from router.pool import EnginePool, connect
+from router.requests import ContinueCall, Drained, GenerateCall, Moved, Released, Result
 from router.stages import StageCalls
 from router.warmup import WarmUp
 
@@ -93,7 +93,7 @@ class Router:
                                       f"{self.config.model_name!r} and the adapters "
                                       f"{self.adapters() or 'none'})")
 
-    def plan(self, req: router_pb2.GenerateRequest, deadline: float | None) -> Plan:
+    def plan(self, req: GenerateCall, deadline: float | None) -> Plan:
         """``req`` validated (against P's vocabulary and context, once P answered) and
         tokenised once: every later step works on token ids."""
         return plan_request(
@@ -110,26 +110,25 @@ class Router:
     def run_parent(self, plan: Plan) -> AsyncIterator[list[int] | ParentRecord]:
         return self.continuations.run_parent(plan)
 
-    async def run_continuation(self, req: router_pb2.ContinueRequest,
-                               deadline: float | None) -> router_pb2.GenerateResponse:
+    async def run_continuation(self, req: ContinueCall, deadline: float | None) -> Result:
         self.check_model(req.model)
         return await self.continuations.run_continuation(req, deadline)
 
-    async def release_parent(self, parent_id: str) -> router_pb2.ReleaseParentResponse:
+    async def release_parent(self, parent_id: str) -> Released:
         return await self.continuations.release_parent(parent_id)
 
     async def run_prompt_beams(self, prompt_ids: list[int], beam: BeamParams,
                                request_id: str, deadline: float | None, adapter: str = ""
-                               ) -> router_pb2.GenerateResponse:
+                               ) -> Result:
         return await self.continuations.run_prompt_beams(prompt_ids, beam, request_id,
                                                          deadline, adapter)
 
     async def move(self, request_id: str, reason: str = "move",
-                   to: str = "") -> router_pb2.MoveResponse:
+                   to: str = "") -> Moved:
         return await self.desk.move(request_id, reason, to)
 
     async def drain(self, address: str, timeout_s: float = 300.0,
-                    undo: bool = False) -> router_pb2.DrainResponse:
+                    undo: bool = False) -> Drained:
         return await self.desk.drain(address, timeout_s, undo)
 
     async def warm_up(self, timeout_s: float = 120.0) -> dict[str, str]:

@@ -20,13 +20,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2
+from kvhandoff.types import Path
+from kvhandoff.v1 import common_pb2, engine_pb2
 from router.config import RouterConfig
 from router.endpoint import Claim, Endpoint
 from router.errors import RouterError, code_of, details_of, grpc_error
 from router.moves import MoveDesk, Running
 from router.plan import Outcome, Plan
 from router.pool import EnginePool
+from router.requests import Move
 from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class Executor:
     async def run(self, plan: Plan) -> Items:
         """Yield stage-1 token batches as P samples them, then the Outcome."""
         t0 = time.perf_counter()
-        handoff = plan.path == common_pb2.PATH_HANDOFF
+        handoff = plan.path == Path.HANDOFF
         # Colocated, stage 2 runs on P: a P that loaded its catalog (NOT_FOUND before
         # stage 1 when none did).
         p = plan.pinned[0] if plan.pinned else await self.pool.pick_prefill(
@@ -192,7 +194,7 @@ class Executor:
                 resume_at = max(0, t - 1)
                 running.s1_id = f"{plan.request_id}-s1r{len(out.moves)}"
                 out.prefill = running.p.address
-                out.moves.append(router_pb2.Move(
+                out.moves.append(Move(
                     from_endpoint=failed.address, to_endpoint=running.p.address, at_token=t,
                     num_imported_tokens=0,
                     num_computed_tokens=len(plan.prompt_ids) + resume_at, reason=reason))
@@ -221,8 +223,8 @@ class Executor:
         as after a failed move to D, with the same D."""
         source, dest, t = running.p, running.move_to, len(out.thinking_ids)
         assert dest is not None, "move_to_p without a destination P"
-        move = router_pb2.Move(from_endpoint=source.address, to_endpoint=dest.address,
-                               at_token=t, reason=running.move_reason)
+        move = Move(from_endpoint=source.address, to_endpoint=dest.address, at_token=t,
+                    reason=running.move_reason)
         out.moves.append(move)  # listed from the start: a failure stays in the record
         running.p, running.move_to = dest, None
         running.s1_id = f"{plan.request_id}-s1m{len(out.moves)}"
@@ -273,7 +275,7 @@ class Executor:
         running.s1_id = f"{plan.request_id}-s1r{len(out.moves)}"
         out.prefill = running.p.address
         resume_at = max(0, t - 1)
-        out.moves.append(router_pb2.Move(
+        out.moves.append(Move(
             from_endpoint=failed.address, to_endpoint=running.p.address, at_token=t,
             num_imported_tokens=0, num_computed_tokens=len(plan.prompt_ids) + resume_at,
             reason=f"resume: {code.name}: {details}"))

@@ -40,8 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from kvhandoff.types import InvalidRequest
-from kvhandoff.v1 import common_pb2, router_pb2
+from kvhandoff.types import BeamParams, InvalidRequest, Path, Sampling
 from router.api import RouterAPI
 from router.auth import CLIENT, OPERATOR
 from router.errors import RouterError, grpc_error
@@ -58,7 +57,7 @@ from router.http_schema import (
 )
 from router.parents import ParentRecord
 from router.plan import Plan
-from wire import common as convert
+from router.requests import ContinueCall, ParentCall
 
 logger = logging.getLogger(__name__)
 
@@ -162,46 +161,16 @@ class HttpFront:
     def _parent_plan(self, body: CompletionRequest, adapter: str) -> Plan:
         if body.n != 1:
             raise bad("n", "sampling returns one sequence; n beams need use_beam_search")
-        req = router_pb2.ParentRequest(
-            model="" if adapter else body.model or "", adapter=adapter,
-            path=common_pb2.PATH_HANDOFF if self.router.decode
-            else common_pb2.PATH_COLOCATED)
-        prompt = prompt_of(body)
-        if isinstance(prompt, str):
-            req.prompt_text = prompt
-        else:
-            req.prompt_token_ids.ids.extend(prompt)
-        stop_ids = self._sampling_of(body, req.stage1)
-        if stop_ids:
-            think_end = self.router.tokens.think_end_id
-            req.stage1.stop_token_ids.extend(
-                ([think_end] if think_end is not None else []) + stop_ids)
-        if body.timeout_ms:
-            req.timeout_ms = body.timeout_ms
-        return self.api.parent_plan(req, None)
+        return self.api.parent_plan(ParentCall(
+            prompt=prompt_of(body), stage1=self._sampling_of(body, with_think_end=True),
+            path=Path.HANDOFF if self.router.decode else Path.COLOCATED,
+            timeout_ms=body.timeout_ms or 0, model="" if adapter else body.model or "",
+            adapter=adapter), None)
 
-    def _sampling_of(self, body: CompletionRequest, s: Any) -> list[int]:
-        """Fill the Stage1Sampling ``s`` from ``body``; returns its stop token ids
-        (``stop_token_ids`` and single-token ``stop`` strings), for the caller to add."""
-        if body.max_tokens is not None:
-            s.max_tokens = body.max_tokens
-        if body.temperature is not None:
-            s.temperature = body.temperature
-        if body.top_p is not None:
-            s.top_p = body.top_p
-        if body.top_k is not None and body.top_k > 0:
-            s.top_k = body.top_k
-        if body.seed is not None:
-            s.seed = body.seed
-        if body.min_tokens:
-            s.min_tokens = body.min_tokens
-        if body.min_p:
-            s.min_p = body.min_p
-        if body.logprobs is not None:
-            s.logprobs = body.logprobs
-        if body.positional is not None:
-            s.positional = body.positional
-        s.ignore_eos = body.ignore_eos
+    def _sampling_of(self, body: CompletionRequest, with_think_end: bool) -> Sampling:
+        """The sampling ``body`` asks for; its stop token ids are ``stop_token_ids`` and
+        single-token ``stop`` strings (after ``</think>`` with ``with_think_end``, which
+        stage 1 stops at: none given, the router's default is that alone)."""
         stop_ids = list(body.stop_token_ids or [])
         for text in [body.stop] if isinstance(body.stop, str) else (body.stop or []):
             ids = self.router.tokens.tokenizer.encode(text, add_special_tokens=False)
@@ -209,7 +178,15 @@ class HttpFront:
                 raise bad("stop", f"stop strings must be single tokens here; {text!r} is "
                                   f"{len(ids)} (use stop_token_ids)")
             stop_ids += ids
-        return stop_ids
+        think_end = self.router.tokens.think_end_id
+        if stop_ids and with_think_end and think_end is not None:
+            stop_ids.insert(0, think_end)
+        return Sampling(
+            max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+            top_k=body.top_k if body.top_k is not None and body.top_k > 0 else 0,
+            seed=body.seed, stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens or 0, min_p=body.min_p or 0.0,
+            positional=body.positional, logprobs=body.logprobs)
 
     def _decode(self, ids: list[int]) -> str:
         return self.router.tokens.tokenizer.decode(ids, skip_special_tokens=False)
@@ -281,18 +258,15 @@ class HttpFront:
 
     # ---- stage 2: a continuation, or beam search over a whole prompt --------------------
     @staticmethod
-    def _beam_of(body: CompletionRequest, req: Any) -> None:
+    def _beam_of(body: CompletionRequest) -> BeamParams:
         if body.stream:
             raise bad("stream", "beam search answers once, not as a stream")
         if body.n < 1:
             raise bad("n", "must be >= 1")
-        req.beam.beam_width = body.n
-        if body.max_tokens is not None:
-            req.beam.max_tokens = body.max_tokens
-        if body.length_penalty is not None:
-            req.beam.length_penalty = body.length_penalty
-        if body.catalog is not None:
-            req.beam.catalog = body.catalog
+        asked = {"max_tokens": body.max_tokens, "length_penalty": body.length_penalty,
+                 "catalog": body.catalog}
+        return BeamParams(beam_width=body.n,
+                          **{k: v for k, v in asked.items() if v is not None})
 
     async def _continuation(self, body: CompletionRequest, adapter: str) -> JSONResponse:
         # ``model`` naming the base model means the base model: a parent that ran under
@@ -305,17 +279,8 @@ class HttpFront:
                              f"{record.adapter!r}: continue it as model {record.adapter!r} "
                              "(or leave model out to inherit it)")
         adapter = adapter or (record.adapter if record is not None else "")
-        req = router_pb2.ContinueRequest(parent_id=body.continuation_of,
-                                         strict=body.continuation_strict,
-                                         model="" if adapter else body.model or "",
-                                         adapter=adapter, fault=body.fault or "")
-        suffix = body.continuation_suffix
-        if isinstance(suffix, str):
-            req.suffix_text = suffix
-        elif suffix is not None:
-            req.suffix_token_ids.ids.extend(suffix)
         if body.use_beam_search:
-            self._beam_of(body, req)
+            beam, sampling = self._beam_of(body), None
         else:
             # A sampled continuation: one sequence, answered once.
             if body.n != 1:
@@ -323,17 +288,18 @@ class HttpFront:
                                "need use_beam_search")
             if body.stream:
                 raise bad("stream", "a continuation answers once, not as a stream")
-            req.sampling.stop_token_ids.extend(self._sampling_of(body, req.sampling))
-        if body.timeout_ms:
-            req.timeout_ms = body.timeout_ms
-        resp = await self.api.continue_(FRONT, req, None)
-        return JSONResponse(beams_json(adapter or self.model_name, resp))
+            beam, sampling = BeamParams(), self._sampling_of(body, with_think_end=False)
+        result = await self.api.continue_(FRONT, ContinueCall(
+            parent_id=body.continuation_of or "", suffix=body.continuation_suffix,
+            beam=beam, sampling=sampling, strict=body.continuation_strict,
+            timeout_ms=body.timeout_ms or 0, model="" if adapter else body.model or "",
+            adapter=adapter, fault=body.fault or ""), None)
+        return JSONResponse(beams_json(adapter or self.model_name, result))
 
     async def _prompt_beams(self, body: CompletionRequest, adapter: str) -> JSONResponse:
         """Beam search over ``prompt`` as given (tokenised here), on a D, nothing
         imported: stage 2 sent as a brand-new request."""
-        req = router_pb2.ContinueRequest()
-        self._beam_of(body, req)
+        beam = self._beam_of(body)
         prompt = prompt_of(body)
         if isinstance(prompt, str):
             if len(prompt) > 1 << 20:
@@ -342,9 +308,8 @@ class HttpFront:
         else:
             ids = prompt
         deadline = None if not body.timeout_ms else time.monotonic() + body.timeout_ms / 1e3
-        resp = await self.api.prompt_beams(FRONT, ids, convert.beam_from_pb(req.beam),
-                                           deadline, adapter)
-        return JSONResponse(beams_json(adapter or self.model_name, resp))
+        result = await self.api.prompt_beams(FRONT, ids, beam, deadline, adapter)
+        return JSONResponse(beams_json(adapter or self.model_name, result))
 
 
 def _parent_usage(record: ParentRecord) -> dict[str, Any]:

@@ -14,8 +14,8 @@ import grpc
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from kvhandoff.types import InvalidRequest
-from kvhandoff.v1 import router_pb2
+from kvhandoff.types import InvalidRequest, TokenLogprob
+from router.requests import Result
 
 #: gRPC status -> HTTP status of the error body.
 HTTP_STATUS = {
@@ -117,7 +117,7 @@ def completion(model: str, request_id: str, choices: list, usage: dict | None,
             **({"kvhandoff": extra} if extra else {})}
 
 
-def logprobs_json(decode: Callable[[list[int]], str], logprobs: list[Any],
+def logprobs_json(decode: Callable[[list[int]], str], logprobs: list[TokenLogprob],
                   asked: int | None) -> dict[str, Any] | None:
     """OpenAI's completions ``logprobs`` object: tokens, their logprobs, the most likely
     alternatives at each position, and the tokens' text offsets."""
@@ -129,12 +129,11 @@ def logprobs_json(decode: Callable[[list[int]], str], logprobs: list[Any],
         offsets.append(at)
         at += len(t)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{decode([t]): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
-                             for lp in logprobs],
+            "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in logprobs],
             "text_offset": offsets}
 
 
-def beams_json(model: str, resp: router_pb2.GenerateResponse) -> dict[str, Any]:
+def beams_json(model: str, resp: Result) -> dict[str, Any]:
     """A stage 2 (continuation or beams over a prompt): one choice per beam, best
     first, and how many prompt tokens were imported rather than computed."""
     s = resp.stats

@@ -12,14 +12,13 @@ import ssl
 from typing import Any
 
 from kvhandoff.tls import ServerTLS
-from kvhandoff.v1 import router_pb2, router_pb2_grpc
 from router.api import RouterAPI
 from router.auth import Credentials
 from router.config import RouterConfig
 from router.core import Router
 from router.http import HttpFront
 from router.metrics import RouterMetrics
-from router.service import RouterServicer
+from router.service import SERVICE_NAME, add_router_service
 from wire.grpc_server import set_serving, start_server, wait_for_shutdown_signal, watch_loop_lag
 
 
@@ -75,10 +74,8 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     if metrics_port is not None:
         bound_metrics = metrics.serve(host, metrics_port)
         print(f"kvhandoff router metrics on http://{host}:{bound_metrics}/metrics", flush=True)
-    service = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
     server, health, bound = await start_server(
-        lambda s: router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(api), s),
-        service, host, port, tls)
+        lambda s: add_router_service(api, s), SERVICE_NAME, host, port, tls)
     # SERVING once a prefill engine (and a decode engine, if any) answers.
     await _wait_for_engines(router)
     if config.warm_up:
@@ -91,7 +88,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
         scheme = "https" if tls is not None else "http"
         print(f"kvhandoff router HTTP (OpenAI-compatible) on {scheme}://{host}:{bound_http}",
               flush=True)
-    await set_serving(health, service, True)
+    await set_serving(health, SERVICE_NAME, True)
     guard = ("open: no keys" if credentials.open else
              f"client key {'required' if credentials.client_key else 'not required'}, "
              f"operator calls {'by key' if credentials.operator_key else 'off'}")

@@ -6,8 +6,9 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvhandoff.v1 import common_pb2, router_pb2
+from kvhandoff.types import Path
 from router.errors import OVERLOAD_MESSAGE
+from router.requests import Result
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -148,12 +149,12 @@ class RouterMetrics:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
 
-    def observe(self, resp: router_pb2.GenerateResponse, front: str | None = None) -> None:
+    def observe(self, resp: Result, front: str | None = None) -> None:
         """A served request's response (``front``: counted under it too)."""
         if front is not None:
             self.front_requests.labels(front, "ok").inc()
         s, t = resp.stats, resp.timings
-        path = common_pb2.Path.Name(s.path).removeprefix("PATH_").lower()
+        path = Path(s.path).name.lower()
         self.requests.labels("ok", "OK").inc()
         self.paths.labels(path).inc()
         self.stage_seconds.labels("stage1").observe(t.stage1_ms / 1e3)
@@ -169,7 +170,7 @@ class RouterMetrics:
             self.moves.labels(move.reason.split(":")[0] or "move").inc()
         self.tokens_computed_d.inc(s.num_computed_tokens_first_step)
         self.beam_tokens_recomputed.inc(s.num_recomputed_beam_tokens)
-        if s.path == common_pb2.PATH_HANDOFF:
+        if s.path == Path.HANDOFF:
             self.handoff_bytes.inc(s.num_bytes_moved)
             self.tokens_imported.inc(s.num_imported_tokens)
             self.import_step_seconds.observe(t.stage2_first_step_ms / 1e3)

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvhandoff.v1 import common_pb2, router_pb2
+from kvhandoff.types import Path
 from router.endpoint import Claim, Endpoint
 from router.errors import RouterError, grpc_error
 from router.plan import Outcome, Plan
 from router.pool import EnginePool
+from router.requests import Drained, Moved
 from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class Running:
         if self.stage != 1:
             return "is past stage 1"
         if self.d is None:
-            return ("has no D yet" if self.plan.path == common_pb2.PATH_HANDOFF
+            return ("has no D yet" if self.plan.path == Path.HANDOFF
                     else "runs colocated: no D to move it to")
         stage1 = self.plan.stage1
         if not (stage1.positional or stage1.temperature == 0):  # greedy is positional too
@@ -128,7 +129,7 @@ class MoveDesk:
             running.done.set()
 
     async def move(self, request_id: str, reason: str = "move",
-                   to: str = "") -> router_pb2.MoveResponse:
+                   to: str = "") -> Moved:
         """Router.Move: ask P to stop ``request_id``'s stage 1 after its next token; its
         run then goes on at the destination: the D it is planned for, or the P at
         address ``to``. Answers once stage 1 has ended on P: OK when it goes on at the
@@ -181,8 +182,7 @@ class MoveDesk:
         to_address = (dest or running.d).address
         logger.info("%s: moving stage 1 from %s to %s (%s)", request_id, source.address,
                     to_address, reason)
-        return router_pb2.MoveResponse(from_endpoint=source.address,
-                                       to_endpoint=to_address)
+        return Moved(from_endpoint=source.address, to_endpoint=to_address)
 
     def _why_not_to(self, dest: Endpoint | None, running: Running, to: str) -> str:
         """Why ``running`` cannot move to the P at ``to`` ("" when it can)."""
@@ -197,7 +197,7 @@ class MoveDesk:
         return ""
 
     async def drain(self, address: str, timeout_s: float = 300.0,
-                    undo: bool = False) -> router_pb2.DrainResponse:
+                    undo: bool = False) -> Drained:
         """Router.Drain: no new work goes to the engine at ``address``; its running stage
         1s that can move go to their D (reason "drain"), the rest finish where they are.
         Returns once none of this router's requests use the engine (parents and
@@ -212,7 +212,7 @@ class MoveDesk:
             ep.draining = False
             logger.info("%s takes new work again (drain undone)", address)
             self.pool.room_changed()
-            return router_pb2.DrainResponse(endpoint=address, empty=True)
+            return Drained(endpoint=address, empty=True)
         ep.draining = True
         affected = [r for r in self._running.values() if r.uses(ep) or r.d is ep]
         logger.info("draining %s: %d running requests use it", address, len(affected))
@@ -237,7 +237,7 @@ class MoveDesk:
         while busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         failed = sum(1 for r in affected if r.done.is_set() and r.error is not None)
-        summary = router_pb2.DrainResponse(
+        summary = Drained(
             endpoint=address, moved=moved, finished_in_place=in_place, failed=failed,
             empty=not busy(), seconds=time.monotonic() - t0)
         logger.info("drained %s in %.2f s: %d moved, %d finished in place, %d failed%s",

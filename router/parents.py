@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvhandoff.types import InvalidRequest, Stage1Params
-from kvhandoff.v1 import common_pb2, router_pb2
+from kvhandoff.types import InvalidRequest, Stage1Params, TokenLogprob
+from kvhandoff.v1 import common_pb2
 from router.config import LEASE_MARGIN_S
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class ParentRecord:
     #: Its stage-1 sampling as run (the seed the router picked, if it did).
     stage1: Stage1Params | None = None
     #: Per stage-1 token, when asked for (filled as P samples them).
-    thinking_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    thinking_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
     handoff: common_pb2.Handoff | None = None
     #: Why P does not hold it ("" while it is held or still running).
@@ -198,17 +198,3 @@ class ParentRegistry:
 
     def discard(self, parent_id: str) -> None:
         self._records.pop(parent_id, None)
-
-
-def parent_to_pb(record: ParentRecord, tokenizer) -> router_pb2.Parent:
-    return router_pb2.Parent(
-        parent_id=record.parent_id, prompt_token_ids=record.prompt_ids,
-        thinking_token_ids=record.thinking_ids,
-        thinking_text=tokenizer.decode(record.thinking_ids, skip_special_tokens=False),
-        finish_reason=record.finish_reason, held=record.held,
-        not_held_reason=record.not_held_reason, prefill_endpoint=record.prefill,
-        lease_expires_at=record.held_until if record.held else 0.0,
-        stage1_ms=record.stage1_ms, model=record.model, adapter=record.adapter,
-        stage1_seed=record.stage1.seed or 0 if record.stage1 else 0,
-        stage1_positional=bool(record.stage1 and record.stage1.positional),
-        thinking_logprobs=record.thinking_logprobs)

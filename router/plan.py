@@ -1,7 +1,6 @@
-"""Requests in, responses out: the only part of the router that reads or writes the
-Router service's protobuf messages. A request becomes a :class:`Plan` (all token ids,
-validated against the engines' vocabulary and context); an :class:`Outcome` becomes a
-``GenerateResponse``."""
+"""Requests in, results out: a :class:`~router.requests.GenerateCall` becomes a
+:class:`Plan` (all token ids, validated against the engines' vocabulary and context);
+what ran (an :class:`Outcome`) becomes a :class:`~router.requests.Result`."""
 
 from __future__ import annotations
 
@@ -16,11 +15,15 @@ from kvhandoff.model import ModelTokens
 from kvhandoff.types import (
     BeamParams,
     InvalidRequest,
+    Path,
+    Sampling,
     Stage1Params,
+    TokenLogprob,
     validate_prompt,
     validate_token_ids,
 )
-from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2
+from kvhandoff.v1 import engine_pb2
+from router.requests import GenerateCall, HandoffStats, Move, Prompt, Result, Timings
 from wire import common as convert
 
 if TYPE_CHECKING:
@@ -36,7 +39,7 @@ class Plan:
     suffix_ids: list[int]
     stage1: Stage1Params
     beam: BeamParams
-    path: int
+    path: Path
     deadline: float | None  # time.monotonic() by which the request must be done
     #: (P, D) to use instead of choosing (the router's warm-up).
     pinned: tuple[Endpoint, Endpoint] | None = None
@@ -79,9 +82,9 @@ class Outcome:
     #: P holds the parent itself until then (Unix time; Stage1Request hold, no export).
     held_until: float = 0.0
     #: Per stage-1 token, when its sampling asked for logprobs.
-    thinking_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    thinking_logprobs: list[TokenLogprob] = field(default_factory=list)
     #: Moves of stage 1 (Router.Move, Router.Drain, a resume), as they happened.
-    moves: list[router_pb2.Move] = field(default_factory=list)
+    moves: list[Move] = field(default_factory=list)
     #: time.perf_counter() when the last stage-1 token came from P.
     last_token_at: float = 0.0
     #: Prompt tokens stage 1's first engine found in its prefix cache.
@@ -92,53 +95,49 @@ class Outcome:
     stage1_engine_id: str = ""
 
 
-def _ids_of(tokens: ModelTokens, text: str, field_name: str) -> list[int]:
-    if len(text) > 1 << 20:
+def ids_of(tokens: ModelTokens, text_or_ids: Prompt, field_name: str) -> list[int]:
+    """Token ids of a prompt or suffix as given (text tokenised, at most 1 MiB of it)."""
+    if not isinstance(text_or_ids, str):
+        return list(text_or_ids)
+    if len(text_or_ids) > 1 << 20:
         raise InvalidRequest(field_name, "longer than 1 MiB")
-    return tokens.tokenizer.encode(text, add_special_tokens=False)
+    return tokens.tokenizer.encode(text_or_ids, add_special_tokens=False)
 
 
-def suffix_ids_of(req: router_pb2.GenerateRequest | router_pb2.ContinueRequest,
-                  tokens: ModelTokens) -> list[int]:
-    """The continuation suffix a request gives (text, tokenised here, or ids), else the
-    default ``</think>\n<|sid_begin|>``."""
-    which = req.WhichOneof("suffix")
-    if which == "suffix_text":
-        return _ids_of(tokens, req.suffix_text, "suffix_text")
-    if which == "suffix_token_ids":
-        return list(req.suffix_token_ids.ids)
-    return list(tokens.default_suffix_ids)
+def suffix_ids_of(suffix: Prompt | None, tokens: ModelTokens) -> list[int]:
+    """The continuation suffix a request gives, else the default
+    ``</think>\n<|sid_begin|>``."""
+    if suffix is None:
+        return list(tokens.default_suffix_ids)
+    return ids_of(tokens, suffix, "suffix_text" if isinstance(suffix, str) else "suffix")
 
 
-def sampling_of(msg: common_pb2.Stage1Sampling, positional: bool,
+def sampling_of(asked: Sampling, positional: bool,
                 default_stop_ids: tuple[int, ...] = ()) -> Stage1Params:
     """A request's sampling as the router runs it: positional unless it says otherwise
     (``positional`` is the router's default); positional without a seed gets one here
     (returned to the client, so the request can be replayed or continued anywhere)."""
-    on = msg.positional if msg.HasField("positional") else positional
-    seed = secrets.randbits(63) if on and not msg.HasField("seed") else None
-    return convert.stage1_from_pb(msg, default_stop_ids=default_stop_ids,
-                                  default_positional=positional, default_seed=seed)
+    on = positional if asked.positional is None else asked.positional
+    seed = secrets.randbits(63) if on and asked.seed is None else None
+    return asked.resolve(default_stop_ids=default_stop_ids, default_positional=positional,
+                         default_seed=seed)
 
 
-def plan_request(req: router_pb2.GenerateRequest, deadline: float | None, *,
+def plan_request(req: GenerateCall, deadline: float | None, *,
                  tokens: ModelTokens, prefill_capacity: engine_pb2.Capacity | None,
                  has_decode: bool, colocated_below_tokens: int,
                  new_id: Callable[[], str], positional: bool = True) -> Plan:
     """Validate ``req`` (with P's capacity when one answered) and make it a Plan;
     stage 1 samples positionally unless it (or the router, ``positional``) says not."""
-    which = req.WhichOneof("prompt")
-    if which == "prompt_text":
-        prompt = _ids_of(tokens, req.prompt_text, "prompt_text")
-    elif which == "prompt_token_ids":
-        prompt = list(req.prompt_token_ids.ids)
-    else:
+    if req.prompt is None:
         raise InvalidRequest("prompt", "set prompt_text or prompt_token_ids")
-    suffix = suffix_ids_of(req, tokens)
+    prompt = ids_of(tokens, req.prompt, "prompt_text" if isinstance(req.prompt, str)
+                    else "prompt")
+    suffix = suffix_ids_of(req.suffix, tokens)
     think_end = tokens.think_end_id
     stage1 = sampling_of(req.stage1, positional,
                          default_stop_ids=(think_end,) if think_end is not None else ())
-    beam = convert.beam_from_pb(req.beam)
+    beam = req.beam
     cap = prefill_capacity
     if cap is not None:
         validate_prompt(prompt, vocab_size=cap.vocab_size, max_model_len=cap.max_model_len,
@@ -155,15 +154,14 @@ def plan_request(req: router_pb2.GenerateRequest, deadline: float | None, *,
     if len(request_id) > 128:
         raise InvalidRequest("request_id", "longer than 128 characters")
     path = req.path
-    if path == common_pb2.PATH_AUTO:
+    if path == Path.AUTO:
         longest_parent = len(prompt) + stage1.max_tokens
-        path = (common_pb2.PATH_COLOCATED
-                if not has_decode or longest_parent < colocated_below_tokens
-                else common_pb2.PATH_HANDOFF)
-    if path == common_pb2.PATH_HANDOFF and not has_decode:
+        path = (Path.COLOCATED if not has_decode or longest_parent < colocated_below_tokens
+                else Path.HANDOFF)
+    if path == Path.HANDOFF and not has_decode:
         raise InvalidRequest("path", "no decode engine is configured")
     return Plan(request_id, prompt, suffix, stage1, beam, path, deadline,
-                fault=fault_of(req), adapter=adapter_of(req.adapter))
+                fault=fault_of(req.fault), adapter=adapter_of(req.adapter))
 
 
 def adapter_of(name: str) -> str:
@@ -174,25 +172,25 @@ def adapter_of(name: str) -> str:
     return name
 
 
-def fault_of(req: router_pb2.GenerateRequest | router_pb2.ContinueRequest) -> str:
+def fault_of(fault: str) -> str:
     """The fault a request names (checked against ``connector.faults``; the engines
     refuse it unless they run with --fault-injection)."""
-    if req.fault and req.fault not in FAULTS:
-        raise InvalidRequest("fault", f"unknown fault {req.fault!r}; known: "
+    if fault and fault not in FAULTS:
+        raise InvalidRequest("fault", f"unknown fault {fault!r}; known: "
                                       f"{', '.join(FAULTS)}")
-    return req.fault
+    return fault
 
 
-def to_response(out: Outcome, tokenizer: Any,
-                received_at: float | None = None) -> router_pb2.GenerateResponse:
-    """The response; ``received_at`` (perf_counter when the call arrived) sets the
+def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) -> Result:
+    """The result; ``received_at`` (perf_counter when the call arrived) sets the
     router's own overhead."""
     s2 = out.stage2
     assert s2 is not None
-    beams = list(s2.beams)
+    beams = convert.beams_from_pb(s2.beams)
     for b in beams:
-        b.text = tokenizer.decode(list(b.token_ids), skip_special_tokens=False)
-    return router_pb2.GenerateResponse(
+        b.text = tokenizer.decode(b.token_ids, skip_special_tokens=False)
+    num_parent_tokens = len(out.plan.prompt_ids) + len(out.thinking_ids)
+    return Result(
         request_id=out.plan.request_id,
         prompt_token_ids=out.plan.prompt_ids,
         thinking_token_ids=out.thinking_ids,
@@ -200,7 +198,7 @@ def to_response(out: Outcome, tokenizer: Any,
         stage1_finish_reason=out.stage1_finish_reason,
         suffix_token_ids=out.suffix_ids,
         beams=beams,
-        timings=router_pb2.Timings(
+        timings=Timings(
             stage1_ms=out.stage1_ms, stage2_first_step_ms=s2.first_step_ms,
             stage2_ms=s2.total_ms, total_ms=out.total_ms,
             router_overhead_ms=0.0 if received_at is None else max(
@@ -210,9 +208,9 @@ def to_response(out: Outcome, tokenizer: Any,
         num_dropped_beams=s2.num_dropped_beams,
         stage1_seed=out.plan.stage1.seed or 0,
         stage1_positional=out.plan.stage1.positional,
-        stats=router_pb2.HandoffStats(
+        stats=HandoffStats(
             path=out.plan.path, prefill_endpoint=out.prefill, decode_endpoint=out.decode or "",
-            num_parent_tokens=len(out.plan.prompt_ids) + len(out.thinking_ids),
+            num_parent_tokens=num_parent_tokens,
             num_imported_tokens=s2.num_imported_tokens, num_bytes_moved=s2.num_imported_bytes,
             num_computed_tokens_first_step=s2.num_computed_tokens_first_step,
             num_computed_tokens_total=s2.num_computed_tokens_total,
@@ -220,8 +218,8 @@ def to_response(out: Outcome, tokenizer: Any,
             recomputed=out.failed_decode is not None,
             failed_decode_endpoint=out.failed_decode or "",
             handoff_failure=out.handoff_failure,
-            num_found_on_d_tokens=max(0, len(out.plan.prompt_ids) + len(out.thinking_ids)
-                                      + len(out.suffix_ids) - s2.num_imported_tokens
+            num_found_on_d_tokens=max(0, num_parent_tokens + len(out.suffix_ids)
+                                      - s2.num_imported_tokens
                                       - s2.num_computed_tokens_first_step),
             num_cached_prompt_tokens=out.cached_prompt_tokens,
             prefill_engine_id=out.prefill_engine_id),

@@ -16,10 +16,11 @@ import grpc
 
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import continuation_prompt
-from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2
+from kvhandoff.v1 import common_pb2, engine_pb2
 from router.endpoint import Claim, Endpoint
 from router.errors import grpc_error
 from router.plan import Outcome, Plan
+from router.requests import Move
 from wire import common as convert
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class StageCalls:
                      export: bool, hold: bool = False, hold_s: float = 0.0,
                      resume_at: int | None = None, request_id: str = "",
                      import_from: common_pb2.Handoff | None = None,
-                     move: router_pb2.Move | None = None
+                     move: Move | None = None
                      ) -> AsyncIterator[list[int] | common_pb2.Handoff]:
         """Stage 1 on P: yields token batches, then P's handoff (with ``export``,
         addressed to ``d``; with ``hold`` P keeps the blocks for the whole lease, or
@@ -92,7 +93,7 @@ class StageCalls:
                 if event.engine_id:
                     out.stage1_engine_id = event.engine_id
                     out.prefill_engine_id = out.prefill_engine_id or event.engine_id
-                new, logprobs = list(event.new_token_ids), list(event.logprobs)
+                new, logprobs = list(event.new_token_ids), convert.logprobs_from_pb(event.logprobs)
                 if replay and new:
                     k = min(replay, len(new))
                     again = out.thinking_ids[len(out.thinking_ids) - replay:][:k]
@@ -151,8 +152,8 @@ class StageCalls:
             request.fault = plan.import_fault
         first_at, resp = None, None
         # Listed from the start: a move whose destination fails stays in the record.
-        move = router_pb2.Move(from_endpoint=out.prefill, to_endpoint=d.address, at_token=t,
-                               reason=reason)
+        move = Move(from_endpoint=out.prefill, to_endpoint=d.address, at_token=t,
+                    reason=reason)
         out.moves.append(move)
         if claim is not None:
             claim.mark_sent()

@@ -11,12 +11,12 @@ import time
 import uuid
 
 from kvhandoff.model import ModelTokens
-from kvhandoff.types import BeamParams, Stage1Params
-from kvhandoff.v1 import common_pb2, router_pb2
+from kvhandoff.types import BeamParams, Path, Stage1Params
 from router.endpoint import Endpoint
 from router.executor import Executor
 from router.plan import Outcome, Plan
 from router.pool import EnginePool
+from router.requests import Move
 from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class WarmUp:
         plan = Plan(f"warmup-{i}-{uuid.uuid4().hex[:8]}", list(range(10, 50)),
                     list(self.tokens.default_suffix_ids),
                     Stage1Params(max_tokens=2, temperature=0.0),
-                    BeamParams(beam_width=1, max_tokens=1), common_pb2.PATH_HANDOFF,
+                    BeamParams(beam_width=1, max_tokens=1), Path.HANDOFF,
                     time.monotonic() + timeout_s, pinned=(p, d))
         try:
             how = "failed: no outcome"
@@ -97,7 +97,7 @@ class WarmUp:
         def plan(max_tokens: int) -> Plan:
             return Plan(name, list(range(10, 50)), [], Stage1Params(max_tokens=max_tokens,
                                                                     temperature=0.0),
-                        BeamParams(beam_width=1, max_tokens=1), common_pb2.PATH_HANDOFF,
+                        BeamParams(beam_width=1, max_tokens=1), Path.HANDOFF,
                         deadline, pinned=(p, p2))
 
         try:
@@ -107,7 +107,7 @@ class WarmUp:
             async for item in self.stages.stage1(p, p2, first, out, export=True,
                                                  request_id=f"{name}-1"):
                 handoff = item if not isinstance(item, list) else handoff
-            move = router_pb2.Move()
+            move = Move()
             async for item in self.stages.stage1(p2, None, plan(3), out, export=True,
                                                  hold=True, request_id=f"{name}-2",
                                                  import_from=handoff, move=move):

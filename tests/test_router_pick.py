@@ -506,13 +506,14 @@ def test_a_fault_goes_to_the_engine_of_its_side_and_never_into_a_recompute(
 
 def test_an_unknown_fault_is_refused_at_the_plan(model_dir):
     from kvhandoff.types import InvalidRequest
+    from router.grpc_wire import generate_call
     from tools.client import make_request
 
     router = _router(model_dir, [100])  # no snapshot yet: the prompt is not checked
     req = make_request(prompt=[1] * 40, max_tokens=2, path="handoff")
     req.fault = "no-such-fault"
     with pytest.raises(InvalidRequest, match="unknown fault 'no-such-fault'"):
-        router.plan(req, None)
+        router.plan(generate_call(req), None)
 
 
 def test_the_metrics_count_what_the_pool_sees_of_its_engines(model_dir):

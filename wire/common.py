@@ -4,26 +4,31 @@ the engines' gRPC fronts convert at their edges."""
 
 from __future__ import annotations
 
-from kvhandoff.types import Beam, BeamParams, InvalidRequest, Stage1Params, TokenLogprob
+from kvhandoff.types import (
+    Beam,
+    BeamParams,
+    InvalidRequest,
+    Sampling,
+    Stage1Params,
+    TokenLogprob,
+)
 from kvhandoff.v1 import common_pb2
 
 
-def stage1_from_pb(msg: common_pb2.Stage1Sampling, *, default_stop_ids: tuple[int, ...] = (),
-                   default_max_tokens: int = 256, default_positional: bool = False,
-                   default_seed: int | None = None) -> Stage1Params:
-    return Stage1Params(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else default_seed,
-        stop_token_ids=tuple(msg.stop_token_ids) or default_stop_ids,
-        ignore_eos=msg.ignore_eos,
-        min_tokens=msg.min_tokens,
-        min_p=msg.min_p,
-        positional=msg.positional if msg.HasField("positional") else default_positional,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-    )
+def sampling_from_pb(msg: common_pb2.Stage1Sampling) -> Sampling:
+    """The sampling ``msg`` asks for: None where a field is unset."""
+    def opt(name: str):
+        return getattr(msg, name) if msg.HasField(name) else None
+    return Sampling(max_tokens=opt("max_tokens"), temperature=opt("temperature"),
+                    top_p=opt("top_p"), top_k=msg.top_k, seed=opt("seed"),
+                    stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+                    min_tokens=msg.min_tokens, min_p=msg.min_p,
+                    positional=opt("positional"), logprobs=opt("logprobs"))
+
+
+def stage1_from_pb(msg: common_pb2.Stage1Sampling, **defaults) -> Stage1Params:
+    """``msg`` resolved with ``defaults`` (:meth:`Sampling.resolve`'s)."""
+    return sampling_from_pb(msg).resolve(**defaults)
 
 
 def stage1_to_pb(p: Stage1Params) -> common_pb2.Stage1Sampling:
@@ -56,15 +61,21 @@ def beam_to_pb(p: BeamParams) -> common_pb2.BeamSearch:
 
 def beams_to_pb(beams: list[Beam]) -> list[common_pb2.Beam]:
     return [common_pb2.Beam(token_ids=b.token_ids, cum_logprob=b.cum_logprob,
-                            finish_reason=b.finish_reason) for b in beams]
+                            finish_reason=b.finish_reason, text=b.text) for b in beams]
 
 
 def beams_from_pb(beams) -> list[Beam]:
     return [Beam(token_ids=list(b.token_ids), cum_logprob=b.cum_logprob,
-                 finish_reason=b.finish_reason) for b in beams]
+                 finish_reason=b.finish_reason, text=b.text) for b in beams]
 
 
 def logprobs_to_pb(logprobs: list[TokenLogprob]) -> list[common_pb2.TokenLogprobs]:
     return [common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
                                      top_token_ids=[t for t, _ in lp.top],
                                      top_logprobs=[v for _, v in lp.top]) for lp in logprobs]
+
+
+def logprobs_from_pb(logprobs) -> list[TokenLogprob]:
+    return [TokenLogprob(lp.token_id, lp.logprob,
+                         tuple(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
+            for lp in logprobs]

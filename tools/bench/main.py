@@ -32,6 +32,17 @@ def _write_json(path: str | None, result: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(result, indent=1) + "\n")
 
 
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """Those of ``names`` the command line set (the rest keep the config's defaults)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _report(args: argparse.Namespace, text: str, result: dict[str, Any]) -> int:
+    print(text)
+    _write_json(args.json, result)
+    return 0
+
+
 def main_bench(args: argparse.Namespace) -> int:
     """Run the measurement ``args`` select, print it, write its JSON and plot; 0."""
     from tqdm import tqdm
@@ -39,16 +50,12 @@ def main_bench(args: argparse.Namespace) -> int:
     if args.http_two_calls:
         from tools.bench.http_two_calls import format_two_calls, measure_two_calls_over_http
 
-        kw = {"requests": args.requests or 8}
+        kw = {"requests": args.requests or 8,
+              **_given(args, "prompt_tokens", "stage1_tokens", "beam_width", "seed")}
         if args.concurrency:
             kw["concurrency"] = tuple(int(x) for x in args.concurrency.split(","))
-        for name in ("prompt_tokens", "stage1_tokens", "beam_width", "seed"):
-            if getattr(args, name) is not None:
-                kw[name] = getattr(args, name)
         result = measure_two_calls_over_http(args.model, **kw)
-        print(format_two_calls(result))
-        _write_json(args.json, result)
-        return 0
+        return _report(args, format_two_calls(result), result)
 
     if args.hosts_link:
         from tools.bench.hosts import (
@@ -60,49 +67,34 @@ def main_bench(args: argparse.Namespace) -> int:
 
         result = measure_link()
         print(format_link(result))
-        first = measure_first_handoff(args.model, Path("out") / "bench-hosts")
-        print(format_first_handoff(first))
-        result["first_handoff"] = first
-        _write_json(args.json, result)
-        return 0
+        result["first_handoff"] = measure_first_handoff(args.model, Path("out") / "bench-hosts")
+        return _report(args, format_first_handoff(result["first_handoff"]), result)
 
     if args.moves:
         from tools.bench.moves import format_moves, measure_moves
 
-        kw = {"drain_requests": args.requests or 8}
-        if args.seed is not None:
-            kw["seed"] = args.seed
-        result = measure_moves(args.model, **kw)
-        print(format_moves(result))
-        _write_json(args.json, result)
-        return 0
+        result = measure_moves(args.model, drain_requests=args.requests or 8,
+                               **_given(args, "seed"))
+        return _report(args, format_moves(result), result)
 
     if args.read:
         from tools.bench.read import format_read, run_read
 
-        kw = {"model": args.model or "bench"}
-        if args.seed is not None:
-            kw["seed"] = args.seed
         sweep = tuple(int(x) for x in args.sweep.split(",")) if args.sweep else (1024, 2048, 4096)
-        result = asyncio.run(run_read(BenchConfig(**kw), sweep,
-                                      progress=lambda label: print(label, flush=True)))
-        print(format_read(result))
-        _write_json(args.json, result)
-        return 0
+        result = asyncio.run(run_read(
+            BenchConfig(model=args.model or "bench", **_given(args, "seed")), sweep,
+            progress=lambda label: print(label, flush=True)))
+        return _report(args, format_read(result), result)
 
     if args.beams:
         from tools.bench.beams import WIDTHS, format_beams, run_beams
 
-        kw = {"model": args.model or "bench"}
-        for name in ("prompt_tokens", "stage1_tokens", "seed"):
-            if getattr(args, name) is not None:
-                kw[name] = getattr(args, name)
         widths = tuple(int(x) for x in args.widths.split(",")) if args.widths else WIDTHS
-        result = asyncio.run(run_beams(BenchConfig(**kw), widths,
-                                       progress=lambda label: print(label, flush=True)))
-        print(format_beams(result))
-        _write_json(args.json, result)
-        return 0
+        result = asyncio.run(run_beams(
+            BenchConfig(model=args.model or "bench",
+                        **_given(args, "prompt_tokens", "stage1_tokens", "seed")),
+            widths, progress=lambda label: print(label, flush=True)))
+        return _report(args, format_beams(result), result)
 
     if args.fleet:
         from tools.bench.fleet import FleetConfig, format_fleet, plot_fleet, run_fleet
@@ -123,15 +115,11 @@ def main_bench(args: argparse.Namespace) -> int:
     if args.router_only:
         result = {"router_cluster": measure_router_overhead_on_cluster(
             args.model, args.requests or 12)}
-        print(json.dumps(result, indent=1))
-        _write_json(args.json, result)
-        return 0
+        return _report(args, json.dumps(result, indent=1), result)
 
-    kw: dict[str, Any] = {"model": args.model or "bench"}
-    for name in ("prompt_tokens", "stage1_tokens", "beam_width", "beam_tokens", "requests",
-                 "seed"):
-        if getattr(args, name) is not None:
-            kw[name] = getattr(args, name)
+    kw: dict[str, Any] = {"model": args.model or "bench", **_given(
+        args, "prompt_tokens", "stage1_tokens", "beam_width", "beam_tokens", "requests",
+        "seed")}
     if args.concurrency:
         kw["concurrency"] = tuple(int(x) for x in args.concurrency.split(","))
     if args.sweep:

@@ -1,0 +1,113 @@
+"""The Router service's protobuf (``router.proto``) to and from the request API's types
+(``router.requests``): the only module of the router that reads or writes its messages,
+used by both gRPC fronts (``router.service``, and Ray Serve's ``deploy.router_server``).
+What a conversion finds wrong raises InvalidRequest, which the front answers with
+INVALID_ARGUMENT like any other."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvhandoff.types import InvalidRequest, Path, Stage1Params
+from kvhandoff.v1 import common_pb2, router_pb2
+from router.parents import ParentRecord
+from router.requests import (
+    ContinueCall,
+    Drained,
+    GenerateCall,
+    Moved,
+    ParentCall,
+    Prompt,
+    Released,
+    Result,
+)
+from wire import common
+
+#: The service's full name (health checks and reflection list it).
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+def _text_or_ids(msg, oneof: str) -> Prompt | None:
+    which = msg.WhichOneof(oneof)
+    if which is None:
+        return None
+    value = getattr(msg, which)
+    return value if isinstance(value, str) else list(value.ids)
+
+
+def _path(value: int) -> Path:
+    try:
+        return Path(value)
+    except ValueError:
+        raise InvalidRequest("path", f"unknown path {value}") from None
+
+
+def generate_call(msg: router_pb2.GenerateRequest) -> GenerateCall:
+    return GenerateCall(
+        prompt=_text_or_ids(msg, "prompt"), stage1=common.sampling_from_pb(msg.stage1),
+        suffix=_text_or_ids(msg, "suffix"), beam=common.beam_from_pb(msg.beam),
+        path=_path(msg.path), request_id=msg.request_id, timeout_ms=msg.timeout_ms,
+        adapter=msg.adapter, fault=msg.fault)
+
+
+def parent_call(msg: router_pb2.ParentRequest) -> ParentCall:
+    return ParentCall(
+        prompt=_text_or_ids(msg, "prompt"), stage1=common.sampling_from_pb(msg.stage1),
+        path=_path(msg.path), request_id=msg.request_id, timeout_ms=msg.timeout_ms,
+        model=msg.model, adapter=msg.adapter)
+
+
+def continue_call(msg: router_pb2.ContinueRequest) -> ContinueCall:
+    return ContinueCall(
+        parent_id=msg.parent_id, suffix=_text_or_ids(msg, "suffix"),
+        beam=common.beam_from_pb(msg.beam),
+        sampling=common.sampling_from_pb(msg.sampling) if msg.HasField("sampling") else None,
+        strict=msg.strict, request_id=msg.request_id, timeout_ms=msg.timeout_ms,
+        model=msg.model, adapter=msg.adapter, fault=msg.fault)
+
+
+def result_to_pb(result: Result) -> router_pb2.GenerateResponse:
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    return router_pb2.GenerateResponse(**{
+        **fields, "beams": common.beams_to_pb(result.beams),
+        "timings": router_pb2.Timings(**dataclasses.asdict(result.timings)),
+        "stats": router_pb2.HandoffStats(**dataclasses.asdict(result.stats)),
+        "moves": [router_pb2.Move(**dataclasses.asdict(m)) for m in result.moves]})
+
+
+def event_to_pb(item: list[int] | Result) -> router_pb2.GenerateStreamEvent:
+    """GenerateStream's event for what the API yields: stage-1 tokens, or the result."""
+    if isinstance(item, Result):
+        return router_pb2.GenerateStreamEvent(result=result_to_pb(item))
+    return router_pb2.GenerateStreamEvent(stage1_tokens=common_pb2.TokenIds(ids=item))
+
+
+def parent_event_to_pb(item: list[int] | ParentRecord, tokenizer
+                       ) -> router_pb2.ParentEvent:
+    """StartParent's event: stage-1 tokens, or the parent (its thinking decoded)."""
+    if not isinstance(item, ParentRecord):
+        return router_pb2.ParentEvent(stage1_tokens=common_pb2.TokenIds(ids=item))
+    stage1 = item.stage1 or Stage1Params()
+    return router_pb2.ParentEvent(parent=router_pb2.Parent(
+        parent_id=item.parent_id, prompt_token_ids=item.prompt_ids,
+        thinking_token_ids=item.thinking_ids,
+        thinking_text=tokenizer.decode(item.thinking_ids, skip_special_tokens=False),
+        finish_reason=item.finish_reason, held=item.held,
+        not_held_reason=item.not_held_reason, prefill_endpoint=item.prefill,
+        lease_expires_at=item.held_until if item.held else 0.0,
+        stage1_ms=item.stage1_ms, model=item.model, adapter=item.adapter,
+        stage1_seed=(stage1.seed or 0) if item.stage1 else 0,
+        stage1_positional=stage1.positional,
+        thinking_logprobs=common.logprobs_to_pb(item.thinking_logprobs)))
+
+
+def moved_to_pb(moved: Moved) -> router_pb2.MoveResponse:
+    return router_pb2.MoveResponse(**dataclasses.asdict(moved))
+
+
+def drained_to_pb(drained: Drained) -> router_pb2.DrainResponse:
+    return router_pb2.DrainResponse(**dataclasses.asdict(drained))
+
+
+def released_to_pb(released: Released) -> router_pb2.ReleaseParentResponse:
+    return router_pb2.ReleaseParentResponse(**dataclasses.asdict(released))

@@ -1,0 +1,158 @@
+"""The router's request API in its own terms: the requests each front builds from its
+wire (``router.grpc_wire`` from protobuf for gRPC and Ray Serve, ``router.http`` from
+JSON) and the results it writes back. Field names follow ``router.proto``'s, so a wire
+converts them one to one; nothing here knows a wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvhandoff.types import Beam, BeamParams, Path, Sampling
+
+#: A prompt or suffix as given: text (tokenised by the router, once) or token ids.
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """A two-stage request (Generate, GenerateStream)."""
+
+    #: None: the caller gave none (refused by the plan, naming the field).
+    prompt: Prompt | None
+    stage1: Sampling = Sampling()
+    #: None: the model's default, ``</think>\n<|sid_begin|>``.
+    suffix: Prompt | None = None
+    beam: BeamParams = BeamParams()
+    path: Path = Path.AUTO
+    request_id: str = ""
+    timeout_ms: int = 0
+    adapter: str = ""
+    #: A negative control's fault (``connector.faults``); an operator's call.
+    fault: str = ""
+
+
+@dataclass(frozen=True)
+class ParentCall:
+    """Stage 1 as a parent that continuations name (StartParent)."""
+
+    prompt: Prompt | None
+    stage1: Sampling = Sampling()
+    path: Path = Path.AUTO
+    request_id: str = ""
+    timeout_ms: int = 0
+    model: str = ""
+    adapter: str = ""
+
+
+@dataclass(frozen=True)
+class ContinueCall:
+    """Stage 2 of a parent (Continue): beam search, or one sampled sequence."""
+
+    parent_id: str
+    suffix: Prompt | None = None
+    beam: BeamParams = BeamParams()
+    #: Sample one sequence with this instead of beam search.
+    sampling: Sampling | None = None
+    #: Refuse rather than recompute when the parent's blocks are gone.
+    strict: bool = False
+    request_id: str = ""
+    timeout_ms: int = 0
+    model: str = ""
+    adapter: str = ""
+    fault: str = ""
+
+
+@dataclass
+class Move:
+    """One move of a running stage 1 (Router.Move, Drain, a resume), as it happened."""
+
+    from_endpoint: str = ""
+    to_endpoint: str = ""
+    at_token: int = 0
+    num_imported_tokens: int = 0
+    num_computed_tokens: int = 0
+    reason: str = ""
+    pause_ms: float = 0.0
+    num_bytes_moved: int = 0
+
+
+@dataclass
+class Timings:
+    stage1_ms: float = 0.0
+    stage2_first_step_ms: float = 0.0
+    stage2_ms: float = 0.0
+    total_ms: float = 0.0
+    router_overhead_ms: float = 0.0
+
+
+@dataclass
+class HandoffStats:
+    """Where a request ran and what moved (``router.proto`` says what each counts)."""
+
+    path: Path = Path.AUTO
+    prefill_endpoint: str = ""
+    decode_endpoint: str = ""
+    num_parent_tokens: int = 0
+    num_imported_tokens: int = 0
+    num_bytes_moved: int = 0
+    num_computed_tokens_first_step: int = 0
+    num_computed_tokens_total: int = 0
+    recomputed: bool = False
+    failed_decode_endpoint: str = ""
+    num_recomputed_beam_tokens: int = 0
+    handoff_failure: str = ""
+    num_found_on_d_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    prefill_engine_id: str = ""
+
+
+@dataclass
+class Result:
+    """A served stage 2 (of a two-stage request, a continuation, or beams over a
+    prompt): its beams, best first, and how it ran."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    thinking_token_ids: list[int]
+    thinking_text: str
+    stage1_finish_reason: str
+    suffix_token_ids: list[int]
+    beams: list[Beam]
+    timings: Timings
+    stats: HandoffStats
+    moves: list[Move] = field(default_factory=list)
+    num_beams_short: int = 0
+    num_dropped_beams: int = 0
+    #: The continued parent ("" for a two-stage request).
+    parent_id: str = ""
+    stage1_seed: int = 0
+    stage1_positional: bool = False
+
+
+@dataclass(frozen=True)
+class Moved:
+    """Router.Move's answer: stage 1 goes on at ``to_endpoint``."""
+
+    from_endpoint: str
+    to_endpoint: str
+
+
+@dataclass(frozen=True)
+class Drained:
+    """Router.Drain's answer."""
+
+    endpoint: str
+    moved: int = 0
+    finished_in_place: int = 0
+    failed: int = 0
+    #: No request of this router's uses the engine any more.
+    empty: bool = False
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Released:
+    """Router.ReleaseParent's answer: whether P's hold on the parent's blocks ended."""
+
+    parent_id: str
+    hold_ended: bool
