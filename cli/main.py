@@ -94,6 +94,10 @@ def _add_client(sub: Any) -> None:
                         help="keep the beams in this catalog of the engines' (--catalog at "
                              "their start)")
     client.add_argument("--path", choices=["auto", "handoff", "colocated"], default="auto")
+    client.add_argument("--chunks", default=None, metavar="ID,ID",
+                        help="the prompt starts with these named KV chunks (a chain "
+                             "registered with RegisterChunk, root first); --prompt is "
+                             "what follows them")
     client.add_argument("--stream", action="store_true")
     client.add_argument("--timeout", type=float, default=120.0)
     client.set_defaults(func=_client)
@@ -155,6 +159,12 @@ def _add_bench(sub: Any) -> None:
                             "(connector.runs), one pair each: cold at the --sweep lengths "
                             "(default 1024,2048,4096) and in a churned pool, against raw "
                             "one-descriptor NIXL")
+    bench.add_argument("--chunks", action="store_true",
+                       help="two-stage requests whose prompt starts with a named KV chunk "
+                            "against the same prompt sent whole (cold), at 1k, 4k and 8k "
+                            "tokens of context: time to first token and to first beam, "
+                            "identity (default model: bench; --requests: pairs per "
+                            "context)")
     bench.add_argument("--fleet", action="store_true",
                        help="least-loaded against cache-aware placement on 2 P and 2 D "
                             "(processes, fresh for each): users whose histories grow "

@@ -72,7 +72,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           needs_partial_block=True),  # within the last block: no extra block to READ
     Fault("stale", "prefill",
           "P's exported blocks are overwritten (as when they are reused after the "
-          "lease) before D reads them; D's lease fence sees a valid lease",
+          "lease) before D reads them; D's lease fence sees a valid lease (on a parent "
+          "or chunk held on P: its held blocks, before anything reads them)",
           "D imports another request's KV: logprobs, beams. The overwritten blocks stay in "
           "P's prefix cache, so the harness resets it after each such case"),
     Fault("layer-swap", "decode_worker",

@@ -333,6 +333,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._fork_pending.pop(request.request_id, None)
         beam = beam_params(request)
         if beam and not delay_free and self._keep(request, beam, block_ids):
+            if self._fault(request) == "stale":  # a held parent or chunk overwritten
+                self._scribble_block_ids.extend(block_ids[0])
             if beam.get("hold_s"):
                 # A parent held here: the client learns until when (Unix time).
                 params = {**(params or {}),

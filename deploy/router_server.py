@@ -204,6 +204,34 @@ class RouterServer:
     async def _move(self, request: router_pb2.MoveRequest) -> router_pb2.MoveResponse:
         return wire.moved_to_pb(await self.api.move(request.request_id, request.to_endpoint))
 
+    async def RegisterChunk(self, request: router_pb2.ChunkRequest,  # noqa: N802
+                            grpc_context: Any = None) -> router_pb2.Chunk:
+        return await self._unary(grpc_context, self._register_chunk(request),
+                                 OPERATOR if request.fault else CLIENT)
+
+    async def _register_chunk(self, request: router_pb2.ChunkRequest) -> router_pb2.Chunk:
+        _, world_size = self._rank()
+        if world_size > 1:
+            # A chunk's registry is one router replica's, and a call reaches one of them.
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"named KV chunks live in one router replica's registry and this "
+                f"deployment runs {world_size}: run one router replica to use them"))
+        await self._ready(ask=self.router.prefill)
+        return wire.chunk_to_pb(
+            await self.api.register_chunk(FRONT, wire.chunk_call(request), None))
+
+    async def ListChunks(self, request: router_pb2.ListChunksRequest,  # noqa: N802
+                         grpc_context: Any = None) -> router_pb2.ListChunksResponse:
+        async def listing():
+            return wire.chunks_to_pb(self.api.chunks())
+        return await self._unary(grpc_context, listing(), CLIENT)
+
+    async def DeleteChunk(self, request: router_pb2.DeleteChunkRequest,  # noqa: N802
+                          grpc_context: Any = None) -> router_pb2.DeleteChunkResponse:
+        async def delete():
+            return wire.deleted_to_pb(await self.api.delete_chunk(request.chunk_id))
+        return await self._unary(grpc_context, delete(), CLIENT)
+
     async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
                     grpc_context: Any = None) -> router_pb2.DrainResponse:
         return await self._unary(grpc_context, self._drain(request), OPERATOR)

@@ -17,6 +17,7 @@ import (``connector.admission``), then samples on and exports again.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,6 +51,10 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+#: ``hold`` for a request whose blocks stay held until released (a named chunk): no
+#: lease ends it.
+PINNED = math.inf
 
 
 def stage1_sampling(params: Stage1Params,
@@ -93,13 +98,18 @@ class PrefillEngine(VllmEngine):
                            field_name="stage1.stop_token_ids")
         if not export and hold:
             lease = float(self.config.lease_s)
-            hold_s = lease if hold is True else min(float(hold), lease)
+            hold_s = (lease if hold is True else PINNED if hold == PINNED
+                      else min(float(hold), lease))
             if not self.config.beam_fork:
                 logger.info("%s not held here: this engine runs without beam fork",
                             request_id)
                 return stage1_sampling(params)
-            return stage1_sampling(params, {BEAM_KEY: {"id": request_id, "keep": True,
-                                                       "hold_s": hold_s}})
+            held: dict[str, Any] = {BEAM_KEY: {"id": request_id, "keep": True,
+                                               "hold_s": hold_s}}
+            if fault is not None:  # "stale": the held blocks are overwritten
+                self.check_fault(fault)
+                held[FAULT_KEY] = fault
+            return stage1_sampling(params, held)
         if handoff is not None:
             if not export:
                 raise InvalidRequest("export", "a stage 1 that imports a handoff exports "
@@ -138,7 +148,9 @@ class PrefillEngine(VllmEngine):
         seconds, at most the lease) however often they are read (a parent for
         continuations), else until the first READ. ``hold`` without ``export``: the
         parent is held here for continuations on this engine (``Stage2`` with
-        ``held_parent=request_id``).
+        ``held_parent=request_id``), for the lease (or ``hold`` seconds), or until
+        ``release`` with ``hold=PINNED`` (a named chunk: its full blocks stay in the
+        prefix cache for every request that starts with its tokens).
         ``handoff``: another P's export of this request's tokens so far (a move), built
         for one sequence of ``params.max_tokens``; imported before sampling (with
         ``export``).

@@ -18,12 +18,14 @@ import grpc
 
 from kvhandoff.types import BeamParams, Path
 from router.auth import Credentials
+from router.chunks import ChunkList, ChunkRecord
 from router.core import Router
 from router.errors import OVERLOAD_MESSAGE, RouterError, status_of
 from router.metrics import RouterMetrics
 from router.parents import ParentRecord
 from router.plan import Outcome, Plan, to_result
 from router.requests import (
+    ChunkCall,
     ContinueCall,
     Drained,
     GenerateCall,
@@ -122,14 +124,16 @@ class RouterAPI:
         received_at = time.perf_counter()
         with self.admission.admit(front):
             plan = self.router.plan(request, deadline)
-            async with contextlib.aclosing(self.router.run(plan)) as items:
-                async for item in items:
-                    if isinstance(item, Outcome):
-                        result = to_result(item, self.router.tokens.tokenizer, received_at)
-                        self.metrics.observe(result, front)
-                        yield result
-                    else:
-                        yield item
+            with self.router.chunks.using(plan.chunk_ids):
+                async with contextlib.aclosing(self.router.run(plan)) as items:
+                    async for item in items:
+                        if isinstance(item, Outcome):
+                            result = to_result(item, self.router.tokens.tokenizer,
+                                               received_at)
+                            self.metrics.observe(result, front)
+                            yield result
+                        else:
+                            yield item
 
     def parent_plan(self, request: ParentCall, deadline: float | None) -> Plan:
         """A StartParent request as a Plan (validated, tokenised): stage 1 for P to export
@@ -141,17 +145,18 @@ class RouterAPI:
         return router.plan(GenerateCall(
             prompt=request.prompt, stage1=request.stage1, path=path,
             request_id=request.request_id, timeout_ms=request.timeout_ms,
-            adapter=request.adapter), deadline)
+            adapter=request.adapter, chunk_ids=request.chunk_ids), deadline)
 
     async def parent(self, front: str, plan: Plan
                      ) -> AsyncIterator[list[int] | ParentRecord]:
         """StartParent of a planned request: token batches, then the ParentRecord."""
         with self.admission.admit(front):
-            async with contextlib.aclosing(self.router.run_parent(plan)) as items:
-                async for item in items:
-                    if isinstance(item, ParentRecord):
-                        self.metrics.observe_served(front)
-                    yield item
+            with self.router.chunks.using(plan.chunk_ids):
+                async with contextlib.aclosing(self.router.run_parent(plan)) as items:
+                    async for item in items:
+                        if isinstance(item, ParentRecord):
+                            self.metrics.observe_served(front)
+                        yield item
 
     async def continue_(self, front: str, request: ContinueCall,
                         deadline: float | None) -> Result:
@@ -174,6 +179,22 @@ class RouterAPI:
                                                         adapter)
         self.metrics.observe(result, front)
         return result
+
+    # ---- named KV chunks (router.chunks) ----------------------------------------------
+    async def register_chunk(self, front: str, request: ChunkCall,
+                             deadline: float | None) -> ChunkRecord:
+        """RegisterChunk: admitted (it runs a prefill on P)."""
+        with self.admission.admit(front):
+            record = await self.router.chunks.register(request, deadline)
+        self.metrics.observe_served(front)
+        return record
+
+    def chunks(self) -> ChunkList:
+        return self.router.chunks.listing()
+
+    async def delete_chunk(self, chunk_id: str) -> list[str]:
+        """DeleteChunk (not admitted: it frees room)."""
+        return await self.router.chunks.delete(chunk_id)
 
     # ---- control calls (not admitted: they must get through an overloaded router) ----
     async def move(self, request_id: str, to_endpoint: str = "") -> Moved:

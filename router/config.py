@@ -63,6 +63,9 @@ class RouterConfig:
     parent_pool_share: float = 0.25
     #: How long P holds a parent's blocks (seconds, at most P's lease); 0: P's lease.
     parent_hold_s: float = 0.0
+    #: The share of P's pool named KV chunks may hold (``router.chunks``); beyond it the
+    #: least recently used are evicted. With parent_pool_share at most 1.
+    chunk_pool_share: float = 0.25
     #: Sample positionally (engine.sampling) unless a request says otherwise; False:
     #: vLLM's own sampling unless a request asks for positional.
     positional_sampling: bool = True
@@ -94,8 +97,10 @@ class RouterConfig:
         if self.parent_hold_s != 0 and not self.parent_hold_s > LEASE_MARGIN_S:
             raise ValueError(f"parent_hold_s must be 0 (P's lease) or above {LEASE_MARGIN_S} s: "
                              "a parent is imported only while its hold has that long to run")
-        if not 0 <= self.parent_pool_share <= 1:
-            raise ValueError("parent_pool_share must be in [0, 1]")
+        if not (0 <= self.parent_pool_share and 0 <= self.chunk_pool_share
+                and self.parent_pool_share + self.chunk_pool_share <= 1):
+            raise ValueError("parent_pool_share and chunk_pool_share must be >= 0, and at "
+                             "most 1 together")
         if self.kv_events_key_file:
             self.kv_events_keys()  # a missing or short file: ValueError naming it
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:

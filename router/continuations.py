@@ -68,7 +68,7 @@ class Continuations:
         continuations on P; else P exports it to a D and holds the export."""
         t0 = time.perf_counter()
         p = await self.pool.pick_prefill(plan.deadline, prompt_ids=plan.prompt_ids,
-                                         adapter=plan.adapter)
+                                         adapter=plan.adapter, prefer=plan.prefer_prefill)
         local = plan.path == Path.COLOCATED
         record = ParentRecord(plan.request_id, self.config.model_name, list(plan.prompt_ids),
                               adapter=plan.adapter, prefill=p.address, prefill_ep=p,

@@ -9,6 +9,7 @@ its state:
 - ``executor`` (:class:`~router.executor.Executor`): a two-stage request's run;
 - ``continuations`` (:class:`~router.continuations.Continuations`): parents, their
   continuations, beams over a whole prompt;
+- ``chunks`` (:class:`~router.chunks.Chunks`): named KV chunks held on the Ps;
 - ``warmup`` (:class:`~router.warmup.WarmUp`).
 
 The fronts (gRPC, HTTP, Ray Serve) reach it through ``router.api``, which admits, plans,
@@ -24,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import BeamParams, InvalidRequest
 from router import placement
+from router.chunks import Chunks
 from router.config import RouterConfig
 from router.continuations import Continuations
 from router.endpoint import Endpoint
@@ -58,6 +60,7 @@ class Router:
         self.continuations = Continuations(config, self.tokens, self.pool, self.parents,
                                            self.stages, self.executor)
         self.warmup = WarmUp(self.tokens, self.pool, self.stages, self.executor)
+        self.chunks = Chunks(config, self.tokens, self.pool, self.stages)
 
     @property
     def prefill(self) -> list[Endpoint]:
@@ -95,14 +98,20 @@ class Router:
 
     def plan(self, req: GenerateCall, deadline: float | None) -> Plan:
         """``req`` validated (against P's vocabulary and context, once P answered) and
-        tokenised once: every later step works on token ids."""
-        return plan_request(
+        tokenised once: every later step works on token ids. Its chunks (a registered
+        chain) are the prompt's start, and their P is where stage 1 runs."""
+        composition = (self.chunks.compose(req.chunk_ids, req.adapter) if req.chunk_ids
+                       else None)
+        plan = plan_request(
             req, deadline, tokens=self.tokens,
             prefill_capacity=next((ep.capacity for ep in self.prefill if ep.capacity), None),
             has_decode=bool(self.decode),
             colocated_below_tokens=self.config.colocated_below_tokens,
             new_id=self.new_id,
-            positional=self.config.positional_sampling)
+            positional=self.config.positional_sampling,
+            prefix_ids=composition.prefix_ids if composition is not None else None)
+        plan.prefer_prefill = composition.prefill if composition is not None else None
+        return plan
 
     def run(self, plan: Plan) -> Items:
         return self.executor.run(plan)

@@ -69,7 +69,7 @@ class Executor:
         # stage 1 when none did).
         p = plan.pinned[0] if plan.pinned else await self.pool.pick_prefill(
             plan.deadline, prompt_ids=plan.prompt_ids, adapter=plan.adapter,
-            catalog=None if handoff else plan.beam.catalog)
+            catalog=None if handoff else plan.beam.catalog, prefer=plan.prefer_prefill)
         out = Outcome(plan, p.address, None)
         running = Running(plan, p, None, s1_id=f"{plan.request_id}-s1", out=out)
         try:

@@ -10,8 +10,10 @@ import dataclasses
 
 from kvhandoff.types import InvalidRequest, Path, Stage1Params
 from kvhandoff.v1 import common_pb2, router_pb2
+from router.chunks import ChunkList, ChunkRecord
 from router.parents import ParentRecord
 from router.requests import (
+    ChunkCall,
     ContinueCall,
     Drained,
     GenerateCall,
@@ -47,14 +49,14 @@ def generate_call(msg: router_pb2.GenerateRequest) -> GenerateCall:
         prompt=_text_or_ids(msg, "prompt"), stage1=common.sampling_from_pb(msg.stage1),
         suffix=_text_or_ids(msg, "suffix"), beam=common.beam_from_pb(msg.beam),
         path=_path(msg.path), request_id=msg.request_id, timeout_ms=msg.timeout_ms,
-        adapter=msg.adapter, fault=msg.fault)
+        adapter=msg.adapter, fault=msg.fault, chunk_ids=tuple(msg.chunk_ids))
 
 
 def parent_call(msg: router_pb2.ParentRequest) -> ParentCall:
     return ParentCall(
         prompt=_text_or_ids(msg, "prompt"), stage1=common.sampling_from_pb(msg.stage1),
         path=_path(msg.path), request_id=msg.request_id, timeout_ms=msg.timeout_ms,
-        model=msg.model, adapter=msg.adapter)
+        model=msg.model, adapter=msg.adapter, chunk_ids=tuple(msg.chunk_ids))
 
 
 def continue_call(msg: router_pb2.ContinueRequest) -> ContinueCall:
@@ -111,3 +113,27 @@ def drained_to_pb(drained: Drained) -> router_pb2.DrainResponse:
 
 def released_to_pb(released: Released) -> router_pb2.ReleaseParentResponse:
     return router_pb2.ReleaseParentResponse(**dataclasses.asdict(released))
+
+
+def chunk_call(msg: router_pb2.ChunkRequest) -> ChunkCall:
+    return ChunkCall(tokens=_text_or_ids(msg, "tokens"), chunk_id=msg.chunk_id,
+                     under=msg.under, adapter=msg.adapter, fault=msg.fault)
+
+
+def chunk_to_pb(r: ChunkRecord) -> router_pb2.Chunk:
+    return router_pb2.Chunk(
+        chunk_id=r.chunk_id, under=r.under, token_ids=r.token_ids,
+        num_chain_tokens=len(r.chain_ids), num_blocks=r.num_blocks,
+        prefill_endpoint=r.prefill.address, adapter=r.adapter, uses=r.uses,
+        last_used=r.last_used, prefill_ms=r.prefill_ms,
+        num_cached_tokens=r.num_cached_tokens)
+
+
+def chunks_to_pb(listing: ChunkList) -> router_pb2.ListChunksResponse:
+    return router_pb2.ListChunksResponse(
+        chunks=[chunk_to_pb(r) for r in listing.chunks], held_blocks=listing.held_blocks,
+        share_blocks=listing.share_blocks, evictions=listing.evictions)
+
+
+def deleted_to_pb(deleted: list[str]) -> router_pb2.DeleteChunkResponse:
+    return router_pb2.DeleteChunkResponse(deleted=deleted)

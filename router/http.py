@@ -45,9 +45,11 @@ from router.api import RouterAPI
 from router.auth import CLIENT, OPERATOR
 from router.errors import RouterError, grpc_error
 from router.http_schema import (
+    ChunkBody,
     CompletionRequest,
     bad,
     beams_json,
+    chunk_json,
     completion,
     error_response,
     logprobs_json,
@@ -57,7 +59,7 @@ from router.http_schema import (
 )
 from router.parents import ParentRecord
 from router.plan import Plan
-from router.requests import ContinueCall, ParentCall
+from router.requests import ChunkCall, ContinueCall, ParentCall
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,9 @@ class HttpFront:
         self.app = FastAPI(title="kvhandoff router", docs_url=None, redoc_url=None)
         app = self.app
         app.post("/v1/completions")(self.completions)
+        app.post("/v1/chunks")(self.register_chunk)
+        app.get("/v1/chunks")(self.list_chunks)
+        app.delete("/v1/chunks/{chunk_id}")(self.delete_chunk)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
         app.get("/ready")(self.ready)
@@ -126,21 +131,18 @@ class HttpFront:
     async def completions(self, request: Request) -> Response:
         if (refused := self._refusal(request)) is not None:
             return refused
-        try:
-            body = CompletionRequest.model_validate(await request.json())
-        except json.JSONDecodeError as e:
-            return error_response(grpc.StatusCode.INVALID_ARGUMENT, f"body is not JSON: {e}")
-        except ValidationError as e:
-            first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"])
-            return error_response(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"{param}: {first['msg']}", param)
+        body = await _parsed(request, CompletionRequest)
+        if isinstance(body, Response):
+            return body
         if body.fault and (refused := self._refusal(request, OPERATOR)) is not None:
             return refused
         try:
             # ``model`` names the base model or an adapter (vLLM's convention); an
             # answer under an adapter names it as its model, as vLLM's does.
             adapter = self.router.adapter_of_model(body.model or "")
+            if body.chunks and (body.continuation_of is not None or body.use_beam_search):
+                raise bad("chunks", "chunks start a completion's prompt (stage 1); a "
+                                    "continuation's parent or a beam search's prompt is whole")
             if body.continuation_of is not None:
                 return await _cancel_on_disconnect(self._continuation(body, adapter),
                                                    request)
@@ -152,6 +154,40 @@ class HttpFront:
             return await _cancel_on_disconnect(self._parent(body, adapter), request)
         except (Exception, asyncio.CancelledError) as e:
             return self._fail(e)
+
+    # ---- named KV chunks (router.chunks) ------------------------------------------------
+    async def register_chunk(self, request: Request) -> Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
+        try:
+            body = await _parsed(request, ChunkBody)
+            if isinstance(body, Response):
+                return body
+            record = await _cancel_on_disconnect(self.api.register_chunk(FRONT, ChunkCall(
+                tokens=body.prompt, chunk_id=body.chunk_id or "", under=body.under or "",
+                adapter=self.router.adapter_of_model(body.model or "")), None), request)
+            return record if isinstance(record, Response) else JSONResponse(
+                chunk_json(record))
+        except (Exception, asyncio.CancelledError) as e:
+            return self._fail(e)
+
+    async def list_chunks(self, request: Request) -> Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
+        listing = self.api.chunks()
+        return JSONResponse({"object": "list", "data": [chunk_json(r) for r in listing.chunks],
+                             "held_blocks": listing.held_blocks,
+                             "share_blocks": listing.share_blocks,
+                             "evictions": listing.evictions})
+
+    async def delete_chunk(self, chunk_id: str, request: Request) -> Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
+        try:
+            deleted = await self.api.delete_chunk(chunk_id)
+        except (Exception, asyncio.CancelledError) as e:
+            return self._fail(e)
+        return JSONResponse({"id": chunk_id, "object": "kv_chunk", "deleted": deleted})
 
     def _fail(self, e: BaseException) -> JSONResponse:
         code, message = self.api.failed(FRONT, e)
@@ -165,7 +201,7 @@ class HttpFront:
             prompt=prompt_of(body), stage1=self._sampling_of(body, with_think_end=True),
             path=Path.HANDOFF if self.router.decode else Path.COLOCATED,
             timeout_ms=body.timeout_ms or 0, model="" if adapter else body.model or "",
-            adapter=adapter), None)
+            adapter=adapter, chunk_ids=tuple(body.chunks or ())), None)
 
     def _sampling_of(self, body: CompletionRequest, with_think_end: bool) -> Sampling:
         """The sampling ``body`` asks for; its stop token ids are ``stop_token_ids`` and
@@ -323,6 +359,19 @@ def _parent_info(record: ParentRecord) -> dict[str, Any]:
             "lease_expires_at": record.held_until if record.held else None,
             "seed": record.stage1.seed if record.stage1 else None,
             "positional": bool(record.stage1 and record.stage1.positional)}
+
+
+async def _parsed(request: Request, model: type[Any]) -> Any:
+    """The request's JSON body as ``model``, or the 400 that says what is wrong."""
+    try:
+        return model.model_validate(await request.json())
+    except json.JSONDecodeError as e:
+        return error_response(grpc.StatusCode.INVALID_ARGUMENT, f"body is not JSON: {e}")
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"])
+        return error_response(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{param}: {first['msg']}", param)
 
 
 async def _cancel_on_disconnect(work: Awaitable[Any], request: Request) -> Any:

@@ -73,6 +73,33 @@ class CompletionRequest(BaseModel):
     #: Negative controls only: a fault of connector.faults injected into the
     #: continuation's import (the decode engine must run with --fault-injection).
     fault: str | None = None
+    #: The prompt starts with these named KV chunks (a registered chain, root first);
+    #: ``prompt`` is what follows them.
+    chunks: list[str] | None = None
+
+
+class ChunkBody(BaseModel):
+    """``POST /v1/chunks``: a named KV chunk to register (``router.chunks``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: Its tokens, as text or token ids.
+    prompt: str | list[int]
+    chunk_id: str | None = None
+    #: The chunk it extends.
+    under: str | None = None
+    #: The base model or an adapter (its KV is computed under it).
+    model: str | None = None
+
+
+def chunk_json(record: Any) -> dict[str, Any]:
+    """A chunk (``router.chunks.ChunkRecord``) as ``/v1/chunks`` answers it."""
+    return {"id": record.chunk_id, "object": "kv_chunk", "under": record.under or None,
+            "token_ids": record.token_ids, "num_chain_tokens": len(record.chain_ids),
+            "num_blocks": record.num_blocks, "prefill_endpoint": record.prefill.address,
+            "adapter": record.adapter or None, "uses": record.uses,
+            "last_used": record.last_used, "prefill_ms": record.prefill_ms,
+            "num_cached_tokens": record.num_cached_tokens}
 
 
 def error_response(code: grpc.StatusCode, message: str, param: str | None = None

@@ -52,6 +52,10 @@ class Plan:
     #: The LoRA adapter both stages run under ("": the base model): engines that serve
     #: it are picked, and a continuation of this parent inherits it.
     adapter: str = ""
+    #: The chunks the prompt starts with (``router.chunks``), and the P that holds them:
+    #: stage 1 runs there whenever it takes work.
+    chunk_ids: tuple[str, ...] = ()
+    prefer_prefill: Endpoint | None = None
 
     @property
     def export_fault(self) -> str:
@@ -126,13 +130,16 @@ def sampling_of(asked: Sampling, positional: bool,
 def plan_request(req: GenerateCall, deadline: float | None, *,
                  tokens: ModelTokens, prefill_capacity: engine_pb2.Capacity | None,
                  has_decode: bool, colocated_below_tokens: int,
-                 new_id: Callable[[], str], positional: bool = True) -> Plan:
+                 new_id: Callable[[], str], positional: bool = True,
+                 prefix_ids: list[int] | None = None) -> Plan:
     """Validate ``req`` (with P's capacity when one answered) and make it a Plan;
-    stage 1 samples positionally unless it (or the router, ``positional``) says not."""
-    if req.prompt is None:
+    stage 1 samples positionally unless it (or the router, ``positional``) says not.
+    ``prefix_ids``: its chunks' tokens, which the prompt follows (then it may be empty)."""
+    if req.prompt is None and not prefix_ids:
         raise InvalidRequest("prompt", "set prompt_text or prompt_token_ids")
-    prompt = ids_of(tokens, req.prompt, "prompt_text" if isinstance(req.prompt, str)
-                    else "prompt")
+    prompt = list(prefix_ids or []) + ids_of(
+        tokens, req.prompt if req.prompt is not None else [],
+        "prompt_text" if isinstance(req.prompt, str) else "prompt")
     suffix = suffix_ids_of(req.suffix, tokens)
     think_end = tokens.think_end_id
     stage1 = sampling_of(req.stage1, positional,
@@ -161,7 +168,8 @@ def plan_request(req: GenerateCall, deadline: float | None, *,
     if path == Path.HANDOFF and not has_decode:
         raise InvalidRequest("path", "no decode engine is configured")
     return Plan(request_id, prompt, suffix, stage1, beam, path, deadline,
-                fault=fault_of(req.fault), adapter=adapter_of(req.adapter))
+                fault=fault_of(req.fault), adapter=adapter_of(req.adapter),
+                chunk_ids=tuple(req.chunk_ids))
 
 
 def adapter_of(name: str) -> str:

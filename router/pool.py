@@ -264,12 +264,13 @@ class EnginePool:
     async def pick_prefill(self, deadline: float | None,
                            exclude: Endpoint | None = None,
                            prompt_ids: Sequence[int] | None = None,
-                           catalog: str | None = None, adapter: str = "") -> Endpoint:
-        """The P for a stage 1 (``prefill_picker``: with no cache information, the one
-        with the fewest requests outstanding). With none taking work the request waits
-        for one (``decode_wait_s``, its ``deadline``) while some P answered lately;
-        UNAVAILABLE if none did; NOT_FOUND if none in rotation has ``catalog`` or
-        ``adapter``."""
+                           catalog: str | None = None, adapter: str = "",
+                           prefer: Endpoint | None = None) -> Endpoint:
+        """The P for a stage 1 (``prefill_picker``; ``prefer``, the P holding the
+        prompt's chunks, whenever the picker would take it at all). With none taking
+        work the request waits for one (``decode_wait_s``, its ``deadline``) while some
+        P answered lately; UNAVAILABLE if none did; NOT_FOUND if none in rotation has
+        ``catalog`` or ``adapter``."""
         wait_until = self._wait_until(deadline)
         picker = self.prefill_picker(prompt_ids, exclude, catalog, adapter)
         while True:
@@ -277,7 +278,7 @@ class EnginePool:
             candidates = [ep for ep in self.prefill if ep is not exclude]
             live = [ep for ep in candidates if ep.takes_work]
             check_servable(catalog, adapter, live, "prefill")
-            chosen = picker.pick(live)
+            chosen = picker.pick([prefer] if prefer in live else live) or picker.pick(live)
             if chosen is not None:
                 self.observer.placed("prefill", chosen.address,
                                      self.cached_blocks(chosen, prompt_ids, adapter))

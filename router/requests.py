@@ -29,6 +29,8 @@ class GenerateCall:
     adapter: str = ""
     #: A negative control's fault (``connector.faults``); an operator's call.
     fault: str = ""
+    #: The prompt starts with these chunks' tokens (a registered chain, root first).
+    chunk_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,20 @@ class ParentCall:
     timeout_ms: int = 0
     model: str = ""
     adapter: str = ""
+    chunk_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChunkCall:
+    """A named KV chunk to register (RegisterChunk; ``router.chunks``)."""
+
+    tokens: Prompt | None
+    chunk_id: str = ""
+    #: The chunk it extends ("": a root).
+    under: str = ""
+    adapter: str = ""
+    #: A negative control's P-side fault ("stale": its held blocks overwritten).
+    fault: str = ""
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                         request.to_endpoint))
         return await self._unary(context, OPERATOR, call)
 
+    async def RegisterChunk(self, request, context):
+        async def call():
+            return wire.chunk_to_pb(await self.api.register_chunk(
+                FRONT, wire.chunk_call(request), _deadline(context)))
+        return await self._unary(context, _need(request), call)
+
+    async def ListChunks(self, request, context):
+        async def call():
+            return wire.chunks_to_pb(self.api.chunks())
+        return await self._unary(context, CLIENT, call)
+
+    async def DeleteChunk(self, request, context):
+        async def call():
+            return wire.deleted_to_pb(await self.api.delete_chunk(request.chunk_id))
+        return await self._unary(context, CLIENT, call)
+
     async def Drain(self, request, context):
         async def call():
             return wire.drained_to_pb(await self.api.drain(

@@ -54,6 +54,7 @@ class StageCalls:
 
     async def stage1(self, p: Endpoint, d: Endpoint | None, plan: Plan, out: Outcome, *,
                      export: bool, hold: bool = False, hold_s: float = 0.0,
+                     pin: bool = False,
                      resume_at: int | None = None, request_id: str = "",
                      import_from: common_pb2.Handoff | None = None,
                      move: Move | None = None
@@ -61,7 +62,8 @@ class StageCalls:
         """Stage 1 on P: yields token batches, then P's handoff (with ``export``,
         addressed to ``d``; with ``hold`` P keeps the blocks for the whole lease, or
         ``hold_s``: a parent). ``hold`` without ``export``: P holds the parent for
-        continuations on P (``out.held_until``). ``resume_at``: P starts after the first
+        continuations on P (``out.held_until``), with ``pin`` until released (a chunk).
+        ``resume_at``: P starts after the first
         ``resume_at`` tokens of ``out.thinking_ids`` (their KV recomputed); the tokens it
         samples again must equal those already there, and only the ones after them are
         yielded. ``import_from``: P goes on after every token of ``out.thinking_ids``,
@@ -80,7 +82,8 @@ class StageCalls:
             request_id=request_id or f"{plan.request_id}-s1", prompt_token_ids=prompt,
             sampling=convert.stage1_to_pb(params), export=export, hold=hold, hold_s=hold_s,
             target_engine_id=d.handoff_target if d is not None else "",
-            fault=plan.export_fault if export else "", adapter=plan.adapter)
+            fault=plan.export_fault if export or hold else "", adapter=plan.adapter,
+            pin=pin)
         if import_from is not None:
             request.handoff.CopyFrom(import_from)
         p.outstanding += 1

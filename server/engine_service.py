@@ -22,7 +22,7 @@ from kvhandoff.model import ModelTokens, model_fingerprint
 from kvhandoff.tls import ServerTLS
 from kvhandoff.types import BeamParams, InvalidRequest
 from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
-from prefill_engine.engine import PrefillEngine
+from prefill_engine.engine import PINNED, PrefillEngine
 from server import convert as engine_pb
 from server.metrics import LOOP_LAG, HandoffCounts, serve_metrics
 from wire import common
@@ -86,7 +86,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 async for new, logprobs, result in self.engine.stream_stage1(
                     list(request.prompt_token_ids), params, request.request_id,
                     export=request.export, target=request.target_engine_id,
-                    hold=request.hold and (request.hold_s or True), handoff=handoff,
+                    hold=request.hold and (PINNED if request.pin else request.hold_s or True),
+                    handoff=handoff,
                     fault=request.fault or None, adapter=request.adapter,
                 ):
                     if result is None:

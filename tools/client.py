@@ -19,8 +19,11 @@ def make_request(*, prompt: str | list[int], max_tokens: int = 64, temperature: 
                  seed: int | None = None, beam_width: int = 4, beam_tokens: int = 3,
                  path: str = "auto", request_id: str = "",
                  suffix: str | list[int] | None = None,
-                 catalog: str | None = None) -> router_pb2.GenerateRequest:
-    req = router_pb2.GenerateRequest(request_id=request_id, path=PATHS[path])
+                 catalog: str | None = None,
+                 chunk_ids: list[str] | None = None) -> router_pb2.GenerateRequest:
+    """A Generate request; with ``chunk_ids``, ``prompt`` is what follows those chunks."""
+    req = router_pb2.GenerateRequest(request_id=request_id, path=PATHS[path],
+                                     chunk_ids=chunk_ids or [])
     if isinstance(prompt, str):
         req.prompt_text = prompt
     else:
@@ -65,6 +68,25 @@ class RouterClient:
                        ) -> router_pb2.ReleaseParentResponse:
         return self.stub.ReleaseParent(router_pb2.ReleaseParentRequest(parent_id=parent_id),
                                        timeout=timeout, metadata=self.metadata)
+
+    def register_chunk(self, tokens: str | list[int], chunk_id: str = "", under: str = "",
+                       adapter: str = "", fault: str = "", timeout: float = 120.0
+                       ) -> router_pb2.Chunk:
+        req = router_pb2.ChunkRequest(chunk_id=chunk_id, under=under, adapter=adapter,
+                                      fault=fault)
+        if isinstance(tokens, str):
+            req.text = tokens
+        else:
+            req.token_ids.ids.extend(tokens)
+        return self.stub.RegisterChunk(req, timeout=timeout, metadata=self.metadata)
+
+    def list_chunks(self, timeout: float = 30.0) -> router_pb2.ListChunksResponse:
+        return self.stub.ListChunks(router_pb2.ListChunksRequest(), timeout=timeout,
+                                    metadata=self.metadata)
+
+    def delete_chunk(self, chunk_id: str, timeout: float = 30.0) -> list[str]:
+        return list(self.stub.DeleteChunk(router_pb2.DeleteChunkRequest(chunk_id=chunk_id),
+                                          timeout=timeout, metadata=self.metadata).deleted)
 
     def drain(self, endpoint: str, *, undo: bool = False, timeout_s: float = 300.0
               ) -> router_pb2.DrainResponse:
@@ -114,7 +136,8 @@ def main_client(args: argparse.Namespace) -> int:
         return 2
     req = make_request(prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                        seed=args.seed, beam_width=args.beam_width, beam_tokens=args.beam_tokens,
-                       path=args.path, catalog=args.catalog)
+                       path=args.path, catalog=args.catalog,
+                       chunk_ids=[c for c in (args.chunks or "").split(",") if c])
     tls = channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key)
     with RouterClient(args.router, tls, args.api_key) as client:
         try:

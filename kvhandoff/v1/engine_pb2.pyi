@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Stage1Request(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export", "target_engine_id", "hold", "hold_s", "handoff", "fault", "adapter")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export", "target_engine_id", "hold", "hold_s", "handoff", "fault", "adapter", "pin")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class Stage1Request(_message.Message):
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Stage1Sampling
@@ -29,7 +30,8 @@ class Stage1Request(_message.Message):
     handoff: _common_pb2.Handoff
     fault: str
     adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    pin: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ..., pin: _Optional[bool] = ...) -> None: ...
 
 class Stage1Event(_message.Message):
     __slots__ = ("new_token_ids", "finish_reason", "handoff", "held_until", "logprobs", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens", "engine_id")

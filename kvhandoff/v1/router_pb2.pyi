@@ -70,7 +70,7 @@ class DrainResponse(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., moved: _Optional[int] = ..., finished_in_place: _Optional[int] = ..., failed: _Optional[int] = ..., empty: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ParentRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "timeout_ms", "model", "path", "adapter")
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "timeout_ms", "model", "path", "adapter", "chunk_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class ParentRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_text: str
     prompt_token_ids: _common_pb2.TokenIds
@@ -87,7 +88,8 @@ class ParentRequest(_message.Message):
     model: str
     path: _common_pb2.Path
     adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., adapter: _Optional[str] = ...) -> None: ...
+    chunk_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., adapter: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Parent(_message.Message):
     __slots__ = ("parent_id", "prompt_token_ids", "thinking_token_ids", "thinking_text", "finish_reason", "held", "not_held_reason", "prefill_endpoint", "lease_expires_at", "stage1_ms", "model", "thinking_logprobs", "stage1_seed", "stage1_positional", "adapter")
@@ -172,7 +174,7 @@ class ContinueRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., strict: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "suffix_text", "suffix_token_ids", "beam", "path", "timeout_ms", "fault", "adapter")
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "suffix_text", "suffix_token_ids", "beam", "path", "timeout_ms", "fault", "adapter", "chunk_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class GenerateRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_text: str
     prompt_token_ids: _common_pb2.TokenIds
@@ -195,7 +198,8 @@ class GenerateRequest(_message.Message):
     timeout_ms: int
     fault: str
     adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., timeout_ms: _Optional[int] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    chunk_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., timeout_ms: _Optional[int] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("stage1_ms", "stage2_first_step_ms", "stage2_ms", "total_ms", "router_overhead_ms")
@@ -286,3 +290,87 @@ class GenerateStreamEvent(_message.Message):
     stage1_tokens: _common_pb2.TokenIds
     result: GenerateResponse
     def __init__(self, stage1_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class ChunkRequest(_message.Message):
+    __slots__ = ("chunk_id", "text", "token_ids", "under", "adapter", "fault")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNDER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: str
+    text: str
+    token_ids: _common_pb2.TokenIds
+    under: str
+    adapter: str
+    fault: str
+    def __init__(self, chunk_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., under: _Optional[str] = ..., adapter: _Optional[str] = ..., fault: _Optional[str] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("chunk_id", "under", "token_ids", "num_chain_tokens", "num_blocks", "prefill_endpoint", "adapter", "uses", "last_used", "prefill_ms", "num_cached_tokens")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    UNDER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHAIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    USES_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: str
+    under: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_chain_tokens: int
+    num_blocks: int
+    prefill_endpoint: str
+    adapter: str
+    uses: int
+    last_used: float
+    prefill_ms: float
+    num_cached_tokens: int
+    def __init__(self, chunk_id: _Optional[str] = ..., under: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_chain_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefill_endpoint: _Optional[str] = ..., adapter: _Optional[str] = ..., uses: _Optional[int] = ..., last_used: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ListChunksRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListChunksResponse(_message.Message):
+    __slots__ = ("chunks", "held_blocks", "share_blocks", "evictions")
+    class HeldBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ShareBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
+    held_blocks: _containers.ScalarMap[str, int]
+    share_blocks: _containers.ScalarMap[str, int]
+    evictions: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., held_blocks: _Optional[_Mapping[str, int]] = ..., share_blocks: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class DeleteChunkRequest(_message.Message):
+    __slots__ = ("chunk_id",)
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: str
+    def __init__(self, chunk_id: _Optional[str] = ...) -> None: ...
+
+class DeleteChunkResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, deleted: _Optional[_Iterable[str]] = ...) -> None: ...

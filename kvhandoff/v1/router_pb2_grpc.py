@@ -69,6 +69,21 @@ class RouterStub:
                 request_serializer=kvhandoff_dot_v1_dot_router__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvhandoff_dot_v1_dot_router__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.RegisterChunk = channel.unary_unary(
+                '/kvhandoff.v1.Router/RegisterChunk',
+                request_serializer=kvhandoff_dot_v1_dot_router__pb2.ChunkRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_router__pb2.Chunk.FromString,
+                _registered_method=True)
+        self.ListChunks = channel.unary_unary(
+                '/kvhandoff.v1.Router/ListChunks',
+                request_serializer=kvhandoff_dot_v1_dot_router__pb2.ListChunksRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_router__pb2.ListChunksResponse.FromString,
+                _registered_method=True)
+        self.DeleteChunk = channel.unary_unary(
+                '/kvhandoff.v1.Router/DeleteChunk',
+                request_serializer=kvhandoff_dot_v1_dot_router__pb2.DeleteChunkRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_router__pb2.DeleteChunkResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -146,6 +161,32 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterChunk(self, request, context):
+        """Named KV chunks: a chunk's tokens are prefilled once on a P and its blocks held
+        there (pinned: no lease ends them) until DeleteChunk or an eviction; a request whose
+        chunk_ids list a registered chain (each chunk registered under the one before it)
+        starts with their tokens, read from those blocks (exactly what standard generation of
+        the same tokens computes). NOT_FOUND: an unknown chunk (named); FAILED_PRECONDITION:
+        ids that are not a chain, another adapter than the chunk's, a chunk in use (Delete);
+        RESOURCE_EXHAUSTED: a chunk larger than P's share for chunks (--chunk-pool-share).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListChunks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteChunk(self, request, context):
+        """Delete a chunk and the chunks registered under it; their blocks are freed at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +224,21 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvhandoff_dot_v1_dot_router__pb2.DrainRequest.FromString,
                     response_serializer=kvhandoff_dot_v1_dot_router__pb2.DrainResponse.SerializeToString,
+            ),
+            'RegisterChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterChunk,
+                    request_deserializer=kvhandoff_dot_v1_dot_router__pb2.ChunkRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_router__pb2.Chunk.SerializeToString,
+            ),
+            'ListChunks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListChunks,
+                    request_deserializer=kvhandoff_dot_v1_dot_router__pb2.ListChunksRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_router__pb2.ListChunksResponse.SerializeToString,
+            ),
+            'DeleteChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteChunk,
+                    request_deserializer=kvhandoff_dot_v1_dot_router__pb2.DeleteChunkRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_router__pb2.DeleteChunkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -374,6 +430,87 @@ class Router:
             '/kvhandoff.v1.Router/Drain',
             kvhandoff_dot_v1_dot_router__pb2.DrainRequest.SerializeToString,
             kvhandoff_dot_v1_dot_router__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.v1.Router/RegisterChunk',
+            kvhandoff_dot_v1_dot_router__pb2.ChunkRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_router__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.v1.Router/ListChunks',
+            kvhandoff_dot_v1_dot_router__pb2.ListChunksRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_router__pb2.ListChunksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.v1.Router/DeleteChunk',
+            kvhandoff_dot_v1_dot_router__pb2.DeleteChunkRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_router__pb2.DeleteChunkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -96,6 +96,12 @@ def main_bench(args: argparse.Namespace) -> int:
             widths, progress=lambda label: print(label, flush=True)))
         return _report(args, format_beams(result), result)
 
+    if args.chunks:
+        from tools.bench.chunks import format_chunks, run_chunks
+
+        result = run_chunks(args.model, reps=args.requests or 3, **_given(args, "seed"))
+        return _report(args, format_chunks(result), result)
+
     if args.fleet:
         from tools.bench.fleet import FleetConfig, format_fleet, plot_fleet, run_fleet
 

@@ -1,0 +1,343 @@
+"""Named KV chunks (Router.RegisterChunk, ListChunks, DeleteChunk; a request's
+``chunk_ids``).
+
+A chunk is token ids prefilled once on a P, which then holds its blocks pinned (no
+lease ends them) until the chunk is deleted or evicted. Registered *under* another
+chunk, its tokens follow that chunk's chain, on the same P: the chain is an exact
+prefix. A request whose ``chunk_ids`` name a chain (root first) starts with the chain's
+tokens and runs on the chain's P, where its full blocks are prefix-cache hits (held
+blocks are never evicted): P computes only the chain's partial last block and what
+follows. That is what standard generation of the same tokens computes with prefix
+caching, token for token (``tests/test_chunks.py`` compares them). Chunks prefilled
+apart and composed at other positions (CacheBlend's re-positioned keys) are not built:
+such ids are refused as "not a chain".
+
+Room: the chunks on one P hold at most ``RouterConfig.chunk_pool_share`` of its blocks.
+A chunk that would not fit evicts the least recently used chunks first: leaves only (a
+chunk others are registered under stays while they do), never one a running request
+composes or the new chunk's own chain. A chunk larger than the share alone, or one that
+finds the share held by chunks in use: RESOURCE_EXHAUSTED.
+
+Who owns the blocks: P, under the chunk's held name, until the router's Release
+(delete, eviction). Deleting a chunk deletes those registered under it. If the chunk's
+P leaves rotation, requests composing it run on another P, which computes the chain
+(the same tokens; ``num_cached_prompt_tokens`` says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvhandoff.model import ModelTokens
+from kvhandoff.types import BeamParams, InvalidRequest, Path, Stage1Params, validate_prompt
+from router.config import RouterConfig
+from router.endpoint import Endpoint
+from router.errors import grpc_error
+from router.plan import Outcome, Plan, ids_of
+from router.pool import EnginePool
+from router.requests import ChunkCall
+from router.stages import StageCalls
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass
+class ChunkRecord:
+    chunk_id: str
+    #: The chunk it extends ("": a root).
+    under: str
+    #: Its own tokens, and the chain's through it.
+    token_ids: list[int]
+    chain_ids: list[int]
+    adapter: str
+    prefill: Endpoint
+    #: The engine behind ``prefill`` that holds it, and its name there.
+    engine_id: str = ""
+    held_name: str = ""
+    #: Blocks it holds beyond its chain's (what it counts against the share).
+    num_blocks: int = 0
+    children: set[str] = field(default_factory=set)
+    uses: int = 0
+    #: Running requests that compose it now (never evicted or deleted meanwhile).
+    in_use: int = 0
+    last_used: float = field(default_factory=time.time)
+    prefill_ms: float = 0.0
+    num_cached_tokens: int = 0
+    #: Until P has prefilled and holds it: not composable, not evictable.
+    ready: bool = False
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What a request's ``chunk_ids`` resolve to."""
+
+    chain: tuple[ChunkRecord, ...]
+
+    @property
+    def prefix_ids(self) -> list[int]:
+        return list(self.chain[-1].chain_ids)
+
+    @property
+    def prefill(self) -> Endpoint:
+        return self.chain[-1].prefill
+
+
+@dataclass(frozen=True)
+class ChunkList:
+    """ListChunks' answer: the chunks, and per P (by address) the blocks they hold and
+    the most they may."""
+
+    chunks: list[ChunkRecord]
+    held_blocks: dict[str, int]
+    share_blocks: dict[str, int]
+    evictions: int
+
+
+class Chunks:
+    def __init__(self, config: RouterConfig, tokens: ModelTokens, pool: EnginePool,
+                 stages: StageCalls):
+        self.config, self.tokens, self.pool, self.stages = config, tokens, pool, stages
+        self._records: dict[str, ChunkRecord] = {}
+        self._ids = itertools.count()
+        #: Chunks evicted to make room, since the start.
+        self.evictions = 0
+        #: Chunks forgotten whose Release failed, by P (``id``): sent again.
+        self._unreleased: dict[int, list[ChunkRecord]] = {}
+
+    # ---- reading ------------------------------------------------------------------------
+    def get(self, chunk_id: str) -> ChunkRecord:
+        record = self._records.get(chunk_id)
+        if record is None or not record.ready:
+            raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                             f"chunk {chunk_id!r} is unknown here (never registered, "
+                             "deleted, evicted, or its registration still runs)")
+        return record
+
+    def records(self) -> list[ChunkRecord]:
+        return [r for r in self._records.values() if r.ready]
+
+    def listing(self) -> ChunkList:
+        return ChunkList(self.records(),
+                         {ep.address: self.held_blocks(ep) for ep in self.pool.prefill},
+                         {ep.address: self.share_blocks(ep) for ep in self.pool.prefill},
+                         self.evictions)
+
+    def held_blocks(self, ep: Endpoint) -> int:
+        return sum(r.num_blocks for r in self._records.values() if r.prefill is ep)
+
+    def share_blocks(self, ep: Endpoint) -> int:
+        total = ep.capacity.num_total_blocks if ep.capacity is not None else 0
+        return int(total * self.config.chunk_pool_share)
+
+    def compose(self, chunk_ids: tuple[str, ...], adapter: str) -> Composition:
+        """The chain ``chunk_ids`` name, root first; the status that says why not."""
+        chain = tuple(self.get(c) for c in chunk_ids)
+        for i, record in enumerate(chain):
+            expected = chain[i - 1].chunk_id if i else ""
+            if record.under != expected:
+                raise grpc_error(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"chunk_ids are not a registered chain: {record.chunk_id!r} is "
+                    + (f"registered under {record.under!r}" if record.under
+                       else "a root") + (f", not under {expected!r}" if expected
+                                         else ": list its chain from the root")
+                    + " (chunks prefilled apart are not composed: register each under "
+                      "the one before it)")
+        if chain and chain[-1].adapter != adapter:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"chunk {chain[-1].chunk_id!r} was prefilled under "
+                             f"{_adapter_named(chain[-1].adapter)}, the request runs under "
+                             f"{_adapter_named(adapter)}")
+        return Composition(chain)
+
+    @contextlib.contextmanager
+    def using(self, chunk_ids: tuple[str, ...]) -> Iterator[None]:
+        """Marks the chunks a request composes in use while it runs (those deleted
+        since it was planned are not: its stage 1 then computes them)."""
+        chain = [self._records[c] for c in chunk_ids if c in self._records]
+        now = time.time()
+        for r in chain:
+            r.in_use += 1
+            r.uses += 1
+            r.last_used = now
+        try:
+            yield
+        finally:
+            for r in chain:
+                r.in_use -= 1
+
+    # ---- registering, deleting ----------------------------------------------------------
+    async def register(self, call: ChunkCall, deadline: float | None) -> ChunkRecord:
+        """Prefill ``call``'s tokens (after its chain's) on a P, which holds them until
+        deleted or evicted."""
+        chunk_id = call.chunk_id or f"chunk-{next(self._ids)}"
+        if not _NAME.fullmatch(chunk_id):
+            raise InvalidRequest("chunk_id", "use 1 to 128 of [A-Za-z0-9._:-]")
+        if chunk_id in self._records:
+            raise grpc_error(grpc.StatusCode.ALREADY_EXISTS,
+                             f"chunk {chunk_id!r} exists: delete it first, or pick another "
+                             "name")
+        if call.tokens is None:
+            raise InvalidRequest("tokens", "set text or token_ids")
+        own = ids_of(self.tokens, call.tokens, "text" if isinstance(call.tokens, str)
+                     else "token_ids")
+        if not own:
+            raise InvalidRequest("tokens", "is empty")
+        parent = self.get(call.under) if call.under else None
+        if parent is not None and parent.adapter != call.adapter:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"chunk {parent.chunk_id!r} was prefilled under "
+                             f"{_adapter_named(parent.adapter)}: a chunk under it is too, "
+                             f"not under {_adapter_named(call.adapter)}")
+        chain_ids = (parent.chain_ids if parent else []) + own
+        p = parent.prefill if parent is not None else await self.pool.pick_prefill(
+            deadline, prompt_ids=chain_ids, adapter=call.adapter)
+        cap = p.capacity
+        if cap is not None:
+            validate_prompt(chain_ids, vocab_size=cap.vocab_size,
+                            max_model_len=cap.max_model_len, num_new_tokens=1)
+        record = ChunkRecord(chunk_id, call.under, own, chain_ids, call.adapter, p,
+                             held_name=f"chunk-{next(self._ids)}-{chunk_id}")
+        if cap is not None:
+            below = len(parent.chain_ids) // cap.block_size if parent is not None else 0
+            record.num_blocks = math.ceil(len(chain_ids) / cap.block_size) - below
+        # Room made and this chunk counted with no await between: registrations running
+        # at once cannot take the same room.
+        evicted = self._make_room(p, record, keep={c.chunk_id for c in self._chain(parent)})
+        self._records[chunk_id] = record
+        if parent is not None:
+            parent.children.add(chunk_id)
+        try:
+            await self._release(p, evicted)
+            await self._prefill(record, deadline, call.fault)
+        except BaseException:
+            self._forget([record])
+            # It may be held already (the client went away after P finished): end it.
+            with contextlib.suppress(Exception):
+                await self._release(p, [record])
+            raise
+        logger.info("chunk %s registered on %s: %d tokens (chain %d), %d blocks, %d cached",
+                    chunk_id, p.address, len(own), len(chain_ids), record.num_blocks,
+                    record.num_cached_tokens)
+        return record
+
+    async def delete(self, chunk_id: str) -> list[str]:
+        """Delete ``chunk_id`` and the chunks under it; P frees their blocks now."""
+        record = self.get(chunk_id)
+        subtree = self._subtree(record)
+        busy = [r.chunk_id for r in subtree if r.in_use or not r.ready]
+        if busy:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"chunk {chunk_id!r} cannot be deleted now: {busy} in use by "
+                             "running requests or registrations")
+        self._forget(subtree)
+        await self._release(record.prefill, subtree)
+        logger.info("chunks deleted: %s", ", ".join(r.chunk_id for r in subtree))
+        return [r.chunk_id for r in subtree]
+
+    async def _prefill(self, record: ChunkRecord, deadline: float | None, fault: str) -> None:
+        t0 = time.perf_counter()
+        plan = Plan(record.held_name, record.chain_ids, [], Stage1Params(max_tokens=1),
+                    BeamParams(beam_width=1, max_tokens=1), Path.COLOCATED, deadline,
+                    fault=fault, adapter=record.adapter)
+        out = Outcome(plan, record.prefill.address, None)
+        async for _ in self.stages.stage1(record.prefill, None, plan, out, export=False,
+                                          hold=True, pin=True,
+                                          request_id=record.held_name):
+            pass
+        if not out.held_until:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"{record.prefill.address} did not hold chunk "
+                             f"{record.chunk_id!r} (it runs without beam fork)")
+        record.engine_id = out.stage1_engine_id
+        record.num_cached_tokens = out.cached_prompt_tokens
+        record.prefill_ms = (time.perf_counter() - t0) * 1e3
+        record.ready = True
+
+    def _make_room(self, p: Endpoint, record: ChunkRecord, keep: set[str]
+                   ) -> list[ChunkRecord]:
+        """The chunks to evict so ``record`` fits in ``p``'s share (forgotten now), or
+        RESOURCE_EXHAUSTED."""
+        share = self.share_blocks(p)
+        if p.capacity is None:
+            return []
+        if record.num_blocks > share:
+            raise grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"chunk {record.chunk_id!r} needs {record.num_blocks} blocks; "
+                             f"chunks may hold {share} of {p.address}'s "
+                             f"{p.capacity.num_total_blocks} (--chunk-pool-share "
+                             f"{self.config.chunk_pool_share:g})")
+        held = self.held_blocks(p)
+        candidates = sorted((r for r in self._records.values()
+                             if r.prefill is p and r.ready and not r.children
+                             and not r.in_use and r.chunk_id not in keep),
+                            key=lambda r: r.last_used)
+        evicted: list[ChunkRecord] = []
+        while held + record.num_blocks > share and candidates:
+            victim = candidates.pop(0)
+            evicted.append(victim)
+            held -= victim.num_blocks
+        if held + record.num_blocks > share:
+            raise grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"chunk {record.chunk_id!r} needs {record.num_blocks} blocks "
+                             f"and the chunks on {p.address} that may not be evicted (in "
+                             f"use, or with chunks under them) hold {held} of the {share} "
+                             "chunks may hold")
+        if evicted:
+            logger.info("evicting chunks for %s: %s", record.chunk_id,
+                        ", ".join(r.chunk_id for r in evicted))
+            self.evictions += len(evicted)
+            self._forget(evicted)
+        return evicted
+
+    def _forget(self, records: list[ChunkRecord]) -> None:
+        for r in records:
+            self._records.pop(r.chunk_id, None)
+            if r.under in self._records:
+                self._records[r.under].children.discard(r.chunk_id)
+
+    async def _release(self, p: Endpoint, records: list[ChunkRecord]) -> None:
+        """End P's holds on ``records`` (forgotten already). No lease ends a pinned
+        hold: one whose Release failed is sent again with the next release on that P."""
+        pending = self._unreleased.pop(id(p), [])
+        by_engine: dict[str, list[str]] = {}
+        for r in [*pending, *records]:
+            by_engine.setdefault(r.engine_id, []).append(r.held_name)
+        try:
+            for engine_id, names in by_engine.items():
+                await self.stages.release(p, names, engine_id)
+        except BaseException:
+            self._unreleased[id(p)] = [*pending, *records]
+            logger.warning("Release of %d chunks on %s failed: sent again with the next "
+                           "release there", len(pending) + len(records), p.address)
+            raise
+
+    def _chain(self, record: ChunkRecord | None) -> list[ChunkRecord]:
+        chain = []
+        while record is not None:
+            chain.append(record)
+            record = self._records.get(record.under) if record.under else None
+        return chain
+
+    def _subtree(self, record: ChunkRecord) -> list[ChunkRecord]:
+        out, todo = [], [record]
+        while todo:
+            r = todo.pop(0)
+            out.append(r)
+            todo.extend(self._records[c] for c in sorted(r.children) if c in self._records)
+        return out
+
+
+def _adapter_named(adapter: str) -> str:
+    return f"adapter {adapter!r}" if adapter else "no adapter (the base model)"
