@@ -161,7 +161,7 @@ def _add_bench(sub: Any) -> None:
                             "one-descriptor NIXL")
     bench.add_argument("--chunks", action="store_true",
                        help="two-stage requests whose prompt starts with a named KV chunk "
-                            "against the same prompt sent whole (cold), at 1k, 4k and 8k "
+                            "against the same prompt sent whole (cold), at 1k, 4k and 7.9k "
                             "tokens of context: time to first token and to first beam, "
                             "identity (default model: bench; --requests: pairs per "
                             "context)")

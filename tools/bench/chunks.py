@@ -1,9 +1,9 @@
 """``kvhandoff bench --chunks``: two-stage requests whose prompt starts with a named KV
 chunk (``router.chunks``) against the same prompt sent whole, at 1k, 4k and 8k tokens of
-context.
+context (7936: the bench model has 8192 positions).
 
 P, D and a router run as processes (``local_cluster``; default model: the ~100M
-``bench`` one, its engines at ``max_model_len`` 8192 + 256). Per context length: one
+``bench`` one, its engines at ``max_model_len`` 8192). Per context length: one
 chunk of that many tokens is registered (its prefill timed), then ``reps`` pairs run in
 turn, whole first: the whole prompt is a fresh random context each time (nothing
 cached: a cold prefill), the composed one the chunk and a fresh 32-token query (the
@@ -29,7 +29,9 @@ from kvhandoff.v1 import router_pb2, router_pb2_grpc
 from tools.harness.report import LOGPROB_TOLERANCE
 from tools.launch import local_cluster
 
-CONTEXTS = (1024, 4096, 8192)
+#: Tokens of context; the longest leaves the query and both stages room in the bench
+#: model's 8192 positions.
+CONTEXTS = (1024, 4096, 7936)
 QUERY_TOKENS = 32
 
 
@@ -75,7 +77,7 @@ def run_chunks(model: str | None, reps: int = 3, contexts: tuple[int, ...] = CON
     rows = []
     # The bench model's KV is 24 MiB per 1k tokens (fp32): P holds the chunk, a cold
     # whole prompt and a composed one at once; D one request.
-    k = longest // 1024
+    k = -(-longest // 1024)
     with local_cluster(model or "bench", log_dir, prefill_mib=96 * k,
                        decode_mib=36 * (k + 1), engine_flags=flags,
                        router_flags=("--chunk-pool-share", "0.5")) as c:

@@ -1,0 +1,149 @@
+"""The chunk registry's rules over a fake P (no engines; ``router.chunks``): the share
+and what is evicted for room, a Release that failed sent again, a registration that
+failed leaving nothing held, and the chains a composition accepts. The end-to-end
+behaviour (held blocks read after a flush, identity, pools) is tests/test_chunks.py."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import pytest
+
+from kvhandoff.v1 import engine_pb2
+from router import RouterError
+from router.requests import ChunkCall
+
+pytestmark = pytest.mark.chunks
+
+BLOCK = 32
+
+
+class FakeP:
+    """GetCapacity, Stage1 (a finished, held event) and Release, recorded."""
+
+    def __init__(self, total_blocks: int = 100):
+        self.total_blocks = total_blocks
+        self.stage1s: list[engine_pb2.Stage1Request] = []
+        self.released: list[list[str]] = []
+        self.fail_release = False
+        self.fail_stage1 = False
+
+    async def GetCapacity(self, request, timeout=None):  # noqa: N802 (the rpc's name)
+        return engine_pb2.Capacity(num_free_blocks=self.total_blocks,
+                                   num_total_blocks=self.total_blocks, block_size=BLOCK,
+                                   max_model_len=4096, vocab_size=1000, engine_id="p-1")
+
+    def Stage1(self, request, timeout=None):  # noqa: N802
+        self.stage1s.append(request)
+        fail = self.fail_stage1
+
+        class Stream:
+            def cancel(self):
+                pass
+
+            async def __aiter__(self):
+                if fail:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE,
+                                               grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               "P went away")
+                yield engine_pb2.Stage1Event(new_token_ids=[7], finish_reason="length",
+                                             held_until=math.inf, engine_id="p-1",
+                                             num_computed_tokens=len(request.prompt_token_ids))
+
+        return Stream()
+
+    async def Release(self, request, timeout=None):  # noqa: N802
+        if self.fail_release:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "P went away")
+        self.released.append(list(request.request_ids))
+        return engine_pb2.ReleaseResponse()
+
+
+def _router(model_dir: str, share: float = 0.25):
+    from router import Endpoint, Router, RouterConfig
+
+    config = RouterConfig(prefill=("p",), decode=(), model=model_dir, warm_up=False,
+                          chunk_pool_share=share)
+    router = Router(config, endpoints=([Endpoint("p", FakeP(), None)], []))
+    asyncio.run(router.refresh_capacity())
+    return router
+
+
+def _register(router, name: str, blocks: int, under: str = "", **kw):
+    tokens = [10 + i % 900 for i in range(blocks * BLOCK)]
+    return asyncio.run(router.chunks.register(ChunkCall(tokens, name, under, **kw), None))
+
+
+def _status(call) -> grpc.StatusCode:
+    with pytest.raises(RouterError) as e:
+        call()
+    return e.value.code
+
+
+def test_a_chunk_larger_than_the_share_is_refused_before_p_runs_anything(model_dir):
+    router = _router(model_dir)  # 25 of P's 100 blocks
+    p = router.prefill[0].stub
+    assert _status(lambda: _register(router, "big", 26)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not p.stage1s and not router.chunks.records()
+    assert _register(router, "fits", 25).num_blocks == 25
+    assert p.stage1s[0].pin and p.stage1s[0].hold and not p.stage1s[0].export
+
+
+def test_room_is_made_from_least_recently_used_leaves_never_a_chain_in_use(model_dir):
+    router = _router(model_dir)
+    p = router.prefill[0].stub
+    _register(router, "root", 5)
+    _register(router, "under", 5, under="root")  # 10 tokens' blocks beyond root: 5
+    _register(router, "old", 5)
+    _register(router, "new", 5)
+    with router.chunks.using(("root", "under")):
+        # 20 of 25 held; 10 more: "old", the least recently used leaf, goes; never
+        # "root" (a chunk is under it) nor "under" (in use).
+        _register(router, "next", 10)
+    assert sorted(r.chunk_id for r in router.chunks.records()) == [
+        "new", "next", "root", "under"]
+    assert [n.split("-", 2)[2] for n in p.released[-1]] == ["old"]
+    assert router.chunks.evictions == 1
+    with router.chunks.using(("root", "under", "new")), router.chunks.using(("next",)):
+        # Only chunks in use or with chunks under them are left: refused, nothing more
+        # held, nothing released.
+        assert _status(lambda: _register(router, "more", 10)) == \
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert router.chunks.held_blocks(router.prefill[0]) == 25 and len(p.released) == 1
+
+
+def test_a_failed_release_is_sent_again_and_a_failed_registration_holds_nothing(model_dir):
+    router = _router(model_dir)
+    p = router.prefill[0].stub
+    _register(router, "a", 3)
+    p.fail_release = True
+    with pytest.raises(grpc.aio.AioRpcError):
+        asyncio.run(router.chunks.delete("a"))
+    assert not router.chunks.records()  # forgotten: never composed again
+    p.fail_release, p.fail_stage1 = False, True
+    with pytest.raises(grpc.aio.AioRpcError):
+        _register(router, "b", 3)
+    # The failed registration's Release carries "a", whose Release failed before.
+    assert [n.split("-", 2)[2] for names in p.released for n in names] == ["a", "b"]
+    assert not router.chunks.records() and router.chunks.held_blocks(router.prefill[0]) == 0
+
+
+def test_a_composition_must_be_a_registered_chain_from_its_root_under_its_adapter(
+        model_dir):
+    router = _router(model_dir)
+    _register(router, "sys", 2)
+    _register(router, "hist", 2, under="sys")
+    _register(router, "other", 2)
+    chain = router.chunks.compose(("sys", "hist"), "")
+    assert chain.prefix_ids == router.chunks.get("hist").chain_ids
+    assert len(chain.prefix_ids) == 4 * BLOCK
+    for ids, adapter, code in ((("hist",), "", grpc.StatusCode.FAILED_PRECONDITION),
+                               (("sys", "other"), "", grpc.StatusCode.FAILED_PRECONDITION),
+                               (("sys", "hist"), "x", grpc.StatusCode.FAILED_PRECONDITION),
+                               (("sys", "gone"), "", grpc.StatusCode.NOT_FOUND)):
+        assert _status(lambda: router.chunks.compose(ids, adapter)) == code, ids
+    assert asyncio.run(router.chunks.delete("sys")) == ["sys", "hist"]
+    assert [r.chunk_id for r in router.chunks.records()] == ["other"]
