@@ -133,8 +133,8 @@ def add_serve_parser(sub: Any) -> None:
 #: The router's flags that are RouterConfig's fields by the same name and value.
 ROUTER_FLAGS_AS_CONFIG = ("max_inflight", "decode_queue_limit", "decode_wait_s",
                           "engine_silence_s", "max_parents", "parent_ttl_s",
-                          "parent_pool_share", "chunk_pool_share", "parent_hold_s",
-                          "placement",
+                          "parent_pool_share", "chunk_pool_share", "chunk_namespace",
+                          "parent_hold_s", "placement",
                           "on_handoff_failure")
 
 
@@ -182,6 +182,10 @@ def _add_router_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--chunk-pool-share", type=float, default=0.25,
                        help="router: the share of P's KV pool named KV chunks may hold; "
                             "beyond it the least recently used are evicted")
+    serve.add_argument("--chunk-namespace", default="default",
+                       help="router: what its named KV chunks are called on the Ps; at its "
+                            "start it releases every chunk there under it (routers sharing "
+                            "Ps need their own)")
     serve.add_argument("--parent-hold-s", type=float, default=0.0,
                        help="router: how long P holds a parent's blocks for continuations "
                             "(seconds, at most P's --lease-s; 0 = P's lease)")

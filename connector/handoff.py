@@ -78,6 +78,9 @@ HOLD_KEY = "kvhandoff_hold"
 #: Release): exported parents by their handoff's request id (P's internal one), parents
 #: held on their own engine by their stage-1 request id. Unknown ones are ignored.
 RELEASE_KEY = "kvhandoff_release"
+#: ... and of the name prefixes whose parents held on this engine it ends (a router's
+#: chunks, pinned here, released when that router starts again).
+RELEASE_PREFIX_KEY = "kvhandoff_release_prefix"
 
 #: ``kv_transfer_params`` key of a one-token request that stops running requests after
 #: their next token (the engine's ``stop``; a move): client request ids.

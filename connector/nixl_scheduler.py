@@ -30,6 +30,7 @@ from connector.handoff import (
     PROTOCOL_VERSION,
     REEXPORT_KEY,
     RELEASE_KEY,
+    RELEASE_PREFIX_KEY,
     RETARGET_KEY,
     STOP_KEY,
     WAIT_KEY,
@@ -162,6 +163,10 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         params = request.kv_transfer_params or {}
         if params.get(RELEASE_KEY):
             self._release_holds([str(r) for r in params[RELEASE_KEY]])
+        if params.get(RELEASE_PREFIX_KEY):
+            prefixes = tuple(str(p) for p in params[RELEASE_PREFIX_KEY])
+            self._release_holds([name for name, kept in self._kept.items()
+                                 if kept.held and name.startswith(prefixes)])
         if params.get(STOP_KEY):
             target = str(params.get(RETARGET_KEY) or "")
             self._stops.update((str(r), target) for r in params[STOP_KEY])

@@ -31,6 +31,7 @@ from connector.handoff import (
     KEY,
     REEXPORT_KEY,
     RELEASE_KEY,
+    RELEASE_PREFIX_KEY,
     RETARGET_KEY,
     STOP_KEY,
     ImportRequest,
@@ -198,18 +199,21 @@ class PrefillEngine(VllmEngine):
             num_computed_tokens=len(prompt_token_ids) - (first.num_cached_tokens or 0),
         )
 
-    async def release(self, names: list[str]) -> None:
+    async def release(self, names: list[str], prefixes: list[str] | None = None) -> None:
         """End holds early (see ``connector.handoff.RELEASE_KEY``): a one-token request
         carries the names to the connector's scheduler side; their blocks are freed
-        within a step or two of its return. The caller promises no READ of them is in
-        flight or will come."""
+        within a step or two of its return. ``prefixes``: also every parent held here
+        whose name starts with one. The caller promises no READ of them is in flight or
+        will come."""
         from vllm import SamplingParams
 
+        transfer = {RELEASE_KEY: names, RELEASE_PREFIX_KEY: list(prefixes or ())}
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                extra_args={"kv_transfer_params": {RELEASE_KEY: names}})
+                                extra_args={"kv_transfer_params": transfer})
         await self.generate([self.eos_token_id or 0], params,
                             f"release-{uuid.uuid4().hex[:12]}")
-        logger.info("released %d held parents early", len(names))
+        logger.info("released %d held parents early%s", len(names),
+                    f" and those named {prefixes}*" if prefixes else "")
 
     async def stop(self, request_ids: list[str], target: str = "") -> None:
         """Stop running stage 1s after their next token (a move): each ends as if it had

@@ -18,10 +18,12 @@ chunk others are registered under stays while they do), never one a running requ
 composes or the new chunk's own chain. A chunk larger than the share alone, or one that
 finds the share held by chunks in use: RESOURCE_EXHAUSTED.
 
-Who owns the blocks: P, under the chunk's held name, until the router's Release
-(delete, eviction). Deleting a chunk deletes those registered under it. If the chunk's
-P leaves rotation, requests composing it run on another P, which computes the chain
-(the same tokens; ``num_cached_prompt_tokens`` says so).
+Who owns the blocks: P, under the chunk's held name (``chunk-<namespace>-...``), until
+the router's Release (delete, eviction, or at its next start: every chunk under its
+namespace, which a router that died left pinned). Deleting a chunk deletes those
+registered under it. If the chunk's P leaves rotation, requests composing it run on
+another P, which computes the chain (the same tokens; ``num_cached_prompt_tokens`` says
+so).
 """
 
 from __future__ import annotations
@@ -114,6 +116,18 @@ class Chunks:
         self.evictions = 0
         #: Chunks forgotten whose Release failed, by P (``id``): sent again.
         self._unreleased: dict[int, list[ChunkRecord]] = {}
+        #: What every chunk of this router is named with on P.
+        self.prefix = f"chunk-{config.chunk_namespace}-"
+
+    async def release_leftovers(self) -> None:
+        """At the router's start: the chunks an earlier run of it left pinned on the Ps
+        (its registry died with it) are released. A P that fails keeps them (logged)."""
+        for ep in self.pool.prefill:
+            try:
+                await self.stages.release(ep, [], prefixes=[self.prefix])
+            except Exception as e:
+                logger.warning("%s: the chunks an earlier router left there were not "
+                               "released (%s)", ep.address, e)
 
     # ---- reading ------------------------------------------------------------------------
     def get(self, chunk_id: str) -> ChunkRecord:
@@ -208,7 +222,7 @@ class Chunks:
             validate_prompt(chain_ids, vocab_size=cap.vocab_size,
                             max_model_len=cap.max_model_len, num_new_tokens=1)
         record = ChunkRecord(chunk_id, call.under, own, chain_ids, call.adapter, p,
-                             held_name=f"chunk-{next(self._ids)}-{chunk_id}")
+                             held_name=f"{self.prefix}{next(self._ids)}-{chunk_id}")
         if cap is not None:
             below = len(parent.chain_ids) // cap.block_size if parent is not None else 0
             record.num_blocks = math.ceil(len(chain_ids) / cap.block_size) - below

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,6 +67,10 @@ class RouterConfig:
     #: The share of P's pool named KV chunks may hold (``router.chunks``); beyond it the
     #: least recently used are evicted. With parent_pool_share at most 1.
     chunk_pool_share: float = 0.25
+    #: What this router's chunks are named under on the Ps (``chunk-<namespace>-...``):
+    #: started again, it releases every chunk there under it. Routers sharing Ps need
+    #: their own.
+    chunk_namespace: str = "default"
     #: Sample positionally (engine.sampling) unless a request says otherwise; False:
     #: vLLM's own sampling unless a request asks for positional.
     positional_sampling: bool = True
@@ -101,6 +106,8 @@ class RouterConfig:
                 and self.parent_pool_share + self.chunk_pool_share <= 1):
             raise ValueError("parent_pool_share and chunk_pool_share must be >= 0, and at "
                              "most 1 together")
+        if not re.fullmatch(r"[A-Za-z0-9_.]{1,32}", self.chunk_namespace):
+            raise ValueError("chunk_namespace must be 1 to 32 of [A-Za-z0-9_.]")
         if self.kv_events_key_file:
             self.kv_events_keys()  # a missing or short file: ValueError naming it
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:

@@ -78,6 +78,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
         lambda s: add_router_service(api, s), SERVICE_NAME, host, port, tls)
     # SERVING once a prefill engine (and a decode engine, if any) answers.
     await _wait_for_engines(router)
+    await router.chunks.release_leftovers()
     if config.warm_up:
         await router.warm_up()
     poller = asyncio.create_task(router.poll_capacity())

@@ -14,37 +14,37 @@ Prompt = str | list[int]
 
 
 @dataclass(frozen=True)
-class GenerateCall:
-    """A two-stage request (Generate, GenerateStream)."""
+class Stage1Call:
+    """What a request that runs stage 1 gives (its fields both calls below share)."""
 
     #: None: the caller gave none (refused by the plan, naming the field).
     prompt: Prompt | None
     stage1: Sampling = Sampling()
-    #: None: the model's default, ``</think>\n<|sid_begin|>``.
-    suffix: Prompt | None = None
-    beam: BeamParams = BeamParams()
     path: Path = Path.AUTO
     request_id: str = ""
     timeout_ms: int = 0
     adapter: str = ""
-    #: A negative control's fault (``connector.faults``); an operator's call.
-    fault: str = ""
     #: The prompt starts with these chunks' tokens (a registered chain, root first).
     chunk_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
-class ParentCall:
+class GenerateCall(Stage1Call):
+    """A two-stage request (Generate, GenerateStream)."""
+
+    #: None: the model's default, ``</think>\n<|sid_begin|>``.
+    suffix: Prompt | None = None
+    beam: BeamParams = BeamParams()
+    #: A negative control's fault (``connector.faults``); an operator's call.
+    fault: str = ""
+
+
+@dataclass(frozen=True)
+class ParentCall(Stage1Call):
     """Stage 1 as a parent that continuations name (StartParent)."""
 
-    prompt: Prompt | None
-    stage1: Sampling = Sampling()
-    path: Path = Path.AUTO
-    request_id: str = ""
-    timeout_ms: int = 0
+    #: The model the caller means (refused when it is not the router's).
     model: str = ""
-    adapter: str = ""
-    chunk_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

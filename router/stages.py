@@ -235,9 +235,11 @@ class StageCalls:
                                                  engine_id=engine_id),
                           timeout=self.call_timeout_s)
 
-    async def release(self, ep: Endpoint, request_ids: list[str], engine_id: str = "") -> None:
-        """End P's holds on these requests' blocks now (``engine_id``: as in
-        :meth:`stop`)."""
+    async def release(self, ep: Endpoint, request_ids: list[str], engine_id: str = "",
+                      prefixes: list[str] | None = None) -> None:
+        """End P's holds on these requests' blocks now, and on every parent held there
+        whose name starts with one of ``prefixes`` (``engine_id``: as in :meth:`stop`)."""
         await ep.stub.Release(engine_pb2.ReleaseRequest(request_ids=request_ids,
-                                                        engine_id=engine_id),
+                                                        engine_id=engine_id,
+                                                        prefixes=prefixes or []),
                               timeout=self.call_timeout_s)

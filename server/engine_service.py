@@ -239,8 +239,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 raise InvalidRequest("role", "holds are kept by a prefill engine")
             if self.engine is None:
                 raise EngineStarting()
-            if request.request_ids:
-                await self.engine.release(list(request.request_ids))
+            if request.request_ids or request.prefixes:
+                await self.engine.release(list(request.request_ids),
+                                          list(request.prefixes))
             return engine_pb2.ReleaseResponse()
         except Exception as e:
             await abort_with(context, e)

@@ -27,6 +27,7 @@ class FakeP:
         self.total_blocks = total_blocks
         self.stage1s: list[engine_pb2.Stage1Request] = []
         self.released: list[list[str]] = []
+        self.prefixes: list[str] = []
         self.fail_release = False
         self.fail_stage1 = False
 
@@ -58,7 +59,9 @@ class FakeP:
         if self.fail_release:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                        grpc.aio.Metadata(), "P went away")
-        self.released.append(list(request.request_ids))
+        if request.request_ids:
+            self.released.append(list(request.request_ids))
+        self.prefixes.extend(request.prefixes)
         return engine_pb2.ReleaseResponse()
 
 
@@ -105,7 +108,7 @@ def test_room_is_made_from_least_recently_used_leaves_never_a_chain_in_use(model
         _register(router, "next", 10)
     assert sorted(r.chunk_id for r in router.chunks.records()) == [
         "new", "next", "root", "under"]
-    assert [n.split("-", 2)[2] for n in p.released[-1]] == ["old"]
+    assert [n.split("-", 3)[3] for n in p.released[-1]] == ["old"]
     assert router.chunks.evictions == 1
     with router.chunks.using(("root", "under", "new")), router.chunks.using(("next",)):
         # Only chunks in use or with chunks under them are left: refused, nothing more
@@ -127,7 +130,7 @@ def test_a_failed_release_is_sent_again_and_a_failed_registration_holds_nothing(
     with pytest.raises(grpc.aio.AioRpcError):
         _register(router, "b", 3)
     # The failed registration's Release carries "a", whose Release failed before.
-    assert [n.split("-", 2)[2] for names in p.released for n in names] == ["a", "b"]
+    assert [n.split("-", 3)[3] for names in p.released for n in names] == ["a", "b"]
     assert not router.chunks.records() and router.chunks.held_blocks(router.prefill[0]) == 0
 
 
@@ -144,6 +147,18 @@ def test_a_composition_must_be_a_registered_chain_from_its_root_under_its_adapte
                                (("sys", "other"), "", grpc.StatusCode.FAILED_PRECONDITION),
                                (("sys", "hist"), "x", grpc.StatusCode.FAILED_PRECONDITION),
                                (("sys", "gone"), "", grpc.StatusCode.NOT_FOUND)):
-        assert _status(lambda: router.chunks.compose(ids, adapter)) == code, ids
+        assert _status(lambda ids=ids, adapter=adapter: router.chunks.compose(ids, adapter)) \
+            == code, ids
     assert asyncio.run(router.chunks.delete("sys")) == ["sys", "hist"]
     assert [r.chunk_id for r in router.chunks.records()] == ["other"]
+
+
+def test_a_started_router_releases_the_chunks_its_namespace_left_on_every_p(model_dir):
+    """A router's registry dies with it, P's pins do not: at its start it releases every
+    hold named under its namespace (``router.main`` calls this once the engines
+    answer), and only those: another namespace's are other routers'."""
+    router = _router(model_dir)
+    p = router.prefill[0].stub
+    assert _register(router, "a", 2).held_name.startswith("chunk-default-")
+    asyncio.run(router.chunks.release_leftovers())
+    assert p.prefixes == ["chunk-default-"]

@@ -182,12 +182,14 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_ids", "engine_id")
+    __slots__ = ("request_ids", "engine_id", "prefixes")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     engine_id: str
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    prefixes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., engine_id: _Optional[str] = ..., prefixes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
