@@ -85,6 +85,10 @@ def test_every_case_is_token_identical_to_one_engine(harness, pair, run, tmp_pat
     # D already held the parent's full blocks: the import read only the partial one.
     warm = by_name["warm-d-p200-w4"]
     assert warm.num_found_on_d_tokens == (warm.num_parent_tokens - 1) // b * b > 0
+    # A prompt that starts with a chunk pinned on P: P computed only what follows the
+    # chunk's 4 full blocks, and the case is identical all the same.
+    chunk = by_name["chunk-p200-w4"]
+    assert chunk.num_computed_tokens_p == 200 - 4 * b
     # A parent whose stage 2 needs every block of D's pool.
     fill = by_name["fill-d-pool-w1"]
     assert fill.ok and fill.num_parent_tokens > 4000
@@ -144,6 +148,23 @@ def test_a_short_import_on_the_second_p_fails_its_counts(harness, pair, run):
     short, expected = len(c.prompt_token_ids) + 31 - 2, len(c.prompt_token_ids) + 31 - 1
     assert f"P' imported {short} tokens at the move at 31, expected len(prompt) + t - 1 = " \
            f"{expected}" in c.failures, c.failures
+    assert report.pools_clean, report.pool_details
+
+
+@pytest.mark.chunks
+def test_a_chunk_case_whose_pinned_blocks_were_overwritten_fails_the_harness(harness, pair,
+                                                                           run):
+    """The negative control of the chunk case: ``stale`` overwrites the pinned chunk's
+    blocks (not the export) before stage 1 reads them; the harness names what differs,
+    and the engine counted the fault."""
+    (case,) = [c for c in default_cases() if c.chunk_tokens]
+    report = run(harness.run([case], model_dir=str(pair.model_dir), fault="stale"),
+                 timeout=300)
+    print(format_table(report))
+    (c,) = report.cases
+    assert not c.ok and c.fault_applies and c.faults_injected >= 1
+    assert any("differ" in f for f in c.failures), c.failures
+    assert c.num_computed_tokens_p == len(c.prompt_token_ids) - 4 * report.block_size
     assert report.pools_clean, report.pool_details
 
 

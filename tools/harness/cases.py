@@ -53,6 +53,11 @@ class Case:
     #: computed under it, from token ids: what a D that accepted the import (the
     #: ``accept-any-adapter`` fault) must differ from.
     import_adapter: str | None = None
+    #: The prompt's first this many tokens are a named KV chunk (``router.chunks``)
+    #: pinned on P before the handoff, computed apart: stage 1 reads the chunk's full
+    #: blocks from the pin and computes the rest. The ``stale`` fault then overwrites
+    #: the pinned blocks instead of the export.
+    chunk_tokens: int = 0
 
     @property
     def stage2_adapter(self) -> str:
@@ -83,6 +88,8 @@ def default_cases(quick: bool = False, via_p: bool = False,
         Case("p690-think-w32", 690, "think_end", 32, seed=2),
         Case("warm-d-p200-w4", 200, "think_end", 4, d_state="warm"),
         Case("fill-d-pool-w1", 0, "length", 1, stage1_max_tokens=4, d_state="fill"),
+        # A prompt that starts with a pinned chunk of 4 full blocks and 22 tokens.
+        Case("chunk-p200-w4", 200, "think_end", 4, chunk_tokens=150),
         # Moves P -> D at t = 1, B - 1, B, B + 1 and a random t (B = 32), seeded and greedy.
         *(Case(f"move-at-{t}-w4", 40, "length", 4, stage1_max_tokens=48, move_at=t)
           for t in (1, 31, 32, 33, random.Random("move-at").randrange(2, 47))),

@@ -67,6 +67,8 @@ class CaseReport:
     #: D refused the import, as it must (a case whose stage 2 names another adapter):
     #: D's message; "" when it ran.
     refused: str = ""
+    #: A case whose prompt starts with a pinned chunk: the prompt tokens P computed.
+    num_computed_tokens_p: int | None = None
 
     @property
     def ok(self) -> bool:

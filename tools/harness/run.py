@@ -29,7 +29,7 @@ from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
 from kvhandoff.budget import stage2_reservation
 from kvhandoff.types import Beam, BeamParams, Stage1Params, StageError
-from prefill_engine.engine import stage1_sampling
+from prefill_engine.engine import PINNED, stage1_sampling
 from tools.harness.cases import Case, history_prompt
 from tools.harness.checks import NOISE_CEILING, NOISE_FACTOR, Reference, compare, refused
 from tools.harness.report import LOGPROB_TOLERANCE, CaseReport, HarnessReport
@@ -258,16 +258,44 @@ class Harness:
                                   f"verify-{case.name}-warm")
         else:
             await self.d.empty_prefix_cache()
+        pinned = await self._pin_chunk(case, ref, fault) if case.chunk_tokens else None
         try:
-            got = await run_handoff(self.p, self.d, ref.request, fault=fault,
+            got = await run_handoff(self.p, self.d, ref.request,
+                                    fault=None if pinned and fault == "stale" else fault,
                                     d_adapter=case.import_adapter)
         except StageError as e:
             if not (case.adapters_differ and e.reason == "adapter"):
                 raise
             return refused(case, ref, str(e), fault)
+        finally:
+            if pinned is not None:
+                await self.p.release([pinned])
         if fault is not None and FAULTS[fault].side == "prefill":
             await self.p.empty_prefix_cache()  # P's cache holds the overwritten blocks
-        return compare(case, ref, got, d=self.d, tokenizer=self.tokenizer, fault=fault)
+        report = compare(case, ref, got, d=self.d, tokenizer=self.tokenizer, fault=fault)
+        if pinned is not None:
+            report.num_computed_tokens_p = got.stage1.num_computed_tokens
+            b = self.p.block_size
+            expected = len(ref.prompt) - case.chunk_tokens // b * b
+            if got.stage1.num_computed_tokens != expected:
+                report.failures.append(
+                    f"P computed {got.stage1.num_computed_tokens} prompt tokens, not the "
+                    f"{expected} after the pinned chunk's full blocks")
+        return report
+
+    async def _pin_chunk(self, case: Case, ref: Any, fault: str | None) -> str:
+        """The prompt's first ``chunk_tokens`` pinned on P as a named chunk, computed
+        apart (P's cache emptied of the references' blocks first); the ``stale`` fault
+        overwrites its blocks before stage 1 reads them. Returns its name."""
+        await self.p.empty_prefix_cache()
+        name = f"chunk-verify-0-{case.name}"
+        await self.p.run_stage1(ref.prompt[:case.chunk_tokens], Stage1Params(max_tokens=1),
+                                name, export=False, hold=PINNED,
+                                fault="stale" if fault == "stale" else None,
+                                adapter=case.adapter)
+        if fault == "stale":
+            await self.p.run_one_step()  # P's worker overwrites it before stage 1 reads
+        return name
 
     async def run(self, cases: list[Case], *, model_dir: str, progress: Any = None,
                   fault: str | None = None) -> HarnessReport:
