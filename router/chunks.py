@@ -112,8 +112,9 @@ class Chunks:
         self.config, self.tokens, self.pool, self.stages = config, tokens, pool, stages
         self._records: dict[str, ChunkRecord] = {}
         self._ids = itertools.count()
-        #: Chunks evicted to make room, since the start.
+        #: Chunks evicted to make room, and requests that composed chunks, since the start.
         self.evictions = 0
+        self.compositions = 0
         #: Chunks forgotten whose Release failed, by P (``id``): sent again.
         self._unreleased: dict[int, list[ChunkRecord]] = {}
         #: What every chunk of this router is named with on P.
@@ -180,6 +181,7 @@ class Chunks:
         """Marks the chunks a request composes in use while it runs (those deleted
         since it was planned are not: its stage 1 then computes them)."""
         chain = [self._records[c] for c in chunk_ids if c in self._records]
+        self.compositions += bool(chunk_ids)
         now = time.time()
         for r in chain:
             r.in_use += 1

@@ -221,6 +221,7 @@ class _EngineCollector:
                 draining.add_metric([role, ep.address], int(ep.draining))
         yield draining
         yield from _cache_index_metrics(self.router)
+        yield from _chunk_metrics(self.router.chunks)
         reg = self.router.parents
         yield GaugeMetricFamily("kvhandoff_router_parents", "Parents the registry keeps for "
                                 "continuations", value=len(reg))
@@ -244,6 +245,28 @@ class _EngineCollector:
         for outcome in ("imported", "recomputed", "not_found", "refused"):
             conts.add_metric([outcome], reg.continuations[outcome])
         yield conts
+
+
+def _chunk_metrics(chunks):
+    """The named KV chunks (``router.chunks``): how many, the blocks they hold on each
+    P against its share, the requests that composed them and the chunks evicted."""
+    listing = chunks.listing()
+    yield GaugeMetricFamily("kvhandoff_router_chunks", "Named KV chunks registered",
+                            value=len(listing.chunks))
+    for name, doc, values in (
+            ("chunk_blocks_held", "P blocks named KV chunks hold", listing.held_blocks),
+            ("chunk_share_blocks", "P blocks named KV chunks may hold (--chunk-pool-share)",
+             listing.share_blocks)):
+        family = GaugeMetricFamily(f"kvhandoff_router_{name}", doc, labels=["endpoint"])
+        for address, value in values.items():
+            family.add_metric([address], value)
+        yield family
+    yield CounterMetricFamily("kvhandoff_router_chunk_compositions",
+                              "Requests whose prompt started with named KV chunks",
+                              value=chunks.compositions)
+    yield CounterMetricFamily("kvhandoff_router_chunk_evictions",
+                              "Named KV chunks evicted to make room for others",
+                              value=listing.evictions)
 
 
 def _cache_index_metrics(router):

@@ -13,7 +13,7 @@ import pytest
 
 from kvhandoff.v1 import common_pb2, engine_pb2
 from tests.conftest import engine_stub
-from tests.utils import assert_identical
+from tests.utils import assert_identical, metric_sum
 from tools.client import make_request
 
 pytestmark = [pytest.mark.engines, pytest.mark.chunks, pytest.mark.timeout(600)]
@@ -117,6 +117,9 @@ def test_chunks_are_evicted_least_recently_used_and_bad_input_holds_nothing(
     listing = router_client.list_chunks()
     assert listing.share_blocks[p] == int(total * 0.25) and listing.held_blocks[p] == 0
     assert 2 * 47 <= int(total * 0.25) < 3 * 47
+    metrics = cluster["router_metrics"]
+    counted = {name: metric_sum(metrics, f"kvhandoff_router_chunk_{name}_total")
+               for name in ("evictions", "compositions")}
     for name, seed in (("a", 21), ("b", 22)):
         assert router_client.register_chunk(_ids(seed, 1500), name).num_blocks == 47
     router_client.generate(_request(_ids(23, 10), 23, "handoff", ["a"]))  # b: least recent
@@ -126,6 +129,12 @@ def test_chunks_are_evicted_least_recently_used_and_bad_input_holds_nothing(
     assert sorted(c.chunk_id for c in listing.chunks) == ["a", "c"]
     assert listing.evictions == evictions + 1 and listing.held_blocks[p] == 94
     assert _free_blocks(cluster, base - 94) == base - 94, "the evicted chunk was not freed"
+    # The router's metrics say the same.
+    assert metric_sum(metrics, "kvhandoff_router_chunks") == 2
+    assert metric_sum(metrics, "kvhandoff_router_chunk_blocks_held", endpoint=p) == 94
+    for name in ("evictions", "compositions"):
+        assert metric_sum(metrics, f"kvhandoff_router_chunk_{name}_total") \
+            == counted[name] + 1, name
 
     bad = [
         (lambda: router_client.generate(_request(_ids(25, 10), 25, "handoff", ["b"])),
