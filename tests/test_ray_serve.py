@@ -557,6 +557,26 @@ def test_stage_1_goes_to_the_p_replica_whose_cache_holds_its_prompt(ray_app, pro
         assert again.stats.num_cached_prompt_tokens == 24 * block, again.stats
 
 
+def test_chunks_through_serve_say_they_need_one_router_replica(proxy):
+    """A named KV chunk lives in one router replica's registry, and a call reaches any
+    of them: with the deployment's replicas (config.yaml's) RegisterChunk is refused
+    FAILED_PRECONDITION saying so, before anything runs; ListChunks answers (none)."""
+    req = router_pb2.ChunkRequest(chunk_id="serve-sys")
+    req.token_ids.ids.extend(range(100, 164))
+    if ROUTERS > 1:
+        with pytest.raises(grpc.RpcError) as e:
+            proxy.RegisterChunk(req, metadata=METADATA, timeout=60)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+        assert "run one router replica" in e.value.details()
+    else:  # one replica: the chunk is registered, and deleted again
+        assert proxy.RegisterChunk(req, metadata=METADATA, timeout=120).num_blocks == 2
+        proxy.DeleteChunk(router_pb2.DeleteChunkRequest(chunk_id="serve-sys"),
+                          metadata=METADATA, timeout=60)
+    listing = proxy.ListChunks(router_pb2.ListChunksRequest(), metadata=METADATA,
+                               timeout=60)
+    assert not listing.chunks
+
+
 def test_a_killed_decode_replica_is_replaced(ray_app, proxy):
     """D's replica is killed: Serve notices and starts another (a new actor). The next
     handoff through the proxy lands on it, imports its whole parent from P (no recompute
