@@ -212,3 +212,19 @@ def test_a_run_it_cannot_judge_or_a_bad_bound_is_refused():
         Bounds(max_p99_rise=-0.1)
     with pytest.raises(ValueError, match="level_minutes"):
         Bounds(level_minutes=0)
+
+
+def test_every_bound_is_a_soak_flag_of_its_name():
+    """``kvhandoff soak`` takes each of ``Bounds``' fields as the flag of the same name
+    (``tools.soak.run.BOUND_FLAGS``), and builds its bounds from them."""
+    import argparse
+    import dataclasses
+
+    from tools.soak.run import BOUND_FLAGS, add_soak_parser
+
+    assert set(BOUND_FLAGS) == {f.name for f in dataclasses.fields(Bounds)}
+    parser = argparse.ArgumentParser()
+    add_soak_parser(parser.add_subparsers())
+    args = parser.parse_args(["soak", "--max-rss-slope-mib-h", "12.5", "--level-minutes", "2"])
+    assert (args.max_rss_slope_mib_h, args.level_minutes) == (12.5, 2)
+    assert args.max_throughput_drop == Bounds().max_throughput_drop

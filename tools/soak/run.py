@@ -231,11 +231,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 def main_soak(args: argparse.Namespace) -> int:
     # Refused before the cluster starts, not after the minutes of load.
     try:
-        bounds = Bounds(max_throughput_drop=args.max_throughput_drop,
-                        max_p99_rise=args.max_p99_rise, max_rss_growth=args.max_rss_growth,
-                        max_rss_slope_mib_h=args.max_rss_slope_mib_h,
-                        max_recompute_share=args.max_recompute_share,
-                        level_minutes=args.level_minutes)
+        bounds = Bounds(**{name: getattr(args, name) for name in BOUND_FLAGS})
         if not 1 <= args.baseline_minutes < args.minutes:
             raise ValueError(f"--baseline-minutes ({args.baseline_minutes}) must be at least "
                              f"1 and leave a minute after it within --minutes "
@@ -262,6 +258,23 @@ def main_soak(args: argparse.Namespace) -> int:
     return 0 if v.ok else 1
 
 
+#: ``Bounds``' fields, each the soak's flag of the same name, with its help.
+BOUND_FLAGS = {
+    "level_minutes": "intervals averaged into the reference level (the first after the "
+                     "baseline) and the end level (the last) of throughput and p99; fewer "
+                     "where the run is too short for both",
+    "max_throughput_drop": "largest fall of requests served per interval, end level "
+                           "against reference level (share)",
+    "max_p99_rise": "largest rise of the p99 latency, end level against reference level "
+                    "(share)",
+    "max_rss_growth": "largest RSS growth of P, D or the router after the baseline (share)",
+    "max_rss_slope_mib_h": "largest RSS slope of P, D or the router over the last third of "
+                           "the run, after the warm-up (MiB an hour, least squares)",
+    "max_recompute_share": "largest share of served requests whose handoff the router "
+                           "recomputed (0: none may be)",
+}
+
+
 def add_soak_parser(sub: Any) -> None:
     d = Bounds()
     soak = sub.add_parser("soak", help="P, D and the router under a steady mixed load for "
@@ -274,25 +287,10 @@ def add_soak_parser(sub: Any) -> None:
     soak.add_argument("--baseline-minutes", type=int, default=5,
                       help="warm-up: RSS at the end is compared with RSS after this many "
                            "intervals, throughput and p99 with the intervals after them")
-    soak.add_argument("--level-minutes", type=int, default=d.level_minutes,
-                      help="intervals averaged into the reference level (the first after "
-                           "the baseline) and the end level (the last) of throughput and "
-                           "p99; fewer where the run is too short for both")
-    soak.add_argument("--max-throughput-drop", type=float, default=d.max_throughput_drop,
-                      help="largest fall of requests served per interval, end level "
-                           "against reference level (share)")
-    soak.add_argument("--max-p99-rise", type=float, default=d.max_p99_rise,
-                      help="largest rise of the p99 latency, end level against reference "
-                           "level (share)")
-    soak.add_argument("--max-rss-growth", type=float, default=d.max_rss_growth,
-                      help="largest RSS growth of P, D or the router after the baseline "
-                           "(share)")
-    soak.add_argument("--max-rss-slope-mib-h", type=float, default=d.max_rss_slope_mib_h,
-                      help="largest RSS slope of P, D or the router over the last third "
-                           "of the run, after the warm-up (MiB an hour, least squares)")
-    soak.add_argument("--max-recompute-share", type=float, default=d.max_recompute_share,
-                      help="largest share of served requests whose handoff the router "
-                           "recomputed (0: none may be)")
+    for name, text in BOUND_FLAGS.items():
+        default = getattr(d, name)
+        soak.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                          help=text)
     soak.add_argument("--concurrency", type=int, default=8)
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--json", default=None, metavar="PATH")
