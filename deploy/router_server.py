@@ -224,13 +224,13 @@ class RouterServer:
                          grpc_context: Any = None) -> router_pb2.ListChunksResponse:
         async def listing():
             return wire.chunks_to_pb(self.api.chunks())
-        return await self._unary(grpc_context, listing(), CLIENT)
+        return await self._unary(grpc_context, listing(), OPERATOR)
 
     async def DeleteChunk(self, request: router_pb2.DeleteChunkRequest,  # noqa: N802
                           grpc_context: Any = None) -> router_pb2.DeleteChunkResponse:
         async def delete():
             return wire.deleted_to_pb(await self.api.delete_chunk(request.chunk_id))
-        return await self._unary(grpc_context, delete(), CLIENT)
+        return await self._unary(grpc_context, delete(), OPERATOR)
 
     async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
                     grpc_context: Any = None) -> router_pb2.DrainResponse:

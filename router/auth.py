@@ -4,8 +4,8 @@ Two bearer keys, each optional, both compared in constant time:
 - the **client key** (``--api-key``): every request (Generate, StartParent, Continue,
   completions) must carry it as ``authorization: Bearer <key>`` (gRPC metadata or the
   HTTP header);
-- the **operator key** (``--operator-key``): Drain, Move and ReleaseParent, and any
-  request that names a negative-control fault, must carry it. It also passes as a client.
+- the **operator key** (``--operator-key``): Drain, Move, ReleaseParent, ListChunks and
+  DeleteChunk, and any request that names a negative-control fault, must carry it. It also passes as a client.
 
 With neither key set the router is open, as a loopback development setup is (mutual TLS,
 where configured, still guards the connection). With a client key but no operator key,
@@ -61,7 +61,8 @@ class Credentials:
                 return
             if self.operator_key is None:
                 raise RouterError(grpc.StatusCode.PERMISSION_DENIED,
-                                  "operator calls (Drain, Move, ReleaseParent, faults) are "
+                                  "operator calls (Drain, Move, ReleaseParent, chunk "
+                                  "listing and deletion, faults) are "
                                   "off: the router has no --operator-key")
             if key is not None and self.client_key is not None and _same(key, self.client_key):
                 raise RouterError(grpc.StatusCode.PERMISSION_DENIED,

@@ -15,8 +15,9 @@ such ids are refused as "not a chain".
 Room: the chunks on one P hold at most ``RouterConfig.chunk_pool_share`` of its blocks.
 A chunk that would not fit evicts the least recently used chunks first: leaves only (a
 chunk others are registered under stays while they do), never one a running request
-composes or the new chunk's own chain. A chunk larger than the share alone, or one that
-finds the share held by chunks in use: RESOURCE_EXHAUSTED.
+composes or the new chunk's own chain. One that finds the share held by chunks in use:
+RESOURCE_EXHAUSTED (a retry may find room); one larger than the share alone:
+INVALID_ARGUMENT (it never fits).
 
 Who owns the blocks: P, under the chunk's held name (``chunk-<namespace>-...``), until
 the router's Release (delete, eviction, or at its next start: every chunk under its
@@ -28,6 +29,7 @@ so).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -44,7 +46,7 @@ from kvhandoff.types import BeamParams, InvalidRequest, Path, Stage1Params, vali
 from router.config import RouterConfig
 from router.endpoint import Endpoint
 from router.errors import grpc_error
-from router.plan import Outcome, Plan, ids_of
+from router.plan import CHUNK_PREFIX, Outcome, Plan, ids_of
 from router.pool import EnginePool
 from router.requests import ChunkCall
 from router.stages import StageCalls
@@ -115,20 +117,36 @@ class Chunks:
         #: Chunks evicted to make room, and requests that composed chunks, since the start.
         self.evictions = 0
         self.compositions = 0
-        #: Chunks forgotten whose Release failed, by P (``id``): sent again.
+        #: Chunks forgotten whose Release failed, by P (``id``): sent again, and counted
+        #: against the share meanwhile (P still holds them).
         self._unreleased: dict[int, list[ChunkRecord]] = {}
+        #: Failed registrations, named once more with the next release on their P.
+        self._resend: dict[int, list[ChunkRecord]] = {}
+        #: Set once an earlier run's leftovers were released (``router.main`` clears it
+        #: before serving and calls :meth:`release_leftovers`); registrations wait.
+        self._started = asyncio.Event()
+        self._started.set()
         #: What every chunk of this router is named with on P.
-        self.prefix = f"chunk-{config.chunk_namespace}-"
+        self.prefix = f"{CHUNK_PREFIX}{config.chunk_namespace}-"
+
+    def hold_registrations(self) -> None:
+        """Registrations wait until :meth:`release_leftovers` (the process's start)."""
+        self._started.clear()
 
     async def release_leftovers(self) -> None:
         """At the router's start: the chunks an earlier run of it left pinned on the Ps
-        (its registry died with it) are released. A P that fails keeps them (logged)."""
-        for ep in self.pool.prefill:
-            try:
-                await self.stages.release(ep, [], prefixes=[self.prefix])
-            except Exception as e:
-                logger.warning("%s: the chunks an earlier router left there were not "
-                               "released (%s)", ep.address, e)
+        (its registry died with it) are released, then registrations go on. A P that
+        fails keeps them (logged). A standalone router's Ps only: under Ray Serve one
+        call reaches one P replica."""
+        try:
+            for ep in self.pool.prefill:
+                try:
+                    await self.stages.release(ep, [], prefixes=[self.prefix])
+                except Exception as e:
+                    logger.warning("%s: the chunks an earlier router left there were not "
+                                   "released (%s)", ep.address, e)
+        finally:
+            self._started.set()
 
     # ---- reading ------------------------------------------------------------------------
     def get(self, chunk_id: str) -> ChunkRecord:
@@ -149,7 +167,11 @@ class Chunks:
                          self.evictions)
 
     def held_blocks(self, ep: Endpoint) -> int:
-        return sum(r.num_blocks for r in self._records.values() if r.prefill is ep)
+        """Blocks the chunks on ``ep`` hold: registered, being registered, or forgotten
+        with their Release still to reach P."""
+        return sum(r.num_blocks for r in [*self._records.values(),
+                                          *self._unreleased.get(id(ep), ())]
+                   if r.prefill is ep)
 
     def share_blocks(self, ep: Endpoint) -> int:
         total = ep.capacity.num_total_blocks if ep.capacity is not None else 0
@@ -204,6 +226,9 @@ class Chunks:
             raise grpc_error(grpc.StatusCode.ALREADY_EXISTS,
                              f"chunk {chunk_id!r} exists: delete it first, or pick another "
                              "name")
+        if call.fault and call.fault != "stale":
+            raise InvalidRequest("fault", f"a chunk takes only the 'stale' fault (its held "
+                                          f"blocks overwritten), not {call.fault!r}")
         if call.tokens is None:
             raise InvalidRequest("tokens", "set text or token_ids")
         own = ids_of(self.tokens, call.tokens, "text" if isinstance(call.tokens, str)
@@ -219,6 +244,14 @@ class Chunks:
         chain_ids = (parent.chain_ids if parent else []) + own
         p = parent.prefill if parent is not None else await self.pool.pick_prefill(
             deadline, prompt_ids=chain_ids, adapter=call.adapter)
+        await self._started.wait()  # an earlier run's leftovers released first (main)
+        if chunk_id in self._records:  # registered meanwhile
+            raise grpc_error(grpc.StatusCode.ALREADY_EXISTS,
+                             f"chunk {chunk_id!r} exists: delete it first, or pick another "
+                             "name")
+        if parent is not None and self._records.get(parent.chunk_id) is not parent:
+            raise grpc_error(grpc.StatusCode.NOT_FOUND,
+                             f"chunk {parent.chunk_id!r} was deleted or evicted meanwhile")
         cap = p.capacity
         if cap is not None:
             validate_prompt(chain_ids, vocab_size=cap.vocab_size,
@@ -239,9 +272,12 @@ class Chunks:
             await self._prefill(record, deadline, call.fault)
         except BaseException:
             self._forget([record])
-            # It may be held already (the client went away after P finished): end it.
+            # It may be held already (the client went away after P finished), or held
+            # after this Release reaches P (the prefill still finishing there): ended now,
+            # and named again with the next release on that P.
             with contextlib.suppress(Exception):
                 await self._release(p, [record])
+            self._resend.setdefault(id(p), []).append(record)
             raise
         logger.info("chunk %s registered on %s: %d tokens (chain %d), %d blocks, %d cached",
                     chunk_id, p.address, len(own), len(chain_ids), record.num_blocks,
@@ -288,8 +324,8 @@ class Chunks:
         share = self.share_blocks(p)
         if p.capacity is None:
             return []
-        if record.num_blocks > share:
-            raise grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+        if record.num_blocks > share:  # never fits: not a retry's to fix
+            raise grpc_error(grpc.StatusCode.INVALID_ARGUMENT,
                              f"chunk {record.chunk_id!r} needs {record.num_blocks} blocks; "
                              f"chunks may hold {share} of {p.address}'s "
                              f"{p.capacity.num_total_blocks} (--chunk-pool-share "
@@ -319,22 +355,27 @@ class Chunks:
 
     def _forget(self, records: list[ChunkRecord]) -> None:
         for r in records:
-            self._records.pop(r.chunk_id, None)
+            if self._records.get(r.chunk_id) is r:
+                del self._records[r.chunk_id]
             if r.under in self._records:
                 self._records[r.under].children.discard(r.chunk_id)
 
     async def _release(self, p: Endpoint, records: list[ChunkRecord]) -> None:
         """End P's holds on ``records`` (forgotten already). No lease ends a pinned
-        hold: one whose Release failed is sent again with the next release on that P."""
+        hold: those whose Release failed stay counted against the share and are sent
+        again with the next release on that P, as are failed registrations once more
+        (unknown names are ignored)."""
         pending = self._unreleased.pop(id(p), [])
+        again = self._resend.pop(id(p), [])
         by_engine: dict[str, list[str]] = {}
-        for r in [*pending, *records]:
+        for r in [*pending, *again, *records]:
             by_engine.setdefault(r.engine_id, []).append(r.held_name)
         try:
             for engine_id, names in by_engine.items():
                 await self.stages.release(p, names, engine_id)
         except BaseException:
-            self._unreleased[id(p)] = [*pending, *records]
+            self._unreleased.setdefault(id(p), []).extend([*pending, *records])
+            self._resend.setdefault(id(p), []).extend(again)
             logger.warning("Release of %d chunks on %s failed: sent again with the next "
                            "release there", len(pending) + len(records), p.address)
             raise

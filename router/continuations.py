@@ -46,7 +46,15 @@ from router.endpoint import Endpoint
 from router.errors import grpc_error
 from router.executor import Executor
 from router.parents import ParentRecord, ParentRegistry
-from router.plan import Outcome, Plan, fault_of, sampling_of, suffix_ids_of, to_result
+from router.plan import (
+    Outcome,
+    Plan,
+    check_request_id,
+    fault_of,
+    sampling_of,
+    suffix_ids_of,
+    to_result,
+)
 from router.pool import EnginePool
 from router.requests import ContinueCall, Released, Result
 from router.stages import StageCalls
@@ -337,9 +345,8 @@ class Continuations:
                                                 self.tokens.think_end_id),
                             vocab_size=cap.vocab_size, max_model_len=cap.max_model_len,
                             num_new_tokens=beam.max_tokens)
-        request_id = req.request_id or f"{record.parent_id}-c{next(self._ids)}"
-        if len(request_id) > 128:
-            raise InvalidRequest("request_id", "longer than 128 characters")
+        request_id = check_request_id(req.request_id
+                                      or f"{record.parent_id}-c{next(self._ids)}")
         return Plan(request_id, list(record.prompt_ids), suffix, Stage1Params(max_tokens=1),
                     beam, Path.COLOCATED if record.local else Path.HANDOFF,
                     deadline, stage2_sampling=sampling, fault=fault_of(req.fault),

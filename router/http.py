@@ -172,7 +172,7 @@ class HttpFront:
             return self._fail(e)
 
     async def list_chunks(self, request: Request) -> Response:
-        if (refused := self._refusal(request)) is not None:
+        if (refused := self._refusal(request, OPERATOR)) is not None:
             return refused
         listing = self.api.chunks()
         return JSONResponse({"object": "list", "data": [chunk_json(r) for r in listing.chunks],
@@ -181,7 +181,7 @@ class HttpFront:
                              "evictions": listing.evictions})
 
     async def delete_chunk(self, chunk_id: str, request: Request) -> Response:
-        if (refused := self._refusal(request)) is not None:
+        if (refused := self._refusal(request, OPERATOR)) is not None:
             return refused
         try:
             deleted = await self.api.delete_chunk(chunk_id)
@@ -300,7 +300,7 @@ class HttpFront:
         if body.n < 1:
             raise bad("n", "must be >= 1")
         asked = {"max_tokens": body.max_tokens, "length_penalty": body.length_penalty,
-                 "catalog": body.catalog}
+                 "catalog": body.catalog or None}  # "": unconstrained, as over gRPC
         return BeamParams(beam_width=body.n,
                           **{k: v for k, v in asked.items() if v is not None})
 

@@ -74,6 +74,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     if metrics_port is not None:
         bound_metrics = metrics.serve(host, metrics_port)
         print(f"kvhandoff router metrics on http://{host}:{bound_metrics}/metrics", flush=True)
+    router.chunks.hold_registrations()  # until an earlier run's chunks are released
     server, health, bound = await start_server(
         lambda s: add_router_service(api, s), SERVICE_NAME, host, port, tls)
     # SERVING once a prefill engine (and a decode engine, if any) answers.

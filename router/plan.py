@@ -157,9 +157,7 @@ def plan_request(req: GenerateCall, deadline: float | None, *,
     if req.timeout_ms:
         t = time.monotonic() + req.timeout_ms / 1e3
         deadline = t if deadline is None else min(deadline, t)
-    request_id = req.request_id or new_id()
-    if len(request_id) > 128:
-        raise InvalidRequest("request_id", "longer than 128 characters")
+    request_id = check_request_id(req.request_id or new_id())
     path = req.path
     if path == Path.AUTO:
         longest_parent = len(prompt) + stage1.max_tokens
@@ -170,6 +168,20 @@ def plan_request(req: GenerateCall, deadline: float | None, *,
     return Plan(request_id, prompt, suffix, stage1, beam, path, deadline,
                 fault=fault_of(req.fault), adapter=adapter_of(req.adapter),
                 chunk_ids=tuple(req.chunk_ids))
+
+
+#: What the router names named KV chunks with on the Ps (``router.chunks``): no request's
+#: id may start with it (a pin's name, and what a router releases at its start).
+CHUNK_PREFIX = "chunk-"
+
+
+def check_request_id(request_id: str) -> str:
+    if len(request_id) > 128:
+        raise InvalidRequest("request_id", "longer than 128 characters")
+    if request_id.startswith(CHUNK_PREFIX):
+        raise InvalidRequest("request_id", f"ids starting {CHUNK_PREFIX!r} are the "
+                                           "router's own (named KV chunks)")
+    return request_id
 
 
 def adapter_of(name: str) -> str:

@@ -134,12 +134,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def ListChunks(self, request, context):
         async def call():
             return wire.chunks_to_pb(self.api.chunks())
-        return await self._unary(context, CLIENT, call)
+        return await self._unary(context, OPERATOR, call)  # every chunk's tokens
 
     async def DeleteChunk(self, request, context):
         async def call():
             return wire.deleted_to_pb(await self.api.delete_chunk(request.chunk_id))
-        return await self._unary(context, CLIENT, call)
+        return await self._unary(context, OPERATOR, call)
 
     async def Drain(self, request, context):
         async def call():

@@ -1,6 +1,7 @@
 """``kvhandoff bench --chunks`` end to end on the built-in model at one short context:
-the bench's own cluster, its chunk, its pairs and its identity check (the figures are
-the bench's to report, not this test's to assert)."""
+the bench's own cluster, its chunk, its pairs and its check of the composition's
+plumbing (a smoke test: the figures are the bench's to report; the chunk's KV against a
+cold prefill, with its negative control, is tests/test_chunks.py's)."""
 
 from __future__ import annotations
 

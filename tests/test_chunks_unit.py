@@ -11,6 +11,7 @@ import math
 import grpc
 import pytest
 
+from kvhandoff.types import InvalidRequest
 from kvhandoff.v1 import engine_pb2
 from router import RouterError
 from router.requests import ChunkCall
@@ -89,7 +90,10 @@ def _status(call) -> grpc.StatusCode:
 def test_a_chunk_larger_than_the_share_is_refused_before_p_runs_anything(model_dir):
     router = _router(model_dir)  # 25 of P's 100 blocks
     p = router.prefill[0].stub
-    assert _status(lambda: _register(router, "big", 26)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # It never fits: not a retry's to fix (RESOURCE_EXHAUSTED would say retry).
+    assert _status(lambda: _register(router, "big", 26)) == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(InvalidRequest, match="only the 'stale' fault"):
+        _register(router, "x", 1, fault="zero-block")
     assert not p.stage1s and not router.chunks.records()
     assert _register(router, "fits", 25).num_blocks == 25
     assert p.stage1s[0].pin and p.stage1s[0].hold and not p.stage1s[0].export
@@ -118,20 +122,54 @@ def test_room_is_made_from_least_recently_used_leaves_never_a_chain_in_use(model
     assert router.chunks.held_blocks(router.prefill[0]) == 25 and len(p.released) == 1
 
 
+def test_one_name_registered_at_once_twice_is_one_chunk_after_the_start_holds(model_dir):
+    """Registrations wait while an earlier run's leftovers are released (the router's
+    start); two of one name waiting there give one chunk and ALREADY_EXISTS, and P
+    prefilled only the one."""
+    router = _router(model_dir)
+    p = router.prefill[0].stub
+    router.chunks.hold_registrations()
+
+    async def both():
+        calls = [asyncio.create_task(router.chunks.register(
+            ChunkCall([10 + i for i in range(64)], "same"), None)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert not p.stage1s, "a registration ran before the leftovers were released"
+        await router.chunks.release_leftovers()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(both())
+    refused = [r for r in results if isinstance(r, RouterError)]
+    assert len(refused) == 1 and refused[0].code == grpc.StatusCode.ALREADY_EXISTS
+    assert [r.chunk_id for r in router.chunks.records()] == ["same"] and len(p.stage1s) == 1
+    assert p.prefixes == ["chunk-default-"]
+
+
 def test_a_failed_release_is_sent_again_and_a_failed_registration_holds_nothing(model_dir):
     router = _router(model_dir)
     p = router.prefill[0].stub
     _register(router, "a", 3)
+    _register(router, "z", 2)
     p.fail_release = True
-    with pytest.raises(grpc.aio.AioRpcError):
-        asyncio.run(router.chunks.delete("a"))
+    for name in ("a", "z"):
+        with pytest.raises(grpc.aio.AioRpcError):
+            asyncio.run(router.chunks.delete(name))
     assert not router.chunks.records()  # forgotten: never composed again
+    # ... but counted against the share while P still holds them.
+    assert router.chunks.held_blocks(router.prefill[0]) == 5
     p.fail_release, p.fail_stage1 = False, True
     with pytest.raises(grpc.aio.AioRpcError):
         _register(router, "b", 3)
-    # The failed registration's Release carries "a", whose Release failed before.
-    assert [n.split("-", 3)[3] for names in p.released for n in names] == ["a", "b"]
+    # The failed registration's Release carries "a" and "z", whose Releases failed before.
+    assert [n.split("-", 3)[3] for names in p.released for n in names] == ["a", "z", "b"]
     assert not router.chunks.records() and router.chunks.held_blocks(router.prefill[0]) == 0
+    # The failed registration is named once more with the next release on its P (its
+    # prefill may have finished on P after the first Release reached it).
+    p.fail_stage1 = False
+    _register(router, "c", 1)
+    asyncio.run(router.chunks.delete("c"))
+    # (by engine: "b" never reached P's answer, so it has no engine id)
+    assert [n.split("-", 3)[3] for names in p.released[-2:] for n in names] == ["b", "c"]
 
 
 def test_a_composition_must_be_a_registered_chain_from_its_root_under_its_adapter(

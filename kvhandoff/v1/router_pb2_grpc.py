@@ -168,7 +168,9 @@ class RouterServicer:
         starts with their tokens, read from those blocks (exactly what standard generation of
         the same tokens computes). NOT_FOUND: an unknown chunk (named); FAILED_PRECONDITION:
         ids that are not a chain, another adapter than the chunk's, a chunk in use (Delete);
-        RESOURCE_EXHAUSTED: a chunk larger than P's share for chunks (--chunk-pool-share).
+        RESOURCE_EXHAUSTED: P's share for chunks (--chunk-pool-share) held by chunks in use;
+        INVALID_ARGUMENT: a chunk larger than the share. RegisterChunk is a client's call;
+        ListChunks (it shows every chunk's tokens) and DeleteChunk an operator's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -10,9 +10,12 @@ cached: a cold prefill), the composed one the chunk and a fresh 32-token query (
 chunk's full blocks held on P). Each request samples 4 stage-1 tokens and searches 4
 beams of 2 tokens on D. Measured at the client: the first stage-1 token (time to first
 token) and the result (with the router's stage-2 first step: time to first beam). The
-medians and their ratios are reported; one composed request and the whole prompt with
-the same tokens and seed are compared for identity (beams' token ids exactly, cumulative
-logprobs within the harness's floor).
+medians and their ratios are reported. "identical": one composed request against the
+whole prompt with the same tokens and seed, sent after the chunk was deleted (so it
+reuses the chunk's blocks still in P's and D's prefix caches): the composition's
+plumbing (prompt, placement, handoff), beams' token ids exactly and cumulative logprobs
+within the harness's floor. The chunk's own KV against a cold prefill, and its negative
+control, are ``tests/test_chunks.py``'s.
 """
 
 from __future__ import annotations
