@@ -34,7 +34,7 @@ def test_a_pinned_hold_outlives_the_lease_and_a_release_by_prefix_ends_only_its_
                           export=False, hold=3.0))
     assert math.isinf(mine.held_until) and math.isinf(theirs.held_until)
     pinned = 3 + 2
-    assert _used(pair) - before == pinned + 2
+    assert _wait_used(pair, run, before + pinned + 2) == before + pinned + 2
     time.sleep(LEASE_S + 1)  # past P's lease, which no hold of a time outlives
     run(pair.p.run_stage1([5, 6, 7], params, "step", export=False))  # P steps: expiries
     assert _wait_used(pair, run, before + pinned) == before + pinned, \
