@@ -55,8 +55,9 @@ class RouterServer:
                               # PrefillRouter, which follows each P replica's events).
                               placement="load")
         self.router = Router(config, endpoints=(
-            [Endpoint("serve:Prefill", HandleStub(prefill, by_prefix=by_cache), None)],
-            [Endpoint("serve:Decode", HandleStub(decode), None)]),
+            [Endpoint("serve:Prefill", HandleStub(prefill, by_prefix=by_cache), None,
+                      one_engine=False)],
+            [Endpoint("serve:Decode", HandleStub(decode), None, one_engine=False)]),
             new_id=lambda: owned_id(*self._rank()))
         # The standalone router's keys (router.auth), from the replica's environment
         # (the application's runtime_env env_vars), checked on the proxy's metadata.

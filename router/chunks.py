@@ -117,6 +117,8 @@ class Chunks:
         #: Chunks evicted to make room, and requests that composed chunks, since the start.
         self.evictions = 0
         self.compositions = 0
+        #: Chunks forgotten because their P restarted.
+        self.lost = 0
         #: Chunks forgotten whose Release failed, by P (``id``): sent again, and counted
         #: against the share meanwhile (P still holds them).
         self._unreleased: dict[int, list[ChunkRecord]] = {}
@@ -150,6 +152,7 @@ class Chunks:
 
     # ---- reading ------------------------------------------------------------------------
     def get(self, chunk_id: str) -> ChunkRecord:
+        self._forget_restarted()
         record = self._records.get(chunk_id)
         if record is None or not record.ready:
             raise grpc_error(grpc.StatusCode.NOT_FOUND,
@@ -158,7 +161,22 @@ class Chunks:
         return record
 
     def records(self) -> list[ChunkRecord]:
+        self._forget_restarted()
         return [r for r in self._records.values() if r.ready]
+
+    def _forget_restarted(self) -> None:
+        """Chunks whose P restarted since (its engine id changed: their blocks went
+        with it) are forgotten; a request naming one gets NOT_FOUND, as after a delete.
+        Only where an endpoint is one engine (not a Serve deployment's replicas)."""
+        lost = [r for r in self._records.values()
+                if r.ready and r.prefill.one_engine and r.prefill.capacity is not None
+                and r.prefill.capacity.engine_id != r.engine_id]
+        for r in sorted(lost, key=lambda r: len(r.chain_ids), reverse=True):
+            self._forget([r])
+        if lost:
+            self.lost += len(lost)
+            logger.warning("chunks lost with their P's restart: %s",
+                           ", ".join(r.chunk_id for r in lost))
 
     def listing(self) -> ChunkList:
         return ChunkList(self.records(),
@@ -169,6 +187,7 @@ class Chunks:
     def held_blocks(self, ep: Endpoint) -> int:
         """Blocks the chunks on ``ep`` hold: registered, being registered, or forgotten
         with their Release still to reach P."""
+        self._forget_restarted()
         return sum(r.num_blocks for r in [*self._records.values(),
                                           *self._unreleased.get(id(ep), ())]
                    if r.prefill is ep)

@@ -39,6 +39,9 @@ class Endpoint:
     num_late_answers: int = 0
     #: Drained (Router.Drain): in rotation or not, no new work is routed here.
     draining: bool = False
+    #: One engine behind it (its ``capacity.engine_id`` changes only when it restarts);
+    #: False where the address stands for several (Ray Serve's replicas).
+    one_engine: bool = True
     #: Back after being out of rotation, its pairs' warm-up still running
     #: (``router.warmup``): only that warm-up is routed here (a connection the outage
     #: broke fails its first READ, which must not be a client's).

@@ -31,15 +31,17 @@ class FakeP:
         self.prefixes: list[str] = []
         self.fail_release = False
         self.fail_stage1 = False
+        self.engine_id = "p-1"
 
     async def GetCapacity(self, request, timeout=None):  # noqa: N802 (the rpc's name)
         return engine_pb2.Capacity(num_free_blocks=self.total_blocks,
                                    num_total_blocks=self.total_blocks, block_size=BLOCK,
-                                   max_model_len=4096, vocab_size=1000, engine_id="p-1")
+                                   max_model_len=4096, vocab_size=1000,
+                                   engine_id=self.engine_id)
 
     def Stage1(self, request, timeout=None):  # noqa: N802
         self.stage1s.append(request)
-        fail = self.fail_stage1
+        fail, engine_id = self.fail_stage1, self.engine_id
 
         class Stream:
             def cancel(self):
@@ -51,7 +53,7 @@ class FakeP:
                                                grpc.aio.Metadata(), grpc.aio.Metadata(),
                                                "P went away")
                 yield engine_pb2.Stage1Event(new_token_ids=[7], finish_reason="length",
-                                             held_until=math.inf, engine_id="p-1",
+                                             held_until=math.inf, engine_id=engine_id,
                                              num_computed_tokens=len(request.prompt_token_ids))
 
         return Stream()
@@ -200,3 +202,26 @@ def test_a_started_router_releases_the_chunks_its_namespace_left_on_every_p(mode
     assert _register(router, "a", 2).held_name.startswith("chunk-default-")
     asyncio.run(router.chunks.release_leftovers())
     assert p.prefixes == ["chunk-default-"]
+
+
+@pytest.mark.parametrize("one_engine", [True, False], ids=["engine", "serve-replicas"])
+def test_chunks_go_with_their_p_when_it_restarts(model_dir, one_engine):
+    """A P that restarted (its engine id changed) lost its pins: its chunks are
+    forgotten, uncounted, and a request naming one is NOT_FOUND. The control: an
+    endpoint standing for several engines (Serve's replicas answer with their own ids)
+    keeps them."""
+    router = _router(model_dir)
+    ep = router.prefill[0]
+    ep.one_engine = one_engine
+    _register(router, "sys", 2)
+    _register(router, "hist", 2, under="sys")
+    ep.stub.engine_id = "p-2"
+    asyncio.run(router.refresh_capacity())
+    if one_engine:
+        assert not router.chunks.records() and router.chunks.held_blocks(ep) == 0
+        assert _status(lambda: router.chunks.compose(("sys", "hist"), "")) == \
+            grpc.StatusCode.NOT_FOUND
+        assert router.chunks.lost == 2
+    else:
+        assert [r.chunk_id for r in router.chunks.records()] == ["sys", "hist"]
+        assert router.chunks.compose(("sys", "hist"), "").prefill is ep
