@@ -29,7 +29,6 @@ so).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -45,7 +44,8 @@ from kvhandoff.model import ModelTokens
 from kvhandoff.types import BeamParams, InvalidRequest, Path, Stage1Params, validate_prompt
 from router.config import RouterConfig
 from router.endpoint import Endpoint
-from router.errors import grpc_error
+from router.errors import adapter_named, grpc_error
+from router.pin_releases import PinReleases
 from router.plan import CHUNK_PREFIX, Outcome, Plan, ids_of
 from router.pool import EnginePool
 from router.requests import ChunkCall
@@ -119,36 +119,19 @@ class Chunks:
         self.compositions = 0
         #: Chunks forgotten because their P restarted.
         self.lost = 0
-        #: Chunks forgotten whose Release failed, by P (``id``): sent again, and counted
-        #: against the share meanwhile (P still holds them).
-        self._unreleased: dict[int, list[ChunkRecord]] = {}
-        #: Failed registrations, named once more with the next release on their P.
-        self._resend: dict[int, list[ChunkRecord]] = {}
-        #: Set once an earlier run's leftovers were released (``router.main`` clears it
-        #: before serving and calls :meth:`release_leftovers`); registrations wait.
-        self._started = asyncio.Event()
-        self._started.set()
-        #: What every chunk of this router is named with on P.
-        self.prefix = f"{CHUNK_PREFIX}{config.chunk_namespace}-"
+        #: Ending P's pins, now, again after a failure, and at the process's start.
+        self.releases = PinReleases(stages, f"{CHUNK_PREFIX}{config.chunk_namespace}-")
+
+    @property
+    def prefix(self) -> str:
+        return self.releases.prefix
 
     def hold_registrations(self) -> None:
-        """Registrations wait until :meth:`release_leftovers` (the process's start)."""
-        self._started.clear()
+        self.releases.hold_registrations()
 
     async def release_leftovers(self) -> None:
-        """At the router's start: the chunks an earlier run of it left pinned on the Ps
-        (its registry died with it) are released, then registrations go on. A P that
-        fails keeps them (logged). A standalone router's Ps only: under Ray Serve one
-        call reaches one P replica."""
-        try:
-            for ep in self.pool.prefill:
-                try:
-                    await self.stages.release(ep, [], prefixes=[self.prefix])
-                except Exception as e:
-                    logger.warning("%s: the chunks an earlier router left there were not "
-                                   "released (%s)", ep.address, e)
-        finally:
-            self._started.set()
+        """At the router's start: see :meth:`PinReleases.release_leftovers`."""
+        await self.releases.release_leftovers(self.pool.prefill)
 
     # ---- reading ------------------------------------------------------------------------
     def get(self, chunk_id: str) -> ChunkRecord:
@@ -189,7 +172,7 @@ class Chunks:
         with their Release still to reach P."""
         self._forget_restarted()
         return sum(r.num_blocks for r in [*self._records.values(),
-                                          *self._unreleased.get(id(ep), ())]
+                                          *self.releases.unreleased(ep)]
                    if r.prefill is ep)
 
     def share_blocks(self, ep: Endpoint) -> int:
@@ -213,8 +196,8 @@ class Chunks:
         if chain and chain[-1].adapter != adapter:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"chunk {chain[-1].chunk_id!r} was prefilled under "
-                             f"{_adapter_named(chain[-1].adapter)}, the request runs under "
-                             f"{_adapter_named(adapter)}")
+                             f"{adapter_named(chain[-1].adapter)}, the request runs under "
+                             f"{adapter_named(adapter)}")
         return Composition(chain)
 
     @contextlib.contextmanager
@@ -258,12 +241,12 @@ class Chunks:
         if parent is not None and parent.adapter != call.adapter:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"chunk {parent.chunk_id!r} was prefilled under "
-                             f"{_adapter_named(parent.adapter)}: a chunk under it is too, "
-                             f"not under {_adapter_named(call.adapter)}")
+                             f"{adapter_named(parent.adapter)}: a chunk under it is too, "
+                             f"not under {adapter_named(call.adapter)}")
         chain_ids = (parent.chain_ids if parent else []) + own
         p = parent.prefill if parent is not None else await self.pool.pick_prefill(
             deadline, prompt_ids=chain_ids, adapter=call.adapter)
-        await self._started.wait()  # an earlier run's leftovers released first (main)
+        await self.releases.started.wait()  # an earlier run's leftovers released first
         if chunk_id in self._records:  # registered meanwhile
             raise grpc_error(grpc.StatusCode.ALREADY_EXISTS,
                              f"chunk {chunk_id!r} exists: delete it first, or pick another "
@@ -287,7 +270,7 @@ class Chunks:
         if parent is not None:
             parent.children.add(chunk_id)
         try:
-            await self._release(p, evicted)
+            await self.releases.release(p, evicted)
             await self._prefill(record, deadline, call.fault)
         except BaseException:
             self._forget([record])
@@ -295,8 +278,8 @@ class Chunks:
             # after this Release reaches P (the prefill still finishing there): ended now,
             # and named again with the next release on that P.
             with contextlib.suppress(Exception):
-                await self._release(p, [record])
-            self._resend.setdefault(id(p), []).append(record)
+                await self.releases.release(p, [record])
+            self.releases.once_more(p, record)
             raise
         logger.info("chunk %s registered on %s: %d tokens (chain %d), %d blocks, %d cached",
                     chunk_id, p.address, len(own), len(chain_ids), record.num_blocks,
@@ -313,7 +296,7 @@ class Chunks:
                              f"chunk {chunk_id!r} cannot be deleted now: {busy} in use by "
                              "running requests or registrations")
         self._forget(subtree)
-        await self._release(record.prefill, subtree)
+        await self.releases.release(record.prefill, subtree)
         logger.info("chunks deleted: %s", ", ".join(r.chunk_id for r in subtree))
         return [r.chunk_id for r in subtree]
 
@@ -379,26 +362,6 @@ class Chunks:
             if r.under in self._records:
                 self._records[r.under].children.discard(r.chunk_id)
 
-    async def _release(self, p: Endpoint, records: list[ChunkRecord]) -> None:
-        """End P's holds on ``records`` (forgotten already). No lease ends a pinned
-        hold: those whose Release failed stay counted against the share and are sent
-        again with the next release on that P, as are failed registrations once more
-        (unknown names are ignored)."""
-        pending = self._unreleased.pop(id(p), [])
-        again = self._resend.pop(id(p), [])
-        by_engine: dict[str, list[str]] = {}
-        for r in [*pending, *again, *records]:
-            by_engine.setdefault(r.engine_id, []).append(r.held_name)
-        try:
-            for engine_id, names in by_engine.items():
-                await self.stages.release(p, names, engine_id)
-        except BaseException:
-            self._unreleased.setdefault(id(p), []).extend([*pending, *records])
-            self._resend.setdefault(id(p), []).extend(again)
-            logger.warning("Release of %d chunks on %s failed: sent again with the next "
-                           "release there", len(pending) + len(records), p.address)
-            raise
-
     def _chain(self, record: ChunkRecord | None) -> list[ChunkRecord]:
         chain = []
         while record is not None:
@@ -414,6 +377,3 @@ class Chunks:
             todo.extend(self._records[c] for c in sorted(r.children) if c in self._records)
         return out
 
-
-def _adapter_named(adapter: str) -> str:
-    return f"adapter {adapter!r}" if adapter else "no adapter (the base model)"

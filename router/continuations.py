@@ -43,7 +43,7 @@ from kvhandoff.types import (
 from router import placement
 from router.config import RouterConfig
 from router.endpoint import Endpoint
-from router.errors import grpc_error
+from router.errors import adapter_named, grpc_error
 from router.executor import Executor
 from router.parents import ParentRecord, ParentRegistry
 from router.plan import (
@@ -214,7 +214,7 @@ class Continuations:
             counts["refused"] += 1
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"parent {req.parent_id!r} ran under "
-                             f"{_adapter_named(record.adapter)}, not adapter "
+                             f"{adapter_named(record.adapter)}, not adapter "
                              f"{req.adapter!r}: a continuation inherits its parent's adapter")
         if not record.done.is_set():
             logger.info("continuation of %s waits for its parent's stage 1", req.parent_id)
@@ -352,6 +352,3 @@ class Continuations:
                     deadline, stage2_sampling=sampling, fault=fault_of(req.fault),
                     adapter=record.adapter)
 
-
-def _adapter_named(adapter: str) -> str:
-    return f"adapter {adapter!r}" if adapter else "no adapter (the base model)"

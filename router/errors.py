@@ -82,3 +82,8 @@ def no_room_in_time(need: int, most: Any, wait_s: float) -> RouterError:
                       f"decode pool too small: no decode engine had room for {need} blocks "
                       f"within {wait_s:g} s (most unclaimed: {most.num_unclaimed_blocks} of "
                       f"{most.capacity.num_total_blocks})")
+
+
+def adapter_named(adapter: str) -> str:
+    """An adapter as an error message names it ("": the base model)."""
+    return f"adapter {adapter!r}" if adapter else "no adapter (the base model)"

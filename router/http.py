@@ -58,7 +58,7 @@ from router.http_schema import (
     unauthorized,
 )
 from router.parents import ParentRecord
-from router.plan import Plan
+from router.plan import Plan, ids_of
 from router.requests import ChunkCall, ContinueCall, ParentCall
 
 logger = logging.getLogger(__name__)
@@ -336,13 +336,7 @@ class HttpFront:
         """Beam search over ``prompt`` as given (tokenised here), on a D, nothing
         imported: stage 2 sent as a brand-new request."""
         beam = self._beam_of(body)
-        prompt = prompt_of(body)
-        if isinstance(prompt, str):
-            if len(prompt) > 1 << 20:
-                raise bad("prompt", "longer than 1 MiB")
-            ids = self.router.tokens.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            ids = prompt
+        ids = ids_of(self.router.tokens, prompt_of(body), "prompt")
         deadline = None if not body.timeout_ms else time.monotonic() + body.timeout_ms / 1e3
         result = await self.api.prompt_beams(FRONT, ids, beam, deadline, adapter)
         return JSONResponse(beams_json(adapter or self.model_name, result))
