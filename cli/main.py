@@ -98,6 +98,10 @@ def _add_client(sub: Any) -> None:
                         help="the prompt starts with these named KV chunks (a chain "
                              "registered with RegisterChunk, root first); --prompt is "
                              "what follows them")
+    client.add_argument("--recompute-share", type=float, default=None, metavar="S",
+                        help="compose --chunks by position even where they are not a chain "
+                             "(approximate: keys moved, the last S of their tokens "
+                             "computed; the answer says so)")
     client.add_argument("--stream", action="store_true")
     client.add_argument("--timeout", type=float, default=120.0)
     client.set_defaults(func=_client)

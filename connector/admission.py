@@ -12,7 +12,8 @@ arrived import request is checked once, before any transfer starts:
 - it comes from the same model, matches the prompt's first N tokens (digest) and its
   lease has time left;
 - it was computed under the adapter this request runs under, with the same weights
-  (``connector.adapters``);
+  (``connector.adapters``), and its blocks hashed under this request's cache salt (an
+  approximate composition's KV, ``connector.blend``, goes only where it is salted);
 - the pool can hold the parent's blocks, the suffix and the beam fan-out (one sequence
   and its remaining tokens for a moved stage 1).
 
@@ -204,6 +205,10 @@ class AdmissionScheduler(Scheduler):
             if not (self._fault_injection and wanted.fault == ANY_ADAPTER_FAULT):
                 raise
             self._record_fault()  # the fault: the refusal skipped
+        if handoff.cache_salt and handoff.cache_salt != request.cache_salt:
+            raise HandoffError(
+                "salt", f"the export's KV hashes under cache salt {handoff.cache_salt!r}, "
+                        f"this request's under {request.cache_salt or ''!r}")
         beam_width, beam_max_tokens = wanted.beam_width, wanted.beam_max_tokens
         needed = blocks_needed(
             request.num_prompt_tokens, self.block_size, beam_width, beam_max_tokens,

@@ -38,6 +38,9 @@ class Fault:
     expected_caught: bool = True
     #: Corrupts only an import whose adapter differs from its request's.
     needs_adapter: bool = False
+    #: Corrupts only an approximate composition (``connector.blend``): not a harness
+    #: case, the composition's own tests and quality table run it.
+    needs_blend: bool = False
 
 
 #: The fault that lets D import under another adapter (its admission's check skipped).
@@ -106,6 +109,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "the same within float summation noise; it is listed to show the harness "
           "does not report what cannot matter",
           min_full_blocks=2, expected_caught=False),
+    Fault("unrotated", "prefill",
+          "P's approximate composition copies chunks' keys without RoPE applied again for "
+          "their new positions (``connector.blend``)",
+          "moved chunks' keys say their old positions: layer-0 keys differ from full "
+          "prefill's, and agreement with full prefill drops",
+          needs_blend=True),
 )}
 
 
@@ -113,7 +122,7 @@ def applies(fault: Fault, num_parent_tokens: int, block_size: int,
             adapters_differ: bool = False) -> bool:
     """Whether ``fault`` can corrupt a parent of ``num_parent_tokens`` tokens (exported
     under another adapter than the import's request runs under: ``adapters_differ``)."""
-    if fault.needs_adapter and not adapters_differ:
+    if (fault.needs_adapter and not adapters_differ) or fault.needs_blend:
         return False
     num_imported = num_parent_tokens - 1
     if num_imported // block_size < fault.min_full_blocks:

@@ -29,8 +29,8 @@ from connector.faults import FAULT_KEY
 from kvhandoff.types import BeamParams, HandoffError
 
 #: Bumped whenever the meaning of a handoff field changes. P and D must agree.
-#: 2: the adapter's identity (``adapter``, ``adapter_digest``).
-PROTOCOL_VERSION = 2
+#: 2: the adapter's identity (``adapter``, ``adapter_digest``); 3: the cache salt.
+PROTOCOL_VERSION = 3
 
 #: The key under which our fields travel inside ``kv_transfer_params``.
 KEY = "kvhandoff"
@@ -132,6 +132,10 @@ class Handoff:
     #: (``connector.adapters``): D imports it only into a request under the same one.
     adapter: str
     adapter_digest: str
+    #: The cache salt P's blocks hash under ("": none): an approximate composition's
+    #: (``connector.blend``). D imports it only into a request under the same salt, so
+    #: its prefix cache never serves the KV to another.
+    cache_salt: str
 
     def __post_init__(self) -> None:
         if self.num_computed_tokens != self.num_parent_tokens - 1:

@@ -18,6 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 
 from connector.adapters import adapter_of, digests_of
 from connector.beam_fork import BeamForkScheduler, beam_params
+from connector.blend import BlendScheduler
+from connector.blend_spec import BLEND_KEY, BLENDED_KEY, UNROTATED_FAULT
 from connector.faults import (
     FAULTS,
     fault_of,
@@ -81,6 +83,11 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         extra = vllm_config.kv_transfer_config
         assert extra is not None
         self._init_beam_fork(extra, len(kv_cache_config.kv_cache_groups))
+        # Approximate compositions load from the held chunks (connector.blend).
+        self._blend = BlendScheduler(
+            self.block_size, self._kept,
+            BlendScheduler.availability(vllm_config) if self._fork_enabled
+            else "this engine runs without beam fork (no chunks are held)")
         self.stats = ContinuationStats()
         #: This engine's adapters' digests by name: P signs the one an export ran under.
         self._adapter_digests = digests_of(vllm_config)
@@ -198,6 +205,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._pace_idle_step(scheduler_output)
         meta = super().build_connector_meta(scheduler_output)
         self._attach_fork_meta(meta)
+        meta.kvhandoff_blend = self._blend.take_copies()
         meta.kvhandoff_faults = {r: f for r, f in self._import_faults.items()
                                  if r in meta.reqs_to_recv}
         for req_id in meta.kvhandoff_faults:
@@ -252,6 +260,13 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             return None, False  # a beam slot whose group has not started: asked again
         if self._is_fork_child(beam):
             return self._fork_match(request, beam, num_computed_tokens), False
+        if params and params.get(BLEND_KEY):
+            # An approximate composition (connector.blend): loaded in this step.
+            count = self._blend.match(request, params[BLEND_KEY], num_computed_tokens)
+            if params.get("do_remote_decode"):
+                self._arrange_run(request, num_computed_tokens,
+                                  request.num_prompt_tokens + (request.max_tokens or 0))
+            return count, False
         if params and params.get(REEXPORT_KEY) and params.get("_remote_blocks_processed"):
             # A moved stage 1 whose import was queued (it may be scheduled again after a
             # preemption): the stock P path would pull its "remote" blocks once more.
@@ -289,6 +304,9 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         beam = beam_params(request)
         if self._is_fork_child(beam):
             self._fork_scheduled(request, beam, blocks, num_external_tokens)
+        if params and params.get(BLEND_KEY):
+            self._blend.scheduled(request, blocks.get_block_ids()[0], num_external_tokens,
+                                  rotate=self._fault(request) != UNROTATED_FAULT)
         if params and params.get("do_remote_prefill") and num_external_tokens > 0:
             local_block_ids = blocks.get_unhashed_block_ids_all_groups()
             self._imports[request.request_id] = _ImportRecord(
@@ -323,6 +341,9 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         exporting = delay_free and params is not None and bool(params.get("do_remote_prefill"))
         if exporting:
             self._attach_handoff(request, params)
+        blended = self._blend.finished(request)
+        if blended is not None:
+            params = {**(params or {}), BLENDED_KEY: blended}
         if record is not None:
             # What this request imported (the client sees it on the final
             # RequestOutput.kv_transfer_params): under KEY on D, beside the new handoff
@@ -380,6 +401,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             lease_expires_at=now + lease_s,
             adapter=(adapter := adapter_of(request)),
             adapter_digest=self._adapter_digests.get(adapter, ""),
+            cache_salt=request.cache_salt or "",
         )
         target = str((request.kv_transfer_params or {}).get(TARGET_KEY) or "")
         params[KEY] = {**handoff.to_dict(), "target_engine_id": target}

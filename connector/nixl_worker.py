@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 
 from connector.beam_fork import BeamForkWorker
+from connector.blend import BlendWorker
 from connector.faults import corrupt_imported, scribble
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
 from connector.merged_reads import MergedReadWorker
@@ -77,6 +78,7 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
         # READs do not release them, the lease end does.
         self._held: dict[str, float] = {}
         self._init_merged_reads(bool(extra.get_from_extra_config("kv_runs", True)))
+        self._blend = BlendWorker(vllm_config, kv_cache_config)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self._huge_pages:
@@ -85,14 +87,17 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
             logger.info("KV pool: %.0f MiB on 2 MiB pages (%.2fs)", collapsed / 2**20,
                         time.perf_counter() - t0)
         super().register_kv_caches(kv_caches)
+        ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1))
         if self._fork_enabled or self._fault_injection:
-            self._register_kv_views(
-                kv_caches, int(getattr(self, "_physical_blocks_per_logical_kv_block", 1)))
+            self._register_kv_views(kv_caches, ratio)
+        self._blend.register(kv_caches, self.block_size)  # the kernel's block size
 
     def start_load_kv(self, metadata: Any) -> None:
-        """Each step, before the forward pass: beam-fork copies, releases and injected
-        faults from the scheduler, then the stock READs (posted, not awaited)."""
+        """Each step, before the forward pass: beam-fork copies, releases, approximate
+        compositions' copies (``connector.blend``) and injected faults from the
+        scheduler, then the stock READs (posted, not awaited)."""
         self._fork_on_step(metadata)
+        self._blend.apply(getattr(metadata, "kvhandoff_blend", None) or [])
         if self._fault_injection:
             self._import_faults.update(getattr(metadata, "kvhandoff_faults", None) or {})
             stale = getattr(metadata, "kvhandoff_scribble", None)

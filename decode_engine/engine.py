@@ -229,7 +229,10 @@ class DecodeEngine(VllmEngine):
         # has blocks to corrupt even right after its positive twin ran the same prompt
         # and seed) and leaves nothing another request can find (its corrupted blocks
         # hash under the salt).
-        salt = None
+        # An approximate composition's KV (connector.blend) is salted on P: the import
+        # goes under the same salt, which D's admission checks.
+        fields = handoff.export.get(KEY)
+        salt = (str(fields.get("cache_salt") or "") or None) if isinstance(fields, dict) else None
         if handoff.fault is not None:
             self.check_fault(handoff.fault)
             salt = f"kvhandoff-fault:{request_id}"

@@ -29,6 +29,8 @@ _REASON_CODES = {
     "no_adapter": grpc.StatusCode.NOT_FOUND,
     # An import under another adapter than the parent's (connector.adapters).
     "adapter": grpc.StatusCode.INVALID_ARGUMENT,
+    # An import into a request under another cache salt (connector.blend).
+    "salt": grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 

@@ -255,6 +255,10 @@ class Stage1Result:
     num_imported_tokens: int = 0
     num_imported_bytes: int = 0
     num_computed_tokens: int = 0
+    #: An approximate composition (``connector.blend``): prompt tokens whose KV came from
+    #: chunks, and why none did ("" where they did, or none was asked).
+    num_blended_tokens: int = 0
+    blend_refused: str = ""
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from connector.blend_spec import BLEND_KEY, BLENDED_KEY, Blend
 from connector.faults import FAULT_KEY
 from connector.handoff import (
     BEAM_KEY,
@@ -88,7 +89,8 @@ class PrefillEngine(VllmEngine):
     def _sampling(self, prompt_token_ids: list[int], params: Stage1Params, export: bool,
                   target: str | None, fault: str | None = None,
                   hold: bool | float = False, request_id: str = "",
-                  handoff: ImportRequest | None = None) -> SamplingParams:
+                  handoff: ImportRequest | None = None,
+                  blend: Blend | None = None) -> SamplingParams:
         validate_prompt(
             prompt_token_ids,
             vocab_size=self.vocab_size,
@@ -97,6 +99,9 @@ class PrefillEngine(VllmEngine):
         )
         validate_token_ids(params.stop_token_ids, vocab_size=self.vocab_size,
                            field_name="stage1.stop_token_ids")
+        if blend is not None and ((hold and not export) or handoff is not None):
+            raise InvalidRequest("blend", "an approximate composition is neither held here "
+                                          "nor moved (its KV is salted: an export or none)")
         if not export and hold:
             lease = float(self.config.lease_s)
             hold_s = (lease if hold is True else PINNED if hold == PINNED
@@ -118,11 +123,13 @@ class PrefillEngine(VllmEngine):
             # Imports first (do_remote_prefill), exports once the READ is queued.
             transfer = {**handoff.to_params(), REEXPORT_KEY: True, TARGET_KEY: target or ""}
         elif not export:
-            return stage1_sampling(params)
+            return stage1_sampling(params, {BLEND_KEY: blend.to_params()} if blend else None)
         else:
             transfer = {"do_remote_decode": True, TARGET_KEY: target or ""}
         if hold:
             transfer[HOLD_KEY] = True if hold is True else float(hold)
+        if blend is not None:
+            transfer[BLEND_KEY] = blend.to_params()
         if fault is not None:
             self.check_fault(fault)
             transfer[FAULT_KEY] = fault
@@ -140,6 +147,7 @@ class PrefillEngine(VllmEngine):
         hold: bool | float = False,
         handoff: ImportRequest | None = None,
         adapter: str = "",
+        blend: Blend | None = None,
     ) -> AsyncIterator[tuple[list[int], list[TokenLogprob], Stage1Result | None]]:
         """Yield ``(new_token_ids, their logprobs, None)`` as tokens are sampled (logprobs
         when ``params.logprobs`` asks), then ``([], [], result)`` once stage 1 has
@@ -157,14 +165,23 @@ class PrefillEngine(VllmEngine):
         ``export``).
         ``fault``: a P-side fault of ``connector.faults`` (negative controls only).
         ``adapter``: the LoRA adapter to sample under ("": none); an export carries its
-        name and digest (``connector.adapters``)."""
+        name and digest (``connector.adapters``).
+        ``blend``: an approximate composition (``connector.blend``, with ``export``): the
+        prompt's first tokens copied from chunks pinned here, under the composition's
+        cache salt, which the handoff carries to D."""
         sampling = self._sampling(prompt_token_ids, params, export, target, fault, hold,
-                                  request_id, handoff)
+                                  request_id, handoff, blend)
+        salt = None
+        if blend is not None:
+            # A faulted composition hashes apart from its healthy twin (and every other
+            # request): it finds none of the twin's blocks and leaves none behind.
+            salt = blend.cache_salt() + (f":fault:{request_id}" if fault else "")
         t0 = time.perf_counter()
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
         first = last = None
-        async for out in self.stream(prompt_token_ids, sampling, request_id, adapter):
+        async for out in self.stream(prompt_token_ids, sampling, request_id, adapter,
+                                     salt):
             first, last = first or out, out
             new = list(out.outputs[0].token_ids)
             if new:
@@ -187,6 +204,7 @@ class PrefillEngine(VllmEngine):
             held_until = float(((last.kv_transfer_params or {}).get(KEY) or {})
                                .get("held_until", 0.0))
         imported = (last.kv_transfer_params or {}).get(IMPORTED_KEY) or {}
+        blended = (last.kv_transfer_params or {}).get(BLENDED_KEY) or {}
         yield [], [], Stage1Result(
             token_ids=token_ids,
             finish_reason=reason,
@@ -197,6 +215,8 @@ class PrefillEngine(VllmEngine):
             num_imported_tokens=int(imported.get("num_imported_tokens", 0)),
             num_imported_bytes=int(imported.get("num_imported_bytes", 0)),
             num_computed_tokens=len(prompt_token_ids) - (first.num_cached_tokens or 0),
+            num_blended_tokens=int(blended.get("num_loaded_tokens", 0)),
+            blend_refused=str(blended.get("refused", "")),
         )
 
     async def release(self, names: list[str], prefixes: list[str] | None = None) -> None:

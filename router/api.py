@@ -145,7 +145,8 @@ class RouterAPI:
         return router.plan(GenerateCall(
             prompt=request.prompt, stage1=request.stage1, path=path,
             request_id=request.request_id, timeout_ms=request.timeout_ms,
-            adapter=request.adapter, chunk_ids=request.chunk_ids), deadline)
+            adapter=request.adapter, chunk_ids=request.chunk_ids,
+            recompute_share=request.recompute_share), deadline)
 
     async def parent(self, front: str, plan: Plan
                      ) -> AsyncIterator[list[int] | ParentRecord]:

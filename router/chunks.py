@@ -9,8 +9,8 @@ tokens and runs on the chain's P, where its full blocks are prefix-cache hits (h
 blocks are never evicted): P computes only the chain's partial last block and what
 follows. That is what standard generation of the same tokens computes with prefix
 caching, token for token (``tests/test_chunks.py`` compares them). Chunks prefilled
-apart and composed at other positions (CacheBlend's re-positioned keys) are not built:
-such ids are refused as "not a chain".
+apart are composed by position only where a request asks for an approximate composition
+(``router.composition``); otherwise such ids are refused as "not a chain".
 
 Room: the chunks on one P hold at most ``RouterConfig.chunk_pool_share`` of its blocks.
 A chunk that would not fit evicts the least recently used chunks first: leaves only (a
@@ -42,6 +42,7 @@ import grpc
 
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import BeamParams, InvalidRequest, Path, Stage1Params, validate_prompt
+from router.composition import Composition, approximate, is_chain
 from router.config import RouterConfig
 from router.endpoint import Endpoint
 from router.errors import adapter_named, grpc_error
@@ -80,21 +81,6 @@ class ChunkRecord:
     num_cached_tokens: int = 0
     #: Until P has prefilled and holds it: not composable, not evictable.
     ready: bool = False
-
-
-@dataclass(frozen=True)
-class Composition:
-    """What a request's ``chunk_ids`` resolve to."""
-
-    chain: tuple[ChunkRecord, ...]
-
-    @property
-    def prefix_ids(self) -> list[int]:
-        return list(self.chain[-1].chain_ids)
-
-    @property
-    def prefill(self) -> Endpoint:
-        return self.chain[-1].prefill
 
 
 @dataclass(frozen=True)
@@ -179,9 +165,14 @@ class Chunks:
         total = ep.capacity.num_total_blocks if ep.capacity is not None else 0
         return int(total * self.config.chunk_pool_share)
 
-    def compose(self, chunk_ids: tuple[str, ...], adapter: str) -> Composition:
-        """The chain ``chunk_ids`` name, root first; the status that says why not."""
+    def compose(self, chunk_ids: tuple[str, ...], adapter: str,
+                recompute_share: float | None = None) -> Composition:
+        """The chain ``chunk_ids`` name, root first; with ``recompute_share``, the
+        chunks in that order composed approximately unless they are such a chain
+        (``router.composition``); the status that says why not."""
         chain = tuple(self.get(c) for c in chunk_ids)
+        if recompute_share is not None and not is_chain(chain):
+            return approximate(chain, recompute_share, adapter)
         for i, record in enumerate(chain):
             expected = chain[i - 1].chunk_id if i else ""
             if record.under != expected:
@@ -191,8 +182,8 @@ class Chunks:
                     + (f"registered under {record.under!r}" if record.under
                        else "a root") + (f", not under {expected!r}" if expected
                                          else ": list its chain from the root")
-                    + " (chunks prefilled apart are not composed: register each under "
-                      "the one before it)")
+                    + " (chunks prefilled apart are composed only approximately: "
+                      "register each under the one before it, or ask for approximate)")
         if chain and chain[-1].adapter != adapter:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"chunk {chain[-1].chunk_id!r} was prefilled under "

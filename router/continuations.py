@@ -49,6 +49,7 @@ from router.parents import ParentRecord, ParentRegistry
 from router.plan import (
     Outcome,
     Plan,
+    approximation,
     check_request_id,
     fault_of,
     sampling_of,
@@ -119,6 +120,7 @@ class Continuations:
             record.thinking_ids = out.thinking_ids
             record.prefill_engine_id = out.stage1_engine_id  # where it ended: the holder
             record.finish_reason = out.stage1_finish_reason
+            record.approximation = approximation(out)
             record.stage1_ms = (time.perf_counter() - t0) * 1e3
             if hold:
                 registry.unhold(record)
@@ -301,6 +303,8 @@ class Continuations:
             result.stage1_seed = record.stage1.seed or 0
             result.stage1_positional = record.stage1.positional
         result.stats.num_parent_tokens = len(record.prompt_ids) + len(record.thinking_ids)
+        for name, value in record.approximation.items():  # its parent's KV: approximate
+            setattr(result.stats, name, value)
         outcome = "recomputed" if result.stats.recomputed else "imported"
         self.registry.continuations[outcome] += 1
         return result

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from kvhandoff.model import ModelTokens
-from kvhandoff.types import BeamParams, InvalidRequest
+from kvhandoff.types import BeamParams, InvalidRequest, Path
 from router import placement
 from router.chunks import Chunks
 from router.config import RouterConfig
@@ -100,8 +100,10 @@ class Router:
         """``req`` validated (against P's vocabulary and context, once P answered) and
         tokenised once: every later step works on token ids. Its chunks (a registered
         chain) are the prompt's start, and their P is where stage 1 runs."""
-        composition = (self.chunks.compose(req.chunk_ids, req.adapter) if req.chunk_ids
-                       else None)
+        composition = (self.chunks.compose(req.chunk_ids, req.adapter, req.recompute_share)
+                       if req.chunk_ids else None)
+        if req.recompute_share is not None and not req.chunk_ids:
+            raise InvalidRequest("recompute_share", "composes chunks: name them (chunk_ids)")
         plan = plan_request(
             req, deadline, tokens=self.tokens,
             prefill_capacity=next((ep.capacity for ep in self.prefill if ep.capacity), None),
@@ -111,6 +113,15 @@ class Router:
             positional=self.config.positional_sampling,
             prefix_ids=composition.prefix_ids if composition is not None else None)
         plan.prefer_prefill = composition.prefill if composition is not None else None
+        if composition is not None and composition.blend is not None:
+            # Stage 1 is exported and never held or moved: its KV is salted on P and D.
+            if req.path == Path.COLOCATED:
+                raise InvalidRequest("path", "an approximate composition runs stage 2 on "
+                                             "a decode engine (path HANDOFF or AUTO)")
+            if not self.decode:
+                raise InvalidRequest("recompute_share", "an approximate composition runs "
+                                     "stage 2 on a decode engine; none is configured")
+            plan.path, plan.blend = Path.HANDOFF, composition.blend
         return plan
 
     def run(self, plan: Plan) -> Items:

@@ -298,7 +298,8 @@ class Executor:
         stage1 = plan.stage1
         return (e.code() == grpc.StatusCode.UNAVAILABLE and self.config.recompute
                 and (stage1.positional or stage1.temperature == 0)
-                and (len(self.pool.prefill) > 1 or on_d) and not plan.pinned)
+                and (len(self.pool.prefill) > 1 or on_d) and not plan.pinned
+                and plan.blend is None)  # recomputed elsewhere, its tokens would change
 
     async def _release_export(self, p: Endpoint, handoff: common_pb2.Handoff, plan: Plan,
                               refusal: Exception) -> None:

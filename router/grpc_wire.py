@@ -49,7 +49,9 @@ def generate_call(msg: router_pb2.GenerateRequest) -> GenerateCall:
         prompt=_text_or_ids(msg, "prompt"), stage1=common.sampling_from_pb(msg.stage1),
         suffix=_text_or_ids(msg, "suffix"), beam=common.beam_from_pb(msg.beam),
         path=_path(msg.path), request_id=msg.request_id, timeout_ms=msg.timeout_ms,
-        adapter=msg.adapter, fault=msg.fault, chunk_ids=tuple(msg.chunk_ids))
+        adapter=msg.adapter, fault=msg.fault, chunk_ids=tuple(msg.chunk_ids),
+        recompute_share=(msg.recompute_share if msg.HasField("recompute_share")
+                         else None))
 
 
 def parent_call(msg: router_pb2.ParentRequest) -> ParentCall:

@@ -201,7 +201,8 @@ class HttpFront:
             prompt=prompt_of(body), stage1=self._sampling_of(body, with_think_end=True),
             path=Path.HANDOFF if self.router.decode else Path.COLOCATED,
             timeout_ms=body.timeout_ms or 0, model="" if adapter else body.model or "",
-            adapter=adapter, chunk_ids=tuple(body.chunks or ())), None)
+            adapter=adapter, chunk_ids=tuple(body.chunks or ()),
+            recompute_share=body.recompute_share), None)
 
     def _sampling_of(self, body: CompletionRequest, with_think_end: bool) -> Sampling:
         """The sampling ``body`` asks for; its stop token ids are ``stop_token_ids`` and
@@ -352,7 +353,8 @@ def _parent_info(record: ParentRecord) -> dict[str, Any]:
     return {"held": record.held, "not_held_reason": record.not_held_reason,
             "lease_expires_at": record.held_until if record.held else None,
             "seed": record.stage1.seed if record.stage1 else None,
-            "positional": bool(record.stage1 and record.stage1.positional)}
+            "positional": bool(record.stage1 and record.stage1.positional),
+            **record.approximation}
 
 
 async def _parsed(request: Request, model: type[Any]) -> Any:

@@ -76,6 +76,10 @@ class CompletionRequest(BaseModel):
     #: The prompt starts with these named KV chunks (a registered chain, root first);
     #: ``prompt`` is what follows them.
     chunks: list[str] | None = None
+    #: Compose ``chunks`` by position even where they are not a chain, this share of
+    #: their tokens recomputed (``router.composition``); the answer's ``kvhandoff``
+    #: says ``approximate``.
+    recompute_share: float | None = None
 
 
 class ChunkBody(BaseModel):
@@ -182,4 +186,6 @@ def beams_json(model: str, resp: Result) -> dict[str, Any]:
                       recomputed=s.recomputed, handoff_failure=s.handoff_failure,
                       decode_endpoint=s.decode_endpoint,
                       stage2_first_step_ms=resp.timings.stage2_first_step_ms,
-                      stage2_ms=resp.timings.stage2_ms)
+                      stage2_ms=resp.timings.stage2_ms,
+                      **({"approximate": True, "recomputed_share": s.recomputed_share}
+                         if s.approximate else {}))

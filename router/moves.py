@@ -90,6 +90,9 @@ class Running:
         if not (stage1.positional or stage1.temperature == 0):  # greedy is positional too
             return ("samples with vLLM's own sampling: moved, its tokens would change (use "
                     "positional sampling)")
+        if self.plan.blend is not None:
+            return ("is an approximate composition: its KV is copied from chunks held on "
+                    "its P, and elsewhere it would be computed (other tokens)")
         if self.move_asked:
             return "is already being moved"
         if not self.d.takes_work:

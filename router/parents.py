@@ -16,7 +16,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvhandoff.types import InvalidRequest, Stage1Params, TokenLogprob
 from kvhandoff.v1 import common_pb2
@@ -61,6 +61,9 @@ class ParentRecord:
     thinking_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
     handoff: common_pb2.Handoff | None = None
+    #: An approximate composition's stats (``HandoffStats`` fields; {}: exact), which
+    #: its continuations carry too.
+    approximation: dict[str, Any] = field(default_factory=dict)
     #: Why P does not hold it ("" while it is held or still running).
     not_held_reason: str = ""
     #: P blocks counted against the share (an estimate until stage 1 ends).

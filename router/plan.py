@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from connector.blend_spec import Blend
 from connector.faults import FAULTS
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import (
@@ -56,6 +57,9 @@ class Plan:
     #: stage 1 runs there whenever it takes work.
     chunk_ids: tuple[str, ...] = ()
     prefer_prefill: Endpoint | None = None
+    #: An approximate composition of those chunks: how P copies them
+    #: (``router.composition``; None: an exact chain, or no chunks).
+    blend: Blend | None = None
 
     @property
     def export_fault(self) -> str:
@@ -97,6 +101,8 @@ class Outcome:
     #: after a resume or a move to another P).
     prefill_engine_id: str = ""
     stage1_engine_id: str = ""
+    #: Prompt tokens whose KV P copied from chunks (an approximate composition).
+    num_blended_tokens: int = 0
 
 
 def ids_of(tokens: ModelTokens, text_or_ids: Prompt, field_name: str) -> list[int]:
@@ -242,5 +248,17 @@ def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) ->
                                       - s2.num_imported_tokens
                                       - s2.num_computed_tokens_first_step),
             num_cached_prompt_tokens=out.cached_prompt_tokens,
-            prefill_engine_id=out.prefill_engine_id),
+            prefill_engine_id=out.prefill_engine_id,
+            **approximation(out)),
     )
+
+
+def approximation(out: Outcome) -> dict[str, Any]:
+    """An approximate composition's stats: flagged wherever P copied any chunk token."""
+    blend = out.plan.blend
+    if blend is None:
+        return {}
+    num_chunk_tokens = sum(p.length for p in blend.parts)
+    return {"approximate": out.num_blended_tokens > 0,
+            "num_blended_tokens": out.num_blended_tokens,
+            "recomputed_share": 1.0 - out.num_blended_tokens / max(num_chunk_tokens, 1)}

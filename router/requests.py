@@ -26,6 +26,9 @@ class Stage1Call:
     adapter: str = ""
     #: The prompt starts with these chunks' tokens (a registered chain, root first).
     chunk_ids: tuple[str, ...] = ()
+    #: Compose ``chunk_ids`` by position, this share of their tokens recomputed
+    #: (``router.composition``; None: only an exact chain).
+    recompute_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,11 @@ class HandoffStats:
     num_found_on_d_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     prefill_engine_id: str = ""
+    #: An approximate composition (``router.composition``): its chunk tokens whose KV P
+    #: copied, and the share of them computed (1.0 where P copied none).
+    approximate: bool = False
+    num_blended_tokens: int = 0
+    recomputed_share: float = 0.0
 
 
 @dataclass

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from connector.blend_spec import Blend
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import continuation_prompt
 from kvhandoff.v1 import common_pb2, engine_pb2
@@ -44,6 +45,13 @@ def _cancel(call) -> None:
     put off for seconds while the engine runs on. A no-op on a finished call."""
     if call is not None and hasattr(call, "cancel"):
         call.cancel()
+
+
+def _blend_to_pb(blend: Blend) -> engine_pb2.Blend:
+    return engine_pb2.Blend(
+        parts=[engine_pb2.BlendPart(source=p.source, source_start=p.source_start,
+                                    length=p.length, position=p.position)
+               for p in blend.parts], num_loaded=blend.num_loaded)
 
 
 class StageCalls:
@@ -86,6 +94,8 @@ class StageCalls:
             pin=pin)
         if import_from is not None:
             request.handoff.CopyFrom(import_from)
+        if plan.blend is not None and resume_at is None and import_from is None:
+            request.blend.CopyFrom(_blend_to_pb(plan.blend))
         p.outstanding += 1
         call = None
         try:
@@ -119,6 +129,11 @@ class StageCalls:
                     if resume_at is None and import_from is None:
                         out.cached_prompt_tokens = max(
                             0, len(prompt) - event.num_computed_tokens)
+                        out.num_blended_tokens = event.num_blended_tokens
+                        if event.blend_refused:
+                            logger.warning("%s: P %s copied no chunk (%s): its prompt was "
+                                           "computed", plan.request_id, p.address,
+                                           event.blend_refused)
                     if move is not None:
                         move.num_imported_tokens = event.num_imported_tokens
                         move.num_computed_tokens = event.num_computed_tokens

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from connector.blend_spec import Blend, BlendPart
 from connector.handoff import HANDOFF_FIELDS, KEY, TRANSPORT_FIELDS
-from kvhandoff.v1 import common_pb2
+from kvhandoff.v1 import common_pb2, engine_pb2
 
 #: Transport fields the Handoff message carries as they are (P's engine and request id
 #: travel as ``engine_id``/``request_id``, the block ids as a repeated message).
@@ -39,3 +40,11 @@ def handoff_from_pb(msg: common_pb2.Handoff) -> dict[str, Any]:
         **{k: getattr(msg, k) for k in _TRANSPORT_FIELDS},
         KEY: {k: getattr(msg, k) for k in HANDOFF_FIELDS},
     }
+
+
+def blend_from_pb(msg: engine_pb2.Stage1Request) -> Blend | None:
+    """A stage 1's approximate composition (None: it has none)."""
+    if not msg.HasField("blend"):
+        return None
+    return Blend(tuple(BlendPart(p.source, p.source_start, p.length, p.position)
+                       for p in msg.blend.parts), msg.blend.num_loaded)

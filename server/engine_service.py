@@ -89,6 +89,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     hold=request.hold and (PINNED if request.pin else request.hold_s or True),
                     handoff=handoff,
                     fault=request.fault or None, adapter=request.adapter,
+                    blend=engine_pb.blend_from_pb(request),
                 ):
                     if result is None:
                         yield engine_pb2.Stage1Event(
@@ -100,6 +101,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         num_imported_tokens=result.num_imported_tokens,
                         num_imported_bytes=result.num_imported_bytes,
                         num_computed_tokens=result.num_computed_tokens,
+                        num_blended_tokens=result.num_blended_tokens,
+                        blend_refused=result.blend_refused,
                         engine_id=self.engine.engine_id)
                     if result.handoff_params:
                         event.handoff.CopyFrom(engine_pb.handoff_to_pb(result.handoff_params))

@@ -104,6 +104,7 @@ def make_export_params(parent_ids: list[int], *, model_fingerprint: str,
         "lease_expires_at": now + lease_s,
         "adapter": "",
         "adapter_digest": "",
+        "cache_salt": "",
         **overrides,
     }
     return {

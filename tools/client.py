@@ -20,8 +20,10 @@ def make_request(*, prompt: str | list[int], max_tokens: int = 64, temperature: 
                  path: str = "auto", request_id: str = "",
                  suffix: str | list[int] | None = None,
                  catalog: str | None = None,
-                 chunk_ids: list[str] | None = None) -> router_pb2.GenerateRequest:
-    """A Generate request; with ``chunk_ids``, ``prompt`` is what follows those chunks."""
+                 chunk_ids: list[str] | None = None,
+                 recompute_share: float | None = None) -> router_pb2.GenerateRequest:
+    """A Generate request; with ``chunk_ids``, ``prompt`` is what follows those chunks
+    (with ``recompute_share``, composed approximately unless they are a chain)."""
     req = router_pb2.GenerateRequest(request_id=request_id, path=PATHS[path],
                                      chunk_ids=chunk_ids or [])
     if isinstance(prompt, str):
@@ -40,6 +42,8 @@ def make_request(*, prompt: str | list[int], max_tokens: int = 64, temperature: 
     req.beam.max_tokens = beam_tokens
     if catalog:
         req.beam.catalog = catalog
+    if recompute_share is not None:
+        req.recompute_share = recompute_share
     return req
 
 
@@ -137,7 +141,8 @@ def main_client(args: argparse.Namespace) -> int:
     req = make_request(prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                        seed=args.seed, beam_width=args.beam_width, beam_tokens=args.beam_tokens,
                        path=args.path, catalog=args.catalog,
-                       chunk_ids=[c for c in (args.chunks or "").split(",") if c])
+                       chunk_ids=[c for c in (args.chunks or "").split(",") if c],
+                       recompute_share=args.recompute_share)
     tls = channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key)
     with RouterClient(args.router, tls, args.api_key) as client:
         try:

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Stage1Request(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export", "target_engine_id", "hold", "hold_s", "handoff", "fault", "adapter", "pin")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "export", "target_engine_id", "hold", "hold_s", "handoff", "fault", "adapter", "pin", "blend")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class Stage1Request(_message.Message):
     FAULT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    BLEND_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.Stage1Sampling
@@ -31,10 +32,31 @@ class Stage1Request(_message.Message):
     fault: str
     adapter: str
     pin: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ..., pin: _Optional[bool] = ...) -> None: ...
+    blend: Blend
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., export: _Optional[bool] = ..., target_engine_id: _Optional[str] = ..., hold: _Optional[bool] = ..., hold_s: _Optional[float] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ..., pin: _Optional[bool] = ..., blend: _Optional[_Union[Blend, _Mapping]] = ...) -> None: ...
+
+class Blend(_message.Message):
+    __slots__ = ("parts", "num_loaded")
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[BlendPart]
+    num_loaded: int
+    def __init__(self, parts: _Optional[_Iterable[_Union[BlendPart, _Mapping]]] = ..., num_loaded: _Optional[int] = ...) -> None: ...
+
+class BlendPart(_message.Message):
+    __slots__ = ("source", "source_start", "length", "position")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_START_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    source_start: int
+    length: int
+    position: int
+    def __init__(self, source: _Optional[str] = ..., source_start: _Optional[int] = ..., length: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class Stage1Event(_message.Message):
-    __slots__ = ("new_token_ids", "finish_reason", "handoff", "held_until", "logprobs", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens", "engine_id")
+    __slots__ = ("new_token_ids", "finish_reason", "handoff", "held_until", "logprobs", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens", "engine_id", "num_blended_tokens", "blend_refused")
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +66,8 @@ class Stage1Event(_message.Message):
     NUM_IMPORTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLEND_REFUSED_FIELD_NUMBER: _ClassVar[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     handoff: _common_pb2.Handoff
@@ -53,7 +77,9 @@ class Stage1Event(_message.Message):
     num_imported_bytes: int
     num_computed_tokens: int
     engine_id: str
-    def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_until: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    num_blended_tokens: int
+    blend_refused: str
+    def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_until: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., engine_id: _Optional[str] = ..., num_blended_tokens: _Optional[int] = ..., blend_refused: _Optional[str] = ...) -> None: ...
 
 class Stage2Request(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "beam", "handoff", "held_parent", "sampling", "fault", "adapter")

@@ -174,7 +174,7 @@ class ContinueRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., strict: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "suffix_text", "suffix_token_ids", "beam", "path", "timeout_ms", "fault", "adapter", "chunk_ids")
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "suffix_text", "suffix_token_ids", "beam", "path", "timeout_ms", "fault", "adapter", "chunk_ids", "recompute_share")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class GenerateRequest(_message.Message):
     FAULT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_SHARE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_text: str
     prompt_token_ids: _common_pb2.TokenIds
@@ -199,7 +200,8 @@ class GenerateRequest(_message.Message):
     fault: str
     adapter: str
     chunk_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., timeout_ms: _Optional[int] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    recompute_share: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., suffix_text: _Optional[str] = ..., suffix_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., timeout_ms: _Optional[int] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[str]] = ..., recompute_share: _Optional[float] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("stage1_ms", "stage2_first_step_ms", "stage2_ms", "total_ms", "router_overhead_ms")
@@ -216,7 +218,7 @@ class Timings(_message.Message):
     def __init__(self, stage1_ms: _Optional[float] = ..., stage2_first_step_ms: _Optional[float] = ..., stage2_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., router_overhead_ms: _Optional[float] = ...) -> None: ...
 
 class HandoffStats(_message.Message):
-    __slots__ = ("path", "prefill_endpoint", "decode_endpoint", "num_parent_tokens", "num_imported_tokens", "num_bytes_moved", "num_computed_tokens_first_step", "num_computed_tokens_total", "recomputed", "failed_decode_endpoint", "num_recomputed_beam_tokens", "handoff_failure", "num_found_on_d_tokens", "num_cached_prompt_tokens", "prefill_engine_id")
+    __slots__ = ("path", "prefill_endpoint", "decode_endpoint", "num_parent_tokens", "num_imported_tokens", "num_bytes_moved", "num_computed_tokens_first_step", "num_computed_tokens_total", "recomputed", "failed_decode_endpoint", "num_recomputed_beam_tokens", "handoff_failure", "num_found_on_d_tokens", "num_cached_prompt_tokens", "prefill_engine_id", "approximate", "num_blended_tokens", "recomputed_share")
     PATH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +234,9 @@ class HandoffStats(_message.Message):
     NUM_FOUND_ON_D_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    APPROXIMATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
     path: _common_pb2.Path
     prefill_endpoint: str
     decode_endpoint: str
@@ -247,7 +252,10 @@ class HandoffStats(_message.Message):
     num_found_on_d_tokens: int
     num_cached_prompt_tokens: int
     prefill_engine_id: str
-    def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., handoff_failure: _Optional[str] = ..., num_found_on_d_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ...) -> None: ...
+    approximate: bool
+    num_blended_tokens: int
+    recomputed_share: float
+    def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., handoff_failure: _Optional[str] = ..., num_found_on_d_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., approximate: _Optional[bool] = ..., num_blended_tokens: _Optional[int] = ..., recomputed_share: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids", "parent_id", "stage1_seed", "stage1_positional", "moves", "num_beams_short", "num_dropped_beams")
