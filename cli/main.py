@@ -169,6 +169,14 @@ def _add_bench(sub: Any) -> None:
                             "tokens of context: time to first token and to first beam, "
                             "identity (default model: bench; --requests: pairs per "
                             "context)")
+    bench.add_argument("--blend", nargs="?", const="both", default=None,
+                       choices=["both", "speed", "quality"],
+                       help="approximate compositions of chunks prefilled apart: speed "
+                            "against the prompt sent whole at 1k, 4k and 7.9k tokens "
+                            "(default model: bench; --requests: rounds per context) and "
+                            "quality on the built-in model by recomputed share (top-beam "
+                            "agreement with full prefill and the corpus rule, logprob "
+                            "gap), with the unrotated control")
     bench.add_argument("--fleet", action="store_true",
                        help="least-loaded against cache-aware placement on 2 P and 2 D "
                             "(processes, fresh for each): users whose histories grow "

@@ -79,7 +79,7 @@ class BlendScheduler:
         if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             return f"a {cache_dtype} KV cache cannot be read token by token"
         try:
-            Rerotation.for_model(vllm_config.model_config)
+            Rerotation.check_model(vllm_config.model_config)
         except LayoutError as e:
             return str(e)
         return ""
@@ -191,7 +191,7 @@ class BlendWorker:
         if not copies:
             return
         if self._rotation is None:
-            self._rotation = Rerotation.for_model(self._vllm_config.model_config)
+            self._rotation = Rerotation.for_model(self._vllm_config)
         device = self._caches[0][1].device
         src = torch.tensor([s for c in copies for s in c.source_slots], device=device)
         dst = torch.tensor([s for c in copies for s in c.dest_slots], device=device)

@@ -41,7 +41,7 @@ from connector.handoff import (
 )
 from connector.logs import use_vllm_handlers
 from connector.runs import MERGE_LONG, RunAllocator
-from connector.runtime import guarded_handshake_listener, listener_failures
+from connector.runtime import IdlePacer, guarded_handshake_listener, listener_failures
 from connector.signing import TARGET_KEY, load_secret, sign
 from connector.stats import ContinuationStats
 from kvhandoff.model import model_fingerprint
@@ -106,12 +106,10 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         # P: running requests to stop after their next token (the engine's stop), with
         # the engine to address their handoffs to ("": the one they named).
         self._stops: dict[str, str] = {}
-        # Idle pacing (see _pace_idle_step): seconds of empty steps before pacing, and
-        # the pause per empty step after that.
-        self._idle_after_s = float(extra.get_from_extra_config("idle_after_ms", 50)) / 1e3
-        self._last_step_at = 0.0
-        self._idle_pause_s = float(extra.get_from_extra_config("idle_pause_ms", 20)) / 1e3
-        self._idle_since: float | None = None
+        # Idle pacing (connector.runtime.IdlePacer).
+        self._idle = IdlePacer(
+            float(extra.get_from_extra_config("idle_after_ms", 50)) / 1e3,
+            float(extra.get_from_extra_config("idle_pause_ms", 20)) / 1e3)
         # Allocations in runs (connector.runs), once the engine's scheduler hands over
         # its block pool (use_block_pool); off with kv_runs=False.
         self._kv_runs = bool(extra.get_from_extra_config("kv_runs", True))
@@ -219,30 +217,9 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         return meta
 
     def _pace_idle_step(self, scheduler_output: Any) -> None:
-        """Pause an engine whose steps have computed nothing for ``idle_after_ms``.
-
-        vLLM keeps stepping (1 ms apart) while any finished request still holds blocks
-        through the connector: P holding an export until D reads it or the lease ends, a
-        kept beam step. Each empty step is a round trip to the worker, which polls NIXL:
-        ~130% of a core on P for as long as the export waits, taken from D on a small
-        host. After ``idle_after_ms`` of empty steps each further one first sleeps
-        ``idle_pause_ms``: the worker still polls READ-done notifications and leases
-        every ~10 ms, a new request waits at most that long to be scheduled, and beam
-        steps (whose next step arrives within milliseconds) never reach the pause. A step
-        that posts READs, or the first after the engine slept on its empty queue (a new
-        request arrived), starts a new streak: an import's READ step is never paused."""
-        if self._idle_pause_s <= 0:
-            return
-        now = time.perf_counter()
-        last, self._last_step_at = self._last_step_at, now
-        if (scheduler_output.total_num_scheduled_tokens > 0 or self._reqs_need_recv
-                or now - last > self._idle_after_s):
-            self._idle_since = None
-            return
-        if self._idle_since is None:
-            self._idle_since = now
-        elif now - self._idle_since >= self._idle_after_s:
-            time.sleep(self._idle_pause_s)
+        """A step that computes tokens or posts READs is busy (``IdlePacer``)."""
+        self._idle.pace(scheduler_output.total_num_scheduled_tokens > 0
+                        or bool(self._reqs_need_recv))
 
     # ---- D side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(

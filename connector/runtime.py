@@ -22,6 +22,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
@@ -182,3 +183,38 @@ def bound_shm_reader_waits(recheck_ms: int, busy_loop_ms: float | None = None) -
     cond.wait = wait
 
 
+
+
+class IdlePacer:
+    """Pauses an engine whose steps have computed nothing for ``after_s``.
+
+    vLLM keeps stepping (1 ms apart) while any finished request still holds blocks
+    through the connector: P holding an export until D reads it or the lease ends, a
+    kept beam step. Each empty step is a round trip to the worker, which polls NIXL:
+    ~130% of a core on P for as long as the export waits, taken from D on a small
+    host. After ``after_s`` of empty steps each further one first sleeps ``pause_s``
+    (``idle_after_ms``, ``idle_pause_ms``): the worker still polls READ-done
+    notifications and leases every ~10 ms, a new request waits at most that long to be
+    scheduled, and beam steps (whose next step arrives within milliseconds) never reach
+    the pause. A busy step (it computes tokens or posts READs), or the first after the
+    engine slept on its empty queue (a new request arrived), starts a new streak: an
+    import's READ step is never paused."""
+
+    def __init__(self, after_s: float, pause_s: float):
+        self._after_s, self._pause_s = after_s, pause_s
+        self._last_step_at = 0.0
+        self._idle_since: float | None = None
+
+    def pace(self, busy: bool) -> None:
+        """Called once per scheduler step, before it is handed to the worker."""
+        if self._pause_s <= 0:
+            return
+        now = time.perf_counter()
+        last, self._last_step_at = self._last_step_at, now
+        if busy or now - last > self._after_s:
+            self._idle_since = None
+            return
+        if self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since >= self._after_s:
+            time.sleep(self._pause_s)

@@ -93,22 +93,41 @@ class TokenKV:
         return torch.as_strided(cache, (cache.shape[0], self.block_numel),
                                 (cache.stride(0), 1))
 
-    def _index(self, slots: Any, offsets: Any) -> tuple[Any, Any]:
-        blocks = (slots // self.block_size)[:, None, None]
-        return blocks, offsets[slots % self.block_size]
+    def _blocks(self, rows: Any, slots: Any) -> tuple[Any, Any, Any, Any]:
+        """The whole blocks ``slots`` fall in (``[m, block_numel]``, a copy), their ids,
+        and each slot's row among them and offset in its block."""
+        blocks, row = torch_unique(slots // self.block_size)
+        return rows.index_select(0, blocks), blocks, row, slots % self.block_size
+
+    def _tokens(self, data: Any, offsets: Any) -> Any:
+        """Blocks' data as tokens: ``[m, block_size, kv_heads, head_size]``. One small
+        gather per block (the offsets of one block), not one index per element."""
+        return data.index_select(1, offsets.view(-1)).view(len(data), *offsets.shape)
 
     def read(self, cache: Any, slots: Any) -> tuple[Any, Any]:
         """Keys and values at ``slots`` (block * block_size + offset), each
         ``[len(slots), kv_heads, head_size]`` in the cache's dtype."""
-        rows = self._rows(cache)
-        return (rows[self._index(slots, self._key_offsets)],
-                rows[self._index(slots, self._value_offsets)])
+        data, _, row, offset = self._blocks(self._rows(cache), slots)
+        return (self._tokens(data, self._key_offsets)[row, offset],
+                self._tokens(data, self._value_offsets)[row, offset])
 
     def write(self, cache: Any, slots: Any, keys: Any, values: Any) -> None:
-        """Write ``keys`` and ``values`` at ``slots``; every other element is kept."""
+        """Write ``keys`` and ``values`` at ``slots``; every other element is kept (the
+        blocks are read, changed and written back whole)."""
         rows = self._rows(cache)
-        rows[self._index(slots, self._key_offsets)] = keys.to(cache.dtype)
-        rows[self._index(slots, self._value_offsets)] = values.to(cache.dtype)
+        data, blocks, row, offset = self._blocks(rows, slots)
+        for offsets, new in ((self._key_offsets, keys), (self._value_offsets, values)):
+            tokens = self._tokens(data, offsets)
+            tokens[row, offset] = new.to(cache.dtype)
+            data.index_copy_(1, offsets.view(-1), tokens.view(len(data), -1))
+        rows.index_copy_(0, blocks, data)
+
+
+def torch_unique(values: Any) -> tuple[Any, Any]:
+    """The distinct values, sorted, and each value's index among them."""
+    import torch
+
+    return torch.unique(values, sorted=True, return_inverse=True)
 
 
 class Rerotation:
@@ -119,26 +138,36 @@ class Rerotation:
         self._table = cos_sin_cache.float()
         self.rotary_dim = int(cos_sin_cache.shape[1])
 
-    @classmethod
-    def for_model(cls, model_config: Any) -> Rerotation:
-        """The rotation of ``model_config``'s attention; LayoutError where its keys'
-        positions cannot be moved (another RoPE style or schedule)."""
-        import torch
-        from vllm.model_executor.layers.rotary_embedding import get_rope
-
-        hf = model_config.hf_text_config
+    @staticmethod
+    def check_model(model_config: Any) -> dict[str, Any]:
+        """``model_config``'s RoPE parameters; LayoutError where its keys' positions
+        cannot be moved (another RoPE style or schedule)."""
         architecture = (getattr(model_config.hf_config, "architectures", None) or ["?"])[0]
         if architecture not in NEOX_ROPE_ARCHITECTURES:
             raise LayoutError(f"keys of {architecture} cannot be moved: its RoPE style is "
                               f"not known here (known: {sorted(NEOX_ROPE_ARCHITECTURES)})")
-        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        rope = dict(getattr(model_config.hf_text_config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
         if rope_type not in COMPOSABLE_ROPE_TYPES:
             raise LayoutError(f"RoPE schedule {rope_type!r} does not compose by position; "
                               f"keys can be moved under {sorted(COMPOSABLE_ROPE_TYPES)}")
-        emb = get_rope(model_config.get_head_size(), hf.max_position_embeddings,
-                       is_neox_style=True, rope_parameters=rope or None,
-                       dtype=torch.float32)
+        return rope
+
+    @classmethod
+    def for_model(cls, vllm_config: Any) -> Rerotation:
+        """The rotation of the model's attention (``check_model`` first), its table
+        built as the model builds it."""
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        model_config = vllm_config.model_config
+        rope = cls.check_model(model_config)
+        with set_current_vllm_config(vllm_config):
+            emb = get_rope(model_config.get_head_size(),
+                           model_config.hf_text_config.max_position_embeddings,
+                           is_neox_style=True, rope_parameters=rope or None,
+                           dtype=torch.float32)
         return cls(emb.cos_sin_cache)
 
     def apply(self, keys: Any, deltas: Any) -> Any:

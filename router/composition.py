@@ -85,5 +85,6 @@ def approximate(records: tuple[Any, ...], share: float, adapter: str) -> Composi
         own = len(record.token_ids)
         parts.append(BlendPart(record.held_name, len(record.chain_ids) - own, own, at))
         at += own
-    num_loaded = at - math.ceil(share * at)
+    # A share sent as a float32 (0.15 -> 0.150000006) means its six decimals.
+    num_loaded = at - math.ceil(round(share, 6) * at - 1e-9)
     return Composition(records, Blend(tuple(parts), num_loaded))

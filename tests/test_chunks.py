@@ -204,3 +204,84 @@ def test_chunks_over_http_register_compose_list_and_delete(router_client, cluste
     assert httpx.delete(f"{http}/v1/chunks/h-sys", timeout=30).json()["deleted"] == ["h-sys"]
     assert httpx.delete(f"{http}/v1/chunks/h-sys", timeout=30).status_code == 404
     assert_cluster_clean()
+
+
+def test_chunks_prefilled_apart_compose_approximately_and_say_so(
+        router_client, cluster, assert_cluster_clean):
+    """Two roots composed in either order with a recompute share: P copies their KV
+    (keys moved) and computes the last share of their tokens and the query; the answer
+    says approximate, with what was copied. At share 1 nothing is copied: flagged exact
+    and identical to the prompt sent whole. Asked of a chain, it is the exact path; bad
+    shares and paths are refused, and nothing stays held."""
+    import math
+
+    base = _free_blocks(cluster)
+    system, doc, query = _ids(51, 64), _ids(52, 96), _ids(53, 12)
+    router_client.register_chunk(system, "ap-sys")
+    router_client.register_chunk(doc, "ap-doc")
+    code, details = _code(lambda: router_client.generate(_request(query, 5, "handoff",
+                                                                  ["ap-doc", "ap-sys"])))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "approximate" in details
+
+    def composed(ids, share, path="handoff"):
+        return router_client.generate(make_request(
+            prompt=query, max_tokens=8, seed=5, beam_width=4, beam_tokens=3, path=path,
+            chunk_ids=ids, recompute_share=share))
+
+    got = composed(["ap-doc", "ap-sys"], 0.15)
+    assert list(got.prompt_token_ids) == doc + system + query
+    loaded = 160 - math.ceil(0.15 * 160)
+    assert (got.stats.approximate, got.stats.num_blended_tokens) == (True, loaded), got.stats
+    assert got.stats.recomputed_share == pytest.approx(1 - loaded / 160, abs=1e-6)
+    assert got.stats.path == common_pb2.PATH_HANDOFF and got.beams
+    # All recomputed: nothing copied, not approximate, the same as the prompt whole.
+    whole = composed(["ap-sys", "ap-doc"], 1.0)
+    assert (whole.stats.approximate, whole.stats.num_blended_tokens) == (False, 0)
+    assert whole.stats.recomputed_share == 1.0
+    ref = router_client.generate(_request(system + doc + query, 5, "colocated"))
+    assert_identical(whole, ref)
+    # The control: the same order with nothing recomputed is approximate, and the
+    # identity check catches it.
+    near = composed(["ap-sys", "ap-doc"], 0.0)
+    assert near.stats.approximate and near.stats.num_blended_tokens == 160
+    with pytest.raises(AssertionError, match="differs|cum_logprob"):
+        assert_identical(near, ref)
+    # A chain asked approximately is composed exactly.
+    chain = composed(["ap-sys"], 0.15)
+    assert not chain.stats.approximate and chain.stats.num_cached_prompt_tokens == 64
+    for call, code, text in (
+            (lambda: composed(["ap-doc", "ap-sys"], 1.5), grpc.StatusCode.INVALID_ARGUMENT,
+             "recompute_share"),
+            (lambda: composed([], 0.15), grpc.StatusCode.INVALID_ARGUMENT, "chunk_ids"),
+            (lambda: composed(["ap-doc", "ap-sys"], 0.15, "colocated"),
+             grpc.StatusCode.INVALID_ARGUMENT, "decode engine")):
+        got_code, details = _code(call)
+        assert (got_code, text in details) == (code, True), (got_code, details)
+    assert router_client.delete_chunk("ap-sys") == ["ap-sys"]
+    assert router_client.delete_chunk("ap-doc") == ["ap-doc"]
+    assert _free_blocks(cluster, base) == base, "the composition left blocks held"
+    assert_cluster_clean()
+
+
+@pytest.mark.http
+def test_an_approximate_composition_over_http(router_client, cluster, assert_cluster_clean):
+    """``chunks`` with ``recompute_share`` (extra_body fields): the completion is a parent
+    whose answer says approximate; its continuation says so too."""
+    import httpx
+
+    http = cluster["http"]
+    for name, seed in (("ha-a", 61), ("ha-b", 62)):
+        router_client.register_chunk(_ids(seed, 40), name)
+    done = httpx.post(f"{http}/v1/completions", json={
+        "prompt": _ids(63, 6), "chunks": ["ha-b", "ha-a"], "recompute_share": 0.3,
+        "max_tokens": 4, "seed": 5}, timeout=60).json()
+    info = done["kvhandoff"]
+    assert info["approximate"] is True and info["num_blended_tokens"] == 80 - 24, info
+    more = httpx.post(f"{http}/v1/completions", json={
+        "prompt": "", "continuation_of": done["id"], "use_beam_search": True, "n": 2,
+        "max_tokens": 2}, timeout=60).json()
+    assert more["kvhandoff"]["approximate"] is True, more
+    router_client.release_parent(done["id"])
+    for name in ("ha-a", "ha-b"):
+        router_client.delete_chunk(name)
+    assert_cluster_clean()

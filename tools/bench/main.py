@@ -102,6 +102,18 @@ def main_bench(args: argparse.Namespace) -> int:
         result = run_chunks(args.model, reps=args.requests or 3, **_given(args, "seed"))
         return _report(args, format_chunks(result), result)
 
+    if args.blend:
+        from tools.bench.blend import format_blend, run_blend_quality, run_blend_speed
+
+        speed = quality = None
+        if args.blend in ("both", "quality"):
+            quality = run_blend_quality(**_given(args, "seed"))
+        if args.blend in ("both", "speed"):
+            speed = run_blend_speed(args.model, reps=args.requests or 3,
+                                    **_given(args, "seed"))
+        return _report(args, format_blend(speed, quality),
+                       {"speed": speed, "quality": quality})
+
     if args.fleet:
         from tools.bench.fleet import FleetConfig, format_fleet, plot_fleet, run_fleet
 
