@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(slots=True)
 class BlendCopies:
     """One step's token copies, for the worker: flat slot lists (block * block_size +
@@ -73,8 +74,14 @@ class BlendScheduler:
     def availability(vllm_config: Any) -> str:
         """Why this engine cannot move keys ("": it can): its model's RoPE, or a
         quantised cache (``connector.token_kv``)."""
+        from vllm.platforms import current_platform
+
         from connector.token_kv import LayoutError, Rerotation
 
+        if not current_platform.is_cpu():
+            # The worker reads caches that lead with the block dimension, as CPU
+            # attention's do; other backends' layouts are not checked yet.
+            return "approximate compositions run on CPU attention only, so far"
         cache_dtype = vllm_config.cache_config.cache_dtype
         if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             return f"a {cache_dtype} KV cache cannot be read token by token"

@@ -96,7 +96,10 @@ class TokenKV:
     def _blocks(self, rows: Any, slots: Any) -> tuple[Any, Any, Any, Any]:
         """The whole blocks ``slots`` fall in (``[m, block_numel]``, a copy), their ids,
         and each slot's row among them and offset in its block."""
-        blocks, row = torch_unique(slots // self.block_size)
+        import torch
+
+        blocks, row = torch.unique(slots // self.block_size, sorted=True,
+                                   return_inverse=True)
         return rows.index_select(0, blocks), blocks, row, slots % self.block_size
 
     def _tokens(self, data: Any, offsets: Any) -> Any:
@@ -121,13 +124,6 @@ class TokenKV:
             tokens[row, offset] = new.to(cache.dtype)
             data.index_copy_(1, offsets.view(-1), tokens.view(len(data), -1))
         rows.index_copy_(0, blocks, data)
-
-
-def torch_unique(values: Any) -> tuple[Any, Any]:
-    """The distinct values, sorted, and each value's index among them."""
-    import torch
-
-    return torch.unique(values, sorted=True, return_inverse=True)
 
 
 class Rerotation:

@@ -26,10 +26,6 @@ import grpc
 from connector.blend_spec import Blend, BlendPart
 from router.errors import adapter_named, grpc_error
 
-#: CacheBlend's recompute share (~15 % of the tokens), the default of an approximate
-#: composition.
-DEFAULT_RECOMPUTE_SHARE = 0.15
-
 
 @dataclass(frozen=True)
 class Composition:
@@ -50,10 +46,6 @@ class Composition:
     def prefill(self) -> Any:
         """The P that holds the chunks (an ``Endpoint``)."""
         return self.chain[-1].prefill
-
-    @property
-    def num_chunk_tokens(self) -> int:
-        return len(self.prefix_ids)
 
 
 def is_chain(records: tuple[Any, ...]) -> bool:

@@ -44,21 +44,25 @@ def _path(value: int) -> Path:
         raise InvalidRequest("path", f"unknown path {value}") from None
 
 
+def _share(msg: router_pb2.GenerateRequest | router_pb2.ParentRequest) -> float | None:
+    return msg.recompute_share if msg.HasField("recompute_share") else None
+
+
 def generate_call(msg: router_pb2.GenerateRequest) -> GenerateCall:
     return GenerateCall(
         prompt=_text_or_ids(msg, "prompt"), stage1=common.sampling_from_pb(msg.stage1),
         suffix=_text_or_ids(msg, "suffix"), beam=common.beam_from_pb(msg.beam),
         path=_path(msg.path), request_id=msg.request_id, timeout_ms=msg.timeout_ms,
         adapter=msg.adapter, fault=msg.fault, chunk_ids=tuple(msg.chunk_ids),
-        recompute_share=(msg.recompute_share if msg.HasField("recompute_share")
-                         else None))
+        recompute_share=_share(msg))
 
 
 def parent_call(msg: router_pb2.ParentRequest) -> ParentCall:
     return ParentCall(
         prompt=_text_or_ids(msg, "prompt"), stage1=common.sampling_from_pb(msg.stage1),
         path=_path(msg.path), request_id=msg.request_id, timeout_ms=msg.timeout_ms,
-        model=msg.model, adapter=msg.adapter, chunk_ids=tuple(msg.chunk_ids))
+        model=msg.model, adapter=msg.adapter, chunk_ids=tuple(msg.chunk_ids),
+        recompute_share=_share(msg))
 
 
 def continue_call(msg: router_pb2.ContinueRequest) -> ContinueCall:
@@ -102,7 +106,8 @@ def parent_event_to_pb(item: list[int] | ParentRecord, tokenizer
         stage1_ms=item.stage1_ms, model=item.model, adapter=item.adapter,
         stage1_seed=(stage1.seed or 0) if item.stage1 else 0,
         stage1_positional=stage1.positional,
-        thinking_logprobs=common.logprobs_to_pb(item.thinking_logprobs)))
+        thinking_logprobs=common.logprobs_to_pb(item.thinking_logprobs),
+        **item.approximation))
 
 
 def moved_to_pb(moved: Moved) -> router_pb2.MoveResponse:

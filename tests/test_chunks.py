@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from kvhandoff.v1 import common_pb2, engine_pb2
+from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2
 from tests.conftest import engine_stub
 from tests.utils import assert_identical, metric_sum
 from tools.client import make_request
@@ -246,6 +246,14 @@ def test_chunks_prefilled_apart_compose_approximately_and_say_so(
     assert near.stats.approximate and near.stats.num_blended_tokens == 160
     with pytest.raises(AssertionError, match="differs|cum_logprob"):
         assert_identical(near, ref)
+    # A parent (StartParent) composed the same way says so too.
+    parent_req = router_pb2.ParentRequest(chunk_ids=["ap-doc", "ap-sys"], recompute_share=0.15)
+    parent_req.prompt_token_ids.ids.extend(query)
+    parent_req.stage1.max_tokens = 4
+    (parent,) = [e.parent for e in router_client.stub.StartParent(parent_req, timeout=120)
+                 if e.HasField("parent")]
+    assert (parent.approximate, parent.num_blended_tokens) == (True, loaded), parent
+    router_client.release_parent(parent.parent_id)
     # A chain asked approximately is composed exactly.
     chain = composed(["ap-sys"], 0.15)
     assert not chain.stats.approximate and chain.stats.num_cached_prompt_tokens == 64

@@ -70,7 +70,7 @@ class DrainResponse(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., moved: _Optional[int] = ..., finished_in_place: _Optional[int] = ..., failed: _Optional[int] = ..., empty: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ParentRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "timeout_ms", "model", "path", "adapter", "chunk_ids")
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "stage1", "timeout_ms", "model", "path", "adapter", "chunk_ids", "recompute_share")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class ParentRequest(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_SHARE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_text: str
     prompt_token_ids: _common_pb2.TokenIds
@@ -89,10 +90,11 @@ class ParentRequest(_message.Message):
     path: _common_pb2.Path
     adapter: str
     chunk_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., adapter: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    recompute_share: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., stage1: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., path: _Optional[_Union[_common_pb2.Path, str]] = ..., adapter: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[str]] = ..., recompute_share: _Optional[float] = ...) -> None: ...
 
 class Parent(_message.Message):
-    __slots__ = ("parent_id", "prompt_token_ids", "thinking_token_ids", "thinking_text", "finish_reason", "held", "not_held_reason", "prefill_endpoint", "lease_expires_at", "stage1_ms", "model", "thinking_logprobs", "stage1_seed", "stage1_positional", "adapter")
+    __slots__ = ("parent_id", "prompt_token_ids", "thinking_token_ids", "thinking_text", "finish_reason", "held", "not_held_reason", "prefill_endpoint", "lease_expires_at", "stage1_ms", "model", "thinking_logprobs", "stage1_seed", "stage1_positional", "adapter", "approximate", "num_blended_tokens", "recomputed_share")
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,9 @@ class Parent(_message.Message):
     STAGE1_SEED_FIELD_NUMBER: _ClassVar[int]
     STAGE1_POSITIONAL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    APPROXIMATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
     parent_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     thinking_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -123,7 +128,10 @@ class Parent(_message.Message):
     stage1_seed: int
     stage1_positional: bool
     adapter: str
-    def __init__(self, parent_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., held: _Optional[bool] = ..., not_held_reason: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., stage1_ms: _Optional[float] = ..., model: _Optional[str] = ..., thinking_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., stage1_seed: _Optional[int] = ..., stage1_positional: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
+    approximate: bool
+    num_blended_tokens: int
+    recomputed_share: float
+    def __init__(self, parent_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., thinking_token_ids: _Optional[_Iterable[int]] = ..., thinking_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., held: _Optional[bool] = ..., not_held_reason: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., stage1_ms: _Optional[float] = ..., model: _Optional[str] = ..., thinking_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., stage1_seed: _Optional[int] = ..., stage1_positional: _Optional[bool] = ..., adapter: _Optional[str] = ..., approximate: _Optional[bool] = ..., num_blended_tokens: _Optional[int] = ..., recomputed_share: _Optional[float] = ...) -> None: ...
 
 class ParentEvent(_message.Message):
     __slots__ = ("stage1_tokens", "parent")
