@@ -43,6 +43,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Why this process's worker cannot make the copies (its layout probe or RoPE table
+#: failed at start; None: it can). On CPU the worker runs in the engine-core process,
+#: beside the scheduler side, which refuses every composition then (``availability``
+#: admits CPU attention only).
+_worker_unavailable: str | None = None
+
 
 @dataclass(slots=True)
 class BlendCopies:
@@ -96,14 +102,20 @@ class BlendScheduler:
         with the reason logged and reported where the spec cannot be honoured (a
         source gone, other tokens, another adapter): the tokens are then computed."""
         try:
-            if self.unavailable:
-                raise ValueError(self.unavailable)
+            unavailable = self.unavailable or _worker_unavailable
+            if unavailable:
+                raise ValueError(unavailable)
+            if not request.cache_salt:
+                raise ValueError("its blocks would not be salted (no cache salt)")
             parts, num_loaded = parse_parts(spec)
             self._check(request, parts)
         except (KeyError, TypeError, ValueError) as e:
             logger.warning("%s: approximate composition refused, computing its prompt: %s",
                            request.request_id, e)
-            self._loaded[request.request_id] = (0, str(e))
+            # Prefix hits under its salt (a run before a preemption, or an identical
+            # composition) still hold copied KV: counted, so the answer stays flagged.
+            self._loaded[request.request_id] = (num_computed if request.cache_salt else 0,
+                                                str(e))
             return 0
         num_loaded = min(num_loaded, request.num_prompt_tokens - 1)
         # Prefix hits under the salt hold what an identical composition loaded.
@@ -180,7 +192,10 @@ class BlendWorker:
         self._rotation: Any = None
 
     def register(self, kv_caches: dict[str, Any], kernel_block_size: int) -> None:
-        """The engine's KV caches, once at start (``register_kv_caches``)."""
+        """The engine's KV caches, once at start (``register_kv_caches``, after vLLM
+        built the attention backends): each layout probed and the RoPE table built now;
+        a failure is logged and makes the scheduler side refuse every composition."""
+        global _worker_unavailable
         seen = set()
         for name, tensor in kv_caches.items():
             if isinstance(tensor, (list, tuple)) or tensor.data_ptr() in seen:
@@ -188,17 +203,27 @@ class BlendWorker:
             seen.add(tensor.data_ptr())
             self._caches.append((name, tensor))
         self._kernel_block_size = kernel_block_size
+        if BlendScheduler.availability(self._vllm_config):
+            return  # refused on the scheduler side already
+        from connector.token_kv import LayoutError, Rerotation
+
+        try:
+            self._rotation = Rerotation.for_model(self._vllm_config)
+            for name, cache in self._caches:
+                self._layout(name, cache)
+        except (LayoutError, KeyError, AttributeError, RuntimeError) as e:
+            _worker_unavailable = f"this engine cannot read its KV cache by token: {e}"
+            logger.warning("Approximate compositions off: %s", _worker_unavailable)
 
     def apply(self, copies: list[BlendCopies]) -> None:
         """Make this step's copies, every layer, before the forward pass."""
         import torch
 
-        from connector.token_kv import Rerotation
-
         if not copies:
             return
-        if self._rotation is None:
-            self._rotation = Rerotation.for_model(self._vllm_config)
+        if self._rotation is None or _worker_unavailable:
+            raise RuntimeError(f"approximate-composition copies scheduled on a worker that "
+                               f"cannot make them: {_worker_unavailable or 'no RoPE table'}")
         device = self._caches[0][1].device
         src = torch.tensor([s for c in copies for s in c.source_slots], device=device)
         dst = torch.tensor([s for c in copies for s in c.dest_slots], device=device)

@@ -121,6 +121,9 @@ class Router:
             if not self.decode:
                 raise InvalidRequest("recompute_share", "an approximate composition runs "
                                      "stage 2 on a decode engine; none is configured")
+            if plan.import_fault:
+                raise InvalidRequest("fault", "a decode-side fault runs under a salt of its "
+                                     "own, which an approximate composition's KV refuses")
             plan.path, plan.blend = Path.HANDOFF, composition.blend
         return plan
 

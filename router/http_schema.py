@@ -187,5 +187,7 @@ def beams_json(model: str, resp: Result) -> dict[str, Any]:
                       decode_endpoint=s.decode_endpoint,
                       stage2_first_step_ms=resp.timings.stage2_first_step_ms,
                       stage2_ms=resp.timings.stage2_ms,
-                      **({"approximate": True, "recomputed_share": s.recomputed_share}
-                         if s.approximate else {}))
+                      **({"approximate": s.approximate,
+                          "num_blended_tokens": s.num_blended_tokens,
+                          "recomputed_share": s.recomputed_share}
+                         if s.approximate or s.recomputed_share else {}))

@@ -17,7 +17,9 @@ def test_the_blend_bench_measures_quality_by_share_and_its_control_does_worse(tm
     assert set(rows) == {"full", "0", "0.05", "0.15", "0.3", CONTROL}
     assert rows["full"]["agrees_with_full"] == 1.0
     assert rows["0"]["recomputed_share"] == 0.0 < rows["0.3"]["recomputed_share"] < 0.5
-    # Keys left at their old positions: the built-in model's ids follow the moved items.
+    # Keys moved, the ids follow the moved items; left at their old positions, they do
+    # not (the built-in model's ids are a rule of the history).
+    assert rows["0"]["agrees_with_full"] >= 2 / 3, rows
     assert rows[CONTROL]["agrees_with_full"] < rows["0"]["agrees_with_full"], rows
     speed = run_blend_speed("builtin", reps=1, contexts=(128,), log_dir=tmp_path,
                             progress=lambda _: None)

@@ -45,8 +45,6 @@ def test_chunks_copied_into_a_stage_1_exact_in_place_near_when_moved_and_salted_
     run(p.run_stage1(B, pin, "chunk-bl-1-b", export=False, hold=PINNED))
     prompt = A + B + QUERY
     try:
-        full = run(p.run_stage1(prompt, GREEDY, "bl-full", export=False))
-
         def composed(name: str, blend: Blend, fault: str | None = None):
             s1 = run(p.run_stage1(prompt, GREEDY, name, export=True,
                                   target=d.handoff_target, blend=blend, fault=fault))
@@ -59,13 +57,26 @@ def test_chunks_copied_into_a_stage_1_exact_in_place_near_when_moved_and_salted_
             return s1
 
         in_place = composed("bl-a", ONLY_A)
+        moved = composed("bl-ab", A_THEN_B)
+        unrotated = composed("bl-ab-unrotated", A_THEN_B, fault="unrotated")
+
+        # Full prefill, after them: the salt kept their approximate KV apart. The same
+        # prompt sent plain finds on P only chunk A's exact held block (32 of its 48
+        # tokens), and on D nothing (it imports the whole parent).
+        full = run(p.run_stage1(prompt, GREEDY, "bl-full", export=True,
+                                target=d.handoff_target))
+        assert full.num_computed_tokens == len(prompt) - 32
+        beam = BeamParams(beam_width=1, max_tokens=2)
+        plain = run(d.run_stage2(prompt + full.token_ids + [4], beam, "bl-full-d",
+                                 handoff=ImportRequest.for_beams(full.handoff_params, beam),
+                                 sampling=Stage1Params(max_tokens=2, temperature=0)))
+        assert plain.num_imported_tokens == len(prompt) + len(full.token_ids) - 1, \
+            "D served an unsalted request from an approximate composition's blocks"
+
         assert (in_place.num_blended_tokens, in_place.blend_refused) == (48, "")
         assert in_place.num_computed_tokens == len(prompt) - 48
         assert (in_place.token_ids, _logprobs(in_place)) == (full.token_ids, _logprobs(full))
-
-        moved = composed("bl-ab", A_THEN_B)
         assert moved.num_blended_tokens == 88 and moved.num_computed_tokens == len(QUERY)
-        unrotated = composed("bl-ab-unrotated", A_THEN_B, fault="unrotated")
         assert unrotated.num_blended_tokens == 88
         assert _gap(moved, full) > 0, "a moved chunk matched full prefill exactly"
         assert _gap(unrotated, full) > 3 * _gap(moved, full), (
@@ -101,9 +112,12 @@ def test_p_refuses_an_approximate_composition_it_cannot_honour_and_computes_it(
     from kvhandoff.types import InvalidRequest
 
     prompt = A + B + QUERY
-    s1 = run(pair.p.run_stage1(prompt, GREEDY, "bl-gone", export=False, blend=A_THEN_B))
+    # Sources never held here (and a salt of their own: no earlier composition's blocks).
+    gone = Blend((BlendPart("chunk-bl-9-gone", 0, 48, 0),
+                  BlendPart("chunk-bl-9-gone-too", 0, 40, 48)), 88)
+    s1 = run(pair.p.run_stage1(prompt, GREEDY, "bl-gone", export=False, blend=gone))
     assert s1.num_blended_tokens == 0 and "not held here" in s1.blend_refused
-    assert s1.num_computed_tokens > len(QUERY)
+    assert s1.num_computed_tokens == len(prompt)
     with pytest.raises(InvalidRequest, match="blend"):
         run(pair.p.run_stage1(prompt, GREEDY, "bl-held", export=False, hold=True,
                               blend=A_THEN_B))

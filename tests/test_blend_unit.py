@@ -126,9 +126,10 @@ def test_the_connector_refuses_a_composition_it_cannot_honour():
                                  adapter="lora")}
     blend = BlendScheduler(4, kept)
 
-    def request(prompt, rid="q"):
+    def request(prompt, rid="q", salt="s"):
         return types.SimpleNamespace(request_id=rid, prompt_token_ids=prompt,
-                                     num_prompt_tokens=len(prompt), lora_request=None)
+                                     num_prompt_tokens=len(prompt), lora_request=None,
+                                     cache_salt=salt)
 
     spec = {"parts": [["pin-a", 0, 4, 0]], "num_loaded": 4}
     assert blend.match(request([5, 6, 7, 8, 9]), spec, 0) == 4
@@ -145,5 +146,48 @@ def test_the_connector_refuses_a_composition_it_cannot_honour():
         r = request(prompt, "bad")
         assert blend.match(r, {"parts": parts, "num_loaded": 4}, 0) == 0
         assert why in blend.finished(r)["refused"]
+    # Unsalted, its blocks would reach the prefix cache of every request: refused.
+    r = request([5, 6, 7, 8, 9], "unsalted", salt=None)
+    assert blend.match(r, spec, 0) == 0 and "salt" in blend.finished(r)["refused"]
+    # Refused after a preemption (its source gone since): the prefix hits under its salt
+    # are copied KV still, and counted.
+    r = request([5, 6, 7, 8, 9], "again")
+    assert blend.match(r, {"parts": [["gone", 0, 4, 0]], "num_loaded": 4}, 4) == 0
+    assert blend.finished(r)["num_loaded_tokens"] == 4
     # The last prompt token is always computed, to sample from it.
     assert blend.match(request([5, 6, 7, 8]), spec, 0) == 3
+
+
+def test_copies_cross_blocks_start_inside_a_chain_and_follow_the_prefix_hits():
+    """Slots and deltas for parts that start mid-source (a chunk under a chain), cross
+    block boundaries and move either way, after a prefix hit of one block."""
+    from connector.beam_fork import KeptRequest
+    from connector.blend import BlendScheduler
+
+    bs = 4
+    chain = list(range(100, 110))  # a root of 4 tokens and a child of 6 under it
+    doc = list(range(200, 207))
+    kept = {"pin-child": KeptRequest("r-c", chain, ([7, 3, 9],), float("inf"), held=True),
+            "pin-doc": KeptRequest("r-d", doc, ([5, 6],), float("inf"), held=True)}
+    blend = BlendScheduler(bs, kept)
+    prompt = doc + chain[4:] + [1, 2]  # doc at 0, the child's own tokens at 7
+    req = types.SimpleNamespace(request_id="q", prompt_token_ids=prompt,
+                                num_prompt_tokens=len(prompt), lora_request=None,
+                                cache_salt="s")
+    spec = {"parts": [["pin-doc", 0, 7, 0], ["pin-child", 4, 6, 7]], "num_loaded": 12}
+    assert blend.match(req, spec, bs) == 12 - bs  # block 0 found under the salt
+    blend.scheduled(req, [20, 21, 22, 23], 12 - bs, rotate=True)
+    (c,) = blend.take_copies()
+    # Prompt positions 4..11: doc 4..6 (blocks 5,6 at offsets), child 4..8 (source
+    # blocks 3 and 9), into blocks 21 and 22.
+    assert c.source_slots == [6 * bs + 0, 6 * bs + 1, 6 * bs + 2,
+                              3 * bs + 0, 3 * bs + 1, 3 * bs + 2, 3 * bs + 3, 9 * bs + 0]
+    assert c.dest_slots == [21 * bs + k for k in range(4)] + [22 * bs + k for k in range(4)]
+    assert c.deltas == [0, 0, 0, 3, 3, 3, 3, 3]
+    # The child moved earlier than where it was prefilled: a negative delta.
+    early = {"parts": [["pin-child", 4, 6, 0]], "num_loaded": 6}
+    req2 = types.SimpleNamespace(request_id="e", prompt_token_ids=chain[4:] + [1],
+                                 num_prompt_tokens=7, lora_request=None, cache_salt="s")
+    assert blend.match(req2, early, 0) == 6
+    blend.scheduled(req2, [30, 31], 6, rotate=True)
+    assert blend.take_copies()[0].deltas == [-4] * 6

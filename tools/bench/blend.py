@@ -16,7 +16,8 @@ apart: the first (``history:`` and the first half of the items) stays where it w
 prefilled, the second is moved behind it. Each composition runs greedy stage 1 and a
 4-beam stage 2 of three tokens; so does the prompt sent whole. Per share: how often the
 top beam equals full prefill's and the rule's, and the mean absolute gap of the beams'
-cumulative logprobs to full prefill's (each rank whose tokens equal full prefill's). The control:
+cumulative logprobs to full prefill's over the beam ranks whose tokens equal full
+prefill's (how many: ``gap_ranks``; few where the beams differ). The control:
 share 0 under the ``unrotated`` fault (keys copied, not moved; the engines run with
 ``--fault-injection``).
 """
@@ -187,6 +188,7 @@ def run_blend_quality(prompts: int = 32, seed: int = 0,
             "agrees_with_rule": sum(t == rule for (t, _), rule in zip(tops, rules, strict=True))
             / len(runs),
             "mean_logprob_gap": statistics.mean(gaps) if gaps else float("nan"),
+            "gap_ranks": len(gaps),
         })
     return {"model": "built-in", "prompts": prompts, "rows": rows}
 
@@ -212,9 +214,9 @@ def format_blend(speed: dict[str, Any] | None, quality: dict[str, Any] | None) -
         lines.append(f"quality: {quality['model']} model, {quality['prompts']} prompts, "
                      "two chunks each (the second moved); top beam of 4")
         lines.append(f"{'case':>10}{'recomputed':>12}{'= full':>9}{'= rule':>9}"
-                     f"{'logprob gap':>13}")
+                     f"{'logprob gap':>13}{'over ranks':>12}")
         for r in quality["rows"]:
             lines.append(f"{r['case']:>10}{r['recomputed_share']:>12.2f}"
                          f"{r['agrees_with_full']:>9.0%}{r['agrees_with_rule']:>9.0%}"
-                         f"{r['mean_logprob_gap']:>13.6f}")
+                         f"{r['mean_logprob_gap']:>13.6f}{r['gap_ranks']:>12}")
     return "\n".join(lines)
