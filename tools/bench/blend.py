@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
+from tools.bench.chunks import timed
 from tools.launch import local_cluster
 
 CONTEXTS = (1024, 4096, 7936)
@@ -58,21 +58,10 @@ def _request(prompt: list[int], seed: int, chunk_ids: list[str] | None = None,
 
 
 def _timed(stub, req: router_pb2.GenerateRequest) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    first, result = None, None
-    for event in stub.GenerateStream(req, timeout=600):
-        if event.HasField("stage1_tokens") and first is None:
-            first = time.perf_counter() - t0
-        elif event.HasField("result"):
-            result = event.result
-    total = time.perf_counter() - t0
-    assert result is not None
-    return {"first_token_ms": (first or total) * 1e3,
-            "first_beam_ms": result.timings.stage1_ms + result.timings.stage2_first_step_ms,
-            "approximate": result.stats.approximate,
-            "blended": result.stats.num_blended_tokens,
-            "recomputed_share": result.stats.recomputed_share,
-            "beams": [(list(b.token_ids), b.cum_logprob) for b in result.beams]}
+    run = timed(stub, req)
+    stats = run["stats"]
+    return {**run, "approximate": stats.approximate, "blended": stats.num_blended_tokens,
+            "recomputed_share": stats.recomputed_share}
 
 
 def _register(stub, name: str, tokens: list[int]) -> None:

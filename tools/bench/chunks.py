@@ -47,7 +47,9 @@ def _request(prompt: list[int], seed: int, chunk_ids: list[str] | None = None
     return req
 
 
-def _timed(stub, req: router_pb2.GenerateRequest) -> dict[str, Any]:
+def timed(stub, req: router_pb2.GenerateRequest) -> dict[str, Any]:
+    """``req`` streamed: the client's time to its first stage-1 token and to its result,
+    the router's to its first beam, and the result's stats, beams and thinking."""
     t0 = time.perf_counter()
     first, result = None, None
     for event in stub.GenerateStream(req, timeout=600):
@@ -60,6 +62,7 @@ def _timed(stub, req: router_pb2.GenerateRequest) -> dict[str, Any]:
     return {"first_token_ms": (first or total) * 1e3, "total_ms": total * 1e3,
             "first_beam_ms": result.timings.stage1_ms + result.timings.stage2_first_step_ms,
             "cached_prompt_tokens": result.stats.num_cached_prompt_tokens,
+            "stats": result.stats,
             "beams": [(list(b.token_ids), b.cum_logprob) for b in result.beams],
             "thinking": list(result.thinking_token_ids)}
 
@@ -99,14 +102,14 @@ def run_chunks(model: str | None, reps: int = 3, contexts: tuple[int, ...] = CON
             whole, composed = [], []
             for i in range(reps):
                 progress(f"context {n}: pair {i + 1} of {reps}")
-                whole.append(_timed(stub, _request(tokens(n + QUERY_TOKENS), seed + i)))
-                composed.append(_timed(stub, _request(tokens(QUERY_TOKENS), seed + i,
+                whole.append(timed(stub, _request(tokens(n + QUERY_TOKENS), seed + i)))
+                composed.append(timed(stub, _request(tokens(QUERY_TOKENS), seed + i,
                                                       [chunk.chunk_id])))
             query = tokens(QUERY_TOKENS)
-            check = _timed(stub, _request(query, seed + 99, [chunk.chunk_id]))
+            check = timed(stub, _request(query, seed + 99, [chunk.chunk_id]))
             stub.DeleteChunk(router_pb2.DeleteChunkRequest(chunk_id=chunk.chunk_id),
                              timeout=60)
-            reference = _timed(stub, _request(context + query, seed + 99))
+            reference = timed(stub, _request(context + query, seed + 99))
 
             def med(runs: list[dict[str, Any]], key: str) -> float:
                 return statistics.median(r[key] for r in runs)
