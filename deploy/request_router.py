@@ -42,6 +42,11 @@ from kvhandoff.ports import is_loopback
 
 logger = logging.getLogger("kvhandoff.deploy")
 
+#: Serve's backoff index for PrefillRouter's queue probes: its first deadline (0.1 s by
+#: default) doubled three times, 0.8 s, capped by ``RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_
+#: DEADLINE_S``; a loaded node answers late, and a stage 1 runs for seconds.
+_PROBE_BACKOFF = 3
+
 
 def _free_blocks(replica: RunningReplica) -> int:
     stats: dict[str, Any] = replica.routing_stats or {}
@@ -126,13 +131,23 @@ class PrefillRouter(RequestRouter):
         else:
             self.caches.forget(name)
         # Its queue: what Serve's handle knows is running there (kept current as calls
-        # are sent and end), else the engine's own count as of its last report (up to a
-        # second or more old: a burst that has ended still weighed against its cache
-        # there, and a repeated prompt went to the replica without it).
+        # are sent and end, asked of the replica when stale: ``_refresh_queues``), else
+        # the engine's own count as of its last report (a second or more old: a burst
+        # that has ended still weighs against its cache there).
         sent = self._replica_queue_len_cache.get(replica.replica_id)
         outstanding = int(stats.get("outstanding", 0)) if sent is None else sent
         return SimpleNamespace(address=name, replica=replica, outstanding=outstanding,
                                block_size=int(stats.get("block_size", 0)))
+
+    async def _refresh_queues(self, replicas: list[RunningReplica]) -> None:
+        """Ask the replicas whose count in the handle is stale (no call sent or ended
+        there within ``RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S``) for their queue, as
+        Serve's own router does before it chooses: one short actor call each, within
+        ``_PROBE_BACKOFF``'s deadline. One that does not answer keeps no count (its
+        engine's last report is used)."""
+        stale = [r for r in replicas if self._replica_queue_len_cache.get(r.replica_id) is None]
+        if stale:
+            await self._probe_queue_lens(stale, _PROBE_BACKOFF)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -159,6 +174,7 @@ class PrefillRouter(RequestRouter):
         if not prefix or not candidate_replicas:
             return [candidate_replicas]
         adapter, token_ids = prefix
+        await self._refresh_queues(candidate_replicas)
         views = [self._view(r) for r in candidate_replicas]
         picker = placement.Picker(filters=(), scorers=(
             placement.cached_prefix(

@@ -91,13 +91,21 @@ def test_engines_kv_events_tell_the_router_where_a_prefix_is_cached(pair, run,
     assert_pools_clean()
 
 
-def _replica(name: str, engine, node: str = "here", outstanding: int = 0):
-    """A Serve replica as PrefillRouter sees it: its id and its routing stats
-    (``EngineServer.record_routing_stats``), naming ``engine``'s events."""
+def _replica(name: str, engine, node: str = "here", outstanding: int = 0,
+             answers: int | None = None):
+    """A Serve replica as PrefillRouter sees it: its id, its routing stats
+    (``EngineServer.record_routing_stats``: ``outstanding``, ``engine``'s events) and its
+    answer to Serve's queue probe (``answers``, else ``outstanding``; -1: an error)."""
     from ray.serve._private.common import DeploymentID, ReplicaID
+
+    async def get_queue_len(*, deadline_s: float) -> int:
+        if answers == -1:
+            raise ConnectionError(f"{name} does not answer")
+        return outstanding if answers is None else answers
 
     events = engine.kv_events
     return SimpleNamespace(
+        get_queue_len=get_queue_len,
         replica_id=ReplicaID(unique_id=name,
                              deployment_id=DeploymentID(name="Prefill", app_name="t")),
         routing_stats={"engine_id": engine.engine_id,
@@ -114,7 +122,8 @@ def test_serves_cache_router_places_stage_1_on_the_p_replica_holding_the_prompt(
     KV events named in their replicas' routing stats: a prompt stage 1 ran on P2 goes
     to P2's replica first, one that ran on P to P's. Controls: the same P2 reported from
     another Ray node (its loopback events are not this node's: not followed) and a P2
-    whose queue (the handle's count, else the engine's last report) outweighs the cached
+    whose queue (the handle's count, else the replica's answer to Serve's probe, else
+    the engine's last report) outweighs the cached
     prompt both lose to P; a call without a prompt
     keeps Serve's order; a replica gone from the deployment is no longer followed. A
     call naming an engine (Stop, Release) goes to its replica only; one naming an
@@ -157,14 +166,28 @@ def test_serves_cache_router_places_stage_1_on_the_p_replica_holding_the_prompt(
             far = _replica("p2-far", pair.p2, node="elsewhere")
             assert await first([p, far], on_p2) == "p"
             assert "p2-far" not in router.caches.addresses()
-            busy = _replica("p2", pair.p2, outstanding=2)  # 2 x 512 > 576 cached tokens
+            # A queue of 2 (2 x 512 > 576 cached tokens) as the replica answers Serve's
+            # probe (the handle's count was stale), and as the handle counts it.
+            queues = router._replica_queue_len_cache
+            busy = _replica("p2", pair.p2, outstanding=2)
+            queues.invalidate_key(busy.replica_id)
             assert await first([p, busy], on_p2) == "p"
+            assert queues.get(busy.replica_id) == 2
             # What the handle knows runs there now wins over the engine's last report
             # (a burst that has ended): the cache decides again.
-            router._replica_queue_len_cache.update(busy.replica_id, 0)
+            queues.update(busy.replica_id, 0)
             assert await first([p, busy], on_p2) == "p2"
-            router._replica_queue_len_cache.update(busy.replica_id, 2)
+            queues.update(busy.replica_id, 2)
             assert await first([p, busy], on_p2) == "p"
+            # Stale: the engine last reported 2 (a burst since ended) and the replica
+            # answers 0: the cache decides; if it does not answer, the report does.
+            queues.invalidate_key(busy.replica_id)
+            ended = _replica("p2", pair.p2, outstanding=2, answers=0)
+            assert await first([p, ended], on_p2) == "p2"
+            queues.invalidate_key(busy.replica_id)
+            mute = _replica("p2", pair.p2, outstanding=2, answers=-1)
+            assert await first([p, mute], on_p2) == "p"
+            assert queues.get(mute.replica_id) is None
             assert await router.choose_replicas([p2, p], SimpleNamespace(kwargs={})) == [[p2, p]]
             for engine, want in ((pair.p2.engine_id, [[p2]]), (pair.p.engine_id, [[p]]),
                                  ("gone", [[p, p2]])):

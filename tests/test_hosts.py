@@ -281,6 +281,19 @@ def _num_running(address: str, tls) -> int:
     return pool_state(address, tls=tls)[1].num_running_reqs
 
 
+def _cut_when_running(address: str, tls, cut: list[str], timeout_s: float) -> float:
+    """Runs on the router's host: polls the engine at ``address`` every 20 ms and runs
+    ``cut`` (a command) as soon as a request runs there; returns ``time.monotonic()`` at
+    the cut (one clock for every process here). Raises if nothing ran in ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not _num_running(address, tls):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no request ran on {address} in {timeout_s:.0f}s")
+        time.sleep(0.02)
+    subprocess.run(cut, check=True)
+    return time.monotonic()
+
+
 def _metric(url: str, name: str, labels: dict[str, str]) -> float:
     from tests.utils import metric_sum
 
@@ -519,13 +532,12 @@ def test_d_host_gone_mid_request_fails_clearly_and_d_is_used_again_when_back(on_
             req = long_stage1_request(list(range(60, 140)), 1500, seed=3, beam_width=4,
                                       path="handoff", request_id="hosts-d-gone")
             fut = pool.submit(_generate_on, on_hosts, req)
-            # Stage 1 runs on P (its 1500 tokens take seconds), D waits for it.
-            deadline = time.monotonic() + 60
-            while not call(r_host, _num_running, p.address, on_hosts["tls"]):
-                assert time.monotonic() < deadline and not fut.done(), "stage 1 never ran"
-                time.sleep(0.05)
-            subprocess.run([*link, "down"], check=True)
-            gone_at = time.monotonic()
+            # Stage 1 runs on P (its 1500 tokens take seconds), D waits for it. One call
+            # on the router's host watches P and cuts D's link as soon as stage 1 runs: a
+            # call per poll starts a process each time, seconds under the suite's load.
+            gone_at = call(r_host, _cut_when_running, p.address, on_hosts["tls"],
+                           [*link, "down"], 60.0)
+            assert not fut.done(), "the request ended before D's link was cut"
             with pytest.raises(RuntimeError) as failed:
                 fut.result(timeout=300)
         ended_after_s = time.monotonic() - gone_at
