@@ -163,20 +163,18 @@ def _add_bench(sub: Any) -> None:
                             "(connector.runs), one pair each: cold at the --sweep lengths "
                             "(default 1024,2048,4096) and in a churned pool, against raw "
                             "one-descriptor NIXL")
-    bench.add_argument("--chunks", action="store_true",
-                       help="two-stage requests whose prompt starts with a named KV chunk "
-                            "against the same prompt sent whole (cold), at 1k, 4k and 7.9k "
-                            "tokens of context: time to first token and to first beam, "
-                            "identity (default model: bench; --requests: pairs per "
-                            "context)")
-    bench.add_argument("--blend", nargs="?", const="both", default=None,
-                       choices=["both", "speed", "quality"],
-                       help="approximate compositions of chunks prefilled apart: speed "
-                            "against the prompt sent whole at 1k, 4k and 7.9k tokens "
-                            "(default model: bench; --requests: rounds per context) and "
-                            "quality on the built-in model by recomputed share (top-beam "
-                            "agreement with full prefill and the corpus rule, logprob "
-                            "gap), with the unrotated control")
+    bench.add_argument("--chunks", nargs="?", const="all", default=None,
+                       choices=["all", "exact", "approximate", "speed", "quality"],
+                       help="named KV chunks (default: all). exact: two-stage requests "
+                            "whose prompt starts with a registered chunk against the same "
+                            "prompt sent whole (cold) at 1k, 4k and 7.9k tokens of context: "
+                            "time to first token and to first beam, identity. approximate: "
+                            "speed (chunks prefilled apart and composed, by recomputed "
+                            "share, against the prompt sent whole at the same contexts) and "
+                            "quality (the built-in model, by recomputed share: top-beam "
+                            "agreement with full prefill and the corpus rule, logprob gap; "
+                            "the unrotated control). Default model for exact and speed: "
+                            "bench; --requests: pairs (rounds) per context")
     bench.add_argument("--fleet", action="store_true",
                        help="least-loaded against cache-aware placement on 2 P and 2 D "
                             "(processes, fresh for each): users whose histories grow "

@@ -1,6 +1,6 @@
-"""``kvhandoff bench --blend`` end to end on the built-in model, small: the quality table
-(with its control, which must do worse) on a few prompts, and the speed rows at one
-short context (a smoke test: the figures are the bench's to report)."""
+"""``kvhandoff bench --chunks approximate`` end to end on the built-in model, small: the
+quality table (with its control, which must do worse) on a few prompts, and the speed
+rows at one short context (a smoke test: the figures are the bench's to report)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""``kvhandoff bench --blend``: approximate compositions (``router.composition``) of
-chunks prefilled apart, for speed and for quality, by recomputed share.
+"""``kvhandoff bench --chunks approximate``: approximate compositions
+(``router.composition``) of chunks prefilled apart, for speed and for quality, by
+recomputed share.
 
 Speed (default model: the ~100M ``bench`` one, engines at ``max_model_len`` 8192): per
 context length (1k, 4k, 7.9k tokens), ``reps`` rounds in turn, whole first: the whole

@@ -2,13 +2,13 @@
 outputs (the printed report, ``--json``, ``--plot``). The flags themselves are defined in
 ``cli.main``.
 
-One measurement per run: ``--beams`` (``tools.bench.beams``), ``--fleet``
-(``tools.bench.fleet``),
-``--http-two-calls`` (``tools.bench.http_two_calls``),
-``--hosts-link`` (``tools.bench.hosts``), ``--moves`` (``tools.bench.moves``),
-``--router-only`` (``tools.bench.router_overhead`` on processes), else the full bench
-(``tools.bench.run``, ``--quick`` for its small configuration). Each of the first four
-loads its module only when chosen.
+One measurement per run: ``--beams`` (``tools.bench.beams``), ``--chunks``
+(``tools.bench.chunks`` and ``tools.bench.blend``), ``--fleet`` (``tools.bench.fleet``),
+``--http-two-calls`` (``tools.bench.http_two_calls``), ``--hosts-link``
+(``tools.bench.hosts``), ``--moves`` (``tools.bench.moves``), ``--read``
+(``tools.bench.read``), ``--router-only`` (``tools.bench.router_overhead`` on
+processes), else the full bench (``tools.bench.run``, ``--quick`` for its small
+configuration). Each loads its module only when chosen.
 """
 
 from __future__ import annotations
@@ -41,6 +41,27 @@ def _report(args: argparse.Namespace, text: str, result: dict[str, Any]) -> int:
     print(text)
     _write_json(args.json, result)
     return 0
+
+
+def _run_chunks(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """``--chunks MODE``: the exact bench (``tools.bench.chunks``), the approximate one's
+    quality and speed (``tools.bench.blend``), or all three in that order; the report and
+    the result (a key each: exact, quality, speed)."""
+    from tools.bench.blend import format_blend, run_blend_quality, run_blend_speed
+    from tools.bench.chunks import format_chunks, run_chunks
+
+    mode, reps, seed = args.chunks, args.requests or 3, _given(args, "seed")
+    result: dict[str, Any] = {}
+    if mode in ("all", "exact"):
+        result["exact"] = run_chunks(args.model, reps=reps, **seed)
+    if mode in ("all", "approximate", "quality"):
+        result["quality"] = run_blend_quality(**seed)
+    if mode in ("all", "approximate", "speed"):
+        result["speed"] = run_blend_speed(args.model, reps=reps, **seed)
+    text = [format_chunks(result["exact"])] if "exact" in result else []
+    if "quality" in result or "speed" in result:
+        text.append(format_blend(result.get("speed"), result.get("quality")))
+    return "\n\n".join(text), result
 
 
 def main_bench(args: argparse.Namespace) -> int:
@@ -97,22 +118,7 @@ def main_bench(args: argparse.Namespace) -> int:
         return _report(args, format_beams(result), result)
 
     if args.chunks:
-        from tools.bench.chunks import format_chunks, run_chunks
-
-        result = run_chunks(args.model, reps=args.requests or 3, **_given(args, "seed"))
-        return _report(args, format_chunks(result), result)
-
-    if args.blend:
-        from tools.bench.blend import format_blend, run_blend_quality, run_blend_speed
-
-        speed = quality = None
-        if args.blend in ("both", "quality"):
-            quality = run_blend_quality(**_given(args, "seed"))
-        if args.blend in ("both", "speed"):
-            speed = run_blend_speed(args.model, reps=args.requests or 3,
-                                    **_given(args, "seed"))
-        return _report(args, format_blend(speed, quality),
-                       {"speed": speed, "quality": quality})
+        return _report(args, *_run_chunks(args))
 
     if args.fleet:
         from tools.bench.fleet import FleetConfig, format_fleet, plot_fleet, run_fleet
