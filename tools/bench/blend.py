@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
-from tools.bench.chunks import timed
+from tools.bench.chunks import median_of, speedup, timed
 from tools.launch import local_cluster
 
 CONTEXTS = (1024, 4096, 7936)
@@ -108,22 +108,17 @@ def run_blend_speed(model: str | None, reps: int = 3, contexts: tuple[int, ...] 
                         tokens(QUERY_TOKENS), seed + i, [a, b], share)))
                     _delete(stub, a, b)
 
-            def med(runs: list[dict[str, Any]], key: str) -> float:
-                return statistics.median(r[key] for r in runs)
-
             row: dict[str, Any] = {"context_tokens": n,
-                                   "whole_first_token_ms": med(whole, "first_token_ms"),
-                                   "whole_first_beam_ms": med(whole, "first_beam_ms")}
+                                   "whole_first_token_ms": median_of(whole, "first_token_ms"),
+                                   "whole_first_beam_ms": median_of(whole, "first_beam_ms")}
             for share, runs in composed.items():
                 assert all(r["approximate"] for r in runs), runs
                 row[f"share_{share:g}"] = {
-                    "first_token_ms": med(runs, "first_token_ms"),
-                    "first_beam_ms": med(runs, "first_beam_ms"),
-                    "first_token_speedup": med(whole, "first_token_ms")
-                    / med(runs, "first_token_ms"),
-                    "first_beam_speedup": med(whole, "first_beam_ms")
-                    / med(runs, "first_beam_ms"),
-                    "blended_tokens": med(runs, "blended")}
+                    "first_token_ms": median_of(runs, "first_token_ms"),
+                    "first_beam_ms": median_of(runs, "first_beam_ms"),
+                    "first_token_speedup": speedup(whole, runs, "first_token_ms"),
+                    "first_beam_speedup": speedup(whole, runs, "first_beam_ms"),
+                    "blended_tokens": median_of(runs, "blended")}
             rows.append(row)
     return {"model": model or "bench", "reps": reps, "rows": rows}
 

@@ -67,6 +67,16 @@ def timed(stub, req: router_pb2.GenerateRequest) -> dict[str, Any]:
             "thinking": list(result.thinking_token_ids)}
 
 
+def median_of(runs: list[dict[str, Any]], key: str) -> float:
+    """The median of ``key`` over ``timed`` runs."""
+    return statistics.median(r[key] for r in runs)
+
+
+def speedup(whole: list[dict[str, Any]], composed: list[dict[str, Any]], key: str) -> float:
+    """How many times faster the composed runs' median ``key`` is than the whole ones'."""
+    return median_of(whole, key) / median_of(composed, key)
+
+
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return (a["thinking"] == b["thinking"]
             and [t for t, _ in a["beams"]] == [t for t, _ in b["beams"]]
@@ -111,22 +121,17 @@ def run_chunks(model: str | None, reps: int = 3, contexts: tuple[int, ...] = CON
                              timeout=60)
             reference = timed(stub, _request(context + query, seed + 99))
 
-            def med(runs: list[dict[str, Any]], key: str) -> float:
-                return statistics.median(r[key] for r in runs)
-
             rows.append({
                 "context_tokens": n,
                 "chunk_prefill_ms": chunk.prefill_ms,
-                "whole_first_token_ms": med(whole, "first_token_ms"),
-                "composed_first_token_ms": med(composed, "first_token_ms"),
-                "whole_first_beam_ms": med(whole, "first_beam_ms"),
-                "composed_first_beam_ms": med(composed, "first_beam_ms"),
-                "first_token_speedup": med(whole, "first_token_ms")
-                / med(composed, "first_token_ms"),
-                "first_beam_speedup": med(whole, "first_beam_ms")
-                / med(composed, "first_beam_ms"),
-                "composed_cached_tokens": med(composed, "cached_prompt_tokens"),
-                "whole_cached_tokens": med(whole, "cached_prompt_tokens"),
+                "whole_first_token_ms": median_of(whole, "first_token_ms"),
+                "composed_first_token_ms": median_of(composed, "first_token_ms"),
+                "whole_first_beam_ms": median_of(whole, "first_beam_ms"),
+                "composed_first_beam_ms": median_of(composed, "first_beam_ms"),
+                "first_token_speedup": speedup(whole, composed, "first_token_ms"),
+                "first_beam_speedup": speedup(whole, composed, "first_beam_ms"),
+                "composed_cached_tokens": median_of(composed, "cached_prompt_tokens"),
+                "whole_cached_tokens": median_of(whole, "cached_prompt_tokens"),
                 "identical": _same(check, reference),
             })
     return {"model": model or "bench", "reps": reps, "query_tokens": QUERY_TOKENS,
