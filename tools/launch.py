@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from kvhandoff.keys import load_engine_key, with_key
 from kvhandoff.ports import free_port
 from kvhandoff.tls import ChannelTLS
 from tools.netns import Host
@@ -144,7 +145,8 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                   signed: bool = True,
                   on_hosts: dict[str, Host] | None = None,
                   server_flags: dict[str, tuple[str, ...]] | None = None,
-                  client_tls: ChannelTLS | None = None) -> Iterator[dict[str, object]]:
+                  client_tls: ChannelTLS | None = None,
+                  engine_key_file: Path | None = None) -> Iterator[dict[str, object]]:
     """P, D (and ``extra_prefill`` more Ps, ``extra_decode`` more Ds) and a router, each
     its own process (the router lists P first). With
     ``signed``, P and D share a fresh secret (a 0600 file in ``log_dir``): P signs each
@@ -154,7 +156,11 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
     (tools.ucx_report); clients must then run on a host too (tools.netns.call).
     ``server_flags`` adds flags per server name ("prefill", "decode", "decode1", ...,
     "router": e.g. each one's TLS certificate); ``client_tls`` is how this waits for the
-    router when it serves TLS."""
+    router when it serves TLS. ``engine_key_file``: the engines require that engine key
+    and the router sends it (without it, the servers take the environment's, if any:
+    ``kvhandoff.keys``). On hosts, engines without mutual TLS get a fresh key (a 0600 file
+    in ``log_dir``), and a router without mutual TLS or an API key is ``--insecure``: its
+    clients run on hosts only this machine reaches."""
     from tools.ucx_report import ucx_env
 
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -162,11 +168,18 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
     engine_args = [*model_args, "--lease-s", str(lease_s), *engine_flags]
     secret_file = None
     if signed:
-        secret_file = log_dir / "handoff.secret"
-        secret_file.touch()
-        secret_file.chmod(0o600)
-        secret_file.write_text(secrets.token_hex(32))
+        secret_file = _secret_file(log_dir / "handoff.secret")
         engine_args += ["--handoff-secret-file", str(secret_file)]
+    more = server_flags or {}
+    if on_hosts and engine_key_file is None and not any(
+            "--tls-client-ca" in flags for name, flags in more.items() if name != "router"):
+        engine_key_file = _secret_file(log_dir / "engine.key")
+    key_args = ["--engine-key-file", str(engine_key_file)] if engine_key_file else []
+    engine_args += key_args
+    router_args = list(key_args)
+    if on_hosts and not {"--tls-client-ca", "--api-key"} & {*router_flags,
+                                                          *more.get("router", ())}:
+        router_args.append("--insecure")
     h = on_hosts or {}
 
     def engine_env(name: str) -> dict[str, str] | None:
@@ -178,7 +191,6 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
 
     servers: list[ServerProcess] = []
     try:
-        more = server_flags or {}
         p = spawn("prefill", free_port(), [*engine_args, "--kv-cache-mib", str(prefill_mib),
                                            *more.get("prefill", ())],
                   log_dir, host=h.get("p"), env=engine_env("prefill"))
@@ -202,7 +214,8 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
         router = spawn("router", free_port(), [*model_args, "--prefill",
                                                ",".join(x.address for x in prefills), "--decode",
                                                ",".join(d.address for d in decodes),
-                                               *router_flags, *more.get("router", ())],
+                                               *router_args, *router_flags,
+                                               *more.get("router", ())],
                        log_dir, host=h.get("r"))
         servers.append(router)
         if on_hosts:
@@ -212,14 +225,27 @@ def local_cluster(model: str | None, log_dir: Path, *, decode_mib: int = 64,
                          credentials=client_tls.credentials() if client_tls else None)
         yield {"router": router.address, "prefill": p, "prefills": prefills, "decode": decodes,
                "servers": servers,
-               "router_metrics": router.metrics_url, "secret_file": secret_file}
+               "router_metrics": router.metrics_url, "secret_file": secret_file,
+               "engine_key_file": engine_key_file}
     finally:
         stop(servers)
 
 
-def _channel(address: str, tls: ChannelTLS | None) -> grpc.Channel:
-    return (grpc.insecure_channel(address) if tls is None
-            else grpc.secure_channel(address, tls.credentials()))
+def _secret_file(path: Path) -> Path:
+    """A fresh random secret in ``path``, readable by its owner only."""
+    path.touch()
+    path.chmod(0o600)
+    path.write_text(secrets.token_hex(32))
+    return path
+
+
+def engine_channel(address: str, tls: ChannelTLS | None = None) -> grpc.Channel:
+    """A blocking channel to the engine server at ``address`` whose calls send the
+    environment's engine key, if any (``kvhandoff.keys.load_engine_key``), as a router
+    started in this environment does."""
+    channel = (grpc.insecure_channel(address) if tls is None
+               else grpc.secure_channel(address, tls.credentials()))
+    return with_key(channel, load_engine_key())
 
 
 def pool_state(address: str, timeout_s: float = 5.0, tls: ChannelTLS | None = None):
@@ -227,7 +253,7 @@ def pool_state(address: str, timeout_s: float = 5.0, tls: ChannelTLS | None = No
     no request running, waiting or reserved."""
     from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
 
-    with _channel(address, tls) as channel:
+    with engine_channel(address, tls) as channel:
         cap = engine_pb2_grpc.EngineStub(channel).GetCapacity(engine_pb2.CapacityRequest(),
                                                               timeout=timeout_s)
     clean = (cap.num_free_blocks == cap.num_total_blocks and not cap.num_running_reqs
@@ -321,7 +347,7 @@ class CapacityProbe:
     def _run(self) -> None:
         from kvhandoff.v1 import engine_pb2, engine_pb2_grpc
 
-        channels = [grpc.insecure_channel(s.address) for s in self.servers]
+        channels = [engine_channel(s.address) for s in self.servers]
         stubs = [engine_pb2_grpc.EngineStub(c) for c in channels]
         try:
             while not self._stop.wait(self.interval_s):
