@@ -1,8 +1,9 @@
 """What the rest of the project asks of a model directory: which one a ``--model`` names
 (:func:`resolve_model`: a local Hugging Face directory, or a built-in model generated on
 first use by :mod:`kvhandoff.builtin.generate`, imported only then), its special
-tokens' ids (:class:`ModelTokens`), its dtype, its KV bytes per block and its
-fingerprint."""
+tokens' ids (:class:`ModelTokens`), its dtype, its KV bytes per block and its identity
+(:func:`model_identity`: weights, config and tokenizer digested; its short form
+:func:`model_fingerprint` is what handoffs carry)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.builtin.tokens import DEFAULT_SUFFIX_TEXT, THINK_END
+from kvhandoff.digests import file_digests
 
 
 def resolve_model(model: str | None) -> Path:
@@ -88,9 +90,48 @@ class ModelTokens:
         )
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    """A short digest of a model directory's config, compared when P and D meet."""
+#: Besides the weights, the identity covers the config and the files that say what a
+#: token id means (a handoff carries ids). Not ``generation_config.json``: it holds
+#: sampling defaults, which no KV and no id's meaning depends on.
+IDENTITY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt",
+                  "merges.txt", "tokenizer.model")
+#: Weight files by suffix (what vLLM's loaders read: safetensors, PyTorch, GGUF), and
+#: the shards' indexes (``*.index.json``).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_TAG = "kvhandoff model identity v1"
+
+
+def identity_files(model_dir: str | Path, *, weights: bool = True) -> list[str]:
+    """The names of ``model_dir``'s files its identity covers (those present)."""
     path = Path(model_dir)
-    config = path / "config.json"
-    data = config.read_bytes() if config.is_file() else str(model_dir).encode()
-    return hashlib.sha256(data).hexdigest()[:16]
+    names = {p.name for p in path.iterdir()
+             if weights and (p.name.endswith(WEIGHT_SUFFIXES) or p.name.endswith(".index.json"))}
+    names.update(n for n in IDENTITY_FILES if (path / n).exists())
+    return sorted(names)
+
+
+def model_identity(model_dir: str | Path, *, load_format: object = "auto") -> str:
+    """SHA-256 (hex) of what computed a model's KV: its weights, config and tokenizer.
+
+    Each weight file is hashed whole, bytes as stored, rather than tensor by tensor:
+    every tensor's bytes are in its file, so a retrained or perturbed checkpoint cannot
+    give the same digest, and it reads any format vLLM loads (safetensors, ``.bin``,
+    GGUF) without parsing it. What it costs: the same tensors saved again with another
+    header or sharding differ too, which refuses a handoff that would have been valid
+    (a recompute, never a wrong import). Computed once and cached by each file's stat
+    (:mod:`kvhandoff.digests`). With ``load_format`` "dummy" vLLM draws the weights
+    instead of reading them: the files' weights are left out and the identity says so.
+    A path without ``config.json`` (not a model directory) is identified by its name."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        return hashlib.sha256(str(model_dir).encode()).hexdigest()
+    dummy = getattr(load_format, "value", load_format) == "dummy"
+    return file_digests().digest(path, identity_files(path, weights=not dummy),
+                                 f"{_TAG}{' dummy weights' if dummy else ''}")
+
+
+def model_fingerprint(model_dir: str | Path, *, load_format: object = "auto") -> str:
+    """The short form of :func:`model_identity` (16 hex digits) that a handoff and an
+    engine's capacity carry, compared when P and D meet."""
+    return model_identity(model_dir, load_format=load_format)[:16]

@@ -81,7 +81,9 @@ class Continuations:
         local = plan.path == Path.COLOCATED
         record = ParentRecord(plan.request_id, self.config.model_name, list(plan.prompt_ids),
                               adapter=plan.adapter, prefill=p.address, prefill_ep=p,
-                              local=local, stage1=plan.stage1)
+                              local=local, stage1=plan.stage1,
+                              model_fingerprint=p.capacity.model_fingerprint
+                              if p.capacity is not None else "")
         registry = self.registry
         registry.add(record)
         try:
@@ -130,6 +132,7 @@ class Continuations:
                     record.not_held_reason = "P did not hold it (its beam fork is off)"
                 elif export:
                     record.handoff = handoff
+                    record.model_fingerprint = handoff.model_fingerprint
                     record.num_blocks = handoff.num_blocks
                     record.held_until = handoff.lease_expires_at
                 else:

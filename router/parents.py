@@ -64,6 +64,9 @@ class ParentRecord:
     #: An approximate composition's stats (``HandoffStats`` fields; {}: exact), which
     #: its continuations carry too.
     approximation: dict[str, Any] = field(default_factory=dict)
+    #: The identity of the weights that computed its KV (``model_fingerprint`` of its
+    #: handoff, or of its P's capacity when held there; "": not known, not checked).
+    model_fingerprint: str = ""
     #: Why P does not hold it ("" while it is held or still running).
     not_held_reason: str = ""
     #: P blocks counted against the share (an estimate until stage 1 ends).
@@ -97,9 +100,18 @@ class ParentRecord:
         if self.local:
             if self.prefill_ep is None or not _serves(self.prefill_ep):
                 return "the prefill engine holding it is out of rotation or drained"
-            return ""
+            return self._other_weights(self.prefill_ep, "the prefill engine holding it")
         if self.decode is None or not _serves(self.decode):
             return "the decode engine it is addressed to is out of rotation or drained"
+        return self._other_weights(self.decode, "the decode engine it is addressed to")
+
+    def _other_weights(self, ep: Endpoint, which: str) -> str:
+        """Why ``ep`` may not use this parent's KV: it serves other weights now (restarted
+        on another model, as in a rolling update), "" when it serves the parent's."""
+        now = ep.capacity.model_fingerprint if ep.capacity is not None else ""
+        if self.model_fingerprint and now and now != self.model_fingerprint:
+            return (f"{which} now serves other weights (model {now}; the parent's KV was "
+                    f"computed by model {self.model_fingerprint})")
         return ""
 
 
