@@ -10,17 +10,24 @@ import sys
 from typing import Any
 
 from cli.args import model_arg, tls_channel_args
+from kvhandoff.keys import ENGINE_KEY_ENV, ENGINE_KEY_FILE_ENV
 from router.auth import API_KEY_ENV, OPERATOR_KEY_ENV
 
 
 def _serve(args: argparse.Namespace) -> int:
     from connector.signing import load_secret
+    from kvhandoff.keys import check_exposure, load_engine_key
     from kvhandoff.tls import channel_tls, server_tls
 
     try:
         tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+        engine_key = load_engine_key(args.engine_key_file)
         if args.role != "router":
             load_secret(args.handoff_secret_file)  # fail here, not in the engine process
+            check_exposure(args.host, guarded=engine_key is not None or _client_ca(tls),
+                           insecure=args.insecure,
+                           add=f"--engine-key-file PATH (or ${ENGINE_KEY_FILE_ENV})")
+            args.side_channel_host = side_channel_host(args.side_channel_host, args.host)
     except (ValueError, OSError) as e:
         print(f"kvhandoff serve: {e}", file=sys.stderr)
         return 2
@@ -34,6 +41,9 @@ def _serve(args: argparse.Namespace) -> int:
             credentials = Credentials(
                 args.api_key or os.environ.get(API_KEY_ENV) or None,
                 args.operator_key or os.environ.get(OPERATOR_KEY_ENV) or None)
+            check_exposure(args.host, guarded=credentials.client_key is not None
+                           or _client_ca(tls), insecure=args.insecure,
+                           add=f"--api-key KEY (or ${API_KEY_ENV})")
         except ValueError as e:
             print(f"kvhandoff serve: {e}", file=sys.stderr)
             return 2
@@ -47,6 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
                 positional_sampling=args.sampling == "positional",
                 warm_up=not args.no_warm_up,
                 channel_tls=channel_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
+                engine_key=engine_key,
                 kv_events_key_file=args.kv_events_key,
                 **{name: getattr(args, name) for name in ROUTER_FLAGS_AS_CONFIG},
             )
@@ -70,8 +81,29 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"kvhandoff serve: {e}", file=sys.stderr)
             return 2
         metrics_port = None if args.metrics_port < 0 else args.metrics_port
-        asyncio.run(serve_engine(args.role, kwargs, args.host, args.port, metrics_port, tls))
+        asyncio.run(serve_engine(args.role, kwargs, args.host, args.port, metrics_port, tls,
+                                 engine_key))
     return 0
+
+
+def _client_ca(tls: Any) -> bool:
+    """Mutual TLS: only callers with a certificate of the client CA connect."""
+    return tls is not None and tls.client_ca is not None
+
+
+def side_channel_host(flag: str | None, host: str) -> str:
+    """Where an engine's NIXL side channel listens: ``--side-channel-host``, else the
+    interface ``--host`` names, else (``--host`` on every interface) 127.0.0.1. Never
+    every interface: it hands out the KV pool's NIXL registration (docs/security.md)."""
+    from kvhandoff.keys import is_wildcard
+
+    if flag is not None:
+        if is_wildcard(flag):
+            raise ValueError(f"--side-channel-host {flag!r}: the NIXL side channel "
+                             "listens on one interface; name the address Ds reach this "
+                             "engine at")
+        return flag
+    return "127.0.0.1" if is_wildcard(host) else host
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -99,8 +131,10 @@ def add_serve_parser(sub: Any) -> None:
                        help="prefill/decode: a LoRA adapter requests may name (PEFT's "
                             "files in PATH; 'builtin:SEED': a random one for the built-in "
                             "model); repeat for several. Turns vLLM's LoRA on")
-    serve.add_argument("--side-channel-host", default="127.0.0.1",
-                       help="NIXL side channel address (a node IP across hosts)")
+    serve.add_argument("--side-channel-host", default=None,
+                       help="NIXL side channel address (a node IP across hosts); default: "
+                            "--host, or 127.0.0.1 when --host is every interface; never "
+                            "0.0.0.0")
     serve.add_argument("--kv-events", default="loopback", metavar="loopback|off|HOST",
                        help="engines: where vLLM's KV-cache events (every prompt's token ids; "
                             "the router's cache-aware placement reads them) are published: "
@@ -122,6 +156,15 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--handoff-secret-file", default=None, metavar="PATH",
                        help="P and D: sign (P) and require (D) handoffs with the shared "
                             "secret in this file (or set KVHANDOFF_HANDOFF_SECRET_FILE)")
+    serve.add_argument("--engine-key-file", default=None, metavar="PATH",
+                       help="P and D: every Engine call wants 'authorization: Bearer <the "
+                            "key in this file>' (UNAUTHENTICATED without it); router: sends "
+                            f"it to its engines. Default: ${ENGINE_KEY_FILE_ENV}, else "
+                            f"${ENGINE_KEY_ENV}, else none")
+    serve.add_argument("--insecure", action="store_true",
+                       help="serve on a --host other than loopback with neither a key "
+                            "(engines: --engine-key-file, router: --api-key) nor mutual "
+                            "TLS: only on a network nothing else reaches")
     serve.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS")
     serve.add_argument("--tls-key", default=None, metavar="PEM")
     serve.add_argument("--tls-client-ca", default=None, metavar="PEM",

@@ -4,7 +4,8 @@ Servers: ``--tls-cert``/``--tls-key`` (PEM) turn TLS on; ``--tls-client-ca`` als
 client certificates signed by that CA (mutual TLS). Channels (the router to its engines,
 the client to the router): ``--tls-ca`` verifies the server; ``--tls-client-cert`` /
 ``--tls-client-key`` present a client certificate. Without them, plaintext, which is
-meant for 127.0.0.1 (every server binds it unless ``--host`` says otherwise).
+meant for 127.0.0.1 (every server binds it unless ``--host`` says otherwise; a server
+bound elsewhere needs a key or a client CA: ``kvhandoff.keys.check_exposure``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from kvhandoff.keys import key_interceptors
 
 
 def _read(path: str | None) -> bytes | None:
@@ -76,8 +79,12 @@ def add_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> in
     return server.add_secure_port(address, tls.credentials())
 
 
-def aio_channel(address: str, tls: ChannelTLS | None, options: list | None = None
-                ) -> grpc.aio.Channel:
+def aio_channel(address: str, tls: ChannelTLS | None, options: list | None = None,
+                key: str | None = None) -> grpc.aio.Channel:
+    """A channel to ``address`` (TLS with ``tls``) whose every call sends the bearer
+    ``key`` (``kvhandoff.keys``: the engine key), if any."""
+    interceptors = key_interceptors(key) or None
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options,
+                                   interceptors=interceptors)

@@ -11,15 +11,17 @@ With neither key set the router is open, as a loopback development setup is (mut
 where configured, still guards the connection). With a client key but no operator key,
 operator calls are refused: the client's key never grants them. Health and reflection
 stay open (load balancers probe them; they carry no data).
+
+A key is granted by ``kvhandoff.keys.grants``, the one rule the engines' key follows too.
 """
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 
 import grpc
 
+from kvhandoff.keys import authorization_of, check_key_form, grants
 from router.errors import RouterError
 
 CLIENT = "client"
@@ -38,8 +40,8 @@ class Credentials:
     def __post_init__(self) -> None:
         for name in ("client_key", "operator_key"):
             key = getattr(self, name)
-            if key is not None and (not key or key != key.strip() or " " in key):
-                raise ValueError(f"{name.replace('_', ' ')} must be non-empty, without spaces")
+            if key is not None:
+                check_key_form(key, name.replace("_", " "))
         if self.client_key and self.client_key == self.operator_key:
             raise ValueError("the operator key must differ from the client key")
 
@@ -53,9 +55,7 @@ class Credentials:
         unless ``authorization`` (the header's or metadata's value) grants ``need``."""
         if self.open:
             return
-        key = _bearer(authorization)
-        operator = key is not None and self.operator_key is not None and _same(
-            key, self.operator_key)
+        operator = self.operator_key is not None and grants(authorization, self.operator_key)
         if need == OPERATOR:
             if operator:
                 return
@@ -64,31 +64,18 @@ class Credentials:
                                   "operator calls (Drain, Move, ReleaseParent, chunk "
                                   "listing and deletion, faults) are "
                                   "off: the router has no --operator-key")
-            if key is not None and self.client_key is not None and _same(key, self.client_key):
+            if self.client_key is not None and grants(authorization, self.client_key):
                 raise RouterError(grpc.StatusCode.PERMISSION_DENIED,
                                   "an operator call needs the operator key, not the "
                                   "client's")
             raise RouterError(grpc.StatusCode.UNAUTHENTICATED,
                               "an operator call needs 'authorization: Bearer <operator key>'")
-        if operator or self.client_key is None or (
-                key is not None and _same(key, self.client_key)):
+        if operator or self.client_key is None or grants(authorization, self.client_key):
             return
         raise RouterError(grpc.StatusCode.UNAUTHENTICATED,
                           "missing or wrong API key: send 'authorization: Bearer <key>'")
 
 
-def _bearer(authorization: str | None) -> str | None:
-    scheme, _, key = (authorization or "").partition(" ")
-    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
-
-
-def _same(a: str, b: str) -> bool:
-    return secrets.compare_digest(a.encode(), b.encode())
-
-
 def grpc_authorization(context: grpc.aio.ServicerContext) -> str | None:
     """The ``authorization`` metadata of a gRPC call, if any."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return value
-    return None
+    return authorization_of(context.invocation_metadata())

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvhandoff.keys import check_key_form
 from kvhandoff.tls import ChannelTLS
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ class RouterConfig:
     decode_wait_s: float = 30.0
     #: TLS towards the engines (None: plaintext, for 127.0.0.1).
     channel_tls: ChannelTLS | None = None
+    #: The engine key (``kvhandoff.keys``) every call to an engine sends; None: none.
+    #: Kept out of the repr: configs get logged.
+    engine_key: str | None = field(default=None, repr=False)
     #: When D cannot complete a handoff (UNAVAILABLE: D went away, or its READ from P
     #: failed; FAILED_PRECONDITION: P's lease ended first): "recompute" runs stage 2
     #: from the parent's token ids on a live D (flagged in the response); "fail" answers
@@ -108,6 +112,8 @@ class RouterConfig:
                              "most 1 together")
         if not re.fullmatch(r"[A-Za-z0-9_.]{1,32}", self.chunk_namespace):
             raise ValueError("chunk_namespace must be 1 to 32 of [A-Za-z0-9_.]")
+        if self.engine_key is not None:
+            check_key_form(self.engine_key, "the engine key")
         if self.kv_events_key_file:
             self.kv_events_keys()  # a missing or short file: ValueError naming it
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:

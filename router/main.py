@@ -94,6 +94,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     guard = ("open: no keys" if credentials.open else
              f"client key {'required' if credentials.client_key else 'not required'}, "
              f"operator calls {'by key' if credentials.operator_key else 'off'}")
+    guard += ", engine key sent" if config.engine_key else ", no engine key"
     print(f"kvhandoff router serving on {host}:{bound} ({guard})", flush=True)
     try:
         await wait_for_shutdown_signal()

@@ -64,9 +64,9 @@ CHANNEL_OPTIONS = [
 
 
 def connect(config: RouterConfig) -> tuple[list[Endpoint], list[Endpoint]]:
-    """Endpoints over gRPC channels to ``config``'s P and D addresses."""
+    """Endpoints over gRPC channels to ``config``'s P and D addresses (with its key)."""
     def endpoint(address: str) -> Endpoint:
-        channel = aio_channel(address, config.channel_tls, CHANNEL_OPTIONS)
+        channel = aio_channel(address, config.channel_tls, CHANNEL_OPTIONS, config.engine_key)
         return Endpoint(address, engine_pb2_grpc.EngineStub(channel), channel)
 
     return [endpoint(a) for a in config.prefill], [endpoint(a) for a in config.decode]

@@ -1,7 +1,9 @@
 """The Engine gRPC service: one engine (P or D) behind a thin grpc.aio servicer.
 
 Started by ``kvhandoff serve --role prefill|decode``. Binds 127.0.0.1 by default, serves
-gRPC health (SERVING once the engine is up) and server reflection.
+gRPC health (SERVING once the engine is up) and server reflection. With an engine key
+(``kvhandoff.keys``) every Engine call without it is refused UNAUTHENTICATED before it
+runs; health and reflection stay open.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from connector.handoff import ImportRequest
 from decode_engine.engine import DecodeEngine, run_beam_stage, run_sample_stage
 from engine import EngineConfig, VllmEngine
 from kvhandoff.errors import status_for
+from kvhandoff.keys import guard_servicer
 from kvhandoff.model import ModelTokens, model_fingerprint
 from kvhandoff.tls import ServerTLS
 from kvhandoff.types import BeamParams, InvalidRequest
@@ -30,7 +33,8 @@ from wire.grpc_server import set_serving, start_server, wait_for_shutdown_signal
 
 logger = logging.getLogger(__name__)
 
-ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+ENGINE_DESCRIPTOR = engine_pb2.DESCRIPTOR.services_by_name["Engine"]
+ENGINE_SERVICE = ENGINE_DESCRIPTOR.full_name
 
 class EngineStarting(RuntimeError):
     """The server is up but its engine is still loading."""
@@ -285,26 +289,37 @@ async def start_engine(servicer: EngineServicer, config: EngineConfig) -> VllmEn
     return engine
 
 
+def add_engine_service(servicer: EngineServicer, server: grpc.aio.Server,
+                       engine_key: str | None) -> None:
+    """Register ``servicer`` on ``server``, every call guarded by ``engine_key``."""
+    engine_pb2_grpc.add_EngineServicer_to_server(
+        guard_servicer(servicer, ENGINE_DESCRIPTOR, engine_key), server)
+
+
 async def start_engine_server(engine: Any, role: str, host: str = "127.0.0.1",
-                              port: int = 0, tls: ServerTLS | None = None
+                              port: int = 0, tls: ServerTLS | None = None,
+                              engine_key: str | None = None
                               ) -> tuple[grpc.aio.Server, int]:
     """Serve an engine that is already running in this process (the benchmark's)."""
     servicer = make_servicer(role, engine.config.model)
     servicer.engine = engine
     server, health_servicer, bound = await start_server(
-        lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s), ENGINE_SERVICE,
+        lambda s: add_engine_service(servicer, s, engine_key), ENGINE_SERVICE,
         host, port, tls)
     await set_serving(health_servicer, ENGINE_SERVICE, True)
     return server, bound
 
 
 async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port: int,
-                       metrics_port: int | None = None, tls: ServerTLS | None = None) -> None:
-    """Start the engine, serve until SIGTERM/SIGINT, then shut everything down."""
+                       metrics_port: int | None = None, tls: ServerTLS | None = None,
+                       engine_key: str | None = None) -> None:
+    """Start the engine, serve until SIGTERM/SIGINT, then shut everything down. Every
+    Engine call must present ``engine_key`` (None: any caller; mutual TLS, with ``tls``
+    naming a client CA, guards the connection either way)."""
     config = EngineConfig(role=role, **config_kwargs)
     servicer = make_servicer(role, config.model)
     server, health_servicer, bound = await start_server(
-        lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s), ENGINE_SERVICE,
+        lambda s: add_engine_service(servicer, s, engine_key), ENGINE_SERVICE,
         host, port, tls)
     if metrics_port is not None:
         bound_metrics = serve_metrics(servicer, host, metrics_port)
@@ -317,7 +332,8 @@ async def serve_engine(role: str, config_kwargs: dict[str, Any], host: str, port
     await set_serving(health_servicer, ENGINE_SERVICE, True)
     logger.info("%s engine %s serving on %s:%d (ready in %.1fs)", role, engine.engine_id,
                 host, bound, time.perf_counter() - t0)
-    print(f"kvhandoff {role} serving on {host}:{bound}", flush=True)
+    guard = "engine key required" if engine_key else "no engine key"
+    print(f"kvhandoff {role} serving on {host}:{bound} ({guard})", flush=True)
     signalled = False
     try:
         signalled = await wait_for_shutdown_signal(lambda: engine.llm.errored)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -234,18 +235,46 @@ def cluster(model_dir, tmp_path_factory):
     """P, D and the router as separate `kvhandoff serve` processes on loopback; the
     engines take injected faults (``--fault-injection``: the end-to-end negative
     controls) and have the built-in catalog ``shop``, the router serves HTTP too
-    (``http``: its base URL)."""
+    (``http``: its base URL). The engines require an engine key (``engine_key_file``):
+    while the cluster lives, ``$KVHANDOFF_ENGINE_KEY_FILE`` names it in this process, so
+    the routers tests start against its engines, ``engine_stub`` and tools.launch's own
+    calls send it, as an operator's environment would."""
+    from kvhandoff.keys import ENGINE_KEY_FILE_ENV
     from kvhandoff.ports import free_port
     from tools.launch import local_cluster
 
     def start():
         http_port = free_port()
-        cm = local_cluster(model_dir, tmp_path_factory.mktemp("cluster-logs"),
+        log_dir = tmp_path_factory.mktemp("cluster-logs")
+        key_file = log_dir / "engine.key"
+        key_file.write_text(secrets.token_hex(32))
+        key_file.chmod(0o600)
+        before = os.environ.get(ENGINE_KEY_FILE_ENV)
+        os.environ[ENGINE_KEY_FILE_ENV] = str(key_file)
+
+        def restore_env():
+            if before is None:
+                os.environ.pop(ENGINE_KEY_FILE_ENV, None)
+            else:
+                os.environ[ENGINE_KEY_FILE_ENV] = before
+
+        def close():
+            try:
+                cm.__exit__(None, None, None)
+            finally:
+                restore_env()
+
+        cm = local_cluster(model_dir, log_dir,
                            decode_mib=CLUSTER_D_MIB, prefill_mib=64, lease_s=CLUSTER_LEASE_S,
                            engine_flags=("--fault-injection", "--catalog", "shop=builtin"),
                            router_flags=("--http-port", str(http_port)))
-        return ({**cm.__enter__(), "http": f"http://127.0.0.1:{http_port}"},
-                lambda: cm.__exit__(None, None, None))
+        try:
+            value = {**cm.__enter__(), "http": f"http://127.0.0.1:{http_port}",
+                     "engine_key_file": key_file}
+        except BaseException:
+            restore_env()
+            raise
+        return value, close
 
     return _GROUPS["cluster"].get(start)
 
@@ -361,11 +390,12 @@ def router_client(cluster):
 
 
 def engine_stub(address: str):
-    import grpc
-
+    """A blocking stub of the engine server at ``address`` that sends the environment's
+    engine key, if any (the ``cluster``'s while it lives)."""
     from kvhandoff.v1 import engine_pb2_grpc
+    from tools.launch import engine_channel
 
-    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(address))
+    return engine_pb2_grpc.EngineStub(engine_channel(address))
 
 
 @pytest.fixture
