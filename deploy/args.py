@@ -53,7 +53,8 @@ class EngineArgs(_Strict):
     #: CPU nodes: torch threads per engine.
     cpu_threads: PositiveInt | None = 1
     #: Address D's NIXL side channel connects to P on: the node's IP by default
-    #: (``127.0.0.1`` only when everything runs on one node).
+    #: (``127.0.0.1`` only when everything runs on one node); one interface, never
+    #: 0.0.0.0 (it hands out the KV pool's NIXL registration: docs/security.md).
     side_channel_host: str | None = None
     #: 0: each replica binds a free port (unique on its node). Otherwise the first of
     #: a range: replica ``rank`` uses ``side_channel_port + rank``.
@@ -83,8 +84,12 @@ class EngineArgs(_Strict):
     def _block_size(self) -> EngineArgs:
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16, not {self.block_size}")
+        from kvhandoff.keys import is_wildcard
         from kvhandoff.ports import is_loopback
 
+        if self.side_channel_host and is_wildcard(self.side_channel_host):
+            raise ValueError(f"side_channel_host {self.side_channel_host!r}: the NIXL side "
+                             "channel listens on one interface; name the node's address")
         if self.kv_events and not self.kv_events_key_file and not is_loopback(
                 self.kv_events_host):
             raise ValueError(f"kv_events_host {self.kv_events_host} needs kv_events_key_file: "

@@ -226,8 +226,46 @@ def test_an_engine_on_every_interface_with_a_key_or_insecure_starts(
             codes = {name: _call(stub, name) for name in CALLS}
         assert UNAUTH not in codes.values(), codes
         assert codes["Stage1"] == codes["GetCapacity"] == grpc.StatusCode.OK, codes
+        # Only the gRPC and metrics ports (--host) are on every interface: the NIXL side
+        # channel, the KV events and the engine's own sockets stay on loopback.
+        listening = _listening(server.proc.pid)
+        metrics_port = int(server.metrics_url.rsplit(":", 1)[1].split("/")[0])
+        assert {listening.pop(port), listening.pop(metrics_port)} <= {"0.0.0.0", "::"}, \
+            listening
+        assert listening and set(listening.values()) == {"127.0.0.1"}, listening
     finally:
         stop([server])
+
+
+def _listening(pid: int) -> dict[int, str]:
+    """Port -> address of every listening socket of process ``pid`` and its children."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    return {c.laddr.port: c.laddr.ip for p in procs for c in p.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_serve_deployments_refuse_a_side_channel_on_every_interface(host) -> None:
+    from pydantic import ValidationError
+
+    from deploy.args import AppArgs
+
+    with pytest.raises(ValidationError, match="one interface"):
+        AppArgs.model_validate({"prefill": {"engine": {"side_channel_host": host}}})
+
+
+def test_the_side_channel_follows_host_and_never_every_interface() -> None:
+    from cli.serve import side_channel_host
+
+    assert side_channel_host(None, "127.0.0.1") == "127.0.0.1"
+    assert side_channel_host(None, "10.213.7.2") == "10.213.7.2"
+    assert side_channel_host(None, "0.0.0.0") == "127.0.0.1"
+    assert side_channel_host("10.213.7.3", "0.0.0.0") == "10.213.7.3"
+    with pytest.raises(ValueError, match="one interface"):
+        side_channel_host("0.0.0.0", "10.213.7.2")
 
 
 # ---- a real cluster: P, D and the router as processes, the engines keyed --------------
