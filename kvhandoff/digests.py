@@ -77,14 +77,7 @@ class FileDigests:
         exist (regular files; others are left out, which the digest shows)."""
         root = Path(root).resolve()
         started = time.time()
-        keys = {}
-        for name in sorted(set(names)):
-            try:
-                st = (root / name).stat()
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                keys[name] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        keys = _keys(root, names)
         stored = self._load(root)
         hexes: dict[str, str] = {}
         missing = []
@@ -161,6 +154,19 @@ class FileDigests:
                 self._warned = True
                 logger.warning("digest cache %s not writable (%s): digests are computed "
                                "again at every start", path.parent, e)
+
+
+def _keys(root: Path, names: Iterable[str]) -> dict[str, _Key]:
+    """The cache key of each regular file of ``root`` in ``names``, by name, sorted."""
+    keys = {}
+    for name in sorted(set(names)):
+        try:
+            st = (root / name).stat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            keys[name] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return keys
 
 
 def _sha256_of(path: Path) -> str:
