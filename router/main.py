@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 from typing import Any
 
@@ -20,6 +21,8 @@ from router.http import HttpFront
 from router.metrics import RouterMetrics
 from router.service import SERVICE_NAME, add_router_service
 from wire.grpc_server import set_serving, start_server, wait_for_shutdown_signal, watch_loop_lag
+
+logger = logging.getLogger(__name__)
 
 
 async def serve_http(api: RouterAPI, host: str, port: int, tls: ServerTLS | None = None):
@@ -48,15 +51,22 @@ async def serve_http(api: RouterAPI, host: str, port: int, tls: ServerTLS | None
     return server, task, bound
 
 
-async def _wait_for_engines(router: Router) -> None:
+async def _wait_for_engines(router: Router, report_every_s: float = 10.0) -> None:
     """Until a P (and a D, if any are configured) answers; engines that are down are
-    skipped until they answer."""
+    skipped until they answer. Every ``report_every_s`` it logs why each engine is not
+    in rotation (down, or refusing this router: a missing engine key)."""
+    waited_s = 0.0
     while True:
         await router.refresh_capacity()
         if any(ep.capacity for ep in router.prefill) and (
                 not router.decode or any(ep.capacity for ep in router.decode)):
             return
         await asyncio.sleep(0.5)
+        waited_s += 0.5
+        if waited_s % report_every_s == 0:
+            logger.warning("not serving yet, after %gs: %s", waited_s, "; ".join(
+                f"{ep.address}: {ep.out_reason}" for ep in (*router.prefill, *router.decode)
+                if ep.capacity is None))
 
 
 async def serve_router(config: RouterConfig, host: str, port: int,

@@ -174,8 +174,8 @@ class EnginePool:
                                 now - ep.capacity_at)
             else:
                 ep.num_late_answers = 0
-                if code != grpc.StatusCode.UNAVAILABLE:
-                    ep.answered_at = now  # it answered, with an error
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
+                    ep.answered_at = now  # it answered (refusing this router's key: not)
                 self._leave_rotation(ep, code.name.lower(), f"{code.name}: {details_of(e)}")
             self.room_changed()
             return

@@ -74,12 +74,16 @@ def test_d_refuses_unsigned_tampered_or_misaddressed_handoffs(cluster, assert_cl
     assert_cluster_clean()
 
 
-def test_the_secret_is_in_no_log(cluster, router_client):
+def test_the_secrets_are_in_no_log(cluster, router_client):
+    """Neither the handoff secret nor the engine key (which every call to the engines
+    carries) appears in any server's log."""
     router_client.generate(make_request(prompt=list(range(10, 60)), max_tokens=4, seed=1,
                                         path="handoff"))
-    secret = Path(cluster["secret_file"]).read_text().strip()
+    secrets = [Path(cluster[name]).read_text().strip()
+               for name in ("secret_file", "engine_key_file")]
     logs = [s.log_path for s in cluster["servers"]]
-    assert logs and all(secret not in p.read_text(errors="replace") for p in logs)
+    assert logs and all(len(secret) >= 16 for secret in secrets)
+    assert all(secret not in p.read_text(errors="replace") for p in logs for secret in secrets)
 
 
 def test_servers_listen_on_loopback_only(cluster):
