@@ -17,6 +17,10 @@ from router.auth import API_KEY_ENV, OPERATOR_KEY_ENV
 # Each subcommand imports what it runs inside its function: ``kvhandoff client`` and the
 # router then start without loading vLLM, torch or Ray.
 def _verify(args: argparse.Namespace) -> int:
+    if args.fuzz is not None:
+        from tools.fuzz_local import main_fuzz
+
+        return main_fuzz(args.model, args.fuzz, args.fuzz_seed, args.json)
     from tools.harness import main_verify
 
     return main_verify(args.model, args.quick, args.json, args.inject, args.hosts,
@@ -74,6 +78,15 @@ def _add_verify(sub: Any) -> None:
                              "hosts (network namespaces joined by veth pairs; needs root), "
                              "the KV read over the link by TCP; the report names the "
                              "transport UCX chose (UCX's tables in out/verify-logs)")
+    verify.add_argument("--fuzz", type=int, default=None, metavar="N",
+                        help="instead of the cases: throw N malformed handoffs and engine "
+                             "calls (tools.fuzz; 0 = the single-field cases only) at a P "
+                             "and D without a handoff secret, then at a pair with one; "
+                             "FAIL on any unclear status, dead engine, leaked block, or a "
+                             "good request that no longer matches the colocated reference")
+    verify.add_argument("--fuzz-seed", type=int, default=None, metavar="S",
+                        help="the corpus's random compositions (default: a fresh seed, "
+                             "printed)")
     verify.set_defaults(func=_verify)
 
 

@@ -44,6 +44,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from connector.adapters import adapter_of, check_import_adapter, digests_of
 from connector.faults import ANY_ADAPTER_FAULT
+from connector.field_checks import DEFAULT_MAX_LEASE_S, check_geometry
 from connector.handoff import (
     BEAM_KEY,
     DEFAULT_LEASE_SAFETY_MARGIN_S,
@@ -63,6 +64,9 @@ logger = logging.getLogger(__name__)
 _ADMITTED = "_kvhandoff_admitted"
 #: Rejections before the signature was verified.
 _UNVERIFIED = frozenset({"missing", "malformed", "protocol", "unsigned", "signature", "target"})
+#: Rejections after which P is never contacted, signed or not: the handoff's fields do
+#: not hold together (``connector.field_checks``), so neither does its address.
+_UNREACHABLE = frozenset({"missing", "malformed"})
 
 
 class StepHook(Protocol):
@@ -109,6 +113,9 @@ class AdmissionScheduler(Scheduler):
             if config
             else DEFAULT_LEASE_SAFETY_MARGIN_S
         )
+        self._max_lease_s = float(
+            config.get_from_extra_config("max_lease_s", DEFAULT_MAX_LEASE_S)
+            if config else DEFAULT_MAX_LEASE_S)
         self._beam_fork = bool(config.get_from_extra_config("beam_fork", True)) if config else False
         self._secret = load_secret(
             config.get_from_extra_config("handoff_secret_file", None) if config else None
@@ -192,6 +199,8 @@ class AdmissionScheduler(Scheduler):
         handoff, wanted = ImportRequest.parse(params)
         if self._secret is not None:
             verify(params, self._secret, self._handoff_ids)
+        check_geometry(handoff, params, num_groups=len(self.kv_cache_config.kv_cache_groups),
+                       max_lease_s=self._max_lease_s)
         validate_import(
             handoff,
             request.prompt_token_ids or [],
@@ -251,7 +260,8 @@ class AdmissionScheduler(Scheduler):
         logger.warning("Ending %s: %s", request.request_id, message)
         self._rejected.append((request, reason, message))
         params = request.kv_transfer_params
-        if not can_reach_p(params) or (self._secret is not None and reason in _UNVERIFIED):
+        if (not can_reach_p(params) or reason in _UNREACHABLE
+                or (self._secret is not None and reason in _UNVERIFIED)):
             # Nobody to notify (and vLLM's connector would index the missing fields), or
             # the address is unverified: D never connects where a forged handoff says.
             # P's blocks, if any, come back when the lease ends.
@@ -274,7 +284,8 @@ class AdmissionScheduler(Scheduler):
                     out.kv_transfer_params = {KEY: {
                         "reason": "import_failed",
                         "error": "KV import from P failed: the READ was refused (P's lease "
-                                 "was about to end) or failed in transport; see D's log",
+                                 "was about to end, or a block id beyond P's pool as its "
+                                 "handshake gave it) or failed in transport; see D's log",
                     }}
         # Forget imports finished without an output (aborted by the client).
         self._importing.intersection_update(self.requests)

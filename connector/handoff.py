@@ -18,6 +18,7 @@ P computed, never its own suffix, so D computes ``S + 1`` tokens for the import 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -29,8 +30,10 @@ from connector.faults import FAULT_KEY
 from kvhandoff.types import BeamParams, HandoffError
 
 #: Bumped whenever the meaning of a handoff field changes. P and D must agree.
-#: 2: the adapter's identity (``adapter``, ``adapter_digest``); 3: the cache salt.
-PROTOCOL_VERSION = 3
+#: 2: the adapter's identity (``adapter``, ``adapter_digest``); 3: the cache salt; 4: P's
+#: pool size (``num_pool_blocks``) and a model fingerprint over the weights and tokenizer
+#: files, not only the config (``kvhandoff.model``).
+PROTOCOL_VERSION = 4
 
 #: The key under which our fields travel inside ``kv_transfer_params``.
 KEY = "kvhandoff"
@@ -101,6 +104,16 @@ IMPORTED_KEY = "kvhandoff_imported"
 DEFAULT_LEASE_SAFETY_MARGIN_S = 2.0
 
 
+#: Longest string field a handoff may carry (ids, digests, adapter names, salts).
+MAX_STR = 512
+#: A field's declared type -> the Python types its value may have.
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,), "float": (int, float)}
+
+
+def _malformed(field: str, why: str) -> HandoffError:
+    return HandoffError("malformed", f"malformed handoff: {field} {why}")
+
+
 def token_digest(token_ids: list[int] | tuple[int, ...]) -> str:
     """SHA-256 over the token ids as little-endian int64: what D checks its prompt with."""
     data = np.asarray(token_ids, dtype="<i8").tobytes()
@@ -136,6 +149,9 @@ class Handoff:
     #: (``connector.blend``). D imports it only into a request under the same salt, so
     #: its prefix cache never serves the KV to another.
     cache_salt: str
+    #: P's KV pool in blocks (vLLM's null block included): every id in the handoff is
+    #: below it (``connector.field_checks``).
+    num_pool_blocks: int
 
     def __post_init__(self) -> None:
         if self.num_computed_tokens != self.num_parent_tokens - 1:
@@ -169,10 +185,32 @@ class Handoff:
                 f"handoff protocol version {version!r}, this engine speaks "
                 f"{PROTOCOL_VERSION}",
             )
+        missing = [k for k in cls.__dataclass_fields__ if k not in fields]
+        if missing:
+            raise HandoffError("malformed", f"malformed handoff: no {', '.join(missing)}")
+        cls.check_types(fields)
         try:
             return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
-        except (KeyError, TypeError, ValueError) as e:
+        except (TypeError, ValueError) as e:
             raise HandoffError("malformed", f"malformed handoff: {e}") from e
+
+    @classmethod
+    def check_types(cls, fields: Mapping[str, Any]) -> None:
+        """Each field in ``fields`` has its declared type (``bool`` is not an ``int``),
+        strings at most :data:`MAX_STR` characters, numbers finite and not negative;
+        raises :class:`HandoffError` ("malformed") naming the first that has not. The
+        rest of a handoff's checks: ``connector.field_checks``."""
+        for name, spec in cls.__dataclass_fields__.items():
+            value = fields.get(name)
+            kinds = _TYPES[str(spec.type)]
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise _malformed(name, f"is a {type(value).__name__}, not {spec.type}")
+            if isinstance(value, str) and len(value) > MAX_STR:
+                raise _malformed(name, f"is {len(value)} characters long (at most {MAX_STR})")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise _malformed(name, f"is {value}")
+            if not isinstance(value, str) and value < 0:
+                raise _malformed(name, f"is negative ({value})")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -263,12 +301,15 @@ class ImportRequest:
         """D's scheduler: the handoff and the request, or :class:`HandoffError`."""
         handoff = Handoff.from_params(params)
         fields = params[KEY]
-        return handoff, cls(export=params,
-                            beam_width=int(fields.get("beam_width", 1)),
-                            beam_max_tokens=int(fields.get("beam_max_tokens", 1)),
-                            reserved_blocks=int(fields.get("reserved_blocks", 0)),
-                            fault=params.get(FAULT_KEY),
-                            beam_from_parent=bool(fields.get("beam_from_parent", False)))
+        try:
+            return handoff, cls(export=params,
+                                beam_width=int(fields.get("beam_width", 1)),
+                                beam_max_tokens=int(fields.get("beam_max_tokens", 1)),
+                                reserved_blocks=int(fields.get("reserved_blocks", 0)),
+                                fault=params.get(FAULT_KEY),
+                                beam_from_parent=bool(fields.get("beam_from_parent", False)))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise HandoffError("malformed", f"malformed import request: {e}") from e
 
 
 def validate_import(

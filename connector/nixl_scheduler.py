@@ -379,6 +379,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             adapter=(adapter := adapter_of(request)),
             adapter_digest=self._adapter_digests.get(adapter, ""),
             cache_salt=request.cache_salt or "",
+            num_pool_blocks=self._kv_cache_config.num_blocks,
         )
         target = str((request.kv_transfer_params or {}).get(TARGET_KEY) or "")
         params[KEY] = {**handoff.to_dict(), "target_engine_id": target}

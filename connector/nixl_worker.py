@@ -189,12 +189,34 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
             return None
         return remote.blocks_expiry_time - offset
 
+    def _outside_remote_pool(self, meta: Any) -> int | None:
+        """A block id of the READ outside P's pool as P's handshake gave it, or None."""
+        pool = self.dst_num_blocks.get(meta.remote.engine_id)
+        if pool is None:
+            return None
+        for group in meta.remote.block_ids:
+            for block in group:
+                if not 0 <= block < pool:
+                    return block
+        return None
+
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         """Post one request's READ from P, unless P's lease (on P's clock, rebased at
         the handshake) ends within ``lease_safety_margin_s``: then it fails as expired."""
         assert meta.remote is not None
         deadline = None
         if meta.remote.engine_id in self._remote_agents:
+            outside = self._outside_remote_pool(meta)
+            if outside is not None:
+                # The admission checked every other field; only P's handshake knows its
+                # pool. vLLM would index its descriptor table with the id (IndexError in
+                # the engine core) or READ memory that is not a block.
+                logger.error("Refusing READ for %s: block %d is outside P %s's pool of %d "
+                             "blocks", req_id, outside, meta.remote.engine_id,
+                             self.dst_num_blocks[meta.remote.engine_id])
+                self._handle_failed_transfer(
+                    req_id, None, self._recv_failures, record_failed_transfer=False)
+                return
             deadline = self._local_deadline(meta)
         if deadline is not None and any(meta.local_block_ids):
             remaining = deadline - time.perf_counter()

@@ -132,7 +132,7 @@ def test_fuzzed_generate_requests_get_clean_statuses(router_client, cluster,
 @st.composite
 def handoffs(draw):
     h = common_pb2.Handoff(
-        protocol_version=draw(st.integers(0, 3)), model_fingerprint=draw(st.text(max_size=40)),
+        protocol_version=draw(st.integers(0, 4)), model_fingerprint=draw(st.text(max_size=40)),
         engine_id=draw(st.text(max_size=40)), request_id=draw(st.text(max_size=40)),
         num_parent_tokens=draw(u32), num_computed_tokens=draw(u32),
         token_digest=draw(st.text(max_size=70)), block_size=draw(u32), num_blocks=draw(u32),
@@ -181,6 +181,10 @@ def test_fuzzed_handoffs_sent_straight_to_d_are_refused_cleanly(cluster, model_d
                 del handoff.remote_block_ids[:]
                 handoff.remote_block_ids.add(ids=list(range(handoff.num_blocks)))
                 handoff.tp_size = 1
+                handoff.dcp_size = handoff.pp_size = 1
+                handoff.num_pool_blocks = 1 << 20
+                handoff.kv_bytes_per_block = max(handoff.kv_bytes_per_block, 1)
+                handoff.exported_at = time.time()
                 handoff.lease_expires_at = time.time() + 20
             handoff.signature = ""
             handoff.signature = sign(handoff_from_pb(handoff), secret)

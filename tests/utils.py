@@ -105,6 +105,7 @@ def make_export_params(parent_ids: list[int], *, model_fingerprint: str,
         "adapter": "",
         "adapter_digest": "",
         "cache_salt": "",
+        "num_pool_blocks": 1000,
         **overrides,
     }
     return {

@@ -85,7 +85,7 @@ class Beam(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., cum_logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("protocol_version", "model_fingerprint", "engine_id", "request_id", "num_parent_tokens", "num_computed_tokens", "token_digest", "block_size", "num_blocks", "kv_bytes_per_block", "exported_at", "lease_expires_at", "remote_host", "remote_port", "remote_block_ids", "tp_size", "dcp_size", "pp_size", "remote_blocks_expiry_time", "target_engine_id", "signature", "adapter", "adapter_digest", "cache_salt")
+    __slots__ = ("protocol_version", "model_fingerprint", "engine_id", "request_id", "num_parent_tokens", "num_computed_tokens", "token_digest", "block_size", "num_blocks", "kv_bytes_per_block", "exported_at", "lease_expires_at", "remote_host", "remote_port", "remote_block_ids", "tp_size", "dcp_size", "pp_size", "remote_blocks_expiry_time", "target_engine_id", "signature", "adapter", "adapter_digest", "cache_salt", "num_pool_blocks")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class Handoff(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NUM_POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_fingerprint: str
     engine_id: str
@@ -134,4 +135,5 @@ class Handoff(_message.Message):
     adapter: str
     adapter_digest: str
     cache_salt: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., token_digest: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., exported_at: _Optional[float] = ..., lease_expires_at: _Optional[float] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., remote_block_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., tp_size: _Optional[int] = ..., dcp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., remote_blocks_expiry_time: _Optional[float] = ..., target_engine_id: _Optional[str] = ..., signature: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_digest: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    num_pool_blocks: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., token_digest: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., exported_at: _Optional[float] = ..., lease_expires_at: _Optional[float] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., remote_block_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., tp_size: _Optional[int] = ..., dcp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., remote_blocks_expiry_time: _Optional[float] = ..., target_engine_id: _Optional[str] = ..., signature: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_digest: _Optional[str] = ..., cache_salt: _Optional[str] = ..., num_pool_blocks: _Optional[int] = ...) -> None: ...
