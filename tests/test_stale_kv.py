@@ -13,8 +13,7 @@ The other cases of the issue are covered elsewhere: the lease ending during the 
 tests/test_hosts.py ``test_p_link_down_during_the_read_is_recomputed_and_p_comes_back``),
 D restarted mid-import (tests/test_faults.py
 ``test_d_killed_mid_request_is_recomputed_on_the_other_d``,
-``test_a_restarted_d_is_noticed_and_used_again``), P's blocks reused before the READ
-(tests/test_bad_input.py ``test_a_handoff_that_arrives_after_its_lease_is_refused``)."""
+``test_a_restarted_d_is_noticed_and_used_again``)."""
 
 from __future__ import annotations
 
@@ -329,10 +328,10 @@ def test_a_handoff_from_a_p_restarted_at_its_address_is_not_imported(trio):
     # STEP 3: D's import of the stale handoff fails; nothing is imported.
     full = prompt + thinking + SUFFIX
     with pytest.raises(grpc.RpcError) as err:
-        resp = _stage2(trio["d"], "restart", full, handoff)
-        print("stale import answered", resp)
+        _stage2(trio["d"], "restart", full, handoff)
+    # Reason "import_failed" (kvhandoff.errors): UNAVAILABLE, D's message.
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
-    assert "import_failed" in err.value.details(), err.value.details()
+    assert "KV import from P failed" in err.value.details(), err.value.details()
     _clean(trio)
 
 
@@ -357,7 +356,9 @@ def test_a_continuation_after_p_restarted_is_recomputed_with_the_reference_beams
     assert parents["stale"].lease_expires_at > time.time() + 5, "restart outlived the lease"
     # STEP 3: the stale parent's continuation is recomputed, flagged, with the same beams.
     got = _continue(stub, parents["stale"].parent_id)
-    print("recomputed for:", got.stats.handoff_failure)
+    # Any reason will do (D's failed handshake or READ today; a router that noticed the
+    # new engine id could drop the parent instead), but the recompute must say one.
+    assert got.stats.handoff_failure, got.stats
     assert_identical(got, refs["stale"], recomputed_for="")
     for parent in parents.values():
         stub.ReleaseParent(router_pb2.ReleaseParentRequest(parent_id=parent.parent_id),
