@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+HERE = __file__
+
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flags,says", [
@@ -38,6 +40,12 @@ import pytest
      "not a model directory"),
     (["--role", "router", "--prefill", "127.0.0.1:1", "--host", "0.0.0.0", "--api-key",
       "c" * 20, "--kv-events-key", "/no/such/key"], "/no/such/key"),
+    # Mutual TLS counts as the guard (a client CA); TLS alone does not. (server_tls only
+    # checks that the files exist: this file stands in for each PEM.)
+    (["--role", "prefill", "--host", "0.0.0.0", "--tls-cert", HERE, "--tls-key", HERE,
+      "--tls-client-ca", HERE, "--model", "/no/such/model"], "not a model directory"),
+    (["--role", "prefill", "--host", "0.0.0.0", "--tls-cert", HERE, "--tls-key", HERE],
+     "add --engine-key-file PATH"),
     # A bad engine key; the NIXL side channel on every interface.
     (["--role", "prefill", "--engine-key-file", "/no/such/engine.key"], "/no/such/engine.key"),
     (["--role", "prefill", "--side-channel-host", "0.0.0.0"], "--side-channel-host"),
