@@ -285,7 +285,9 @@ class AdmissionScheduler(Scheduler):
                         "reason": "import_failed",
                         "error": "KV import from P failed: the READ was refused (P's lease "
                                  "was about to end, or a block id beyond P's pool as its "
-                                 "handshake gave it) or failed in transport; see D's log",
+                                 "handshake gave it), failed in transport, or P did not "
+                                 "confirm it still held the export when the READ "
+                                 "completed; see D's log",
                     }}
         # Forget imports finished without an output (aborted by the client).
         self._importing.intersection_update(self.requests)

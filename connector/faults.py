@@ -41,10 +41,15 @@ class Fault:
     #: Corrupts only an approximate composition (``connector.blend``): not a harness
     #: case, the composition's own tests and quality table run it.
     needs_blend: bool = False
+    #: Corrupts only an import of an export P released before D read it: not a harness
+    #: case (every harness export is live), tests/test_stale_reads.py runs it.
+    needs_release: bool = False
 
 
 #: The fault that lets D import under another adapter (its admission's check skipped).
 ANY_ADAPTER_FAULT = "accept-any-adapter"
+#: The fault that lets D use a READ P has not confirmed (``connector.liveness`` skipped).
+SKIP_LIVE_FAULT = "skip-live-check"
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -115,6 +120,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "moved chunks' keys say their old positions: layer-0 keys differ from full "
           "prefill's, and agreement with full prefill drops",
           needs_blend=True),
+    Fault(SKIP_LIVE_FAULT, "decode_worker",
+          "D's worker reports a completed READ as done without P's confirmation that the "
+          "export was still held (``connector.liveness``)",
+          "where P released and reused the blocks before D read them, D imports another "
+          "request's KV: beams, logprobs",
+          needs_release=True),
 )}
 
 
@@ -122,7 +133,8 @@ def applies(fault: Fault, num_parent_tokens: int, block_size: int,
             adapters_differ: bool = False) -> bool:
     """Whether ``fault`` can corrupt a parent of ``num_parent_tokens`` tokens (exported
     under another adapter than the import's request runs under: ``adapters_differ``)."""
-    if (fault.needs_adapter and not adapters_differ) or fault.needs_blend:
+    if (fault.needs_adapter and not adapters_differ) or fault.needs_blend or (
+            fault.needs_release):
         return False
     num_imported = num_parent_tokens - 1
     if num_imported // block_size < fault.min_full_blocks:

@@ -37,6 +37,10 @@ class MergedReadWorker(NixlPullConnectorWorker):
         # array of (address, length, device), one row per block per region.
         self._remote_rows: dict[tuple[str, int], np.ndarray] = {}
         self._adding_rank = 0
+        # Request id -> the notifications its merged READs owe P ((P's agent, message)),
+        # sent by the worker once P confirms the export was live (connector.liveness):
+        # P frees a read export on that notification, so it must not come with the READ.
+        self.deferred_notifs: dict[str, list[tuple[str, bytes]]] = {}
 
     def _take_merge_fault(self, request_id: str) -> str | None:
         return None
@@ -133,10 +137,11 @@ class MergedReadWorker(NixlPullConnectorWorker):
                 self.nixl_wrapper.get_xfer_descs(
                     merged.remote, self.dst_region_mem_types[dst_engine_id][0]),
                 agent,
-                notif_msg=f"{remote_request_id}:{expected_consumers}".encode(),
             )
             self.nixl_wrapper.transfer(handle)
             self._recving_transfers[request_id].append(handle)
+            self.deferred_notifs.setdefault(request_id, []).append(
+                (agent, f"{remote_request_id}:{expected_consumers}".encode()))
             logger.debug("READ for %s: %d descriptors for %d block pieces", request_id,
                          len(merged.local), len(local_rows))
             return True

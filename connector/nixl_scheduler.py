@@ -39,9 +39,10 @@ from connector.handoff import (
     Handoff,
     token_digest,
 )
+from connector.liveness import LiveExports, side_channel_listener
 from connector.logs import use_vllm_handlers
 from connector.runs import MERGE_LONG, RunAllocator
-from connector.runtime import IdlePacer, guarded_handshake_listener, listener_failures
+from connector.runtime import IdlePacer, listener_failures
 from connector.signing import TARGET_KEY, load_secret, sign
 from connector.stats import ContinuationStats
 from kvhandoff.model import model_fingerprint
@@ -115,6 +116,10 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._kv_runs = bool(extra.get_from_extra_config("kv_runs", True))
         self._kv_cache_config = kv_cache_config
         self._runs: RunAllocator | None = None
+        # P: exports whose blocks are held, answered on the side channel, which vLLM
+        # starts with this target (connector.liveness; a failed bind is reported).
+        self._live = LiveExports()
+        self._nixl_handshake_listener = side_channel_listener(self._live, listener_failures)
 
     def use_block_pool(self, block_pool: BlockPool) -> None:
         """Called once, when vLLM's scheduler binds its block pool to the connector
@@ -147,6 +152,12 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         return name
 
     # ---- NIXL side channel -------------------------------------------------------------
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Each step, before vLLM's scheduler frees the blocks of the exports that
+        finished sending: they are no longer live (``connector.liveness``)."""
+        self._live.end(connector_output.finished_sending or ())
+        super().update_connector_output(connector_output)
+
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Engine start-up, once: vLLM starts the side-channel listener here; a
         listener that could not bind fails the start with the reason."""
@@ -159,8 +170,6 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
                 f"{self.side_channel_port} ({failure}); start the engine with another "
                 "side-channel port") from failure
 
-    #: vLLM starts this as its side-channel thread; ours reports a failed bind.
-    _nixl_handshake_listener = staticmethod(guarded_handshake_listener)
 
     def on_new_request(self, request: Request) -> None:
         """Each request as it arrives (before scheduling): releases and stops it asks
@@ -381,6 +390,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             cache_salt=request.cache_salt or "",
             num_pool_blocks=self._kv_cache_config.num_blocks,
         )
+        self._live.add(request.request_id)
         target = str((request.kv_transfer_params or {}).get(TARGET_KEY) or "")
         params[KEY] = {**handoff.to_dict(), "target_engine_id": target}
         if self._secret is not None:

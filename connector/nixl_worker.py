@@ -18,8 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 
 from connector.beam_fork import BeamForkWorker
 from connector.blend import BlendWorker
-from connector.faults import corrupt_imported, scribble
+from connector.faults import SKIP_LIVE_FAULT, corrupt_imported, scribble
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
+from connector.liveness import LiveChecks
 from connector.merged_reads import MergedReadWorker
 from connector.runs import MERGE_FAULTS
 from connector.runtime import back_with_huge_pages, nixl_agent_options
@@ -79,6 +80,7 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
         self._held: dict[str, float] = {}
         self._init_merged_reads(bool(extra.get_from_extra_config("kv_runs", True)))
         self._blend = BlendWorker(vllm_config, kv_cache_config)
+        self._live_checks = LiveChecks()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self._huge_pages:
@@ -300,8 +302,6 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
         abandoned = self._abandon_reads_past_lease(transfers, time.perf_counter())
         done, failed = super()._pop_done_transfers(transfers)
         failed |= abandoned
-        if self._import_faults:
-            self._inject_import_faults(done - failed)
         if done or failed:
             flush_ucx_log()  # the READ's protocol table, if UCX logs to a file
         now = time.perf_counter()
@@ -328,4 +328,45 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
                 )
                 self.xfer_stats.record_kv_expired_req()
                 failed.add(req_id)
+        done, failed = self._confirm_live(done, failed)
+        if self._import_faults:
+            self._inject_import_faults(done - failed)
         return done, failed
+
+    def _confirm_live(self, done: set[str], failed: set[str]) -> tuple[set[str], set[str]]:
+        """Merged READs that completed wait for their P to confirm the export was still
+        live (``connector.liveness``): reported done once it does (and P told it may
+        free a read export, the notification the READ did not carry), failed if it does
+        not. A READ vLLM posted itself carried its notification: P may already have
+        freed the export for it, so it is not asked (the lease fence only)."""
+        for req_id in [r for r in self.deferred_notifs
+                       if r in failed or r not in self._recving_metadata]:
+            del self.deferred_notifs[req_id]  # failed or gone: P frees at the lease end
+        for req_id in done - failed:
+            notifs = self.deferred_notifs.get(req_id)
+            meta = self._recving_metadata.get(req_id)
+            if notifs is None or meta is None or meta.remote is None:
+                continue
+            if self._import_faults.get(req_id) == SKIP_LIVE_FAULT:
+                del self._import_faults[req_id]  # the negative control: not asked
+                self.xfer_stats.record_fault()
+                self._send_deferred_notifs(req_id)
+                continue
+            self._live_checks.ask(req_id, meta.remote.host, meta.remote.port,
+                                  meta.remote.request_id)
+            done.discard(req_id)
+        confirmed, refused = self._live_checks.settle()
+        for req_id in confirmed:
+            self._send_deferred_notifs(req_id)
+        for req_id, why in refused.items():
+            self.deferred_notifs.pop(req_id, None)
+            logger.error("Discarding READ for %s: %s", req_id, why)
+            self.xfer_stats.record_kv_expired_req()
+        return done | confirmed | refused.keys(), failed | refused.keys()
+
+    def _send_deferred_notifs(self, req_id: str) -> None:
+        for agent, message in self.deferred_notifs.pop(req_id, ()):
+            try:
+                self.nixl_wrapper.send_notif(agent, notif_msg=message)
+            except Exception as e:  # P gone: it frees the export when its lease ends
+                logger.warning("Could not tell P that %s's READ is done (%s)", req_id, e)

@@ -2,7 +2,7 @@
 stated where it is made. Applied in the engine processes the connector is loaded in.
 
 - the NIXL side channel: vLLM's listener thread dies silently on a failed bind and the
-  engine core waits for it forever (:func:`guarded_handshake_listener`);
+  engine core waits for it forever (``connector.liveness.side_channel_listener``);
 - NIXL's progress thread busy-spins a core (:func:`nixl_agent_options`);
 - vLLM's shared-memory step queue can sleep 5 s on a lost wake-up ping, and its
   readers spin for 1 s after every message (:func:`bound_shm_reader_waits`);
@@ -21,36 +21,15 @@ import ctypes.util
 import functools
 import logging
 import sys
-import threading
 import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-    NixlPullConnectorScheduler,
-)
 
 logger = logging.getLogger(__name__)
 
-#: Side-channel listeners that could not start, by port (see guarded_handshake_listener).
+#: Side-channel listeners that could not start, by port (``connector.liveness``).
 listener_failures: dict[int, Exception] = {}
-
-
-def guarded_handshake_listener(encoded_data: dict[tuple[int, int], Any],
-                               ready_event: threading.Event, stop_event: threading.Event,
-                               host: str, port: int) -> None:
-    """vLLM's listener thread, except that a failed bind is recorded and ``ready_event``
-    set, so the engine's start-up can fail with the reason
-    (``ContinuationConnectorScheduler.set_xfer_handshake_metadata`` raises): vLLM's own
-    thread dies without setting ``ready_event`` and the engine core waits forever."""
-    try:
-        NixlPullConnectorScheduler._nixl_handshake_listener(
-            encoded_data, ready_event, stop_event, host, port)
-    except Exception as exc:
-        if ready_event.is_set():
-            raise
-        listener_failures[port] = exc
-        ready_event.set()
 
 
 _MADV_HUGEPAGE = 14
