@@ -445,13 +445,15 @@ def test_a_restarted_d_is_noticed_and_used_again(fleet):
         assert time.monotonic() < deadline, f"the routers' warm-ups of the new D0: {counts}"
         time.sleep(0.2)
     with RouterClient(fleet["router"].address) as client:
-        got = [client.generate(make_request(prompt=list(range(60, 140)), max_tokens=8, seed=s,
-                                            beam_width=4, path="handoff"), timeout=300)
-               for s in (2, 3)]
+        got, refs = ([client.generate(make_request(prompt=list(range(60, 140)), max_tokens=8,
+                                                   seed=s, beam_width=4, path=path),
+                                      timeout=300) for s in (2, 3)]
+                     for path in ("handoff", "colocated"))
     assert all(r.stats.decode_endpoint == d0.address for r in got)
-    # The router warmed the new D0 up (waited for above) before these: both import.
-    assert_handed_off(got[0])
-    assert_handed_off(got[1], found_on_d=True)
+    # The router warmed the new D0 up (waited for above) before these: both import, and
+    # what the new D0 imports gives the beams of the same requests run colocated.
+    assert_identical(got[0], refs[0])
+    assert_identical(got[1], refs[1], found_on_d=True)
     _assert_clean(fleet["p"], fleet["d0"], fleet["d1"])
 
 
