@@ -16,12 +16,12 @@ the engine's scheduler side reads the digests from ``additional_config[ADAPTERS_
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvhandoff.digests import file_digests
 from kvhandoff.types import HandoffError
 
 if TYPE_CHECKING:
@@ -54,13 +54,10 @@ class Adapter:
 
 
 def digest_of(path: Path) -> str:
-    """SHA-256 over the adapter's config and weight files (name and bytes of each)."""
-    h = hashlib.sha256()
-    for name in ("adapter_config.json", *_WEIGHTS):
-        file = path / name
-        if file.is_file():
-            h.update(name.encode() + b"\0" + file.read_bytes())
-    return h.hexdigest()
+    """SHA-256 over the adapter's config and weight files, each hashed whole, cached by
+    (path, size, mtime, ctime) as the base model's are (``kvhandoff.digests``)."""
+    return file_digests().digest(path, ("adapter_config.json", *_WEIGHTS),
+                                 "kvhandoff adapter v1")
 
 
 def load(name: str, path: str | Path, lora_id: int) -> Adapter:
