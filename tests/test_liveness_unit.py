@@ -1,0 +1,95 @@
+"""P's side channel answers whether exports are live (``connector.liveness``), beside
+vLLM's handshake; a malformed message costs its sender an empty reply and the listener
+keeps serving; D's checks report confirmed, not live, and no answer apart."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from connector.liveness import LiveChecks, LiveExports, ask_live, side_channel_listener
+from kvhandoff.ports import free_port
+
+
+@pytest.fixture
+def side_channel():
+    live = LiveExports()
+    port = free_port()
+    ready, stop = threading.Event(), threading.Event()
+    failures: dict[int, Exception] = {}
+    thread = threading.Thread(target=side_channel_listener(live, failures), daemon=True,
+                              args=({(0, 0): b"meta"}, ready, stop, "127.0.0.1", port))
+    thread.start()
+    ready.wait()
+    yield live, port
+    stop.set()
+    thread.join(5)
+
+
+def test_live_until_ended(side_channel):
+    live, port = side_channel
+    live.add("a")
+    live.add("b")
+    assert ask_live("127.0.0.1", port, ["a", "b", "c"]) == [True, True, False]
+    live.end(["a"])
+    assert ask_live("127.0.0.1", port, ["a", "b"]) == [False, True]
+
+
+def test_vllms_handshake_is_still_served_and_a_malformed_message_is_survived(side_channel):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
+
+    live, port = side_channel
+    ctx = zmq.Context.instance()
+    for raw in (b"\xff\x00garbage", msgspec.msgpack.encode(["kvhandoff_live"]),
+                msgspec.msgpack.encode((GET_META_MSG, 5, 5))):
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.RCVTIMEO, 3000)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(raw)
+        assert sock.recv_multipart() == [b""]
+        sock.close(linger=0)
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
+    meta, ts = sock.recv_multipart()
+    sock.close(linger=0)
+    assert meta == b"meta" and isinstance(msgspec.msgpack.decode(ts), float)
+    live.add("x")
+    assert ask_live("127.0.0.1", port, ["x"]) == [True]
+
+
+def test_a_bind_that_fails_is_reported_not_hung():
+    port = free_port()
+    blocker = zmq.Context.instance().socket(zmq.ROUTER)
+    blocker.bind(f"tcp://127.0.0.1:{port}")
+    ready, stop = threading.Event(), threading.Event()
+    failures: dict[int, Exception] = {}
+    side_channel_listener(LiveExports(), failures)({}, ready, stop, "127.0.0.1", port)
+    blocker.close(linger=0)
+    assert ready.is_set() and port in failures
+
+
+def test_d_tells_confirmed_not_live_and_no_answer_apart(side_channel):
+    live, port = side_channel
+    live.add("held")
+    checks = LiveChecks()
+    checks.ask("d-1", "127.0.0.1", port, "held")
+    checks.ask("d-2", "127.0.0.1", port, "released")
+    checks.ask("d-3", "127.0.0.1", free_port(), "anything")  # nobody answers there
+    confirmed: set[str] = set()
+    refused: dict[str, str] = {}
+    deadline = time.monotonic() + 15
+    while len(confirmed) + len(refused) < 3 and time.monotonic() < deadline:
+        c, r = checks.settle()
+        confirmed |= c
+        refused.update(r)
+        time.sleep(0.05)
+    checks.shutdown()
+    assert confirmed == {"d-1"}
+    assert "no longer held" in refused["d-2"]
+    assert "did not confirm" in refused["d-3"]
