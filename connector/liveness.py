@@ -3,17 +3,20 @@
 A READ is one-sided: P is not asked, and a handoff says only where the blocks were when
 it was made. If P released them before D read (the parent given back, a replayed or
 duplicated handoff, a router that lost track) and reused them, D would import another
-request's KV and answer 200 with wrong tokens, inside the lease the handoff names. So
-D's READ counts only once P confirms, after it completed, that the export is still live:
+request's KV and answer 200 with wrong tokens, inside the lease the handoff names; and a
+handoff that names other blocks of P (a buggy P signs whatever it sends) would do the
+same. So D's READ counts only once P confirms, after it completed, that the export is
+still live and that its blocks are the ones D read:
 
-- P (:class:`LiveExports`, on its scheduler side): an export is live from the step that
-  makes its handoff until the step that frees its blocks; it leaves the set in
+- P (:class:`LiveExports`, on its scheduler side): an export, with its block ids, is
+  live from the step that makes its handoff until the step that frees its blocks; it
+  leaves the set in
   ``update_connector_output``, which vLLM's scheduler calls before it frees the blocks
   of the exports that finished sending. Freed blocks are reused only by a later
   schedule, and overwritten only by that step's forward. So "live when asked, after the
   READ completed" means the READ saw the export's KV.
 - The question travels on NIXL's side channel (:func:`side_channel_listener`: vLLM's
-  listener loop, which also answers :data:`LIVE_MSG` with one bool per request id), the
+  listener loop, which also answers :data:`LIVE_MSG` with one bool per export asked), the
   socket every D already reaches for its handshake with P.
 - D (:class:`LiveChecks`, in its worker): a READ that completes is held back from the
   scheduler until P answers; "live" reports it done, anything else (not live, P gone,
@@ -39,29 +42,36 @@ from vllm.utils.network_utils import make_zmq_path
 
 logger = logging.getLogger(__name__)
 
-#: The side channel's question: ``(LIVE_MSG, [P's request ids])`` -> ``[bool, ...]``.
+#: The side channel's question: ``(LIVE_MSG, [[P's request id, block ids by group],
+#: ...])`` -> ``[bool, ...]``: each export held by P with exactly those blocks.
 LIVE_MSG = "kvhandoff_live"
 #: D waits this long for P's answer; no answer fails the import.
 CHECK_TIMEOUT_S = 5.0
 
 
+Blocks = list[list[int]]
+
+
 class LiveExports:
-    """P: the request ids of exports whose blocks P holds. Written by the scheduler's
-    thread, read by the side channel's (set operations under the GIL)."""
+    """P: the exports whose blocks P holds, by request id, with their block ids by KV
+    cache group. Written by the scheduler's thread, read by the side channel's (dict
+    operations under the GIL)."""
 
     def __init__(self) -> None:
-        self._ids: set[str] = set()
+        self._blocks: dict[str, Blocks] = {}
 
-    def add(self, request_id: str) -> None:
+    def add(self, request_id: str, block_ids: Iterable[Iterable[int]]) -> None:
         """Its handoff is made: D may read its blocks."""
-        self._ids.add(request_id)
+        self._blocks[request_id] = [list(group) for group in block_ids]
 
     def end(self, request_ids: Iterable[str]) -> None:
         """Its blocks are freed in this step (call before vLLM frees them)."""
-        self._ids.difference_update(request_ids)
+        for request_id in request_ids:
+            self._blocks.pop(request_id, None)
 
-    def are_live(self, request_ids: list[str]) -> list[bool]:
-        return [r in self._ids for r in request_ids]
+    def are_live(self, asked: list[tuple[str, Blocks]]) -> list[bool]:
+        """For each (request id, block ids): held, with exactly those blocks."""
+        return [self._blocks.get(r) == blocks for r, blocks in asked]
 
 
 def side_channel_listener(live: LiveExports,
@@ -100,9 +110,10 @@ def _serve(encoded_data: dict[tuple[int, int], Any], ready_event: threading.Even
             try:
                 msg = msgspec.msgpack.decode(raw)
                 if msg[0] == LIVE_MSG:
-                    ids = [str(r) for r in msg[1]]
+                    asked = [(str(r), [[int(b) for b in g] for g in blocks])
+                             for r, blocks in msg[1]]
                     sock.send_multipart((identity, b"", msgspec.msgpack.encode(
-                        live.are_live(ids))))
+                        live.are_live(asked))))
                     continue
                 kind, pp_rank, tp_rank = msg
                 if kind != GET_META_MSG:
@@ -116,16 +127,17 @@ def _serve(encoded_data: dict[tuple[int, int], Any], ready_event: threading.Even
                 sock.send_multipart((identity, b"", b""))
 
 
-def ask_live(host: str, port: int, request_ids: list[str],
+def ask_live(host: str, port: int, asked: list[tuple[str, Blocks]],
              timeout_s: float = CHECK_TIMEOUT_S) -> list[bool]:
-    """P's answer over its side channel: whether each export is live. Raises on no
-    answer (``zmq.Again``) or a reply that is not one bool per id."""
+    """P's answer over its side channel: whether each (request id, block ids) is an
+    export P holds with those blocks. Raises on no answer (``zmq.Again``) or a reply
+    that is not one bool per export asked."""
     with zmq_ctx(zmq.REQ, make_zmq_path("tcp", host, port)) as sock:
         sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         sock.setsockopt(zmq.LINGER, 0)
-        sock.send(msgspec.msgpack.encode((LIVE_MSG, request_ids)))
+        sock.send(msgspec.msgpack.encode((LIVE_MSG, asked)))
         reply = msgspec.msgpack.decode(sock.recv())
-    if not isinstance(reply, list) or len(reply) != len(request_ids):
+    if not isinstance(reply, list) or len(reply) != len(asked):
         raise ValueError(f"P answered {reply!r}")
     return [bool(r) for r in reply]
 
@@ -137,11 +149,14 @@ class LiveChecks:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvhandoff-live")
         self._pending: dict[str, tuple[Future, str]] = {}
 
-    def ask(self, request_id: str, host: str, port: int, p_request_id: str) -> None:
+    def ask(self, request_id: str, host: str, port: int, p_request_id: str,
+            block_ids: Blocks) -> None:
         """``request_id``'s READ from P (``host``:``port``, its side channel) of export
-        ``p_request_id`` completed: ask P in the background."""
+        ``p_request_id``, which its handoff said holds ``block_ids``, completed: ask P in
+        the background."""
         self._pending[request_id] = (
-            self._pool.submit(ask_live, host, port, [p_request_id]), p_request_id)
+            self._pool.submit(ask_live, host, port, [(p_request_id, block_ids)]),
+            p_request_id)
 
     def settle(self) -> tuple[set[str], dict[str, str]]:
         """The answers in so far: (confirmed live, refused with the reason)."""
@@ -160,9 +175,10 @@ class LiveChecks:
             if live:
                 confirmed.add(request_id)
             else:
-                refused[request_id] = (f"P no longer held export {p_request_id} when the "
-                                       "READ completed (released, expired or never made): "
-                                       "its blocks may hold another request's KV")
+                refused[request_id] = (f"P did not hold export {p_request_id} with the "
+                                       "blocks its handoff names when the READ completed "
+                                       "(released, expired, never made, or other blocks): "
+                                       "they may hold another request's KV")
         return confirmed, refused
 
     def shutdown(self) -> None:

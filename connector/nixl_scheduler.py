@@ -390,7 +390,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             cache_salt=request.cache_salt or "",
             num_pool_blocks=self._kv_cache_config.num_blocks,
         )
-        self._live.add(request.request_id)
+        self._live.add(request.request_id, params["remote_block_ids"])
         target = str((request.kv_transfer_params or {}).get(TARGET_KEY) or "")
         params[KEY] = {**handoff.to_dict(), "target_engine_id": target}
         if self._secret is not None:

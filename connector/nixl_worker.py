@@ -81,6 +81,7 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
         self._init_merged_reads(bool(extra.get_from_extra_config("kv_runs", True)))
         self._blend = BlendWorker(vllm_config, kv_cache_config)
         self._live_checks = LiveChecks()
+        self._named_blocks: dict[str, list[list[int]]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self._huge_pages:
@@ -238,6 +239,9 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
             self._read_deadlines[req_id] = (deadline, time.perf_counter())
             logger.debug("READ for %s: %d blocks, P's lease ends in %.2fs", req_id,
                          len(meta.local_block_ids[0]), remaining)
+        # The block ids the handoff named (vLLM turns them into kernel ids below): what
+        # P confirms after the READ (connector.liveness).
+        self._named_blocks[req_id] = [list(group) for group in meta.remote.block_ids]
         posted_at = time.perf_counter()
         super()._read_blocks_for_req(req_id, meta)
         posting = time.perf_counter() - posted_at
@@ -342,6 +346,8 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
         for req_id in [r for r in self.deferred_notifs
                        if r in failed or r not in self._recving_metadata]:
             del self.deferred_notifs[req_id]  # failed or gone: P frees at the lease end
+        for req_id in [r for r in self._named_blocks if r not in self._recving_metadata]:
+            del self._named_blocks[req_id]
         for req_id in done - failed:
             notifs = self.deferred_notifs.get(req_id)
             meta = self._recving_metadata.get(req_id)
@@ -353,7 +359,7 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
                 self._send_deferred_notifs(req_id)
                 continue
             self._live_checks.ask(req_id, meta.remote.host, meta.remote.port,
-                                  meta.remote.request_id)
+                                  meta.remote.request_id, self._named_blocks.pop(req_id, []))
             done.discard(req_id)
         confirmed, refused = self._live_checks.settle()
         for req_id in confirmed:

@@ -30,13 +30,18 @@ def side_channel():
     thread.join(5)
 
 
-def test_live_until_ended(side_channel):
+def test_live_until_ended_and_only_with_its_own_blocks(side_channel):
     live, port = side_channel
-    live.add("a")
-    live.add("b")
-    assert ask_live("127.0.0.1", port, ["a", "b", "c"]) == [True, True, False]
+    live.add("a", [[1, 2, 3]])
+    live.add("b", ((4, 5),))
+    assert ask_live("127.0.0.1", port, [("a", [[1, 2, 3]]), ("b", [[4, 5]]),
+                                        ("c", [[1]])]) == [True, True, False]
+    # Another export's blocks, one block more or less, under a live request id: no.
+    assert ask_live("127.0.0.1", port, [("a", [[4, 5]]), ("a", [[1, 2]]),
+                                        ("b", [[4, 5, 6]])]) == [False, False, False]
     live.end(["a"])
-    assert ask_live("127.0.0.1", port, ["a", "b"]) == [False, True]
+    assert ask_live("127.0.0.1", port, [("a", [[1, 2, 3]]), ("b", [[4, 5]])]) == [
+        False, True]
 
 
 def test_vllms_handshake_is_still_served_and_a_malformed_message_is_survived(side_channel):
@@ -59,8 +64,8 @@ def test_vllms_handshake_is_still_served_and_a_malformed_message_is_survived(sid
     meta, ts = sock.recv_multipart()
     sock.close(linger=0)
     assert meta == b"meta" and isinstance(msgspec.msgpack.decode(ts), float)
-    live.add("x")
-    assert ask_live("127.0.0.1", port, ["x"]) == [True]
+    live.add("x", [[7]])
+    assert ask_live("127.0.0.1", port, [("x", [[7]])]) == [True]
 
 
 def test_a_bind_that_fails_is_reported_not_hung():
@@ -76,11 +81,11 @@ def test_a_bind_that_fails_is_reported_not_hung():
 
 def test_d_tells_confirmed_not_live_and_no_answer_apart(side_channel):
     live, port = side_channel
-    live.add("held")
+    live.add("held", [[3, 4]])
     checks = LiveChecks()
-    checks.ask("d-1", "127.0.0.1", port, "held")
-    checks.ask("d-2", "127.0.0.1", port, "released")
-    checks.ask("d-3", "127.0.0.1", free_port(), "anything")  # nobody answers there
+    checks.ask("d-1", "127.0.0.1", port, "held", [[3, 4]])
+    checks.ask("d-2", "127.0.0.1", port, "released", [[3, 4]])
+    checks.ask("d-3", "127.0.0.1", free_port(), "held", [[3, 4]])  # nobody answers there
     confirmed: set[str] = set()
     refused: dict[str, str] = {}
     deadline = time.monotonic() + 15
@@ -91,5 +96,5 @@ def test_d_tells_confirmed_not_live_and_no_answer_apart(side_channel):
         time.sleep(0.05)
     checks.shutdown()
     assert confirmed == {"d-1"}
-    assert "no longer held" in refused["d-2"]
+    assert "did not hold export released" in refused["d-2"]
     assert "did not confirm" in refused["d-3"]

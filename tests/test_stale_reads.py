@@ -37,10 +37,11 @@ def _release_and_reuse(pair, run, s1) -> None:
     in flight, or a replay), frees it, and gives every block of its pool to others."""
     p_request = s1.handoff_params[KEY]["request_id"]
     host, port = s1.handoff_params["remote_host"], s1.handoff_params["remote_port"]
-    assert ask_live(host, port, [p_request]) == [True]
+    asked = [(p_request, s1.handoff_params["remote_block_ids"])]
+    assert ask_live(host, port, asked) == [True]
     run(pair.p.release([p_request]))
     assert run(pair.p.wait_pool_clean(5)).is_clean
-    assert ask_live(host, port, [p_request]) == [False]
+    assert ask_live(host, port, asked) == [False]
     free = pair.p.pool().num_free_blocks
     per_request = min(free // 2, (pair.p.max_model_len - 1) // pair.p.block_size)
     filler = [[10 + (i * 7 + k) % 1000 for k in range(per_request * pair.p.block_size - 1)]
@@ -93,4 +94,32 @@ def test_control_without_ps_confirmation_d_imports_another_requests_kv(
     assert pair.d.counters.faults_injected > faults, "the check was not skipped"
     assert result.num_imported_tokens > 0
     assert [b.token_ids for b in result.beams] != reference
+    assert_pools_clean()
+
+
+def test_a_handoff_naming_another_parents_blocks_is_never_imported(
+        pair, run, assert_pools_clean):
+    """Two parents held on P; the first's handoff with the second's block ids (in P's
+    pool, well-formed, as a P wrong about its own blocks would sign it): P's answer
+    after the READ refuses it. Control: the same with D's question skipped imports the
+    other parent's KV (beams not the reference's)."""
+    req, s1, prompt, reference = _parent(pair, run, "other-blocks")
+    other = make_request(pair, request_id="other-blocks-2", prompt_len=70, prompt_seed=9)
+    s2 = run(pair.p.run_stage1(other.prompt_token_ids, other.stage1, "other-blocks-2-p",
+                               export=True, hold=True))
+    theirs = s2.handoff_params["remote_block_ids"]
+    ours = s1.handoff_params["remote_block_ids"]
+    assert [len(g) for g in theirs] == [len(g) for g in ours] and theirs != ours
+    swapped = {**s1.handoff_params, "remote_block_ids": theirs}
+    with pytest.raises(StageError) as err:
+        run(pair.d.run_stage2(prompt, req.beam, "other-blocks-d",
+                              handoff=ImportRequest.for_beams(swapped, req.beam)))
+    assert err.value.reason == "import_failed", err.value
+    result = run(pair.d.run_stage2(prompt, req.beam, "other-blocks-unchecked",
+                                   handoff=ImportRequest.for_beams(swapped, req.beam,
+                                                                   fault=SKIP_LIVE_FAULT)))
+    assert result.num_imported_tokens > 0
+    assert [b.token_ids for b in result.beams] != reference
+    run(pair.p.release([s1.handoff_params[KEY]["request_id"],
+                        s2.handoff_params[KEY]["request_id"]]))
     assert_pools_clean()

@@ -1,6 +1,6 @@
 """A malformed-input corpus thrown at a running P and D over their gRPC ports.
 
-``run_corpus`` takes a real parent from P (a stage 1 exported for D and held there),
+``Corpus.run`` takes a real parent from P (a stage 1 exported for D and held there),
 then sends D and P ``n`` bad calls made from it: every field of the Handoff out of range,
 negative, huge, of another length, another model's, an expired or future lease, other
 ids, and (with the handoff secret) each one both as tampered and re-signed, as a buggy P
@@ -8,15 +8,16 @@ would sign it; random compositions of those; bad prompts and beam settings; stag
 Release, Stop and Abort calls with bad fields; a stage 1 on D and a stage 2 import on P.
 
 Each call must end with a clear status: a refusal (:data:`REFUSED`) where the case breaks
-a rule, UNAVAILABLE only where it points D at an address where no P answers, and OK only
+a rule, UNAVAILABLE only where D can learn it only from P (nobody where it points, P's
+handshake, P's answer that the export is not held), and OK only
 where the field changed is one D does not use for the READ (then its beams must be the
 good request's). Never UNKNOWN or INTERNAL, never a traceback, and both engines keep
 answering. After the corpus the parents are released and both pools must be back where
-they were, and the good request gives the same beams as before.
+they were, and the good request gives the colocated reference's beams.
 
-Known gap, not in the corpus: a handoff that names other blocks of P inside P's pool
-(re-signed by a P that is wrong about its own blocks) is imported: D cannot tell P's
-blocks apart without P (docs/reliability.md, "What D cannot check").
+A handoff that names other blocks inside P's pool, re-signed as a P wrong about its own
+blocks would sign it, passes every check D can make alone; P's answer after the READ
+(``connector.liveness``) refuses it, and the corpus has it.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class Corpus:
         prompt = list(parent.prompt) if prompt is None else prompt
         if signing == "re-signed":
             self._sign(h)
-        allowed = set(REFUSED) | ({"UNAVAILABLE"} if case.address else set())
+        allowed = set(REFUSED) | ({"UNAVAILABLE"} if case.unavailable else set())
         if not case.refuse:
             allowed.add("OK")
         self._seq += 1

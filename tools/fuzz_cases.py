@@ -29,12 +29,13 @@ class Context:
 @dataclass(frozen=True)
 class HandoffCase:
     """One mutation of the parent's handoff (and possibly of the prompt): ``refuse`` if it
-    breaks a rule D enforces, ``address`` if it sends D where no P answers."""
+    breaks a rule D enforces, ``unavailable`` if D learns that only from P (no P where
+    it points, P's handshake, P's answer that the export is not held): UNAVAILABLE."""
 
     name: str
     mutate: Mutation
     refuse: bool = True
-    address: bool = False
+    unavailable: bool = False
 
     @property
     def field(self) -> str:
@@ -74,10 +75,12 @@ def handoff_cases() -> list[HandoffCase]:
         C("engine_id=empty", _set("engine_id", "")),
         C("engine_id=huge", _set("engine_id", "p" * 5000)),
         C("engine_id=unknown", _set("engine_id", "prefill-nobody"), refuse=False,
-          address=True),
+          unavailable=True),
         C("request_id=empty", _set("request_id", "")),
         C("request_id=huge", _set("request_id", "r" * 5000)),
-        C("request_id=unknown", _set("request_id", "fuzz-no-such-request"), refuse=False),
+        # P's READ of the blocks works; P's answer that no such export is held fails it.
+        C("request_id=unknown", _set("request_id", "fuzz-no-such-request"),
+          unavailable=True),
         *(C(f"num_parent_tokens={n}", _set("num_parent_tokens", v)) for n, v in (
             ("0", lambda h, c: 0), ("1", lambda h, c: 1), ("-1 of it", lambda h, c:
                                                            h.num_parent_tokens - 1),
@@ -111,12 +114,17 @@ def handoff_cases() -> list[HandoffCase]:
         C("remote_port=70000", _set("remote_port", 70000)),
         # D may still hold a connection to P's engine id: then it reads P's blocks.
         C("remote_port=nobody", _set("remote_port", lambda h, c: c.nobody_port),
-          refuse=False, address=True),
+          refuse=False, unavailable=True),
         C("block ids out of P's pool", _blocks(lambda g: [[1_000_000 + i for i in range(
             len(x))] for x in g])),
         C("block id 2**31-1", _blocks(lambda g: [[*x[:-1], 2**31 - 1] for x in g])),
         C("block ids negative", _blocks(lambda g: [[-1 - b for b in x] for x in g])),
         C("block ids duplicated", _blocks(lambda g: [[x[0]] * len(x) for x in g])),
+        # In P's pool and well-formed, but not the export's: only P can tell (its
+        # answer after the READ, connector.liveness).
+        C("block ids shifted within P's pool", _blocks(lambda g: [[b + 1 for b in x]
+                                                                 for x in g]),
+          unavailable=True),
         C("block ids one short", _blocks(lambda g: [x[:-1] for x in g])),
         C("block ids one more", _blocks(lambda g: [[*x, max(x) + 1] for x in g])),
         C("block ids: no group", _blocks(lambda g: [])),
@@ -130,7 +138,7 @@ def handoff_cases() -> list[HandoffCase]:
         C("remote_blocks_expiry_time=inf", _set("remote_blocks_expiry_time", float("inf"))),
         # P's monotonic clock, which only the worker's fence can read: UNAVAILABLE.
         C("remote_blocks_expiry_time=past", _set("remote_blocks_expiry_time", -1e9),
-          address=True),
+          unavailable=True),
         C("num_pool_blocks=0", _set("num_pool_blocks", 0)),
         C("num_pool_blocks=max", _set("num_pool_blocks", 2**32 - 1)),
         C("num_pool_blocks below the ids", _set("num_pool_blocks",
@@ -138,7 +146,7 @@ def handoff_cases() -> list[HandoffCase]:
         # P's pool overstated, ids beyond the real one: past the admission, the worker
         # refuses the READ against P's handshake (UNAVAILABLE; vLLM would index past its
         # descriptor table inside D's engine core).
-        C(WORKER_CASE, _beyond_real_pool, address=True),
+        C(WORKER_CASE, _beyond_real_pool, unavailable=True),
         C("adapter=unknown", _set("adapter", "no-such-adapter")),
         C("adapter_digest=other", _set("adapter_digest", "0" * 16), refuse=False),
         # D imports under the handoff's salt: the same KV, hashed apart.
@@ -166,8 +174,8 @@ def _beyond_real_pool(h, prompt, ctx):
 
 def _counts(delta: int) -> Mutation:
     def mutate(h, prompt, ctx):
-        h.num_parent_tokens += delta
-        h.num_computed_tokens += delta
+        h.num_parent_tokens = max(0, h.num_parent_tokens + delta)
+        h.num_computed_tokens = max(0, h.num_computed_tokens + delta)
     return mutate
 
 
@@ -191,4 +199,4 @@ def compose(rng: random.Random, cases: list[HandoffCase], k: int) -> HandoffCase
 
     refuse = any(p.refuse for p in parts)
     return HandoffCase(" + ".join(p.name for p in parts), mutate, refuse=refuse,
-                       address=any(p.address for p in parts))
+                       unavailable=any(p.unavailable for p in parts))

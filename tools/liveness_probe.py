@@ -18,7 +18,7 @@ from kvhandoff.ports import free_port
 def probe(calls: int = 300) -> tuple[float, float]:
     """(median, p99) of ``calls`` questions, in ms."""
     live = LiveExports()
-    live.add("export-1")
+    live.add("export-1", [[1, 2, 3]])
     port = free_port()
     ready, stop = threading.Event(), threading.Event()
     thread = threading.Thread(target=side_channel_listener(live, {}), daemon=True,
@@ -26,11 +26,12 @@ def probe(calls: int = 300) -> tuple[float, float]:
     thread.start()
     ready.wait()
     try:
-        assert ask_live("127.0.0.1", port, ["export-1", "export-2"]) == [True, False]
+        asked = [("export-1", [[1, 2, 3]])]
+        assert ask_live("127.0.0.1", port, [*asked, ("export-2", [[1]])]) == [True, False]
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()
-            ask_live("127.0.0.1", port, ["export-1"])
+            ask_live("127.0.0.1", port, asked)
             times.append((time.perf_counter() - t0) * 1e3)
     finally:
         stop.set()
