@@ -58,10 +58,8 @@ use_vllm_handlers("connector", "decode_engine")
 
 def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
     """Bytes one logical block holds across all layers (K and V)."""
-    return sum(
-        g.kv_cache_spec.page_size_bytes * len(g.layer_names)
-        for g in kv_cache_config.kv_cache_groups
-    )
+    return sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+               for g in kv_cache_config.kv_cache_groups)
 
 
 @dataclass(slots=True)
@@ -104,27 +102,23 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._holds: list[str] = []
         # P: held exports to release now (the engine's Release), for the worker's next step.
         self._unholds: list[str] = []
-        # P: running requests to stop after their next token (the engine's stop), with
-        # the engine to address their handoffs to ("": the one they named).
+        # P: requests to stop after their next token (the engine's stop) -> the engine
+        # their handoffs go to ("": the one they named).
         self._stops: dict[str, str] = {}
-        # Idle pacing (connector.runtime.IdlePacer).
         self._idle = IdlePacer(
             float(extra.get_from_extra_config("idle_after_ms", 50)) / 1e3,
             float(extra.get_from_extra_config("idle_pause_ms", 20)) / 1e3)
-        # Allocations in runs (connector.runs), once the engine's scheduler hands over
-        # its block pool (use_block_pool); off with kv_runs=False.
+        # Allocations in runs (connector.runs) from use_block_pool on; off: kv_runs=False.
         self._kv_runs = bool(extra.get_from_extra_config("kv_runs", True))
         self._kv_cache_config = kv_cache_config
         self._runs: RunAllocator | None = None
-        # P: exports whose blocks are held, answered on the side channel, which vLLM
-        # starts with this target (connector.liveness; a failed bind is reported).
+        # P: held exports, answered on the side channel vLLM starts (connector.liveness).
         self._live = LiveExports()
         self._nixl_handshake_listener = side_channel_listener(self._live, listener_failures)
 
     def use_block_pool(self, block_pool: BlockPool) -> None:
-        """Called once, when vLLM's scheduler binds its block pool to the connector
-        (``bind_gpu_block_pool``): imports and stage 1s allocate their blocks in runs
-        from here (one KV cache group only)."""
+        """Once, from vLLM's ``bind_gpu_block_pool``: imports and stage 1s allocate
+        their blocks in runs from here on (one KV cache group only)."""
         if self._kv_runs and len(self._kv_cache_config.kv_cache_groups) == 1:
             self._runs = RunAllocator(block_pool)
 
@@ -153,14 +147,12 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
 
     # ---- NIXL side channel -------------------------------------------------------------
     def update_connector_output(self, connector_output: Any) -> None:
-        """Each step, before vLLM's scheduler frees the blocks of the exports that
-        finished sending: they are no longer live (``connector.liveness``)."""
+        """Each step, before vLLM frees exports that finished sending: not live now."""
         self._live.end(connector_output.finished_sending or ())
         super().update_connector_output(connector_output)
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
-        """Engine start-up, once: vLLM starts the side-channel listener here; a
-        listener that could not bind fails the start with the reason."""
+        """Start-up: vLLM starts the side channel here; a failed bind fails the start."""
         super().set_xfer_handshake_metadata(metadata)
         failure = listener_failures.pop(self.side_channel_port, None)
         if failure is not None:
