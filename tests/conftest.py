@@ -130,7 +130,7 @@ OWN_LANE_FILES = frozenset({
     "test_bundle.py", "test_gpu_host.py", "test_nixl_probe.py", "test_auth.py",
     "test_cli_errors.py", "test_chunks_unit.py", "test_bench_chunks.py", "test_bench_cli.py",
     "test_stale_kv.py", "test_weights_identity.py", "test_model_identity_unit.py",
-    "test_field_checks.py", "test_liveness_unit.py",
+    "test_field_checks.py", "test_liveness_unit.py", "test_undecodable.py",
     # A LoRA pair of its own (module scope).
     "test_adapters.py",
     # Ray, but on hosts of its own (tools/netns): its processes are told apart from the

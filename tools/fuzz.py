@@ -72,8 +72,11 @@ class Corpus:
 
     def __init__(self, p: Any, d: Any, *, prompt: list[int], suffix: list[int],
                  ctx: Context, secret: bytes | None = None,
-                 metadata: tuple[tuple[str, str], ...] = (), timeout_s: float = 60.0):
-        self.p, self.d, self.ctx, self.secret = p, d, ctx, secret
+                 metadata: tuple[tuple[str, str], ...] = (), timeout_s: float = 60.0,
+                 raw: Callable[[str, str, bytes], Any] | None = None):
+        """``raw(engine, method, data)``: ``data`` sent as they are to method (a
+        gRPC path) of engine "p" or "d" (the corpus's truncated messages; None: none)."""
+        self.p, self.d, self.ctx, self.secret, self.raw = p, d, ctx, secret, raw
         self.metadata, self.timeout_s = metadata, timeout_s
         self.prompt, self.suffix = prompt, suffix
         self.target = d.GetCapacity(engine_pb2.CapacityRequest(), timeout=10,
@@ -248,6 +251,52 @@ class Corpus:
             request_id="nope"), timeout=t, metadata=md), ok_or_refused
         yield "abort", "empty id", lambda: p.Abort(engine_pb2.AbortRequest(request_id=""),
                                                     timeout=t, metadata=md), ok_or_refused
+        # Read by D, then refused on P's answer (or its lease): UNAVAILABLE at most.
+        yield "handoff", "replayed after its parent was released", self._replay, {
+            *REFUSED, "UNAVAILABLE"}
+        yield from self.raw_calls()
+
+    def _replay(self) -> Any:
+        """A parent made and released, then its handoff (lease still running) sent to
+        D: P no longer holds it (vllm#52234's replay)."""
+        self._seq += 1
+        events = list(self.p.Stage1(engine_pb2.Stage1Request(
+            request_id=f"fuzz-replayed-{self._seq}", prompt_token_ids=self.prompt,
+            export=True, hold=True, target_engine_id=self.target,
+            sampling=common_pb2.Stage1Sampling(max_tokens=6, seed=5)),
+            timeout=self.timeout_s, metadata=self.metadata))
+        h = events[-1].handoff
+        self.p.Release(engine_pb2.ReleaseRequest(request_ids=[h.request_id]), timeout=10,
+                       metadata=self.metadata)
+        prompt = [*self.prompt, *(t for e in events for t in e.new_token_ids), *self.suffix]
+        return self.d.Stage2(engine_pb2.Stage2Request(
+            request_id=f"fuzz-replay-{self._seq}", prompt_token_ids=prompt, handoff=h,
+            beam=BEAM), timeout=self.timeout_s, metadata=self.metadata)
+
+    def raw_calls(self) -> Iterator[tuple[str, str, Callable[[], Any], set[str]]]:
+        """A good stage 2 and stage 1, cut short at several points or with a byte
+        corrupted, as bytes: refused as not well-formed, or (a cut between fields)
+        taken for the shorter message it is; never UNKNOWN."""
+        if self.raw is None:
+            return
+        parent = self.parent()
+        stage2 = engine_pb2.Stage2Request(request_id="fuzz-raw", beam=BEAM,
+                                          prompt_token_ids=parent.prompt,
+                                          handoff=parent.handoff).SerializeToString()
+        stage1 = engine_pb2.Stage1Request(request_id="fuzz-raw-1",
+                                          prompt_token_ids=self.prompt).SerializeToString()
+        corrupt = bytearray(stage2)
+        corrupt[len(corrupt) // 2] ^= 0xFF
+        ok_or_refused = {"OK", *REFUSED}
+        for engine, method, data in (
+                *(("d", "/kvhandoff.v1.Engine/Stage2", stage2[:k])
+                  for k in (1, 3, len(stage2) // 3, len(stage2) // 2, len(stage2) - 1)),
+                ("d", "/kvhandoff.v1.Engine/Stage2", bytes(corrupt)),
+                ("d", "/kvhandoff.v1.Engine/Stage2", b"\xff" * 64),
+                *(("p", "/kvhandoff.v1.Engine/Stage1", stage1[:k])
+                  for k in (2, len(stage1) // 2))):
+            yield "raw", f"{method} {len(data)} bytes", (
+                lambda e=engine, m=method, b=data: self.raw(e, m, b)), ok_or_refused
 
     def alive(self) -> None:
         """Both engines still answer (a dead one fails the corpus at once)."""

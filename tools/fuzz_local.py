@@ -37,8 +37,15 @@ def throw(p_address: str, d_address: str, *, n: int, seed: int, prompt: list[int
     request's beams are the reference's) and ``failures`` (every rule broken)."""
     with channel(p_address) as pc, channel(d_address) as dc:
         p, d = engine_pb2_grpc.EngineStub(pc), engine_pb2_grpc.EngineStub(dc)
+
+        def raw(engine: str, method: str, data: bytes) -> Any:
+            ch = pc if engine == "p" else dc
+            if method.endswith("/Stage1"):  # server-streaming
+                return list(ch.unary_stream(method)(data, timeout=60, metadata=metadata))
+            return ch.unary_unary(method)(data, timeout=60, metadata=metadata)
+
         corpus = Corpus(p, d, prompt=prompt, suffix=suffix, secret=secret, metadata=metadata,
-                        ctx=Context(nobody_port=free_port(), vocab_size=vocab_size))
+                        ctx=Context(nobody_port=free_port(), vocab_size=vocab_size), raw=raw)
         try:
             report = corpus.run(n, seed)
             good = corpus.good("fuzz-good-after")

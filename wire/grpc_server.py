@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvhandoff.tls import ServerTLS, add_port
+from wire.undecodable import RefuseUndecodable
 
 #: Engine messages carry token lists; 64 MiB is far above any valid request.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -57,8 +58,9 @@ async def start_server(add_servicer: Callable[[grpc.aio.Server], None], service:
                        ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Start a gRPC server for one service (``add_servicer`` registers it): returns the
     server, its health servicer (every name NOT_SERVING until :func:`set_serving`) and
-    the port it bound."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    the port it bound. A request that does not parse is INVALID_ARGUMENT
+    (``wire.undecodable``)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RefuseUndecodable()])
     add_servicer(server)
     health_servicer = add_health_and_reflection(server, [service])
     bound = add_port(server, f"{host}:{port}", tls)
