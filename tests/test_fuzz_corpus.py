@@ -72,8 +72,8 @@ def test_corpus_with_a_secret_process_cluster(cluster, assert_cluster_clean):
 
 
 def cluster_vocab(cluster) -> int:
-    from tests.conftest import engine_stub
     from kvhandoff.v1 import engine_pb2
+    from tests.conftest import engine_stub
 
     return engine_stub(cluster["prefill"].address).GetCapacity(
         engine_pb2.CapacityRequest(), timeout=10).vocab_size
