@@ -114,6 +114,13 @@ def _malformed(field: str, why: str) -> HandoffError:
     return HandoffError("malformed", f"malformed handoff: {field} {why}")
 
 
+def kv_bytes_per_block(kv_cache_config: Any) -> int:
+    """Bytes one logical block holds across all layers (K and V), from vLLM's
+    ``KVCacheConfig``: a handoff's ``kv_bytes_per_block``."""
+    return sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+               for g in kv_cache_config.kv_cache_groups)
+
+
 def token_digest(token_ids: list[int] | tuple[int, ...]) -> str:
     """SHA-256 over the token ids as little-endian int64: what D checks its prompt with."""
     data = np.asarray(token_ids, dtype="<i8").tobytes()

@@ -37,6 +37,7 @@ from connector.handoff import (
     STOP_KEY,
     WAIT_KEY,
     Handoff,
+    kv_bytes_per_block,
     token_digest,
 )
 from connector.liveness import LiveExports, side_channel_listener
@@ -56,12 +57,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 use_vllm_handlers("connector", "decode_engine")
 
-def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes one logical block holds across all layers (K and V)."""
-    return sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
-               for g in kv_cache_config.kv_cache_groups)
-
-
 @dataclass(slots=True)
 class _ImportRecord:
     num_tokens: int
@@ -70,6 +65,10 @@ class _ImportRecord:
 
 class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorScheduler):
     """Scheduler side: export a typed handoff on P, import a continuation on D."""
+
+    #: vLLM's side-channel thread target; ``__init__`` binds one to this engine's exports.
+    _nixl_handshake_listener = staticmethod(side_channel_listener(LiveExports(),
+                                                                  listener_failures))
 
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
@@ -152,7 +151,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         super().update_connector_output(connector_output)
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
-        """Start-up: vLLM starts the side channel here; a failed bind fails the start."""
+        """vLLM starts the side channel here; a failed bind fails the start."""
         super().set_xfer_handshake_metadata(metadata)
         failure = listener_failures.pop(self.side_channel_port, None)
         if failure is not None:
