@@ -43,9 +43,18 @@ class HandoffCase:
         return self.name.split("=")[0] if "=" in self.name else self.name.split()[0]
 
 
+#: The largest value of the Handoff's uint32 fields.
+U32 = 2**32 - 1
+
+
 def _set(name: str, value: Any) -> Mutation:
+    """Set field ``name`` to ``value`` (or ``value(h, ctx)``: a value derived from the
+    handoff as earlier mutations left it, kept within uint32 where it is an int)."""
     def mutate(h, prompt, ctx):
-        setattr(h, name, value(h, ctx) if callable(value) else value)
+        v = value(h, ctx) if callable(value) else value
+        if callable(value) and isinstance(v, int):
+            v = max(0, min(U32, v))
+        setattr(h, name, v)
     return mutate
 
 
@@ -174,8 +183,8 @@ def _beyond_real_pool(h, prompt, ctx):
 
 def _counts(delta: int) -> Mutation:
     def mutate(h, prompt, ctx):
-        h.num_parent_tokens = max(0, h.num_parent_tokens + delta)
-        h.num_computed_tokens = max(0, h.num_computed_tokens + delta)
+        h.num_parent_tokens = max(0, min(U32, h.num_parent_tokens + delta))
+        h.num_computed_tokens = max(0, min(U32, h.num_computed_tokens + delta))
     return mutate
 
 
