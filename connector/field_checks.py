@@ -4,11 +4,13 @@ A signature says who sent a handoff, not that it is sane: a buggy P signs whatev
 sends, and without a secret nothing is signed at all. So D (and P, for a stage 1 moved
 to it) checks each field a handoff carries against its type, its own geometry and the
 handoff's other fields at admission, before the READ is posted and before vLLM's
-connector indexes any of it (``connector.admission``). What the admission cannot know,
-P's pool size, the worker checks against P's handshake before it posts the READ
-(``connector.nixl_worker``). A handoff that fails is refused with reason ``malformed``
-(INVALID_ARGUMENT) and a message naming the field; nothing a caller sends may raise
-anything else inside an engine core.
+connector indexes any of it (``connector.admission``). P's pool size is what the
+handoff says (``num_pool_blocks``); the worker checks the ids again against P's pool as
+P's handshake gave it, before it posts the READ (``connector.nixl_worker``), and P
+confirms after the READ that the blocks were the export's (``connector.liveness``).
+A handoff that fails is refused with reason ``malformed`` (INVALID_ARGUMENT) and a
+message naming the field; nothing a caller sends may raise anything else inside an
+engine core.
 
 The rules (N parent tokens, B P's block size, G this engine's KV cache groups):
 
@@ -49,6 +51,7 @@ MAX_BLOCK_ID = (1 << 31) - 1
 CLOCK_SKEW_S = 60.0
 #: The longest lease D accepts by default (seconds from now).
 DEFAULT_MAX_LEASE_S = 3600.0
+
 
 def _bad(field: str, why: str) -> HandoffError:
     return HandoffError("malformed", f"malformed handoff: {field} {why}")
