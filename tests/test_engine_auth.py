@@ -300,7 +300,7 @@ def test_keyed_engines_refuse_callers_without_the_key_and_serve_the_router(
             assert set(codes.values()) == {UNAUTH}, (server.role, codes)
     assert _pool(cluster) == before
     # STEP 3
-    resp = router_client.generate(make_request(prompt=list(range(40, 110)), max_tokens=6,
+    resp = router_client.generate(make_request(prompt=list(range(300, 370)), max_tokens=6,
                                                seed=3, beam_width=2, path="handoff"),
                                   timeout=180)
     assert resp.beams and resp.stats.num_imported_tokens > 0 and not resp.stats.recomputed, \
