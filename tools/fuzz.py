@@ -87,20 +87,23 @@ class Corpus:
         self._seq = 0
 
     # ---- parents -------------------------------------------------------------------
+    def _held_parent(self, name: str, seed: int) -> Parent:
+        """A stage 1 of the corpus's prompt exported for D and held on P."""
+        self._seq += 1
+        events = list(self.p.Stage1(engine_pb2.Stage1Request(
+            request_id=f"fuzz-{name}-{self._seq}", prompt_token_ids=self.prompt,
+            export=True, hold=True, target_engine_id=self.target,
+            sampling=common_pb2.Stage1Sampling(max_tokens=6, seed=seed)),
+            timeout=self.timeout_s, metadata=self.metadata))
+        h = events[-1].handoff
+        thinking = [t for e in events for t in e.new_token_ids]
+        return Parent(h, [*self.prompt, *thinking, *self.suffix], h.lease_expires_at)
+
     def parent(self) -> Parent:
         """A parent held on P for D, made anew when its lease nears its end."""
         if self._parent is None or self._parent.ends - time.time() < RENEW_MARGIN_S:
-            self._seq += 1
-            events = list(self.p.Stage1(engine_pb2.Stage1Request(
-                request_id=f"fuzz-parent-{self._seq}", prompt_token_ids=self.prompt,
-                export=True, hold=True, target_engine_id=self.target,
-                sampling=common_pb2.Stage1Sampling(max_tokens=6, seed=3)),
-                timeout=self.timeout_s, metadata=self.metadata))
-            h = events[-1].handoff
-            thinking = [t for e in events for t in e.new_token_ids]
-            self._held.append(h.request_id)
-            self._parent = Parent(h, [*self.prompt, *thinking, *self.suffix],
-                                  h.lease_expires_at)
+            self._parent = self._held_parent("parent", 3)
+            self._held.append(self._parent.handoff.request_id)
         return self._parent
 
     def release(self) -> None:
@@ -259,19 +262,13 @@ class Corpus:
     def _replay(self) -> Any:
         """A parent made and released, then its handoff (lease still running) sent to
         D: P no longer holds it (vllm#52234's replay)."""
-        self._seq += 1
-        events = list(self.p.Stage1(engine_pb2.Stage1Request(
-            request_id=f"fuzz-replayed-{self._seq}", prompt_token_ids=self.prompt,
-            export=True, hold=True, target_engine_id=self.target,
-            sampling=common_pb2.Stage1Sampling(max_tokens=6, seed=5)),
-            timeout=self.timeout_s, metadata=self.metadata))
-        h = events[-1].handoff
-        self.p.Release(engine_pb2.ReleaseRequest(request_ids=[h.request_id]), timeout=10,
-                       metadata=self.metadata)
-        prompt = [*self.prompt, *(t for e in events for t in e.new_token_ids), *self.suffix]
+        replayed = self._held_parent("replayed", 5)
+        self.p.Release(engine_pb2.ReleaseRequest(
+            request_ids=[replayed.handoff.request_id]), timeout=10, metadata=self.metadata)
         return self.d.Stage2(engine_pb2.Stage2Request(
-            request_id=f"fuzz-replay-{self._seq}", prompt_token_ids=prompt, handoff=h,
-            beam=BEAM), timeout=self.timeout_s, metadata=self.metadata)
+            request_id=f"fuzz-replay-{self._seq}", prompt_token_ids=replayed.prompt,
+            handoff=replayed.handoff, beam=BEAM),
+            timeout=self.timeout_s, metadata=self.metadata)
 
     def raw_calls(self) -> Iterator[tuple[str, str, Callable[[], Any], set[str]]]:
         """A good stage 2 and stage 1, cut short at several points or with a byte
