@@ -221,6 +221,11 @@ class Continuations:
                              f"parent {req.parent_id!r} ran under "
                              f"{adapter_named(record.adapter)}, not adapter "
                              f"{req.adapter!r}: a continuation inherits its parent's adapter")
+        if req.base_only and record.adapter:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"parent {record.parent_id!r} ran under adapter "
+                             f"{record.adapter!r}: continue it as model {record.adapter!r} "
+                             "(or leave model out to inherit it)")
         if not record.done.is_set():
             logger.info("continuation of %s waits for its parent's stage 1", req.parent_id)
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -32,9 +32,17 @@ from router.endpoint import Endpoint
 from router.executor import Executor, Items
 from router.moves import MoveDesk
 from router.parents import ParentRecord, ParentRegistry
-from router.plan import Plan, plan_request
+from router.plan import Plan, asked_path, plan_request
 from router.pool import EnginePool, connect
-from router.requests import ContinueCall, Drained, GenerateCall, Moved, Released, Result
+from router.requests import (
+    ContinueCall,
+    Drained,
+    GenerateCall,
+    Moved,
+    ParentCall,
+    Released,
+    Result,
+)
 from router.stages import StageCalls
 from router.warmup import WarmUp
 
@@ -96,10 +104,12 @@ class Router:
                                       f"{self.config.model_name!r} and the adapters "
                                       f"{self.adapters() or 'none'})")
 
-    def plan(self, req: GenerateCall, deadline: float | None) -> Plan:
+    def plan(self, req: GenerateCall | ParentCall, deadline: float | None) -> Plan:
         """``req`` validated (against P's vocabulary and context, once P answered) and
         tokenised once: every later step works on token ids. Its chunks (a registered
         chain) are the prompt's start, and their P is where stage 1 runs."""
+        if isinstance(req, ParentCall):
+            self.check_model(req.model)
         composition = (self.chunks.compose(req.chunk_ids, req.adapter, req.recompute_share)
                        if req.chunk_ids else None)
         if req.recompute_share is not None and not req.chunk_ids:
@@ -115,7 +125,7 @@ class Router:
         plan.prefer_prefill = composition.prefill if composition is not None else None
         if composition is not None and composition.blend is not None:
             # Stage 1 is exported and never held or moved: its KV is salted on P and D.
-            if req.path == Path.COLOCATED:
+            if asked_path(req, bool(self.decode)) == Path.COLOCATED:
                 raise InvalidRequest("path", "an approximate composition runs stage 2 on "
                                              "a decode engine (path HANDOFF or AUTO)")
             if not self.decode:

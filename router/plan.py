@@ -24,7 +24,15 @@ from kvhandoff.types import (
     validate_token_ids,
 )
 from kvhandoff.v1 import engine_pb2
-from router.requests import GenerateCall, HandoffStats, Move, Prompt, Result, Timings
+from router.requests import (
+    GenerateCall,
+    HandoffStats,
+    Move,
+    ParentCall,
+    Prompt,
+    Result,
+    Timings,
+)
 from wire import common as convert
 
 if TYPE_CHECKING:
@@ -122,6 +130,24 @@ def suffix_ids_of(suffix: Prompt | None, tokens: ModelTokens) -> list[int]:
     return ids_of(tokens, suffix, "suffix_text" if isinstance(suffix, str) else "suffix")
 
 
+def stop_ids_of(tokens: ModelTokens, stop: list[str], stop_token_ids: list[int],
+                after_think_end: bool) -> tuple[int, ...]:
+    """The stop token ids of ``stop_token_ids`` and ``stop`` (strings, each a single
+    token: else InvalidRequest on "stop"); with ``after_think_end`` (stage 1 of a
+    parent) and any given, ``</think>`` first, which stage 1 stops at when none is."""
+    stop_ids = list(stop_token_ids)
+    for text in stop:
+        ids = tokens.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise InvalidRequest("stop", f"stop strings must be single tokens here; {text!r} "
+                                         f"is {len(ids)} (use stop_token_ids)")
+        stop_ids += ids
+    think_end = tokens.think_end_id
+    if stop_ids and after_think_end and think_end is not None:
+        stop_ids.insert(0, think_end)
+    return tuple(stop_ids)
+
+
 def sampling_of(asked: Sampling, positional: bool,
                 default_stop_ids: tuple[int, ...] = ()) -> Stage1Params:
     """A request's sampling as the router runs it: positional unless it says otherwise
@@ -133,24 +159,34 @@ def sampling_of(asked: Sampling, positional: bool,
                          default_seed=seed)
 
 
-def plan_request(req: GenerateCall, deadline: float | None, *,
+def asked_path(req: GenerateCall | ParentCall, has_decode: bool) -> Path:
+    """The path ``req`` asks for. A parent is exported to a D when the router has one
+    (its continuations run there), unless it asks to be held on P (COLOCATED)."""
+    if isinstance(req, GenerateCall):
+        return req.path
+    return Path.HANDOFF if has_decode and req.path != Path.COLOCATED else Path.COLOCATED
+
+
+def plan_request(req: GenerateCall | ParentCall, deadline: float | None, *,
                  tokens: ModelTokens, prefill_capacity: engine_pb2.Capacity | None,
                  has_decode: bool, colocated_below_tokens: int,
                  new_id: Callable[[], str], positional: bool = True,
                  prefix_ids: list[int] | None = None) -> Plan:
     """Validate ``req`` (with P's capacity when one answered) and make it a Plan;
     stage 1 samples positionally unless it (or the router, ``positional``) says not.
-    ``prefix_ids``: its chunks' tokens, which the prompt follows (then it may be empty)."""
+    ``prefix_ids``: its chunks' tokens, which the prompt follows (then it may be empty).
+    A parent (``ParentCall``) is validated for the default continuation after it."""
+    two_stage = isinstance(req, GenerateCall)
     if req.prompt is None and not prefix_ids:
         raise InvalidRequest("prompt", "set prompt_text or prompt_token_ids")
     prompt = list(prefix_ids or []) + ids_of(
         tokens, req.prompt if req.prompt is not None else [],
         "prompt_text" if isinstance(req.prompt, str) else "prompt")
-    suffix = suffix_ids_of(req.suffix, tokens)
+    suffix = suffix_ids_of(req.suffix if two_stage else None, tokens)
     think_end = tokens.think_end_id
     stage1 = sampling_of(req.stage1, positional,
                          default_stop_ids=(think_end,) if think_end is not None else ())
-    beam = req.beam
+    beam = req.beam if two_stage else BeamParams()
     cap = prefill_capacity
     if cap is not None:
         validate_prompt(prompt, vocab_size=cap.vocab_size, max_model_len=cap.max_model_len,
@@ -164,7 +200,7 @@ def plan_request(req: GenerateCall, deadline: float | None, *,
         t = time.monotonic() + req.timeout_ms / 1e3
         deadline = t if deadline is None else min(deadline, t)
     request_id = check_request_id(req.request_id or new_id())
-    path = req.path
+    path = asked_path(req, has_decode)
     if path == Path.AUTO:
         longest_parent = len(prompt) + stage1.max_tokens
         path = (Path.COLOCATED if not has_decode or longest_parent < colocated_below_tokens
@@ -172,7 +208,7 @@ def plan_request(req: GenerateCall, deadline: float | None, *,
     if path == Path.HANDOFF and not has_decode:
         raise InvalidRequest("path", "no decode engine is configured")
     return Plan(request_id, prompt, suffix, stage1, beam, path, deadline,
-                fault=fault_of(req.fault), adapter=adapter_of(req.adapter),
+                fault=fault_of(req.fault if two_stage else ""), adapter=adapter_of(req.adapter),
                 chunk_ids=tuple(req.chunk_ids))
 
 
@@ -234,6 +270,7 @@ def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) ->
         num_dropped_beams=s2.num_dropped_beams,
         stage1_seed=out.plan.stage1.seed or 0,
         stage1_positional=out.plan.stage1.positional,
+        adapter=out.plan.adapter,
         stats=HandoffStats(
             path=out.plan.path, prefill_endpoint=out.prefill, decode_endpoint=out.decode or "",
             num_parent_tokens=num_parent_tokens,

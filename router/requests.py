@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvhandoff.types import Beam, BeamParams, Path, Sampling
+from kvhandoff.types import Beam, BeamParams, Path, Sampling, TokenLogprob
 
 #: A prompt or suffix as given: text (tokenised by the router, once) or token ids.
 Prompt = str | list[int]
@@ -79,6 +79,21 @@ class ContinueCall:
     model: str = ""
     adapter: str = ""
     fault: str = ""
+    #: ``model`` names the base model as the one to run under (vLLM's reading of HTTP's
+    #: ``model``): a parent that ran under an adapter is refused, not inherited.
+    base_only: bool = False
+
+
+@dataclass(frozen=True)
+class BeamsCall:
+    """Beam search over a whole prompt, nothing imported (HTTP's beam search without a
+    parent)."""
+
+    prompt: Prompt
+    beam: BeamParams = BeamParams()
+    adapter: str = ""
+    timeout_ms: int = 0
+    request_id: str = ""
 
 
 @dataclass
@@ -151,6 +166,84 @@ class Result:
     parent_id: str = ""
     stage1_seed: int = 0
     stage1_positional: bool = False
+    #: The LoRA adapter stage 2 ran under ("": the base model). Not on the gRPC wire.
+    adapter: str = ""
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A stream item: stage-1 tokens of request ``request_id`` (a parent's id) as P
+    sampled them, and their logprobs when the call asked for them (None when not)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class Parent:
+    """StartParent's answer: the parent as it stands when stage 1 ended."""
+
+    parent_id: str
+    model: str
+    adapter: str
+    prompt_ids: list[int]
+    thinking_ids: list[int]
+    thinking_text: str
+    thinking_logprobs: list[TokenLogprob]
+    finish_reason: str
+    held: bool
+    not_held_reason: str
+    prefill_endpoint: str
+    #: When P's hold ends (Unix time); None when it is not held.
+    lease_expires_at: float | None
+    stage1_ms: float
+    #: Its stage-1 sampling as run (None: not known).
+    stage1_seed: int | None
+    stage1_positional: bool
+    #: An approximate composition's stats (``HandoffStats`` fields; {}: exact).
+    approximation: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A registered named KV chunk (RegisterChunk's answer, ListChunks' items)."""
+
+    chunk_id: str
+    under: str
+    token_ids: list[int]
+    num_chain_tokens: int
+    num_blocks: int
+    prefill_endpoint: str
+    adapter: str
+    uses: int
+    last_used: float
+    prefill_ms: float
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class ChunkListing:
+    """ListChunks' answer: the chunks, and per P (by address) the blocks they hold and
+    the most they may."""
+
+    chunks: list[Chunk]
+    held_blocks: dict[str, int]
+    share_blocks: dict[str, int]
+    evictions: int
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Whether the router takes work: the roles with no engine taking it, and each
+    engine's state by address ("ok", "drained", or why it is out)."""
+
+    missing: list[str]
+    engines: dict[str, str]
+
+    @property
+    def ready(self) -> bool:
+        return not self.missing
 
 
 @dataclass(frozen=True)
