@@ -42,10 +42,10 @@ import grpc
 
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import BeamParams, InvalidRequest, Path, Stage1Params, validate_prompt
-from router.composition import Composition, approximate, is_chain
+from router.composition import Composition, approximate, check_adapter, is_chain
 from router.config import RouterConfig
 from router.endpoint import Endpoint
-from router.errors import adapter_named, grpc_error
+from router.errors import grpc_error
 from router.pin_releases import PinReleases
 from router.plan import CHUNK_PREFIX, Outcome, Plan, ids_of
 from router.pool import EnginePool
@@ -184,11 +184,8 @@ class Chunks:
                                          else ": list its chain from the root")
                     + " (chunks prefilled apart are composed only approximately: "
                       "register each under the one before it, or ask for approximate)")
-        if chain and chain[-1].adapter != adapter:
-            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"chunk {chain[-1].chunk_id!r} was prefilled under "
-                             f"{adapter_named(chain[-1].adapter)}, the request runs under "
-                             f"{adapter_named(adapter)}")
+        if chain:
+            check_adapter(chain[-1], adapter)
         return Composition(chain)
 
     @contextlib.contextmanager
@@ -229,11 +226,8 @@ class Chunks:
         if not own:
             raise InvalidRequest("tokens", "is empty")
         parent = self.get(call.under) if call.under else None
-        if parent is not None and parent.adapter != call.adapter:
-            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"chunk {parent.chunk_id!r} was prefilled under "
-                             f"{adapter_named(parent.adapter)}: a chunk under it is too, "
-                             f"not under {adapter_named(call.adapter)}")
+        if parent is not None:
+            check_adapter(parent, call.adapter, under=True)
         chain_ids = (parent.chain_ids if parent else []) + own
         p = parent.prefill if parent is not None else await self.pool.pick_prefill(
             deadline, prompt_ids=chain_ids, adapter=call.adapter)

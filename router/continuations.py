@@ -48,6 +48,7 @@ from router.executor import Executor
 from router.parents import ParentRecord, ParentRegistry
 from router.plan import (
     Outcome,
+    ParentLink,
     Plan,
     approximation,
     check_request_id,
@@ -273,22 +274,23 @@ class Continuations:
         t0 = time.perf_counter()
         out = Outcome(plan, record.prefill, None, thinking_ids=list(record.thinking_ids),
                       stage1_finish_reason=record.finish_reason)
-        request = self.stages.stage2_request(plan, out)
+        why_not = record.why_not_importable()
+        # P holds it (stage 2 on that P copies from the held blocks), or its D imports it.
+        on_p, on_d = not why_not and record.local, not why_not and not record.local
+        request = self.stages.stage2_request(
+            plan, out, held_parent=record.held_name if on_p else "",
+            handoff=record.handoff if on_d else None)
         claim = None
         # In use from here: never released early while this continuation may read it.
         record.in_use += 1
-        why_not = record.why_not_importable()
         try:
-            if not why_not and record.local:
-                # P holds it: stage 2 on that P copies from the held blocks.
-                request.held_parent = record.held_name
+            if on_p:
                 out.decode = record.prefill
                 out.stage2 = await self.stages.stage2(record.prefill_ep, None, request, plan,
                                                       out)
-            elif not why_not:
+            elif on_d:
                 claim = await self.pool.pick_decode(len(request.prompt_token_ids), plan.beam,
                                                     plan.deadline, only=[record.decode])
-                request.handoff.CopyFrom(record.handoff)
                 claim = await self.executor.stage2_or_recompute(
                     claim.endpoint, claim, request, plan, out, True, recompute=not req.strict)
             elif req.strict:
@@ -306,13 +308,6 @@ class Continuations:
                 claim.release()
         out.total_ms = (time.perf_counter() - t0) * 1e3
         result = to_result(out, self.tokens.tokenizer, received_at)
-        result.parent_id = record.parent_id
-        if record.stage1 is not None:
-            result.stage1_seed = record.stage1.seed or 0
-            result.stage1_positional = record.stage1.positional
-        result.stats.num_parent_tokens = len(record.prompt_ids) + len(record.thinking_ids)
-        for name, value in record.approximation.items():  # its parent's KV: approximate
-            setattr(result.stats, name, value)
         outcome = "recomputed" if result.stats.recomputed else "imported"
         self.registry.continuations[outcome] += 1
         return result
@@ -362,5 +357,6 @@ class Continuations:
         return Plan(request_id, list(record.prompt_ids), suffix, Stage1Params(max_tokens=1),
                     beam, Path.COLOCATED if record.local else Path.HANDOFF,
                     deadline, stage2_sampling=sampling, fault=fault_of(req.fault),
-                    adapter=record.adapter)
+                    adapter=record.adapter, parent=ParentLink(
+                        record.parent_id, record.stage1, record.approximation))
 

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from kvhandoff.model import ModelTokens
-from kvhandoff.types import BeamParams, InvalidRequest, Path
+from kvhandoff.types import BeamParams, InvalidRequest
 from router import placement
 from router.chunks import Chunks
 from router.config import RouterConfig
@@ -32,7 +32,7 @@ from router.endpoint import Endpoint
 from router.executor import Executor, Items
 from router.moves import MoveDesk
 from router.parents import ParentRecord, ParentRegistry
-from router.plan import Plan, asked_path, plan_request
+from router.plan import Plan, plan_request
 from router.pool import EnginePool, connect
 from router.requests import (
     ContinueCall,
@@ -112,30 +112,13 @@ class Router:
             self.check_model(req.model)
         composition = (self.chunks.compose(req.chunk_ids, req.adapter, req.recompute_share)
                        if req.chunk_ids else None)
-        if req.recompute_share is not None and not req.chunk_ids:
-            raise InvalidRequest("recompute_share", "composes chunks: name them (chunk_ids)")
-        plan = plan_request(
+        return plan_request(
             req, deadline, tokens=self.tokens,
             prefill_capacity=next((ep.capacity for ep in self.prefill if ep.capacity), None),
             has_decode=bool(self.decode),
             colocated_below_tokens=self.config.colocated_below_tokens,
-            new_id=self.new_id,
-            positional=self.config.positional_sampling,
-            prefix_ids=composition.prefix_ids if composition is not None else None)
-        plan.prefer_prefill = composition.prefill if composition is not None else None
-        if composition is not None and composition.blend is not None:
-            # Stage 1 is exported and never held or moved: its KV is salted on P and D.
-            if asked_path(req, bool(self.decode)) == Path.COLOCATED:
-                raise InvalidRequest("path", "an approximate composition runs stage 2 on "
-                                             "a decode engine (path HANDOFF or AUTO)")
-            if not self.decode:
-                raise InvalidRequest("recompute_share", "an approximate composition runs "
-                                     "stage 2 on a decode engine; none is configured")
-            if plan.import_fault:
-                raise InvalidRequest("fault", "a decode-side fault runs under a salt of its "
-                                     "own, which an approximate composition's KV refuses")
-            plan.path, plan.blend = Path.HANDOFF, composition.blend
-        return plan
+            new_id=self.new_id, positional=self.config.positional_sampling,
+            composition=composition)
 
     def run(self, plan: Plan) -> Items:
         return self.executor.run(plan)

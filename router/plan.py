@@ -24,6 +24,7 @@ from kvhandoff.types import (
     validate_token_ids,
 )
 from kvhandoff.v1 import engine_pb2
+from router.composition import Composition
 from router.requests import (
     GenerateCall,
     HandoffStats,
@@ -37,6 +38,17 @@ from wire import common as convert
 
 if TYPE_CHECKING:
     from router.endpoint import Endpoint
+
+
+@dataclass(frozen=True)
+class ParentLink:
+    """A continuation's parent, as its answer reports it."""
+
+    parent_id: str
+    #: Its stage-1 sampling as run (None: not known).
+    stage1: Stage1Params | None
+    #: An approximate composition's stats ({}: exact): its KV, so the continuation's.
+    approximation: dict[str, Any]
 
 
 @dataclass
@@ -68,6 +80,8 @@ class Plan:
     #: An approximate composition of those chunks: how P copies them
     #: (``router.composition``; None: an exact chain, or no chunks).
     blend: Blend | None = None
+    #: The parent a continuation continues (None: a two-stage request or beams).
+    parent: ParentLink | None = None
 
     @property
     def export_fault(self) -> str:
@@ -171,12 +185,17 @@ def plan_request(req: GenerateCall | ParentCall, deadline: float | None, *,
                  tokens: ModelTokens, prefill_capacity: engine_pb2.Capacity | None,
                  has_decode: bool, colocated_below_tokens: int,
                  new_id: Callable[[], str], positional: bool = True,
-                 prefix_ids: list[int] | None = None) -> Plan:
-    """Validate ``req`` (with P's capacity when one answered) and make it a Plan;
-    stage 1 samples positionally unless it (or the router, ``positional``) says not.
-    ``prefix_ids``: its chunks' tokens, which the prompt follows (then it may be empty).
-    A parent (``ParentCall``) is validated for the default continuation after it."""
+                 composition: Composition | None = None) -> Plan:
+    """The one builder of a request's Plan: ``req`` validated (with P's capacity when
+    one answered), tokenised once, its path chosen; stage 1 samples positionally unless
+    it (or the router, ``positional``) says not. ``composition``: the chunks its
+    ``chunk_ids`` resolve to (``router.chunks``), whose tokens the prompt follows (then
+    it may be empty) and whose P runs stage 1. A parent (``ParentCall``) is validated
+    for the default continuation after it."""
+    if req.recompute_share is not None and not req.chunk_ids:
+        raise InvalidRequest("recompute_share", "composes chunks: name them (chunk_ids)")
     two_stage = isinstance(req, GenerateCall)
+    prefix_ids = composition.prefix_ids if composition is not None else None
     if req.prompt is None and not prefix_ids:
         raise InvalidRequest("prompt", "set prompt_text or prompt_token_ids")
     prompt = list(prefix_ids or []) + ids_of(
@@ -200,16 +219,31 @@ def plan_request(req: GenerateCall | ParentCall, deadline: float | None, *,
         t = time.monotonic() + req.timeout_ms / 1e3
         deadline = t if deadline is None else min(deadline, t)
     request_id = check_request_id(req.request_id or new_id())
-    path = asked_path(req, has_decode)
+    asked = path = asked_path(req, has_decode)
     if path == Path.AUTO:
         longest_parent = len(prompt) + stage1.max_tokens
         path = (Path.COLOCATED if not has_decode or longest_parent < colocated_below_tokens
                 else Path.HANDOFF)
     if path == Path.HANDOFF and not has_decode:
         raise InvalidRequest("path", "no decode engine is configured")
-    return Plan(request_id, prompt, suffix, stage1, beam, path, deadline,
-                fault=fault_of(req.fault if two_stage else ""), adapter=adapter_of(req.adapter),
-                chunk_ids=tuple(req.chunk_ids))
+    fault = fault_of(req.fault if two_stage else "")
+    blend = composition.blend if composition is not None else None
+    if blend is not None:
+        # Stage 1 is exported and never held or moved: its KV is salted on P and D.
+        if asked == Path.COLOCATED:
+            raise InvalidRequest("path", "an approximate composition runs stage 2 on "
+                                         "a decode engine (path HANDOFF or AUTO)")
+        if not has_decode:
+            raise InvalidRequest("recompute_share", "an approximate composition runs "
+                                 "stage 2 on a decode engine; none is configured")
+        if fault and FAULTS[fault].side != "prefill":
+            raise InvalidRequest("fault", "a decode-side fault runs under a salt of its "
+                                 "own, which an approximate composition's KV refuses")
+        path = Path.HANDOFF
+    return Plan(request_id, prompt, suffix, stage1, beam, path, deadline, fault=fault,
+                adapter=adapter_of(req.adapter), chunk_ids=tuple(req.chunk_ids),
+                prefer_prefill=composition.prefill if composition is not None else None,
+                blend=blend)
 
 
 #: What the router names named KV chunks with on the Ps (``router.chunks``): no request's
@@ -252,6 +286,8 @@ def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) ->
     for b in beams:
         b.text = tokenizer.decode(b.token_ids, skip_special_tokens=False)
     num_parent_tokens = len(out.plan.prompt_ids) + len(out.thinking_ids)
+    parent = out.plan.parent
+    stage1 = out.plan.stage1 if parent is None else parent.stage1 or out.plan.stage1
     return Result(
         request_id=out.plan.request_id,
         prompt_token_ids=out.plan.prompt_ids,
@@ -268,9 +304,10 @@ def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) ->
         moves=out.moves,
         num_beams_short=s2.num_beams_short,
         num_dropped_beams=s2.num_dropped_beams,
-        stage1_seed=out.plan.stage1.seed or 0,
-        stage1_positional=out.plan.stage1.positional,
+        stage1_seed=stage1.seed or 0,
+        stage1_positional=stage1.positional,
         adapter=out.plan.adapter,
+        parent_id=parent.parent_id if parent is not None else "",
         stats=HandoffStats(
             path=out.plan.path, prefill_endpoint=out.prefill, decode_endpoint=out.decode or "",
             num_parent_tokens=num_parent_tokens,
@@ -286,7 +323,7 @@ def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) ->
                                       - s2.num_computed_tokens_first_step),
             num_cached_prompt_tokens=out.cached_prompt_tokens,
             prefill_engine_id=out.prefill_engine_id,
-            **approximation(out)),
+            **(approximation(out) if parent is None else parent.approximation)),
     )
 
 
