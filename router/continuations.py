@@ -45,7 +45,7 @@ from router.config import RouterConfig
 from router.endpoint import Endpoint
 from router.errors import adapter_named, grpc_error
 from router.executor import Executor
-from router.parents import ParentRecord, ParentRegistry
+from router.parents import ParentRecord, ParentRegistry, ParentState
 from router.plan import (
     Outcome,
     ParentLink,
@@ -143,14 +143,14 @@ class Continuations:
                     record.held_until = out.held_until
                 if record.held_until:
                     registry.hold(record, record.held_until)
+            record.enter(ParentState.HELD if record.held_until and not record.not_held_reason
+                         else ParentState.NOT_HELD)
         except BaseException as e:
-            record.error = str(e) or type(e).__name__
+            record.enter(ParentState.FAILED, str(e) or type(e).__name__)
             # P's blocks (if it exported before failing) come back at its lease end.
             registry.unhold(record)
             registry.discard(record.parent_id)
             raise
-        finally:
-            record.done.set()
         yield record
 
     def _end_holds_for(self, num_blocks: int, p_total_blocks: int
@@ -162,7 +162,8 @@ class Continuations:
         records = self.registry.to_release(num_blocks, p_total_blocks)
         by_prefill: dict[tuple[int, str], tuple[Endpoint, str, list[str]]] = {}
         for r in records:
-            r.not_held_reason = "released early: P's share for held parents was needed"
+            r.enter(ParentState.NOT_HELD, "released early: P's share for held parents was "
+                                          "needed")
             self.registry.unhold(r)
             self.registry.evictions["released"] += 1
             by_prefill.setdefault((id(r.prefill_ep), r.prefill_engine_id),
@@ -231,7 +232,7 @@ class Continuations:
             logger.info("continuation of %s waits for its parent's stage 1", req.parent_id)
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             await asyncio.wait_for(record.done.wait(), timeout)  # TimeoutError: DEADLINE
-        if record.error:
+        if record.state is ParentState.FAILED:
             counts["refused"] += 1
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"parent {req.parent_id!r} failed: {record.error}")
@@ -252,7 +253,7 @@ class Continuations:
         hold_ended = record.held and record.prefill_ep is not None
         # Marked and forgotten before the await: a continuation arriving meanwhile gets
         # NOT_FOUND, never blocks being freed.
-        record.not_held_reason = "released by the client"
+        record.enter(ParentState.NOT_HELD, "released by the client")
         self.registry.unhold(record)
         self.registry.discard(parent_id)
         self.registry.evictions["client"] += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,31 @@ def _serves(ep: Endpoint) -> bool:
     """In rotation and not drained; one still warming up serves once it is done (the
     continuation waits for it)."""
     return ep.in_rotation and not ep.draining
+
+
+class ParentState(enum.Enum):
+    """Where a parent stands."""
+
+    #: Stage 1 runs (a continuation waits for its end).
+    RUNNING = "running"
+    #: Stage 1 ended and P holds its blocks (until ``held_until``: the lease may end).
+    HELD = "held"
+    #: Stage 1 ended and P does not hold it, or no longer (``not_held_reason`` says why).
+    NOT_HELD = "not held"
+    #: Stage 1 failed (``error`` says how); the registry forgets it.
+    FAILED = "failed"
+
+
+#: A parent's allowed transitions, the only place they are written: a hold ends early
+#: (P's share was needed, the client released it), and a parent not held may be
+#: released with a new reason; nothing follows a failure.
+_NEXT: dict[ParentState, frozenset[ParentState]] = {
+    ParentState.RUNNING: frozenset({ParentState.HELD, ParentState.NOT_HELD,
+                                    ParentState.FAILED}),
+    ParentState.HELD: frozenset({ParentState.NOT_HELD}),
+    ParentState.NOT_HELD: frozenset({ParentState.NOT_HELD}),
+    ParentState.FAILED: frozenset(),
+}
 
 
 @dataclass
@@ -78,11 +104,28 @@ class ParentRecord:
     last_used: float = field(default_factory=time.monotonic)
     #: Continuations of it running now: a parent in use is never released early.
     in_use: int = 0
+    #: Read freely; changed only through :meth:`enter` (``done`` is set on leaving
+    #: RUNNING).
+    state: ParentState = ParentState.RUNNING
+
+    def enter(self, state: ParentState, why: str = "") -> None:
+        """Change ``state``: NOT_HELD with ``why`` (kept from before when "": decided
+        before stage 1 ran), FAILED with ``why`` as its ``error``. An illegal
+        transition (``_NEXT``) is a bug in the caller."""
+        if state not in _NEXT[self.state]:
+            raise AssertionError(f"parent {self.parent_id!r}: {self.state.name} -> "
+                                 f"{state.name} is not a parent's transition")
+        self.state = state
+        if state is ParentState.NOT_HELD and why:
+            self.not_held_reason = why
+        if state is ParentState.FAILED:
+            self.error = why
+        self.done.set()
 
     @property
     def held(self) -> bool:
-        return (not self.not_held_reason and self.held_until > 0
-                and time.time() < self.held_until - LEASE_MARGIN_S)
+        return (self.state is ParentState.HELD and not self.not_held_reason
+                and self.held_until > 0 and time.time() < self.held_until - LEASE_MARGIN_S)
 
     @property
     def held_name(self) -> str:

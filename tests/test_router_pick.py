@@ -318,14 +318,14 @@ def test_the_holds_released_for_a_new_parent_are_idle_forgotten_first_then_lru()
     """``ParentRegistry.to_release``: nothing when the new parent fits or could never
     fit; else parents the registry forgot, then the least recently used, never one whose
     continuation is running."""
-    from router.parents import ParentRecord, ParentRegistry
+    from router.parents import ParentRecord, ParentRegistry, ParentState
 
     reg = ParentRegistry(max_parents=2, ttl_s=60, pool_share=0.3)  # 30 of 100 blocks
     records = {}
     for pid in ("old", "mid", "new"):
         r = records[pid] = ParentRecord(pid, "m", [1], num_blocks=10)
-        r.done.set()
         r.held_until = time.time() + 60
+        r.enter(ParentState.HELD)  # stage 1 ended, held on P
         reg.add(r)
         reg.hold(r, r.held_until)
         time.sleep(0.01)
@@ -802,3 +802,28 @@ def test_a_catalog_and_an_adapter_on_different_ds_is_not_found_naming_both(model
     router.pool.decode[0].stub, router.pool.decode[1].stub = Stub(True, False), Stub(True, True)
     claim = asyncio.run(router.pool.pick_decode(100, beam, None, adapter="a"))
     assert claim.endpoint.address == "d1"
+
+
+def test_a_parent_and_a_running_request_refuse_an_illegal_transition():
+    """Their states change only along ``_NEXT`` (``router.parents``, ``router.moves``):
+    a failed parent is never held after, an ended request never runs again."""
+    from router.moves import Running, Stage
+    from router.parents import ParentRecord, ParentState
+
+    held = ParentRecord("held", "m", [1])
+    held.held_until = time.time() + 60
+    held.enter(ParentState.HELD)
+    assert held.done.is_set() and held.held
+    held.enter(ParentState.NOT_HELD, "released by the client")
+    assert not held.held and held.not_held_reason == "released by the client"
+    failed = ParentRecord("failed", "m", [1])
+    failed.enter(ParentState.FAILED, "P went away")
+    assert failed.done.is_set() and failed.error == "P went away"
+    with pytest.raises(AssertionError, match="FAILED -> HELD"):
+        failed.enter(ParentState.HELD)
+    running = Running(_plan(), None, None)
+    running.enter(Stage.ON_D)  # moved to its D
+    running.enter(Stage.ON_P)  # finishing there failed: resumed on a P
+    running.enter(Stage.ENDED)
+    with pytest.raises(AssertionError, match="ENDED -> ON_P"):
+        running.enter(Stage.ON_P)
