@@ -45,7 +45,7 @@ from router.config import RouterConfig
 from router.endpoint import Endpoint
 from router.errors import adapter_named, grpc_error
 from router.executor import Executor
-from router.parents import ParentRecord, ParentRegistry, ParentState
+from router.parents import ParentRecord, ParentState, ParentStore
 from router.plan import (
     Outcome,
     ParentLink,
@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 class Continuations:
     def __init__(self, config: RouterConfig, tokens: ModelTokens, pool: EnginePool,
-                 registry: ParentRegistry, stages: StageCalls, executor: Executor):
+                 registry: ParentStore, stages: StageCalls, executor: Executor):
         self.config, self.tokens, self.pool = config, tokens, pool
         self.registry, self.stages, self.executor = registry, stages, executor
         self._ids = itertools.count()

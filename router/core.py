@@ -25,13 +25,14 @@ from collections.abc import AsyncIterator, Callable
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import BeamParams, InvalidRequest
 from router import placement
+from router.chunk_registry import ChunkStore
 from router.chunks import Chunks
 from router.config import RouterConfig
 from router.continuations import Continuations
 from router.endpoint import Endpoint
 from router.executor import Executor, Items
 from router.moves import MoveDesk
-from router.parents import ParentRecord, ParentRegistry
+from router.parents import ParentRecord, ParentRegistry, ParentStore
 from router.plan import Plan, plan_request
 from router.pool import EnginePool, connect
 from router.requests import (
@@ -43,6 +44,7 @@ from router.requests import (
     Released,
     Result,
 )
+from router.rotation import Rotation
 from router.stages import StageCalls
 from router.warmup import WarmUp
 
@@ -50,25 +52,28 @@ from router.warmup import WarmUp
 class Router:
     def __init__(self, config: RouterConfig,
                  endpoints: tuple[list[Endpoint], list[Endpoint]] | None = None,
-                 new_id: Callable[[], str] | None = None):
+                 new_id: Callable[[], str] | None = None, *,
+                 parents: ParentStore | None = None, chunk_store: ChunkStore | None = None,
+                 rotation: Rotation | None = None):
         """``endpoints`` (P, D) replace gRPC channels to ``config``'s addresses (the Ray
         Serve router passes deployment handles). ``new_id`` makes the ids of requests
-        that name none (Serve's router replicas make ids they own)."""
+        that name none (Serve's router replicas make ids they own). ``parents``,
+        ``chunk_store``, ``rotation``: stores to use instead of this process's own."""
         self.config = config
         self._ids = itertools.count()
         self.new_id = new_id or (lambda: f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}")
         self.tokens = ModelTokens.load(config.model)
         prefill, decode = endpoints if endpoints is not None else connect(config)
         self.pool = EnginePool(config, prefill, decode)
-        self.parents = ParentRegistry(config.max_parents, config.parent_ttl_s,
-                                      config.parent_pool_share)
+        self.parents: ParentStore = parents if parents is not None else ParentRegistry(
+            config.max_parents, config.parent_ttl_s, config.parent_pool_share)
         self.stages = StageCalls(self.tokens, config.capacity_timeout_s)
-        self.desk = MoveDesk(self.pool, self.stages)
+        self.desk = MoveDesk(self.pool, self.stages, rotation)
         self.executor = Executor(config, self.pool, self.stages, self.desk)
         self.continuations = Continuations(config, self.tokens, self.pool, self.parents,
                                            self.stages, self.executor)
         self.warmup = WarmUp(self.tokens, self.pool, self.stages, self.executor)
-        self.chunks = Chunks(config, self.tokens, self.pool, self.stages)
+        self.chunks = Chunks(config, self.tokens, self.pool, self.stages, chunk_store)
 
     @property
     def prefill(self) -> list[Endpoint]:

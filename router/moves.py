@@ -23,6 +23,7 @@ from router.errors import RouterError, grpc_error
 from router.plan import Outcome, Plan
 from router.pool import EnginePool
 from router.requests import Drained, Moved
+from router.rotation import LocalRotation, Rotation
 from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
@@ -132,8 +133,11 @@ class Running:
 
 
 class MoveDesk:
-    def __init__(self, pool: EnginePool, stages: StageCalls):
+    def __init__(self, pool: EnginePool, stages: StageCalls,
+                 rotation: Rotation | None = None):
         self.pool, self.stages = pool, stages
+        #: Which engines are drained (``router.rotation``).
+        self.rotation: Rotation = rotation if rotation is not None else LocalRotation()
         self._running: dict[str, Running] = {}
 
     def __len__(self) -> int:
@@ -227,7 +231,8 @@ class MoveDesk:
         if dest is running.p:
             return "stage 1 already runs there"
         if not dest.takes_work:
-            return "it is " + ("drained" if dest.draining else "out of rotation")
+            return "it is " + ("drained" if self.rotation.is_drained(dest)
+                               else "out of rotation")
         return ""
 
     async def drain(self, address: str, timeout_s: float = 300.0,
@@ -243,11 +248,11 @@ class MoveDesk:
                              f"({self.pool.known()})")
         t0 = time.monotonic()
         if undo:
-            ep.draining = False
+            self.rotation.undo(ep)
             logger.info("%s takes new work again (drain undone)", address)
             self.pool.room_changed()
             return Drained(endpoint=address, empty=True)
-        ep.draining = True
+        self.rotation.drain(ep)
         affected = [r for r in self._running.values() if r.uses(ep) or r.d is ep]
         logger.info("draining %s: %d running requests use it", address, len(affected))
         moved, in_place = 0, 0

@@ -17,7 +17,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvhandoff.types import InvalidRequest, Stage1Params, TokenLogprob
 from kvhandoff.v1 import common_pb2
@@ -156,6 +156,49 @@ class ParentRecord:
             return (f"{which} now serves other weights (model {now}; the parent's KV was "
                     f"computed by model {self.model_fingerprint})")
         return ""
+
+
+class ParentStore(Protocol):
+    """The parents by id, and the P blocks their holds take. Every method answers at
+    once (no await): ``router.continuations`` relies on no other request running
+    between a check and its write (``to_release``/``may_hold`` then ``hold``).
+    :class:`ParentRegistry` keeps them in this process; another store may stand in."""
+
+    #: Parents forgotten or released, by reason; continuations, by outcome.
+    evictions: collections.Counter
+    continuations: collections.Counter
+
+    def __len__(self) -> int: ...
+
+    def add(self, record: ParentRecord) -> None:
+        """Keep ``record`` (InvalidRequest when its id is taken)."""
+        ...
+
+    def get(self, parent_id: str) -> ParentRecord | None:
+        """The parent named so (None: unknown or forgotten); counts as a use."""
+        ...
+
+    def ids(self) -> list[str]: ...
+
+    def discard(self, parent_id: str) -> None: ...
+
+    def hold(self, record: ParentRecord, until: float) -> None:
+        """Count ``record``'s blocks against the share until ``until`` (time.time())."""
+        ...
+
+    def unhold(self, record: ParentRecord) -> None: ...
+
+    def may_hold(self, num_blocks: int, p_total_blocks: int) -> str:
+        """"" when a parent of ``num_blocks`` fits in the share, else why not."""
+        ...
+
+    def to_release(self, num_blocks: int, p_total_blocks: int) -> list[ParentRecord]:
+        """Idle held parents whose holds, ended now, make room for ``num_blocks``."""
+        ...
+
+    def held_blocks(self) -> int: ...
+
+    def num_held(self) -> int: ...
 
 
 class ParentRegistry:
