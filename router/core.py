@@ -34,7 +34,7 @@ from router.executor import Executor, Items
 from router.moves import MoveDesk
 from router.parents import ParentRecord, ParentRegistry, ParentStore
 from router.plan import Plan, plan_request
-from router.pool import EnginePool, connect
+from router.pool import EnginePool
 from router.requests import (
     ContinueCall,
     Drained,
@@ -45,6 +45,7 @@ from router.requests import (
     Result,
 )
 from router.rotation import Rotation
+from router.snapshots import connect
 from router.stages import StageCalls
 from router.warmup import WarmUp
 
