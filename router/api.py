@@ -250,7 +250,7 @@ class RouterAPI:
             prefill_endpoint=r.prefill, lease_expires_at=r.held_until if held else None,
             stage1_ms=r.stage1_ms, stage1_seed=r.stage1.seed if r.stage1 else None,
             stage1_positional=bool(r.stage1 and r.stage1.positional),
-            approximation=dict(r.approximation))
+            approximation=r.approximation)
 
     async def continue_(self, front: str, request: ContinueCall,
                         deadline: float | None) -> Result:

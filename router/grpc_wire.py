@@ -11,6 +11,7 @@ import dataclasses
 from kvhandoff.types import InvalidRequest, Path
 from kvhandoff.v1 import common_pb2, router_pb2
 from router.requests import (
+    Approximation,
     Chunk,
     ChunkCall,
     ChunkListing,
@@ -79,10 +80,13 @@ def continue_call(msg: router_pb2.ContinueRequest) -> ContinueCall:
 def result_to_pb(result: Result) -> router_pb2.GenerateResponse:
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
               if f.name != "adapter"}  # HTTP's answer names it; the proto has no field
+    stats = {f.name: getattr(result.stats, f.name) for f in dataclasses.fields(result.stats)
+             if f.name != "approximation"}
     return router_pb2.GenerateResponse(**{
         **fields, "beams": common.beams_to_pb(result.beams),
         "timings": router_pb2.Timings(**dataclasses.asdict(result.timings)),
-        "stats": router_pb2.HandoffStats(**dataclasses.asdict(result.stats)),
+        "stats": router_pb2.HandoffStats(
+            **stats, **Approximation.fields_of(result.stats.approximation)),
         "moves": [router_pb2.Move(**dataclasses.asdict(m)) for m in result.moves]})
 
 
@@ -107,7 +111,7 @@ def parent_event_to_pb(item: TokenBatch | Parent) -> router_pb2.ParentEvent:
         stage1_ms=item.stage1_ms, model=item.model, adapter=item.adapter,
         stage1_seed=item.stage1_seed or 0, stage1_positional=item.stage1_positional,
         thinking_logprobs=common.logprobs_to_pb(item.thinking_logprobs),
-        **item.approximation))
+        **Approximation.fields_of(item.approximation)))
 
 
 def moved_to_pb(moved: Moved) -> router_pb2.MoveResponse:

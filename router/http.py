@@ -56,7 +56,7 @@ from router.http_schema import (
     sse,
     unauthorized,
 )
-from router.requests import BeamsCall, ChunkCall, ContinueCall, Parent, ParentCall, TokenBatch
+from router.requests import Approximation, BeamsCall, ChunkCall, ContinueCall, Parent, ParentCall, TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,8 @@ def _parent_usage(parent: Parent) -> dict[str, Any]:
 def _parent_info(parent: Parent) -> dict[str, Any]:
     return {"held": parent.held, "not_held_reason": parent.not_held_reason,
             "lease_expires_at": parent.lease_expires_at, "seed": parent.stage1_seed,
-            "positional": parent.stage1_positional, **parent.approximation}
+            "positional": parent.stage1_positional,
+            **Approximation.fields_of(parent.approximation)}
 
 
 async def _parsed(request: Request, model: type[Any]) -> Any:

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvhandoff.types import InvalidRequest, TokenLogprob
-from router.requests import Chunk, Result
+from router.requests import Approximation, Chunk, Result
 
 #: gRPC status -> HTTP status of the error body.
 HTTP_STATUS = {
@@ -187,7 +187,4 @@ def beams_json(model: str, resp: Result) -> dict[str, Any]:
                       decode_endpoint=s.decode_endpoint,
                       stage2_first_step_ms=resp.timings.stage2_first_step_ms,
                       stage2_ms=resp.timings.stage2_ms,
-                      **({"approximate": s.approximate,
-                          "num_blended_tokens": s.num_blended_tokens,
-                          "recomputed_share": s.recomputed_share}
-                         if s.approximate or s.recomputed_share else {}))
+                      **Approximation.fields_of(s.approximation))

@@ -17,11 +17,12 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvhandoff.types import InvalidRequest, Stage1Params, TokenLogprob
 from kvhandoff.v1 import common_pb2
 from router.config import LEASE_MARGIN_S
+from router.requests import Approximation
 
 if TYPE_CHECKING:
     from router.endpoint import Endpoint
@@ -87,9 +88,8 @@ class ParentRecord:
     thinking_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
     handoff: common_pb2.Handoff | None = None
-    #: An approximate composition's stats (``HandoffStats`` fields; {}: exact), which
-    #: its continuations carry too.
-    approximation: dict[str, Any] = field(default_factory=dict)
+    #: An approximate composition's KV (None: exact), which its continuations carry.
+    approximation: Approximation | None = None
     #: The identity of the weights that computed its KV (``model_fingerprint`` of its
     #: handoff, or of its P's capacity when held there; "": not known, not checked).
     model_fingerprint: str = ""

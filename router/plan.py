@@ -26,6 +26,7 @@ from kvhandoff.types import (
 from kvhandoff.v1 import engine_pb2
 from router.composition import Composition
 from router.requests import (
+    Approximation,
     GenerateCall,
     HandoffStats,
     Move,
@@ -47,8 +48,8 @@ class ParentLink:
     parent_id: str
     #: Its stage-1 sampling as run (None: not known).
     stage1: Stage1Params | None
-    #: An approximate composition's stats ({}: exact): its KV, so the continuation's.
-    approximation: dict[str, Any]
+    #: An approximate composition's KV (None: exact): so the continuation's.
+    approximation: Approximation | None
 
 
 @dataclass
@@ -323,16 +324,15 @@ def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) ->
                                       - s2.num_computed_tokens_first_step),
             num_cached_prompt_tokens=out.cached_prompt_tokens,
             prefill_engine_id=out.prefill_engine_id,
-            **(approximation(out) if parent is None else parent.approximation)),
+            approximation=approximation(out) if parent is None else parent.approximation),
     )
 
 
-def approximation(out: Outcome) -> dict[str, Any]:
-    """An approximate composition's stats: flagged wherever P copied any chunk token."""
+def approximation(out: Outcome) -> Approximation | None:
+    """What P copied of an approximate composition's chunks (None: not one)."""
     blend = out.plan.blend
     if blend is None:
-        return {}
+        return None
     num_chunk_tokens = sum(p.length for p in blend.parts)
-    return {"approximate": out.num_blended_tokens > 0,
-            "num_blended_tokens": out.num_blended_tokens,
-            "recomputed_share": 1.0 - out.num_blended_tokens / max(num_chunk_tokens, 1)}
+    return Approximation(out.num_blended_tokens,
+                         1.0 - out.num_blended_tokens / max(num_chunk_tokens, 1))

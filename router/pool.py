@@ -11,12 +11,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from kvhandoff.types import BeamParams
 from router import placement
 from router.cache_feed import EngineCaches
 from router.config import RouterConfig
 from router.decode_queue import DecodeQueue
-from router.endpoint import Claim, Endpoint, EngineObserver
+from router.endpoint import Endpoint, EngineObserver
 from router.errors import none_in_rotation
 from router.placement import check_servable
 from router.snapshots import Snapshots, give_up_at
@@ -37,6 +36,8 @@ class EnginePool:
             if config.placement == "cache" else None))
         self.queue = DecodeQueue(config, decode, self.snapshots, self.decode_ranker,
                                  self.cached_blocks)
+        #: A claim on a D with room for a stage 2: the queue's (``DecodeQueue.pick_decode``).
+        self.pick_decode = self.queue.pick_decode
 
     @property
     def caches(self) -> EngineCaches | None:
@@ -107,18 +108,6 @@ class EnginePool:
 
     def room_changed(self) -> None:
         self.snapshots.room_changed()
-
-    async def pick_decode(self, num_prompt_tokens: int, beam: BeamParams,
-                          deadline: float | None, *, fresh: bool = False,
-                          only: list[Endpoint] | None = None,
-                          prompt_ids: Sequence[int] | None = None,
-                          shortest: int | None = None, adapter: str = "",
-                          warming_ok: bool = False) -> Claim:
-        """A claim on a D with room for the stage 2 (``DecodeQueue.pick_decode``)."""
-        return await self.queue.pick_decode(
-            num_prompt_tokens, beam, deadline, fresh=fresh, only=only,
-            prompt_ids=prompt_ids, shortest=shortest, adapter=adapter,
-            warming_ok=warming_ok)
 
     # ---- picks --------------------------------------------------------------------------
     def cached_blocks(self, ep: Endpoint, token_ids: Sequence[int] | None,

@@ -6,6 +6,7 @@ converts them one to one; nothing here knows a wire."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvhandoff.types import Beam, BeamParams, Path, Sampling, TokenLogprob
 
@@ -96,6 +97,32 @@ class BeamsCall:
     request_id: str = ""
 
 
+@dataclass(frozen=True)
+class Approximation:
+    """An approximate composition's KV (``router.composition``): its chunk tokens whose
+    KV P copied, and the share of the chunks' tokens computed instead (1.0 where P
+    copied none). A request's, and a parent's, which its continuations carry."""
+
+    num_blended_tokens: int
+    recomputed_share: float
+
+    @property
+    def approximate(self) -> bool:
+        """Flagged wherever P copied any chunk token."""
+        return self.num_blended_tokens > 0
+
+    @staticmethod
+    def fields_of(approximation: Approximation | None) -> dict[str, Any]:
+        """Its wire fields (``approximate``, ``num_blended_tokens``,
+        ``recomputed_share``: router.proto's HandoffStats and Parent, the HTTP answer's
+        ``kvhandoff``); none for an exact request (None)."""
+        if approximation is None:
+            return {}
+        return {"approximate": approximation.approximate,
+                "num_blended_tokens": approximation.num_blended_tokens,
+                "recomputed_share": approximation.recomputed_share}
+
+
 @dataclass
 class Move:
     """One move of a running stage 1 (Router.Move, Drain, a resume), as it happened."""
@@ -138,11 +165,8 @@ class HandoffStats:
     num_found_on_d_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     prefill_engine_id: str = ""
-    #: An approximate composition (``router.composition``): its chunk tokens whose KV P
-    #: copied, and the share of them computed (1.0 where P copied none).
-    approximate: bool = False
-    num_blended_tokens: int = 0
-    recomputed_share: float = 0.0
+    #: An approximate composition's KV (None: exact, or no chunks).
+    approximation: Approximation | None = None
 
 
 @dataclass
@@ -201,8 +225,8 @@ class Parent:
     #: Its stage-1 sampling as run (None: not known).
     stage1_seed: int | None
     stage1_positional: bool
-    #: An approximate composition's stats (``HandoffStats`` fields; {}: exact).
-    approximation: dict = field(default_factory=dict)
+    #: An approximate composition's KV (None: exact, or no chunks).
+    approximation: Approximation | None = None
 
 
 @dataclass(frozen=True)
