@@ -1,19 +1,23 @@
 """``Router``: the router's parts, wired. It owns nothing but the wiring; each part owns
 its state:
 
-- ``pool`` (:class:`~router.pool.EnginePool`): the engines, their rotation and snapshots,
-  claims on D's room and the D wait queue;
-- ``parents`` (:class:`~router.parents.ParentRegistry`): parents kept for continuations;
+- ``pool`` (:class:`~router.pool.EnginePool`): the engines and the picks, over their
+  snapshots and rotation (``router.snapshots``) and the claims on D's room and the D
+  wait queue (``router.decode_queue``);
+- ``parents`` (a :class:`~router.parents.ParentStore`): parents kept for continuations;
 - ``stages`` (:class:`~router.stages.StageCalls`): the plain engine calls;
-- ``desk`` (:class:`~router.moves.MoveDesk`): requests running now, moves and drains;
+- ``desk`` (:class:`~router.moves.MoveDesk`): requests running now, moves and drains
+  (which engines are drained: a :class:`~router.rotation.Rotation`);
 - ``executor`` (:class:`~router.executor.Executor`): a two-stage request's run;
 - ``continuations`` (:class:`~router.continuations.Continuations`): parents, their
   continuations, beams over a whole prompt;
-- ``chunks`` (:class:`~router.chunks.Chunks`): named KV chunks held on the Ps;
+- ``chunks`` (:class:`~router.chunks.Chunks`): named KV chunks held on the Ps (kept in
+  a :class:`~router.chunk_registry.ChunkStore`);
 - ``warmup`` (:class:`~router.warmup.WarmUp`).
 
-The fronts (gRPC, HTTP, Ray Serve) reach it through ``router.api``, which admits, plans,
-runs and maps errors the same way for each.
+A request's Plan is built by ``router.plan.plan_request`` alone. The fronts (gRPC, HTTP,
+Ray Serve) reach the router through ``router.api`` only (an import contract), which
+admits, plans, runs and maps errors the same way for each.
 """
 
 from __future__ import annotations

@@ -827,3 +827,35 @@ def test_a_parent_and_a_running_request_refuse_an_illegal_transition():
     running.enter(Stage.ENDED)
     with pytest.raises(AssertionError, match="ENDED -> ON_P"):
         running.enter(Stage.ON_P)
+
+
+def test_the_routers_registries_are_taken_by_their_interfaces(model_dir):
+    """Another store stands in for the parents, the chunks and the drains
+    (``ParentStore``, ``ChunkStore``, ``Rotation``): the router uses what it is given."""
+    from router import Endpoint, Router, RouterConfig
+    from router.chunk_registry import ChunkRegistry
+    from router.parents import ParentRegistry
+    from router.rotation import LocalRotation
+
+    class Drains(LocalRotation):
+        def __init__(self):
+            self.asked: list[tuple[str, str]] = []
+
+        def drain(self, ep):
+            self.asked.append(("drain", ep.address))
+            super().drain(ep)
+
+        def undo(self, ep):
+            self.asked.append(("undo", ep.address))
+            super().undo(ep)
+
+    parents, chunks, drains = ParentRegistry(4, 60.0, 0.5), ChunkRegistry(), Drains()
+    d = Endpoint("d0", FakeEngineStub(100), None)
+    config = RouterConfig(prefill=("p",), decode=("d0",), model=model_dir, warm_up=False)
+    router = Router(config, endpoints=([Endpoint("p", FakeEngineStub(100), None)], [d]),
+                    parents=parents, chunk_store=chunks, rotation=drains)
+    assert router.parents is parents and router.chunks.store is chunks
+    drained = asyncio.run(router.drain("d0", timeout_s=1.0))
+    assert drained.empty and d.draining and not d.takes_work
+    asyncio.run(router.drain("d0", undo=True))
+    assert drains.asked == [("drain", "d0"), ("undo", "d0")] and not d.draining
