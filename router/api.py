@@ -19,7 +19,6 @@ from typing import Any
 import grpc
 
 from router.auth import Credentials
-from router.chunks import ChunkRecord
 from router.config import RouterConfig
 from router.core import Router
 from router.endpoint import Endpoint
@@ -285,12 +284,10 @@ class RouterAPI:
         with self.admission.admit(front):
             record = await self.router.chunks.register(request, deadline)
         self.metrics.observe_served(front)
-        return _chunk(record)
+        return record.as_chunk()
 
     def chunks(self) -> ChunkListing:
-        listing = self.router.chunks.listing()
-        return ChunkListing([_chunk(r) for r in listing.chunks], listing.held_blocks,
-                            listing.share_blocks, listing.evictions)
+        return self.router.chunks.listing()
 
     async def delete_chunk(self, chunk_id: str) -> list[str]:
         """DeleteChunk (not admitted: it frees room)."""
@@ -302,11 +299,3 @@ class RouterAPI:
 
     async def drain(self, endpoint: str, timeout_ms: int = 0, undo: bool = False) -> Drained:
         return await self.router.drain(endpoint, (timeout_ms or 300_000) / 1e3, undo=undo)
-
-
-def _chunk(r: ChunkRecord) -> Chunk:
-    return Chunk(chunk_id=r.chunk_id, under=r.under, token_ids=r.token_ids,
-                 num_chain_tokens=len(r.chain_ids), num_blocks=r.num_blocks,
-                 prefill_endpoint=r.prefill.address, adapter=r.adapter, uses=r.uses,
-                 last_used=r.last_used, prefill_ms=r.prefill_ms,
-                 num_cached_tokens=r.num_cached_tokens)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from router.endpoint import Endpoint
+from router.requests import Chunk
 
 
 @dataclass
@@ -36,6 +37,14 @@ class ChunkRecord:
     num_cached_tokens: int = 0
     #: Until P has prefilled and holds it: not composable, not evictable.
     ready: bool = False
+
+    def as_chunk(self) -> Chunk:
+        """The chunk as the API answers it (RegisterChunk, ListChunks)."""
+        return Chunk(chunk_id=self.chunk_id, under=self.under, token_ids=self.token_ids,
+                     num_chain_tokens=len(self.chain_ids), num_blocks=self.num_blocks,
+                     prefill_endpoint=self.prefill.address, adapter=self.adapter,
+                     uses=self.uses, last_used=self.last_used, prefill_ms=self.prefill_ms,
+                     num_cached_tokens=self.num_cached_tokens)
 
 
 class ChunkStore(Protocol):

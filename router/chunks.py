@@ -36,7 +36,6 @@ import math
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 
@@ -50,23 +49,12 @@ from router.errors import grpc_error
 from router.pin_releases import PinReleases
 from router.plan import CHUNK_PREFIX, Outcome, Plan, ids_of
 from router.pool import EnginePool
-from router.requests import ChunkCall
+from router.requests import ChunkCall, ChunkListing
 from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-@dataclass(frozen=True)
-class ChunkList:
-    """ListChunks' answer: the chunks, and per P (by address) the blocks they hold and
-    the most they may."""
-
-    chunks: list[ChunkRecord]
-    held_blocks: dict[str, int]
-    share_blocks: dict[str, int]
-    evictions: int
 
 
 class Chunks:
@@ -123,8 +111,9 @@ class Chunks:
             logger.warning("chunks lost with their P's restart: %s",
                            ", ".join(r.chunk_id for r in lost))
 
-    def listing(self) -> ChunkList:
-        return ChunkList(self.records(),
+    def listing(self) -> ChunkListing:
+        """ListChunks' answer."""
+        return ChunkListing([r.as_chunk() for r in self.records()],
                          {ep.address: self.held_blocks(ep) for ep in self.pool.prefill},
                          {ep.address: self.share_blocks(ep) for ep in self.pool.prefill},
                          self.evictions)
