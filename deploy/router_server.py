@@ -20,10 +20,11 @@ from deploy.handles import HandleStub
 from kvhandoff.model import resolve_model
 from kvhandoff.types import check_beam_width
 from kvhandoff.v1 import router_pb2
-from router import Endpoint, Router, RouterAPI, RouterConfig, RouterError
 from router import grpc_wire as wire
-from router.auth import API_KEY_ENV, CLIENT, OPERATOR, OPERATOR_KEY_ENV, Credentials
-from router.metrics import RouterMetrics
+from router.api import RouterAPI
+from router.auth import API_KEY_ENV, CLIENT, OPERATOR, OPERATOR_KEY_ENV, Credentials, need_of
+from router.config import RouterConfig
+from router.errors import RouterError
 
 logger = logging.getLogger("kvhandoff.deploy")
 
@@ -54,15 +55,12 @@ class RouterServer:
                               # Serve's request router picks the replica (by cache:
                               # PrefillRouter, which follows each P replica's events).
                               placement="load")
-        self.router = Router(config, endpoints=(
-            [Endpoint("serve:Prefill", HandleStub(prefill, by_prefix=by_cache), None,
-                      one_engine=False)],
-            [Endpoint("serve:Decode", HandleStub(decode), None, one_engine=False)]),
-            new_id=lambda: owned_id(*self._rank()))
         # The standalone router's keys (router.auth), from the replica's environment
         # (the application's runtime_env env_vars), checked on the proxy's metadata.
-        self.api = RouterAPI(self.router, RouterMetrics(), Credentials(
-            os.environ.get(API_KEY_ENV) or None, os.environ.get(OPERATOR_KEY_ENV) or None))
+        self.api = RouterAPI.over_stubs(
+            config, HandleStub(prefill, by_prefix=by_cache), HandleStub(decode),
+            new_id=lambda: owned_id(*self._rank()), credentials=Credentials(
+                os.environ.get(API_KEY_ENV) or None, os.environ.get(OPERATOR_KEY_ENV) or None))
         self.max_beam_width = max_beam_width
         self._prefill, self._decode = prefill, decode
         self._checked = False
@@ -81,11 +79,11 @@ class RouterServer:
         rank, world_size = self._rank()
         return {"rank": rank, "world_size": world_size}
 
-    async def _ready(self, beam_width: int | None = None,
-                     ask: list[Endpoint] | None = None) -> None:
+    async def _ready(self, beam_width: int | None = None, ask: tuple[str, ...] = (),
+                     unless_one_answered: bool = False) -> None:
         """Once: P and D run the same model, vLLM and block size. Then: the beam width
-        is one this deployment takes, and those of ``ask`` without a snapshot (never
-        asked, or out after an error) are asked now (no poller runs here)."""
+        is one this deployment takes, and the engines of roles ``ask`` without a
+        snapshot are asked now (no poller runs here; ``RouterAPI.ask_engines``)."""
         if not self._checked:
             p, d = await asyncio.gather(self._prefill.info.remote(),
                                         self._decode.info.remote())
@@ -96,9 +94,8 @@ class RouterServer:
             self._checked = True
         if beam_width is not None:
             check_beam_width(beam_width, self.max_beam_width, "this deployment")
-        missing = [ep for ep in ask or [] if ep.capacity is None]
-        if missing:
-            await self.router.refresh_capacity(missing)
+        if ask:
+            await self.api.ask_engines(ask, unless_one_answered)
 
     def _authorize(self, grpc_context: Any, need: str) -> None:
         """The caller's key, from the proxy's metadata (a call through a handle, with
@@ -121,9 +118,7 @@ class RouterServer:
 
     async def _events(self, request: router_pb2.GenerateRequest
                       ) -> AsyncIterator[router_pb2.GenerateStreamEvent]:
-        prefill = self.router.prefill
-        await self._ready(request.beam.beam_width,
-                          ask=None if any(ep.capacity for ep in prefill) else prefill)
+        await self._ready(request.beam.beam_width, ask=("prefill",), unless_one_answered=True)
         async with contextlib.aclosing(
                 self.api.generate(FRONT, wire.generate_call(request), None)) as items:
             async for item in items:
@@ -132,7 +127,7 @@ class RouterServer:
     async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:
         try:
-            self._authorize(grpc_context, OPERATOR if request.fault else CLIENT)
+            self._authorize(grpc_context, need_of(request.fault))
             async with contextlib.aclosing(self._events(request)) as events:
                 async for event in events:
                     if event.HasField("result"):
@@ -144,7 +139,7 @@ class RouterServer:
     async def GenerateStream(self, request: router_pb2.GenerateRequest,  # noqa: N802
                              grpc_context: Any = None):
         try:
-            self._authorize(grpc_context, OPERATOR if request.fault else CLIENT)
+            self._authorize(grpc_context, need_of(request.fault))
             async with contextlib.aclosing(self._events(request)) as events:
                 async for event in events:
                     yield event
@@ -156,12 +151,11 @@ class RouterServer:
         try:
             self._authorize(grpc_context, CLIENT)
             # Every engine: without a D's snapshot the parent would not be held.
-            await self._ready(ask=self.router.pool.endpoints)
-            plan = self.api.parent_plan(wire.parent_call(request), None)
-            tokenizer = self.router.tokens.tokenizer
-            async with contextlib.aclosing(self.api.parent(FRONT, plan)) as items:
+            await self._ready(ask=("prefill", "decode"))
+            async with contextlib.aclosing(self.api.start_parent(
+                    FRONT, wire.parent_call(request), None)) as items:
                 async for item in items:
-                    yield wire.parent_event_to_pb(item, tokenizer)
+                    yield wire.parent_event_to_pb(item)
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
 
@@ -188,7 +182,7 @@ class RouterServer:
     async def Continue(self, request: router_pb2.ContinueRequest,  # noqa: N802
                        grpc_context: Any = None) -> router_pb2.GenerateResponse:
         return await self._unary(grpc_context, self._continue(request),
-                                 OPERATOR if request.fault else CLIENT)
+                                 need_of(request.fault))
 
     async def ReleaseParent(self, request: router_pb2.ReleaseParentRequest,  # noqa: N802
                             grpc_context: Any = None) -> router_pb2.ReleaseParentResponse:
@@ -208,7 +202,7 @@ class RouterServer:
     async def RegisterChunk(self, request: router_pb2.ChunkRequest,  # noqa: N802
                             grpc_context: Any = None) -> router_pb2.Chunk:
         return await self._unary(grpc_context, self._register_chunk(request),
-                                 OPERATOR if request.fault else CLIENT)
+                                 need_of(request.fault))
 
     async def _register_chunk(self, request: router_pb2.ChunkRequest) -> router_pb2.Chunk:
         _, world_size = self._rank()
@@ -217,7 +211,7 @@ class RouterServer:
             raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, (
                 f"named KV chunks live in one router replica's registry and this "
                 f"deployment runs {world_size}: run one router replica to use them"))
-        await self._ready(ask=self.router.prefill)
+        await self._ready(ask=("prefill",))
         return wire.chunk_to_pb(
             await self.api.register_chunk(FRONT, wire.chunk_call(request), None))
 
@@ -250,13 +244,12 @@ class RouterServer:
                                                        request.undo))
 
     async def check_health(self) -> None:
-        endpoints = self.router.pool.endpoints
         with contextlib.suppress(Exception):
-            await self.router.refresh_capacity(endpoints)
-        if self._warm_up is None and all(ep.capacity is not None for ep in endpoints):
+            await self.api.refresh_engines()
+        if self._warm_up is None and self.api.engines_known():
             # One handoff through the handles, off the request path (router.warmup): it
             # sets up the NIXL connection between the P and D replicas Serve picks for it.
-            self._warm_up = asyncio.create_task(self.router.warm_up())
+            self._warm_up = asyncio.create_task(self.api.warm_up())
 
     # The operator's per-replica calls, through a deployment handle: ``rank`` picks the
     # replica (OwnerRouter routes by it; unused here).
@@ -282,4 +275,4 @@ class RouterServer:
 
     def parent_ids(self, rank: int | None = None) -> list[str]:
         """The parents in this replica's registry."""
-        return self.router.parents.ids()
+        return self.api.parent_ids()

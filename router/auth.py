@@ -32,6 +32,13 @@ API_KEY_ENV = "KVHANDOFF_API_KEY"
 OPERATOR_KEY_ENV = "KVHANDOFF_OPERATOR_KEY"
 
 
+def need_of(fault: str | None) -> str:
+    """What a request needs granted: OPERATOR when it names a negative-control fault
+    (it breaks an engine on purpose), else CLIENT. Every front asks this, with the
+    fault its wire carries."""
+    return OPERATOR if fault else CLIENT
+
+
 @dataclass(frozen=True)
 class Credentials:
     client_key: str | None = None

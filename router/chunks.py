@@ -36,20 +36,20 @@ import math
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import grpc
 
 from kvhandoff.model import ModelTokens
 from kvhandoff.types import BeamParams, InvalidRequest, Path, Stage1Params, validate_prompt
-from router.composition import Composition, approximate, is_chain
+from router.chunk_registry import ChunkRecord, ChunkRegistry, ChunkStore
+from router.composition import Composition, approximate, check_adapter, is_chain
 from router.config import RouterConfig
 from router.endpoint import Endpoint
-from router.errors import adapter_named, grpc_error
+from router.errors import grpc_error
 from router.pin_releases import PinReleases
 from router.plan import CHUNK_PREFIX, Outcome, Plan, ids_of
 from router.pool import EnginePool
-from router.requests import ChunkCall
+from router.requests import ChunkCall, ChunkListing
 from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
@@ -57,48 +57,12 @@ logger = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-@dataclass
-class ChunkRecord:
-    chunk_id: str
-    #: The chunk it extends ("": a root).
-    under: str
-    #: Its own tokens, and the chain's through it.
-    token_ids: list[int]
-    chain_ids: list[int]
-    adapter: str
-    prefill: Endpoint
-    #: The engine behind ``prefill`` that holds it, and its name there.
-    engine_id: str = ""
-    held_name: str = ""
-    #: Blocks it holds beyond its chain's (what it counts against the share).
-    num_blocks: int = 0
-    children: set[str] = field(default_factory=set)
-    uses: int = 0
-    #: Running requests that compose it now (never evicted or deleted meanwhile).
-    in_use: int = 0
-    last_used: float = field(default_factory=time.time)
-    prefill_ms: float = 0.0
-    num_cached_tokens: int = 0
-    #: Until P has prefilled and holds it: not composable, not evictable.
-    ready: bool = False
-
-
-@dataclass(frozen=True)
-class ChunkList:
-    """ListChunks' answer: the chunks, and per P (by address) the blocks they hold and
-    the most they may."""
-
-    chunks: list[ChunkRecord]
-    held_blocks: dict[str, int]
-    share_blocks: dict[str, int]
-    evictions: int
-
-
 class Chunks:
     def __init__(self, config: RouterConfig, tokens: ModelTokens, pool: EnginePool,
-                 stages: StageCalls):
+                 stages: StageCalls, store: ChunkStore | None = None):
         self.config, self.tokens, self.pool, self.stages = config, tokens, pool, stages
-        self._records: dict[str, ChunkRecord] = {}
+        #: The chunks by id (``router.chunk_registry``).
+        self.store: ChunkStore = store if store is not None else ChunkRegistry()
         self._ids = itertools.count()
         #: Chunks evicted to make room, and requests that composed chunks, since the start.
         self.evictions = 0
@@ -122,7 +86,7 @@ class Chunks:
     # ---- reading ------------------------------------------------------------------------
     def get(self, chunk_id: str) -> ChunkRecord:
         self._forget_restarted()
-        record = self._records.get(chunk_id)
+        record = self.store.find(chunk_id)
         if record is None or not record.ready:
             raise grpc_error(grpc.StatusCode.NOT_FOUND,
                              f"chunk {chunk_id!r} is unknown here (never registered, "
@@ -131,24 +95,25 @@ class Chunks:
 
     def records(self) -> list[ChunkRecord]:
         self._forget_restarted()
-        return [r for r in self._records.values() if r.ready]
+        return [r for r in self.store.values() if r.ready]
 
     def _forget_restarted(self) -> None:
         """Chunks whose P restarted since (its engine id changed: their blocks went
         with it) are forgotten; a request naming one gets NOT_FOUND, as after a delete.
         Only where an endpoint is one engine (not a Serve deployment's replicas)."""
-        lost = [r for r in self._records.values()
+        lost = [r for r in self.store.values()
                 if r.ready and r.prefill.one_engine and r.prefill.capacity is not None
                 and r.prefill.capacity.engine_id != r.engine_id]
         for r in sorted(lost, key=lambda r: len(r.chain_ids), reverse=True):
-            self._forget([r])
+            self.store.forget([r])
         if lost:
             self.lost += len(lost)
             logger.warning("chunks lost with their P's restart: %s",
                            ", ".join(r.chunk_id for r in lost))
 
-    def listing(self) -> ChunkList:
-        return ChunkList(self.records(),
+    def listing(self) -> ChunkListing:
+        """ListChunks' answer."""
+        return ChunkListing([r.as_chunk() for r in self.records()],
                          {ep.address: self.held_blocks(ep) for ep in self.pool.prefill},
                          {ep.address: self.share_blocks(ep) for ep in self.pool.prefill},
                          self.evictions)
@@ -157,7 +122,7 @@ class Chunks:
         """Blocks the chunks on ``ep`` hold: registered, being registered, or forgotten
         with their Release still to reach P."""
         self._forget_restarted()
-        return sum(r.num_blocks for r in [*self._records.values(),
+        return sum(r.num_blocks for r in [*self.store.values(),
                                           *self.releases.unreleased(ep)]
                    if r.prefill is ep)
 
@@ -184,18 +149,15 @@ class Chunks:
                                          else ": list its chain from the root")
                     + " (chunks prefilled apart are composed only approximately: "
                       "register each under the one before it, or ask for approximate)")
-        if chain and chain[-1].adapter != adapter:
-            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"chunk {chain[-1].chunk_id!r} was prefilled under "
-                             f"{adapter_named(chain[-1].adapter)}, the request runs under "
-                             f"{adapter_named(adapter)}")
+        if chain:
+            check_adapter(chain[-1], adapter)
         return Composition(chain)
 
     @contextlib.contextmanager
     def using(self, chunk_ids: tuple[str, ...]) -> Iterator[None]:
         """Marks the chunks a request composes in use while it runs (those deleted
         since it was planned are not: its stage 1 then computes them)."""
-        chain = [self._records[c] for c in chunk_ids if c in self._records]
+        chain = [self.store.find(c) for c in chunk_ids if c in self.store]
         self.compositions += bool(chunk_ids)
         now = time.time()
         for r in chain:
@@ -215,7 +177,7 @@ class Chunks:
         chunk_id = call.chunk_id or f"chunk-{next(self._ids)}"
         if not _NAME.fullmatch(chunk_id):
             raise InvalidRequest("chunk_id", "use 1 to 128 of [A-Za-z0-9._:-]")
-        if chunk_id in self._records:
+        if chunk_id in self.store:
             raise grpc_error(grpc.StatusCode.ALREADY_EXISTS,
                              f"chunk {chunk_id!r} exists: delete it first, or pick another "
                              "name")
@@ -229,20 +191,17 @@ class Chunks:
         if not own:
             raise InvalidRequest("tokens", "is empty")
         parent = self.get(call.under) if call.under else None
-        if parent is not None and parent.adapter != call.adapter:
-            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"chunk {parent.chunk_id!r} was prefilled under "
-                             f"{adapter_named(parent.adapter)}: a chunk under it is too, "
-                             f"not under {adapter_named(call.adapter)}")
+        if parent is not None:
+            check_adapter(parent, call.adapter, under=True)
         chain_ids = (parent.chain_ids if parent else []) + own
         p = parent.prefill if parent is not None else await self.pool.pick_prefill(
             deadline, prompt_ids=chain_ids, adapter=call.adapter)
         await self.releases.started.wait()  # an earlier run's leftovers released first
-        if chunk_id in self._records:  # registered meanwhile
+        if chunk_id in self.store:  # registered meanwhile
             raise grpc_error(grpc.StatusCode.ALREADY_EXISTS,
                              f"chunk {chunk_id!r} exists: delete it first, or pick another "
                              "name")
-        if parent is not None and self._records.get(parent.chunk_id) is not parent:
+        if parent is not None and self.store.find(parent.chunk_id) is not parent:
             raise grpc_error(grpc.StatusCode.NOT_FOUND,
                              f"chunk {parent.chunk_id!r} was deleted or evicted meanwhile")
         cap = p.capacity
@@ -256,15 +215,14 @@ class Chunks:
             record.num_blocks = math.ceil(len(chain_ids) / cap.block_size) - below
         # Room made and this chunk counted with no await between: registrations running
         # at once cannot take the same room.
-        evicted = self._make_room(p, record, keep={c.chunk_id for c in self._chain(parent)})
-        self._records[chunk_id] = record
-        if parent is not None:
-            parent.children.add(chunk_id)
+        evicted = self._make_room(p, record,
+                                  keep={c.chunk_id for c in self.store.chain(parent)})
+        self.store.add(record)
         try:
             await self.releases.release(p, evicted)
             await self._prefill(record, deadline, call.fault)
         except BaseException:
-            self._forget([record])
+            self.store.forget([record])
             # It may be held already (the client went away after P finished), or held
             # after this Release reaches P (the prefill still finishing there): ended now,
             # and named again with the next release on that P.
@@ -280,13 +238,13 @@ class Chunks:
     async def delete(self, chunk_id: str) -> list[str]:
         """Delete ``chunk_id`` and the chunks under it; P frees their blocks now."""
         record = self.get(chunk_id)
-        subtree = self._subtree(record)
+        subtree = self.store.subtree(record)
         busy = [r.chunk_id for r in subtree if r.in_use or not r.ready]
         if busy:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"chunk {chunk_id!r} cannot be deleted now: {busy} in use by "
                              "running requests or registrations")
-        self._forget(subtree)
+        self.store.forget(subtree)
         await self.releases.release(record.prefill, subtree)
         logger.info("chunks deleted: %s", ", ".join(r.chunk_id for r in subtree))
         return [r.chunk_id for r in subtree]
@@ -324,7 +282,7 @@ class Chunks:
                              f"{p.capacity.num_total_blocks} (--chunk-pool-share "
                              f"{self.config.chunk_pool_share:g})")
         held = self.held_blocks(p)
-        candidates = sorted((r for r in self._records.values()
+        candidates = sorted((r for r in self.store.values()
                              if r.prefill is p and r.ready and not r.children
                              and not r.in_use and r.chunk_id not in keep),
                             key=lambda r: r.last_used)
@@ -343,28 +301,5 @@ class Chunks:
             logger.info("evicting chunks for %s: %s", record.chunk_id,
                         ", ".join(r.chunk_id for r in evicted))
             self.evictions += len(evicted)
-            self._forget(evicted)
+            self.store.forget(evicted)
         return evicted
-
-    def _forget(self, records: list[ChunkRecord]) -> None:
-        for r in records:
-            if self._records.get(r.chunk_id) is r:
-                del self._records[r.chunk_id]
-            if r.under in self._records:
-                self._records[r.under].children.discard(r.chunk_id)
-
-    def _chain(self, record: ChunkRecord | None) -> list[ChunkRecord]:
-        chain = []
-        while record is not None:
-            chain.append(record)
-            record = self._records.get(record.under) if record.under else None
-        return chain
-
-    def _subtree(self, record: ChunkRecord) -> list[ChunkRecord]:
-        out, todo = [], [record]
-        while todo:
-            r = todo.pop(0)
-            out.append(r)
-            todo.extend(self._records[c] for c in sorted(r.children) if c in self._records)
-        return out
-

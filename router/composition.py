@@ -48,6 +48,20 @@ class Composition:
         return self.chain[-1].prefill
 
 
+def check_adapter(record: Any, adapter: str, under: bool = False) -> None:
+    """FAILED_PRECONDITION unless chunk ``record`` was prefilled under ``adapter`` (its
+    KV is that adapter's): a request composing it runs under the same, and so does a
+    chunk registered ``under`` it."""
+    if record.adapter == adapter:
+        return
+    named = adapter_named(record.adapter)
+    raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION, (
+        f"chunk {record.chunk_id!r} was prefilled under {named}: a chunk under it is "
+        f"too, not under {adapter_named(adapter)}") if under else (
+        f"chunk {record.chunk_id!r} was prefilled under {named}, the request runs "
+        f"under {adapter_named(adapter)}"))
+
+
 def is_chain(records: tuple[Any, ...]) -> bool:
     """Whether ``records`` are a registered chain from its root, in order."""
     return all(r.under == (records[i - 1].chunk_id if i else "")
@@ -67,11 +81,7 @@ def approximate(records: tuple[Any, ...], share: float, adapter: str) -> Composi
                              f"chunks {first.chunk_id!r} and {record.chunk_id!r} are held "
                              "on different P engines: an approximate composition copies "
                              "from one")
-        if record.adapter != adapter:
-            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"chunk {record.chunk_id!r} was prefilled under "
-                             f"{adapter_named(record.adapter)}, the request runs under "
-                             f"{adapter_named(adapter)}")
+        check_adapter(record, adapter)
     parts, at = [], 0
     for record in records:
         own = len(record.token_ids)

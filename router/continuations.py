@@ -45,9 +45,10 @@ from router.config import RouterConfig
 from router.endpoint import Endpoint
 from router.errors import adapter_named, grpc_error
 from router.executor import Executor
-from router.parents import ParentRecord, ParentRegistry
+from router.parents import ParentRecord, ParentState, ParentStore
 from router.plan import (
     Outcome,
+    ParentLink,
     Plan,
     approximation,
     check_request_id,
@@ -65,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 class Continuations:
     def __init__(self, config: RouterConfig, tokens: ModelTokens, pool: EnginePool,
-                 registry: ParentRegistry, stages: StageCalls, executor: Executor):
+                 registry: ParentStore, stages: StageCalls, executor: Executor):
         self.config, self.tokens, self.pool = config, tokens, pool
         self.registry, self.stages, self.executor = registry, stages, executor
         self._ids = itertools.count()
@@ -142,14 +143,14 @@ class Continuations:
                     record.held_until = out.held_until
                 if record.held_until:
                     registry.hold(record, record.held_until)
+            record.enter(ParentState.HELD if record.held_until and not record.not_held_reason
+                         else ParentState.NOT_HELD)
         except BaseException as e:
-            record.error = str(e) or type(e).__name__
+            record.enter(ParentState.FAILED, str(e) or type(e).__name__)
             # P's blocks (if it exported before failing) come back at its lease end.
             registry.unhold(record)
             registry.discard(record.parent_id)
             raise
-        finally:
-            record.done.set()
         yield record
 
     def _end_holds_for(self, num_blocks: int, p_total_blocks: int
@@ -161,7 +162,8 @@ class Continuations:
         records = self.registry.to_release(num_blocks, p_total_blocks)
         by_prefill: dict[tuple[int, str], tuple[Endpoint, str, list[str]]] = {}
         for r in records:
-            r.not_held_reason = "released early: P's share for held parents was needed"
+            r.enter(ParentState.NOT_HELD, "released early: P's share for held parents was "
+                                          "needed")
             self.registry.unhold(r)
             self.registry.evictions["released"] += 1
             by_prefill.setdefault((id(r.prefill_ep), r.prefill_engine_id),
@@ -221,11 +223,16 @@ class Continuations:
                              f"parent {req.parent_id!r} ran under "
                              f"{adapter_named(record.adapter)}, not adapter "
                              f"{req.adapter!r}: a continuation inherits its parent's adapter")
+        if req.base_only and record.adapter:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"parent {record.parent_id!r} ran under adapter "
+                             f"{record.adapter!r}: continue it as model {record.adapter!r} "
+                             "(or leave model out to inherit it)")
         if not record.done.is_set():
             logger.info("continuation of %s waits for its parent's stage 1", req.parent_id)
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             await asyncio.wait_for(record.done.wait(), timeout)  # TimeoutError: DEADLINE
-        if record.error:
+        if record.state is ParentState.FAILED:
             counts["refused"] += 1
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"parent {req.parent_id!r} failed: {record.error}")
@@ -246,7 +253,7 @@ class Continuations:
         hold_ended = record.held and record.prefill_ep is not None
         # Marked and forgotten before the await: a continuation arriving meanwhile gets
         # NOT_FOUND, never blocks being freed.
-        record.not_held_reason = "released by the client"
+        record.enter(ParentState.NOT_HELD, "released by the client")
         self.registry.unhold(record)
         self.registry.discard(parent_id)
         self.registry.evictions["client"] += 1
@@ -268,22 +275,23 @@ class Continuations:
         t0 = time.perf_counter()
         out = Outcome(plan, record.prefill, None, thinking_ids=list(record.thinking_ids),
                       stage1_finish_reason=record.finish_reason)
-        request = self.stages.stage2_request(plan, out)
+        why_not = record.why_not_importable()
+        # P holds it (stage 2 on that P copies from the held blocks), or its D imports it.
+        on_p, on_d = not why_not and record.local, not why_not and not record.local
+        request = self.stages.stage2_request(
+            plan, out, held_parent=record.held_name if on_p else "",
+            handoff=record.handoff if on_d else None)
         claim = None
         # In use from here: never released early while this continuation may read it.
         record.in_use += 1
-        why_not = record.why_not_importable()
         try:
-            if not why_not and record.local:
-                # P holds it: stage 2 on that P copies from the held blocks.
-                request.held_parent = record.held_name
+            if on_p:
                 out.decode = record.prefill
                 out.stage2 = await self.stages.stage2(record.prefill_ep, None, request, plan,
                                                       out)
-            elif not why_not:
+            elif on_d:
                 claim = await self.pool.pick_decode(len(request.prompt_token_ids), plan.beam,
                                                     plan.deadline, only=[record.decode])
-                request.handoff.CopyFrom(record.handoff)
                 claim = await self.executor.stage2_or_recompute(
                     claim.endpoint, claim, request, plan, out, True, recompute=not req.strict)
             elif req.strict:
@@ -301,13 +309,6 @@ class Continuations:
                 claim.release()
         out.total_ms = (time.perf_counter() - t0) * 1e3
         result = to_result(out, self.tokens.tokenizer, received_at)
-        result.parent_id = record.parent_id
-        if record.stage1 is not None:
-            result.stage1_seed = record.stage1.seed or 0
-            result.stage1_positional = record.stage1.positional
-        result.stats.num_parent_tokens = len(record.prompt_ids) + len(record.thinking_ids)
-        for name, value in record.approximation.items():  # its parent's KV: approximate
-            setattr(result.stats, name, value)
         outcome = "recomputed" if result.stats.recomputed else "imported"
         self.registry.continuations[outcome] += 1
         return result
@@ -357,5 +358,6 @@ class Continuations:
         return Plan(request_id, list(record.prompt_ids), suffix, Stage1Params(max_tokens=1),
                     beam, Path.COLOCATED if record.local else Path.HANDOFF,
                     deadline, stage2_sampling=sampling, fault=fault_of(req.fault),
-                    adapter=record.adapter)
+                    adapter=record.adapter, parent=ParentLink(
+                        record.parent_id, record.stage1, record.approximation))
 

@@ -1,19 +1,23 @@
 """``Router``: the router's parts, wired. It owns nothing but the wiring; each part owns
 its state:
 
-- ``pool`` (:class:`~router.pool.EnginePool`): the engines, their rotation and snapshots,
-  claims on D's room and the D wait queue;
-- ``parents`` (:class:`~router.parents.ParentRegistry`): parents kept for continuations;
+- ``pool`` (:class:`~router.pool.EnginePool`): the engines and the picks, over their
+  snapshots and rotation (``router.snapshots``) and the claims on D's room and the D
+  wait queue (``router.decode_queue``);
+- ``parents`` (a :class:`~router.parents.ParentStore`): parents kept for continuations;
 - ``stages`` (:class:`~router.stages.StageCalls`): the plain engine calls;
-- ``desk`` (:class:`~router.moves.MoveDesk`): requests running now, moves and drains;
+- ``desk`` (:class:`~router.moves.MoveDesk`): requests running now, moves and drains
+  (which engines are drained: a :class:`~router.rotation.Rotation`);
 - ``executor`` (:class:`~router.executor.Executor`): a two-stage request's run;
 - ``continuations`` (:class:`~router.continuations.Continuations`): parents, their
   continuations, beams over a whole prompt;
-- ``chunks`` (:class:`~router.chunks.Chunks`): named KV chunks held on the Ps;
+- ``chunks`` (:class:`~router.chunks.Chunks`): named KV chunks held on the Ps (kept in
+  a :class:`~router.chunk_registry.ChunkStore`);
 - ``warmup`` (:class:`~router.warmup.WarmUp`).
 
-The fronts (gRPC, HTTP, Ray Serve) reach it through ``router.api``, which admits, plans,
-runs and maps errors the same way for each.
+A request's Plan is built by ``router.plan.plan_request`` alone. The fronts (gRPC, HTTP,
+Ray Serve) reach the router through ``router.api`` only (an import contract), which
+admits, plans, runs and maps errors the same way for each.
 """
 
 from __future__ import annotations
@@ -23,18 +27,29 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from kvhandoff.model import ModelTokens
-from kvhandoff.types import BeamParams, InvalidRequest, Path
+from kvhandoff.types import BeamParams, InvalidRequest
 from router import placement
+from router.chunk_registry import ChunkStore
 from router.chunks import Chunks
 from router.config import RouterConfig
 from router.continuations import Continuations
 from router.endpoint import Endpoint
 from router.executor import Executor, Items
 from router.moves import MoveDesk
-from router.parents import ParentRecord, ParentRegistry
+from router.parents import ParentRecord, ParentRegistry, ParentStore
 from router.plan import Plan, plan_request
-from router.pool import EnginePool, connect
-from router.requests import ContinueCall, Drained, GenerateCall, Moved, Released, Result
+from router.pool import EnginePool
+from router.requests import (
+    ContinueCall,
+    Drained,
+    GenerateCall,
+    Moved,
+    ParentCall,
+    Released,
+    Result,
+)
+from router.rotation import Rotation
+from router.snapshots import connect
 from router.stages import StageCalls
 from router.warmup import WarmUp
 
@@ -42,25 +57,28 @@ from router.warmup import WarmUp
 class Router:
     def __init__(self, config: RouterConfig,
                  endpoints: tuple[list[Endpoint], list[Endpoint]] | None = None,
-                 new_id: Callable[[], str] | None = None):
+                 new_id: Callable[[], str] | None = None, *,
+                 parents: ParentStore | None = None, chunk_store: ChunkStore | None = None,
+                 rotation: Rotation | None = None):
         """``endpoints`` (P, D) replace gRPC channels to ``config``'s addresses (the Ray
         Serve router passes deployment handles). ``new_id`` makes the ids of requests
-        that name none (Serve's router replicas make ids they own)."""
+        that name none (Serve's router replicas make ids they own). ``parents``,
+        ``chunk_store``, ``rotation``: stores to use instead of this process's own."""
         self.config = config
         self._ids = itertools.count()
         self.new_id = new_id or (lambda: f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}")
         self.tokens = ModelTokens.load(config.model)
         prefill, decode = endpoints if endpoints is not None else connect(config)
         self.pool = EnginePool(config, prefill, decode)
-        self.parents = ParentRegistry(config.max_parents, config.parent_ttl_s,
-                                      config.parent_pool_share)
+        self.parents: ParentStore = parents if parents is not None else ParentRegistry(
+            config.max_parents, config.parent_ttl_s, config.parent_pool_share)
         self.stages = StageCalls(self.tokens, config.capacity_timeout_s)
-        self.desk = MoveDesk(self.pool, self.stages)
+        self.desk = MoveDesk(self.pool, self.stages, rotation)
         self.executor = Executor(config, self.pool, self.stages, self.desk)
         self.continuations = Continuations(config, self.tokens, self.pool, self.parents,
                                            self.stages, self.executor)
         self.warmup = WarmUp(self.tokens, self.pool, self.stages, self.executor)
-        self.chunks = Chunks(config, self.tokens, self.pool, self.stages)
+        self.chunks = Chunks(config, self.tokens, self.pool, self.stages, chunk_store)
 
     @property
     def prefill(self) -> list[Endpoint]:
@@ -96,36 +114,21 @@ class Router:
                                       f"{self.config.model_name!r} and the adapters "
                                       f"{self.adapters() or 'none'})")
 
-    def plan(self, req: GenerateCall, deadline: float | None) -> Plan:
+    def plan(self, req: GenerateCall | ParentCall, deadline: float | None) -> Plan:
         """``req`` validated (against P's vocabulary and context, once P answered) and
         tokenised once: every later step works on token ids. Its chunks (a registered
         chain) are the prompt's start, and their P is where stage 1 runs."""
+        if isinstance(req, ParentCall):
+            self.check_model(req.model)
         composition = (self.chunks.compose(req.chunk_ids, req.adapter, req.recompute_share)
                        if req.chunk_ids else None)
-        if req.recompute_share is not None and not req.chunk_ids:
-            raise InvalidRequest("recompute_share", "composes chunks: name them (chunk_ids)")
-        plan = plan_request(
+        return plan_request(
             req, deadline, tokens=self.tokens,
             prefill_capacity=next((ep.capacity for ep in self.prefill if ep.capacity), None),
             has_decode=bool(self.decode),
             colocated_below_tokens=self.config.colocated_below_tokens,
-            new_id=self.new_id,
-            positional=self.config.positional_sampling,
-            prefix_ids=composition.prefix_ids if composition is not None else None)
-        plan.prefer_prefill = composition.prefill if composition is not None else None
-        if composition is not None and composition.blend is not None:
-            # Stage 1 is exported and never held or moved: its KV is salted on P and D.
-            if req.path == Path.COLOCATED:
-                raise InvalidRequest("path", "an approximate composition runs stage 2 on "
-                                             "a decode engine (path HANDOFF or AUTO)")
-            if not self.decode:
-                raise InvalidRequest("recompute_share", "an approximate composition runs "
-                                     "stage 2 on a decode engine; none is configured")
-            if plan.import_fault:
-                raise InvalidRequest("fault", "a decode-side fault runs under a salt of its "
-                                     "own, which an approximate composition's KV refuses")
-            plan.path, plan.blend = Path.HANDOFF, composition.blend
-        return plan
+            new_id=self.new_id, positional=self.config.positional_sampling,
+            composition=composition)
 
     def run(self, plan: Plan) -> Items:
         return self.executor.run(plan)

@@ -25,7 +25,7 @@ from kvhandoff.v1 import common_pb2, engine_pb2
 from router.config import RouterConfig
 from router.endpoint import Claim, Endpoint
 from router.errors import RouterError, code_of, details_of, grpc_error
-from router.moves import MoveDesk, Running
+from router.moves import MoveDesk, Running, Stage
 from router.plan import Outcome, Plan
 from router.pool import EnginePool
 from router.requests import Move
@@ -111,7 +111,7 @@ class Executor:
                     else:
                         handoff_msg = item
                 continue
-            running.stage = 2
+            running.enter(Stage.ON_D)
             try:
                 async for rest in self.stages.finish_stage1_on(
                         running.d, running.claim, handoff_msg, plan, out,
@@ -128,7 +128,7 @@ class Executor:
                     else:
                         handoff_msg = item
             break
-        running.stage = 2
+        running.enter(Stage.ON_D)
         out.stage1_ms = (time.perf_counter() - t0) * 1e3
         request = self.stages.stage2_request(plan, out)
         if handoff and not on_d:
@@ -181,7 +181,7 @@ class Executor:
                                    "other P takes work; finishing stage 1 on D %s",
                                    plan.request_id, failed.address, t, e.details(),
                                    d.address)
-                    running.stage = 2  # from here the request runs on D
+                    running.enter(Stage.ON_D)  # from here the request runs on D
                     async for rest in self.stages.finish_stage1_on(d, running.claim, None,
                                                                    plan, out, reason):
                         yield rest
@@ -271,7 +271,7 @@ class Executor:
                                                  adapter=plan.adapter)
         # Stage 1 again, not movable again (move_reason stays set): a second stop would
         # end it short with no move to finish it.
-        running.stage = 1
+        running.enter(Stage.ON_P)
         running.s1_id = f"{plan.request_id}-s1r{len(out.moves)}"
         out.prefill = running.p.address
         resume_at = max(0, t - 1)

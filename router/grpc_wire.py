@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvhandoff.types import InvalidRequest, Path, Stage1Params
+from kvhandoff.types import InvalidRequest, Path
 from kvhandoff.v1 import common_pb2, router_pb2
-from router.chunks import ChunkList, ChunkRecord
-from router.parents import ParentRecord
 from router.requests import (
+    Approximation,
+    Chunk,
     ChunkCall,
+    ChunkListing,
     ContinueCall,
     Drained,
     GenerateCall,
     Moved,
+    Parent,
     ParentCall,
     Prompt,
     Released,
     Result,
+    TokenBatch,
 )
 from wire import common
 
@@ -75,39 +78,40 @@ def continue_call(msg: router_pb2.ContinueRequest) -> ContinueCall:
 
 
 def result_to_pb(result: Result) -> router_pb2.GenerateResponse:
-    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
+              if f.name != "adapter"}  # HTTP's answer names it; the proto has no field
+    stats = {f.name: getattr(result.stats, f.name) for f in dataclasses.fields(result.stats)
+             if f.name != "approximation"}
     return router_pb2.GenerateResponse(**{
         **fields, "beams": common.beams_to_pb(result.beams),
         "timings": router_pb2.Timings(**dataclasses.asdict(result.timings)),
-        "stats": router_pb2.HandoffStats(**dataclasses.asdict(result.stats)),
+        "stats": router_pb2.HandoffStats(
+            **stats, **Approximation.fields_of(result.stats.approximation)),
         "moves": [router_pb2.Move(**dataclasses.asdict(m)) for m in result.moves]})
 
 
-def event_to_pb(item: list[int] | Result) -> router_pb2.GenerateStreamEvent:
+def event_to_pb(item: TokenBatch | Result) -> router_pb2.GenerateStreamEvent:
     """GenerateStream's event for what the API yields: stage-1 tokens, or the result."""
     if isinstance(item, Result):
         return router_pb2.GenerateStreamEvent(result=result_to_pb(item))
-    return router_pb2.GenerateStreamEvent(stage1_tokens=common_pb2.TokenIds(ids=item))
+    return router_pb2.GenerateStreamEvent(
+        stage1_tokens=common_pb2.TokenIds(ids=item.token_ids))
 
 
-def parent_event_to_pb(item: list[int] | ParentRecord, tokenizer
-                       ) -> router_pb2.ParentEvent:
-    """StartParent's event: stage-1 tokens, or the parent (its thinking decoded)."""
-    if not isinstance(item, ParentRecord):
-        return router_pb2.ParentEvent(stage1_tokens=common_pb2.TokenIds(ids=item))
-    stage1 = item.stage1 or Stage1Params()
+def parent_event_to_pb(item: TokenBatch | Parent) -> router_pb2.ParentEvent:
+    """StartParent's event: stage-1 tokens, or the parent."""
+    if isinstance(item, TokenBatch):
+        return router_pb2.ParentEvent(stage1_tokens=common_pb2.TokenIds(ids=item.token_ids))
     return router_pb2.ParentEvent(parent=router_pb2.Parent(
         parent_id=item.parent_id, prompt_token_ids=item.prompt_ids,
-        thinking_token_ids=item.thinking_ids,
-        thinking_text=tokenizer.decode(item.thinking_ids, skip_special_tokens=False),
+        thinking_token_ids=item.thinking_ids, thinking_text=item.thinking_text,
         finish_reason=item.finish_reason, held=item.held,
-        not_held_reason=item.not_held_reason, prefill_endpoint=item.prefill,
-        lease_expires_at=item.held_until if item.held else 0.0,
+        not_held_reason=item.not_held_reason, prefill_endpoint=item.prefill_endpoint,
+        lease_expires_at=item.lease_expires_at or 0.0,
         stage1_ms=item.stage1_ms, model=item.model, adapter=item.adapter,
-        stage1_seed=(stage1.seed or 0) if item.stage1 else 0,
-        stage1_positional=stage1.positional,
+        stage1_seed=item.stage1_seed or 0, stage1_positional=item.stage1_positional,
         thinking_logprobs=common.logprobs_to_pb(item.thinking_logprobs),
-        **item.approximation))
+        **Approximation.fields_of(item.approximation)))
 
 
 def moved_to_pb(moved: Moved) -> router_pb2.MoveResponse:
@@ -127,16 +131,11 @@ def chunk_call(msg: router_pb2.ChunkRequest) -> ChunkCall:
                      under=msg.under, adapter=msg.adapter, fault=msg.fault)
 
 
-def chunk_to_pb(r: ChunkRecord) -> router_pb2.Chunk:
-    return router_pb2.Chunk(
-        chunk_id=r.chunk_id, under=r.under, token_ids=r.token_ids,
-        num_chain_tokens=len(r.chain_ids), num_blocks=r.num_blocks,
-        prefill_endpoint=r.prefill.address, adapter=r.adapter, uses=r.uses,
-        last_used=r.last_used, prefill_ms=r.prefill_ms,
-        num_cached_tokens=r.num_cached_tokens)
+def chunk_to_pb(chunk: Chunk) -> router_pb2.Chunk:
+    return router_pb2.Chunk(**dataclasses.asdict(chunk))
 
 
-def chunks_to_pb(listing: ChunkList) -> router_pb2.ListChunksResponse:
+def chunks_to_pb(listing: ChunkListing) -> router_pb2.ListChunksResponse:
     return router_pb2.ListChunksResponse(
         chunks=[chunk_to_pb(r) for r in listing.chunks], held_blocks=listing.held_blocks,
         share_blocks=listing.share_blocks, evictions=listing.evictions)

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -40,10 +39,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from kvhandoff.types import BeamParams, InvalidRequest, Path, Sampling
+from kvhandoff.types import BeamParams, InvalidRequest, Sampling
 from router.api import RouterAPI
-from router.auth import CLIENT, OPERATOR
-from router.errors import RouterError, grpc_error
+from router.auth import CLIENT, OPERATOR, need_of
+from router.errors import RouterError
 from router.http_schema import (
     ChunkBody,
     CompletionRequest,
@@ -57,9 +56,7 @@ from router.http_schema import (
     sse,
     unauthorized,
 )
-from router.parents import ParentRecord
-from router.plan import Plan, ids_of
-from router.requests import ChunkCall, ContinueCall, ParentCall
+from router.requests import Approximation, BeamsCall, ChunkCall, ContinueCall, Parent, ParentCall, TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +67,7 @@ class HttpFront:
     """The FastAPI app over ``api`` (see the module docstring)."""
 
     def __init__(self, api: RouterAPI):
-        self.api, self.router, self.metrics = api, api.router, api.metrics
+        self.api, self.metrics = api, api.metrics
         self.app = FastAPI(title="kvhandoff router", docs_url=None, redoc_url=None)
         app = self.app
         app.post("/v1/completions")(self.completions)
@@ -84,7 +81,7 @@ class HttpFront:
 
     @property
     def model_name(self) -> str:
-        return self.router.config.model_name
+        return self.api.model_name
 
     def _refusal(self, request: Request, need: str = CLIENT) -> Response | None:
         """The answer for a caller ``router.auth`` refuses (401 as OpenAI answers a
@@ -105,7 +102,7 @@ class HttpFront:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvhandoff"},
             *({"id": name, "object": "model", "created": 0, "owned_by": "kvhandoff",
-               "parent": self.model_name} for name in self.router.adapters())]})
+               "parent": self.model_name} for name in self.api.adapters())]})
 
     async def health(self) -> Response:
         """Liveness: the router answers (its engines may be down: restarting the
@@ -115,14 +112,10 @@ class HttpFront:
     async def ready(self) -> Response:
         """Readiness: a P takes work, and a D too when the router has any configured
         (else two-stage requests could only fail or wait); 503 names what is missing."""
-        missing = [role for role, eps in (("prefill", self.router.prefill),
-                                          ("decode", self.router.decode))
-                   if (eps or role == "prefill") and not any(ep.takes_work for ep in eps)]
-        if missing:
+        readiness = self.api.readiness()
+        if not readiness.ready:
             return JSONResponse(status_code=503, content={
-                "ready": False, "missing": missing,
-                "engines": {ep.address: ep.out_reason or ("drained" if ep.draining else "ok")
-                            for ep in (*self.router.prefill, *self.router.decode)}})
+                "ready": False, "missing": readiness.missing, "engines": readiness.engines})
         return JSONResponse({"ready": True})
 
     async def prometheus(self) -> Response:
@@ -134,12 +127,12 @@ class HttpFront:
         body = await _parsed(request, CompletionRequest)
         if isinstance(body, Response):
             return body
-        if body.fault and (refused := self._refusal(request, OPERATOR)) is not None:
+        if (refused := self._refusal(request, need_of(body.fault))) is not None:
             return refused
         try:
             # ``model`` names the base model or an adapter (vLLM's convention); an
             # answer under an adapter names it as its model, as vLLM's does.
-            adapter = self.router.adapter_of_model(body.model or "")
+            adapter = self.api.adapter_of_model(body.model or "")
             if body.chunks and (body.continuation_of is not None or body.use_beam_search):
                 raise bad("chunks", "chunks start a completion's prompt (stage 1); a "
                                     "continuation's parent or a beam search's prompt is whole")
@@ -165,7 +158,7 @@ class HttpFront:
                 return body
             record = await _cancel_on_disconnect(self.api.register_chunk(FRONT, ChunkCall(
                 tokens=body.prompt, chunk_id=body.chunk_id or "", under=body.under or "",
-                adapter=self.router.adapter_of_model(body.model or "")), None), request)
+                adapter=self.api.adapter_of_model(body.model or "")), None), request)
             return record if isinstance(record, Response) else JSONResponse(
                 chunk_json(record))
         except (Exception, asyncio.CancelledError) as e:
@@ -194,30 +187,22 @@ class HttpFront:
         return error_response(code, message, e.field if isinstance(e, InvalidRequest) else None)
 
     # ---- stage 1: a parent --------------------------------------------------------------
-    def _parent_plan(self, body: CompletionRequest, adapter: str) -> Plan:
+    def _parent_call(self, body: CompletionRequest, adapter: str) -> ParentCall:
         if body.n != 1:
             raise bad("n", "sampling returns one sequence; n beams need use_beam_search")
-        return self.api.parent_plan(ParentCall(
+        return ParentCall(
             prompt=prompt_of(body), stage1=self._sampling_of(body, with_think_end=True),
-            path=Path.HANDOFF if self.router.decode else Path.COLOCATED,
             timeout_ms=body.timeout_ms or 0, model="" if adapter else body.model or "",
             adapter=adapter, chunk_ids=tuple(body.chunks or ()),
-            recompute_share=body.recompute_share), None)
+            recompute_share=body.recompute_share)
 
     def _sampling_of(self, body: CompletionRequest, with_think_end: bool) -> Sampling:
         """The sampling ``body`` asks for; its stop token ids are ``stop_token_ids`` and
         single-token ``stop`` strings (after ``</think>`` with ``with_think_end``, which
         stage 1 stops at: none given, the router's default is that alone)."""
-        stop_ids = list(body.stop_token_ids or [])
-        for text in [body.stop] if isinstance(body.stop, str) else (body.stop or []):
-            ids = self.router.tokens.tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) != 1:
-                raise bad("stop", f"stop strings must be single tokens here; {text!r} is "
-                                  f"{len(ids)} (use stop_token_ids)")
-            stop_ids += ids
-        think_end = self.router.tokens.think_end_id
-        if stop_ids and with_think_end and think_end is not None:
-            stop_ids.insert(0, think_end)
+        stop_ids = self.api.stop_token_ids(
+            [body.stop] if isinstance(body.stop, str) else (body.stop or []),
+            list(body.stop_token_ids or []), after_think_end=with_think_end)
         return Sampling(
             max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=body.top_k if body.top_k is not None and body.top_k > 0 else 0,
@@ -225,32 +210,29 @@ class HttpFront:
             min_tokens=body.min_tokens or 0, min_p=body.min_p or 0.0,
             positional=body.positional, logprobs=body.logprobs)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.router.tokens.tokenizer.decode(ids, skip_special_tokens=False)
-
     async def _parent(self, body: CompletionRequest, adapter: str) -> JSONResponse:
-        plan = self._parent_plan(body, adapter)
-        record = None
-        async with contextlib.aclosing(self.api.parent(FRONT, plan)) as items:
+        call = self._parent_call(body, adapter)
+        parent = None
+        async with contextlib.aclosing(self.api.start_parent(FRONT, call, None)) as items:
             async for item in items:
-                if isinstance(item, ParentRecord):
-                    record = item
-        assert record is not None, "run_parent ended without its record"
-        return JSONResponse(completion(adapter or self.model_name, record.parent_id, [{
-            "index": 0, "text": self._decode(record.thinking_ids),
-            "token_ids": record.thinking_ids,
-            "logprobs": logprobs_json(self._decode, record.thinking_logprobs, body.logprobs),
-            "finish_reason": record.finish_reason, "stop_reason": None}],
-            _parent_usage(record), **_parent_info(record)))
+                if isinstance(item, Parent):
+                    parent = item
+        assert parent is not None, "start_parent ended without its parent"
+        return JSONResponse(completion(adapter or self.model_name, parent.parent_id, [{
+            "index": 0, "text": parent.thinking_text, "token_ids": parent.thinking_ids,
+            "logprobs": logprobs_json(self.api.decode, parent.thinking_logprobs,
+                                      body.logprobs),
+            "finish_reason": parent.finish_reason, "stop_reason": None}],
+            _parent_usage(parent), **_parent_info(parent)))
 
     async def _stream_parent(self, body: CompletionRequest, request: Request,
                              adapter: str) -> Response:
         """Stage 1's tokens as server-sent events. Admitted, planned and run up to its
         first tokens before the response starts, so a refusal (bad input, router busy,
         no P) is an error status, not a broken stream."""
-        plan = self._parent_plan(body, adapter)
+        call = self._parent_call(body, adapter)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        items = self.api.parent(FRONT, plan)
+        items = self.api.start_parent(FRONT, call, None)
         try:
             first = await _cancel_on_disconnect(anext(items), request)
         except BaseException:
@@ -261,11 +243,10 @@ class HttpFront:
             return first
 
         async def events() -> AsyncIterator[str]:
-            sent = 0  # stage-1 tokens streamed so far
             try:
                 item = first
                 while True:
-                    if isinstance(item, ParentRecord):
+                    if not isinstance(item, TokenBatch):
                         yield sse(completion(adapter or self.model_name, item.parent_id, [{
                             "index": 0, "text": "", "logprobs": None,
                             "finish_reason": item.finish_reason, "stop_reason": None}],
@@ -274,16 +255,13 @@ class HttpFront:
                             yield sse(completion(adapter or self.model_name, item.parent_id, [],
                                                  _parent_usage(item)))
                         break
-                    record = self.router.parents.get(plan.request_id)
                     logprobs = None
-                    if record is not None and body.logprobs is not None:
-                        logprobs = logprobs_json(
-                            self._decode, record.thinking_logprobs[sent:sent + len(item)],
-                            body.logprobs)
-                    sent += len(item)
-                    yield sse(completion(adapter or self.model_name, plan.request_id, [{
-                        "index": 0, "text": self._decode(item), "token_ids": item,
-                        "logprobs": logprobs, "finish_reason": None}], None))
+                    if item.logprobs is not None and body.logprobs is not None:
+                        logprobs = logprobs_json(self.api.decode, item.logprobs, body.logprobs)
+                    yield sse(completion(adapter or self.model_name, item.request_id, [{
+                        "index": 0, "text": self.api.decode(item.token_ids),
+                        "token_ids": item.token_ids, "logprobs": logprobs,
+                        "finish_reason": None}], None))
                     item = await anext(items)
             except Exception as e:  # after the first event: reported in the stream
                 yield sse(json.loads(self._fail(e).body))
@@ -306,16 +284,6 @@ class HttpFront:
                           **{k: v for k, v in asked.items() if v is not None})
 
     async def _continuation(self, body: CompletionRequest, adapter: str) -> JSONResponse:
-        # ``model`` naming the base model means the base model: a parent that ran under
-        # an adapter continues only under that adapter (its KV is the adapter's), and an
-        # answer labelled with the base model would say what did not run.
-        record = self.router.parents.get(body.continuation_of or "")
-        if body.model and not adapter and record is not None and record.adapter:
-            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"parent {record.parent_id!r} ran under adapter "
-                             f"{record.adapter!r}: continue it as model {record.adapter!r} "
-                             "(or leave model out to inherit it)")
-        adapter = adapter or (record.adapter if record is not None else "")
         if body.use_beam_search:
             beam, sampling = self._beam_of(body), None
         else:
@@ -326,35 +294,36 @@ class HttpFront:
             if body.stream:
                 raise bad("stream", "a continuation answers once, not as a stream")
             beam, sampling = BeamParams(), self._sampling_of(body, with_think_end=False)
+        # ``model`` naming the base model means the base model (vLLM's reading): a
+        # parent under an adapter is then refused, not inherited.
         result = await self.api.continue_(FRONT, ContinueCall(
             parent_id=body.continuation_of or "", suffix=body.continuation_suffix,
             beam=beam, sampling=sampling, strict=body.continuation_strict,
             timeout_ms=body.timeout_ms or 0, model="" if adapter else body.model or "",
-            adapter=adapter, fault=body.fault or ""), None)
-        return JSONResponse(beams_json(adapter or self.model_name, result))
+            adapter=adapter, fault=body.fault or "",
+            base_only=bool(body.model) and not adapter), None)
+        return JSONResponse(beams_json(result.adapter or self.model_name, result))
 
     async def _prompt_beams(self, body: CompletionRequest, adapter: str) -> JSONResponse:
-        """Beam search over ``prompt`` as given (tokenised here), on a D, nothing
-        imported: stage 2 sent as a brand-new request."""
-        beam = self._beam_of(body)
-        ids = ids_of(self.router.tokens, prompt_of(body), "prompt")
-        deadline = None if not body.timeout_ms else time.monotonic() + body.timeout_ms / 1e3
-        result = await self.api.prompt_beams(FRONT, ids, beam, deadline, adapter)
+        """Beam search over ``prompt`` as given, on a D, nothing imported: stage 2 sent
+        as a brand-new request."""
+        result = await self.api.prompt_beams(FRONT, BeamsCall(
+            prompt=prompt_of(body), beam=self._beam_of(body), adapter=adapter,
+            timeout_ms=body.timeout_ms or 0), None)
         return JSONResponse(beams_json(adapter or self.model_name, result))
 
 
-def _parent_usage(record: ParentRecord) -> dict[str, Any]:
-    return {"prompt_tokens": len(record.prompt_ids),
-            "completion_tokens": len(record.thinking_ids),
-            "total_tokens": len(record.prompt_ids) + len(record.thinking_ids)}
+def _parent_usage(parent: Parent) -> dict[str, Any]:
+    return {"prompt_tokens": len(parent.prompt_ids),
+            "completion_tokens": len(parent.thinking_ids),
+            "total_tokens": len(parent.prompt_ids) + len(parent.thinking_ids)}
 
 
-def _parent_info(record: ParentRecord) -> dict[str, Any]:
-    return {"held": record.held, "not_held_reason": record.not_held_reason,
-            "lease_expires_at": record.held_until if record.held else None,
-            "seed": record.stage1.seed if record.stage1 else None,
-            "positional": bool(record.stage1 and record.stage1.positional),
-            **record.approximation}
+def _parent_info(parent: Parent) -> dict[str, Any]:
+    return {"held": parent.held, "not_held_reason": parent.not_held_reason,
+            "lease_expires_at": parent.lease_expires_at, "seed": parent.stage1_seed,
+            "positional": parent.stage1_positional,
+            **Approximation.fields_of(parent.approximation)}
 
 
 async def _parsed(request: Request, model: type[Any]) -> Any:

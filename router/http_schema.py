@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvhandoff.types import InvalidRequest, TokenLogprob
-from router.requests import Result
+from router.requests import Approximation, Chunk, Result
 
 #: gRPC status -> HTTP status of the error body.
 HTTP_STATUS = {
@@ -96,11 +96,11 @@ class ChunkBody(BaseModel):
     model: str | None = None
 
 
-def chunk_json(record: Any) -> dict[str, Any]:
-    """A chunk (``router.chunks.ChunkRecord``) as ``/v1/chunks`` answers it."""
+def chunk_json(record: Chunk) -> dict[str, Any]:
+    """A chunk as ``/v1/chunks`` answers it."""
     return {"id": record.chunk_id, "object": "kv_chunk", "under": record.under or None,
-            "token_ids": record.token_ids, "num_chain_tokens": len(record.chain_ids),
-            "num_blocks": record.num_blocks, "prefill_endpoint": record.prefill.address,
+            "token_ids": record.token_ids, "num_chain_tokens": record.num_chain_tokens,
+            "num_blocks": record.num_blocks, "prefill_endpoint": record.prefill_endpoint,
             "adapter": record.adapter or None, "uses": record.uses,
             "last_used": record.last_used, "prefill_ms": record.prefill_ms,
             "num_cached_tokens": record.num_cached_tokens}
@@ -187,7 +187,4 @@ def beams_json(model: str, resp: Result) -> dict[str, Any]:
                       decode_endpoint=s.decode_endpoint,
                       stage2_first_step_ms=resp.timings.stage2_first_step_ms,
                       stage2_ms=resp.timings.stage2_ms,
-                      **({"approximate": s.approximate,
-                          "num_blended_tokens": s.num_blended_tokens,
-                          "recomputed_share": s.recomputed_share}
-                         if s.approximate or s.recomputed_share else {}))
+                      **Approximation.fields_of(s.approximation))

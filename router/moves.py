@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import time
 from collections.abc import Iterator
@@ -22,9 +23,31 @@ from router.errors import RouterError, grpc_error
 from router.plan import Outcome, Plan
 from router.pool import EnginePool
 from router.requests import Drained, Moved
+from router.rotation import LocalRotation, Rotation
 from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
+
+
+class Stage(enum.Enum):
+    """Where a running request's next tokens come from."""
+
+    #: Stage 1 on a P (``Running.p``): the stage a move or a drain takes it from.
+    ON_P = 1
+    #: On its D (``Running.d``): stage 1 finished there after a move, or stage 2.
+    ON_D = 2
+    #: It ended (``Running.done`` is set, ``Running.error`` says how).
+    ENDED = 3
+
+
+#: A request's allowed transitions, the only place they are written. A request on its D
+#: goes back to a P when finishing stage 1 there failed (resumed on a P); a resume on a
+#: P stays on a P; nothing follows the end.
+_NEXT: dict[Stage, frozenset[Stage]] = {
+    Stage.ON_P: frozenset({Stage.ON_P, Stage.ON_D, Stage.ENDED}),
+    Stage.ON_D: frozenset({Stage.ON_D, Stage.ON_P, Stage.ENDED}),
+    Stage.ENDED: frozenset(),
+}
 
 
 @dataclass(eq=False)
@@ -43,7 +66,8 @@ class Running:
     #: What the run has so far (``stage1_engine_id``: the engine behind ``p`` that
     #: runs stage 1, which P's Stop names).
     out: Outcome | None = None
-    stage: int = 1
+    #: Read freely; changed only through :meth:`enter`.
+    stage: Stage = Stage.ON_P
     #: "move" or "drain" once a move was asked for (until the destination streams).
     move_reason: str = ""
     #: The P a move asked for goes to (None: the request's D).
@@ -60,6 +84,13 @@ class Running:
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     error: BaseException | None = None
 
+    def enter(self, stage: Stage) -> None:
+        """Change ``stage``; an illegal transition (``_NEXT``) is a bug in the run."""
+        if stage not in _NEXT[self.stage]:
+            raise AssertionError(f"request {self.plan.request_id!r}: {self.stage.name} -> "
+                                 f"{stage.name} is not a request's transition")
+        self.stage = stage
+
     @property
     def move_asked(self) -> bool:
         return bool(self.move_reason)
@@ -70,7 +101,7 @@ class Running:
             self.move_taken.set_result(taken)
 
     def uses(self, ep: Endpoint) -> bool:
-        return ep is self.p if self.stage == 1 else ep is self.d
+        return ep is self.p if self.stage is Stage.ON_P else ep is self.d
 
     def set_claim(self, claim: Claim | None) -> None:
         """Hold ``claim`` (on its D) instead of the one held before, which is released."""
@@ -81,7 +112,7 @@ class Running:
 
     def why_not_movable(self) -> str:
         """Why it cannot move to its D ("" when it can)."""
-        if self.stage != 1:
+        if self.stage is not Stage.ON_P:
             return "is past stage 1"
         if self.d is None:
             return ("has no D yet" if self.plan.path == Path.HANDOFF
@@ -102,8 +133,11 @@ class Running:
 
 
 class MoveDesk:
-    def __init__(self, pool: EnginePool, stages: StageCalls):
+    def __init__(self, pool: EnginePool, stages: StageCalls,
+                 rotation: Rotation | None = None):
         self.pool, self.stages = pool, stages
+        #: Which engines are drained (``router.rotation``).
+        self.rotation: Rotation = rotation if rotation is not None else LocalRotation()
         self._running: dict[str, Running] = {}
 
     def __len__(self) -> int:
@@ -124,6 +158,7 @@ class MoveDesk:
         finally:
             if tracked:
                 del self._running[rid]
+            running.enter(Stage.ENDED)
             if running.move_taken is not None and not running.move_taken.done():
                 # It ended before stage 1 came back from the stop (failed or cancelled).
                 running.move_taken.set_exception(grpc_error(
@@ -196,7 +231,8 @@ class MoveDesk:
         if dest is running.p:
             return "stage 1 already runs there"
         if not dest.takes_work:
-            return "it is " + ("drained" if dest.draining else "out of rotation")
+            return "it is " + ("drained" if self.rotation.is_drained(dest)
+                               else "out of rotation")
         return ""
 
     async def drain(self, address: str, timeout_s: float = 300.0,
@@ -212,16 +248,16 @@ class MoveDesk:
                              f"({self.pool.known()})")
         t0 = time.monotonic()
         if undo:
-            ep.draining = False
+            self.rotation.undo(ep)
             logger.info("%s takes new work again (drain undone)", address)
             self.pool.room_changed()
             return Drained(endpoint=address, empty=True)
-        ep.draining = True
+        self.rotation.drain(ep)
         affected = [r for r in self._running.values() if r.uses(ep) or r.d is ep]
         logger.info("draining %s: %d running requests use it", address, len(affected))
         moved, in_place = 0, 0
         for r in affected:
-            if r.stage == 1 and r.p is ep and not r.why_not_movable():
+            if r.stage is Stage.ON_P and r.p is ep and not r.why_not_movable():
                 try:
                     await self.move(r.plan.request_id, reason="drain")
                     moved += 1
@@ -233,7 +269,7 @@ class MoveDesk:
 
         def busy() -> bool:
             return ep.outstanding > 0 or any(
-                not r.done.is_set() and (r.uses(ep) or (r.stage == 1 and r.d is ep))
+                not r.done.is_set() and (r.uses(ep) or (r.stage is Stage.ON_P and r.d is ep))
                 for r in affected)
 
         deadline = t0 + timeout_s

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from kvhandoff.types import InvalidRequest, Stage1Params, TokenLogprob
 from kvhandoff.v1 import common_pb2
 from router.config import LEASE_MARGIN_S
+from router.requests import Approximation
 
 if TYPE_CHECKING:
     from router.endpoint import Endpoint
@@ -32,6 +34,31 @@ def _serves(ep: Endpoint) -> bool:
     """In rotation and not drained; one still warming up serves once it is done (the
     continuation waits for it)."""
     return ep.in_rotation and not ep.draining
+
+
+class ParentState(enum.Enum):
+    """Where a parent stands."""
+
+    #: Stage 1 runs (a continuation waits for its end).
+    RUNNING = "running"
+    #: Stage 1 ended and P holds its blocks (until ``held_until``: the lease may end).
+    HELD = "held"
+    #: Stage 1 ended and P does not hold it, or no longer (``not_held_reason`` says why).
+    NOT_HELD = "not held"
+    #: Stage 1 failed (``error`` says how); the registry forgets it.
+    FAILED = "failed"
+
+
+#: A parent's allowed transitions, the only place they are written: a hold ends early
+#: (P's share was needed, the client released it), and a parent not held may be
+#: released with a new reason; nothing follows a failure.
+_NEXT: dict[ParentState, frozenset[ParentState]] = {
+    ParentState.RUNNING: frozenset({ParentState.HELD, ParentState.NOT_HELD,
+                                    ParentState.FAILED}),
+    ParentState.HELD: frozenset({ParentState.NOT_HELD}),
+    ParentState.NOT_HELD: frozenset({ParentState.NOT_HELD}),
+    ParentState.FAILED: frozenset(),
+}
 
 
 @dataclass
@@ -61,9 +88,8 @@ class ParentRecord:
     thinking_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
     handoff: common_pb2.Handoff | None = None
-    #: An approximate composition's stats (``HandoffStats`` fields; {}: exact), which
-    #: its continuations carry too.
-    approximation: dict[str, Any] = field(default_factory=dict)
+    #: An approximate composition's KV (None: exact), which its continuations carry.
+    approximation: Approximation | None = None
     #: The identity of the weights that computed its KV (``model_fingerprint`` of its
     #: handoff, or of its P's capacity when held there; "": not known, not checked).
     model_fingerprint: str = ""
@@ -78,11 +104,28 @@ class ParentRecord:
     last_used: float = field(default_factory=time.monotonic)
     #: Continuations of it running now: a parent in use is never released early.
     in_use: int = 0
+    #: Read freely; changed only through :meth:`enter` (``done`` is set on leaving
+    #: RUNNING).
+    state: ParentState = ParentState.RUNNING
+
+    def enter(self, state: ParentState, why: str = "") -> None:
+        """Change ``state``: NOT_HELD with ``why`` (kept from before when "": decided
+        before stage 1 ran), FAILED with ``why`` as its ``error``. An illegal
+        transition (``_NEXT``) is a bug in the caller."""
+        if state not in _NEXT[self.state]:
+            raise AssertionError(f"parent {self.parent_id!r}: {self.state.name} -> "
+                                 f"{state.name} is not a parent's transition")
+        self.state = state
+        if state is ParentState.NOT_HELD and why:
+            self.not_held_reason = why
+        if state is ParentState.FAILED:
+            self.error = why
+        self.done.set()
 
     @property
     def held(self) -> bool:
-        return (not self.not_held_reason and self.held_until > 0
-                and time.time() < self.held_until - LEASE_MARGIN_S)
+        return (self.state is ParentState.HELD and not self.not_held_reason
+                and self.held_until > 0 and time.time() < self.held_until - LEASE_MARGIN_S)
 
     @property
     def held_name(self) -> str:
@@ -113,6 +156,49 @@ class ParentRecord:
             return (f"{which} now serves other weights (model {now}; the parent's KV was "
                     f"computed by model {self.model_fingerprint})")
         return ""
+
+
+class ParentStore(Protocol):
+    """The parents by id, and the P blocks their holds take. Every method answers at
+    once (no await): ``router.continuations`` relies on no other request running
+    between a check and its write (``to_release``/``may_hold`` then ``hold``).
+    :class:`ParentRegistry` keeps them in this process; another store may stand in."""
+
+    #: Parents forgotten or released, by reason; continuations, by outcome.
+    evictions: collections.Counter
+    continuations: collections.Counter
+
+    def __len__(self) -> int: ...
+
+    def add(self, record: ParentRecord) -> None:
+        """Keep ``record`` (InvalidRequest when its id is taken)."""
+        ...
+
+    def get(self, parent_id: str) -> ParentRecord | None:
+        """The parent named so (None: unknown or forgotten); counts as a use."""
+        ...
+
+    def ids(self) -> list[str]: ...
+
+    def discard(self, parent_id: str) -> None: ...
+
+    def hold(self, record: ParentRecord, until: float) -> None:
+        """Count ``record``'s blocks against the share until ``until`` (time.time())."""
+        ...
+
+    def unhold(self, record: ParentRecord) -> None: ...
+
+    def may_hold(self, num_blocks: int, p_total_blocks: int) -> str:
+        """"" when a parent of ``num_blocks`` fits in the share, else why not."""
+        ...
+
+    def to_release(self, num_blocks: int, p_total_blocks: int) -> list[ParentRecord]:
+        """Idle held parents whose holds, ended now, make room for ``num_blocks``."""
+        ...
+
+    def held_blocks(self) -> int: ...
+
+    def num_held(self) -> int: ...
 
 
 class ParentRegistry:

@@ -24,11 +24,32 @@ from kvhandoff.types import (
     validate_token_ids,
 )
 from kvhandoff.v1 import engine_pb2
-from router.requests import GenerateCall, HandoffStats, Move, Prompt, Result, Timings
+from router.composition import Composition
+from router.requests import (
+    Approximation,
+    GenerateCall,
+    HandoffStats,
+    Move,
+    ParentCall,
+    Prompt,
+    Result,
+    Timings,
+)
 from wire import common as convert
 
 if TYPE_CHECKING:
     from router.endpoint import Endpoint
+
+
+@dataclass(frozen=True)
+class ParentLink:
+    """A continuation's parent, as its answer reports it."""
+
+    parent_id: str
+    #: Its stage-1 sampling as run (None: not known).
+    stage1: Stage1Params | None
+    #: An approximate composition's KV (None: exact): so the continuation's.
+    approximation: Approximation | None
 
 
 @dataclass
@@ -60,6 +81,8 @@ class Plan:
     #: An approximate composition of those chunks: how P copies them
     #: (``router.composition``; None: an exact chain, or no chunks).
     blend: Blend | None = None
+    #: The parent a continuation continues (None: a two-stage request or beams).
+    parent: ParentLink | None = None
 
     @property
     def export_fault(self) -> str:
@@ -122,6 +145,24 @@ def suffix_ids_of(suffix: Prompt | None, tokens: ModelTokens) -> list[int]:
     return ids_of(tokens, suffix, "suffix_text" if isinstance(suffix, str) else "suffix")
 
 
+def stop_ids_of(tokens: ModelTokens, stop: list[str], stop_token_ids: list[int],
+                after_think_end: bool) -> tuple[int, ...]:
+    """The stop token ids of ``stop_token_ids`` and ``stop`` (strings, each a single
+    token: else InvalidRequest on "stop"); with ``after_think_end`` (stage 1 of a
+    parent) and any given, ``</think>`` first, which stage 1 stops at when none is."""
+    stop_ids = list(stop_token_ids)
+    for text in stop:
+        ids = tokens.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise InvalidRequest("stop", f"stop strings must be single tokens here; {text!r} "
+                                         f"is {len(ids)} (use stop_token_ids)")
+        stop_ids += ids
+    think_end = tokens.think_end_id
+    if stop_ids and after_think_end and think_end is not None:
+        stop_ids.insert(0, think_end)
+    return tuple(stop_ids)
+
+
 def sampling_of(asked: Sampling, positional: bool,
                 default_stop_ids: tuple[int, ...] = ()) -> Stage1Params:
     """A request's sampling as the router runs it: positional unless it says otherwise
@@ -133,24 +174,39 @@ def sampling_of(asked: Sampling, positional: bool,
                          default_seed=seed)
 
 
-def plan_request(req: GenerateCall, deadline: float | None, *,
+def asked_path(req: GenerateCall | ParentCall, has_decode: bool) -> Path:
+    """The path ``req`` asks for. A parent is exported to a D when the router has one
+    (its continuations run there), unless it asks to be held on P (COLOCATED)."""
+    if isinstance(req, GenerateCall):
+        return req.path
+    return Path.HANDOFF if has_decode and req.path != Path.COLOCATED else Path.COLOCATED
+
+
+def plan_request(req: GenerateCall | ParentCall, deadline: float | None, *,
                  tokens: ModelTokens, prefill_capacity: engine_pb2.Capacity | None,
                  has_decode: bool, colocated_below_tokens: int,
                  new_id: Callable[[], str], positional: bool = True,
-                 prefix_ids: list[int] | None = None) -> Plan:
-    """Validate ``req`` (with P's capacity when one answered) and make it a Plan;
-    stage 1 samples positionally unless it (or the router, ``positional``) says not.
-    ``prefix_ids``: its chunks' tokens, which the prompt follows (then it may be empty)."""
+                 composition: Composition | None = None) -> Plan:
+    """The one builder of a request's Plan: ``req`` validated (with P's capacity when
+    one answered), tokenised once, its path chosen; stage 1 samples positionally unless
+    it (or the router, ``positional``) says not. ``composition``: the chunks its
+    ``chunk_ids`` resolve to (``router.chunks``), whose tokens the prompt follows (then
+    it may be empty) and whose P runs stage 1. A parent (``ParentCall``) is validated
+    for the default continuation after it."""
+    if req.recompute_share is not None and not req.chunk_ids:
+        raise InvalidRequest("recompute_share", "composes chunks: name them (chunk_ids)")
+    two_stage = isinstance(req, GenerateCall)
+    prefix_ids = composition.prefix_ids if composition is not None else None
     if req.prompt is None and not prefix_ids:
         raise InvalidRequest("prompt", "set prompt_text or prompt_token_ids")
     prompt = list(prefix_ids or []) + ids_of(
         tokens, req.prompt if req.prompt is not None else [],
         "prompt_text" if isinstance(req.prompt, str) else "prompt")
-    suffix = suffix_ids_of(req.suffix, tokens)
+    suffix = suffix_ids_of(req.suffix if two_stage else None, tokens)
     think_end = tokens.think_end_id
     stage1 = sampling_of(req.stage1, positional,
                          default_stop_ids=(think_end,) if think_end is not None else ())
-    beam = req.beam
+    beam = req.beam if two_stage else BeamParams()
     cap = prefill_capacity
     if cap is not None:
         validate_prompt(prompt, vocab_size=cap.vocab_size, max_model_len=cap.max_model_len,
@@ -164,16 +220,31 @@ def plan_request(req: GenerateCall, deadline: float | None, *,
         t = time.monotonic() + req.timeout_ms / 1e3
         deadline = t if deadline is None else min(deadline, t)
     request_id = check_request_id(req.request_id or new_id())
-    path = req.path
+    asked = path = asked_path(req, has_decode)
     if path == Path.AUTO:
         longest_parent = len(prompt) + stage1.max_tokens
         path = (Path.COLOCATED if not has_decode or longest_parent < colocated_below_tokens
                 else Path.HANDOFF)
     if path == Path.HANDOFF and not has_decode:
         raise InvalidRequest("path", "no decode engine is configured")
-    return Plan(request_id, prompt, suffix, stage1, beam, path, deadline,
-                fault=fault_of(req.fault), adapter=adapter_of(req.adapter),
-                chunk_ids=tuple(req.chunk_ids))
+    fault = fault_of(req.fault if two_stage else "")
+    blend = composition.blend if composition is not None else None
+    if blend is not None:
+        # Stage 1 is exported and never held or moved: its KV is salted on P and D.
+        if asked == Path.COLOCATED:
+            raise InvalidRequest("path", "an approximate composition runs stage 2 on "
+                                         "a decode engine (path HANDOFF or AUTO)")
+        if not has_decode:
+            raise InvalidRequest("recompute_share", "an approximate composition runs "
+                                 "stage 2 on a decode engine; none is configured")
+        if fault and FAULTS[fault].side != "prefill":
+            raise InvalidRequest("fault", "a decode-side fault runs under a salt of its "
+                                 "own, which an approximate composition's KV refuses")
+        path = Path.HANDOFF
+    return Plan(request_id, prompt, suffix, stage1, beam, path, deadline, fault=fault,
+                adapter=adapter_of(req.adapter), chunk_ids=tuple(req.chunk_ids),
+                prefer_prefill=composition.prefill if composition is not None else None,
+                blend=blend)
 
 
 #: What the router names named KV chunks with on the Ps (``router.chunks``): no request's
@@ -216,6 +287,8 @@ def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) ->
     for b in beams:
         b.text = tokenizer.decode(b.token_ids, skip_special_tokens=False)
     num_parent_tokens = len(out.plan.prompt_ids) + len(out.thinking_ids)
+    parent = out.plan.parent
+    stage1 = out.plan.stage1 if parent is None else parent.stage1 or out.plan.stage1
     return Result(
         request_id=out.plan.request_id,
         prompt_token_ids=out.plan.prompt_ids,
@@ -232,8 +305,10 @@ def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) ->
         moves=out.moves,
         num_beams_short=s2.num_beams_short,
         num_dropped_beams=s2.num_dropped_beams,
-        stage1_seed=out.plan.stage1.seed or 0,
-        stage1_positional=out.plan.stage1.positional,
+        stage1_seed=stage1.seed or 0,
+        stage1_positional=stage1.positional,
+        adapter=out.plan.adapter,
+        parent_id=parent.parent_id if parent is not None else "",
         stats=HandoffStats(
             path=out.plan.path, prefill_endpoint=out.prefill, decode_endpoint=out.decode or "",
             num_parent_tokens=num_parent_tokens,
@@ -249,16 +324,15 @@ def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) ->
                                       - s2.num_computed_tokens_first_step),
             num_cached_prompt_tokens=out.cached_prompt_tokens,
             prefill_engine_id=out.prefill_engine_id,
-            **approximation(out)),
+            approximation=approximation(out) if parent is None else parent.approximation),
     )
 
 
-def approximation(out: Outcome) -> dict[str, Any]:
-    """An approximate composition's stats: flagged wherever P copied any chunk token."""
+def approximation(out: Outcome) -> Approximation | None:
+    """What P copied of an approximate composition's chunks (None: not one)."""
     blend = out.plan.blend
     if blend is None:
-        return {}
+        return None
     num_chunk_tokens = sum(p.length for p in blend.parts)
-    return {"approximate": out.num_blended_tokens > 0,
-            "num_blended_tokens": out.num_blended_tokens,
-            "recomputed_share": 1.0 - out.num_blended_tokens / max(num_chunk_tokens, 1)}
+    return Approximation(out.num_blended_tokens,
+                         1.0 - out.num_blended_tokens / max(num_chunk_tokens, 1))

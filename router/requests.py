@@ -6,8 +6,9 @@ converts them one to one; nothing here knows a wire."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvhandoff.types import Beam, BeamParams, Path, Sampling
+from kvhandoff.types import Beam, BeamParams, Path, Sampling, TokenLogprob
 
 #: A prompt or suffix as given: text (tokenised by the router, once) or token ids.
 Prompt = str | list[int]
@@ -79,6 +80,47 @@ class ContinueCall:
     model: str = ""
     adapter: str = ""
     fault: str = ""
+    #: ``model`` names the base model as the one to run under (vLLM's reading of HTTP's
+    #: ``model``): a parent that ran under an adapter is refused, not inherited.
+    base_only: bool = False
+
+
+@dataclass(frozen=True)
+class BeamsCall:
+    """Beam search over a whole prompt, nothing imported (HTTP's beam search without a
+    parent)."""
+
+    prompt: Prompt
+    beam: BeamParams = BeamParams()
+    adapter: str = ""
+    timeout_ms: int = 0
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Approximation:
+    """An approximate composition's KV (``router.composition``): its chunk tokens whose
+    KV P copied, and the share of the chunks' tokens computed instead (1.0 where P
+    copied none). A request's, and a parent's, which its continuations carry."""
+
+    num_blended_tokens: int
+    recomputed_share: float
+
+    @property
+    def approximate(self) -> bool:
+        """Flagged wherever P copied any chunk token."""
+        return self.num_blended_tokens > 0
+
+    @staticmethod
+    def fields_of(approximation: Approximation | None) -> dict[str, Any]:
+        """Its wire fields (``approximate``, ``num_blended_tokens``,
+        ``recomputed_share``: router.proto's HandoffStats and Parent, the HTTP answer's
+        ``kvhandoff``); none for an exact request (None)."""
+        if approximation is None:
+            return {}
+        return {"approximate": approximation.approximate,
+                "num_blended_tokens": approximation.num_blended_tokens,
+                "recomputed_share": approximation.recomputed_share}
 
 
 @dataclass
@@ -123,11 +165,8 @@ class HandoffStats:
     num_found_on_d_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     prefill_engine_id: str = ""
-    #: An approximate composition (``router.composition``): its chunk tokens whose KV P
-    #: copied, and the share of them computed (1.0 where P copied none).
-    approximate: bool = False
-    num_blended_tokens: int = 0
-    recomputed_share: float = 0.0
+    #: An approximate composition's KV (None: exact, or no chunks).
+    approximation: Approximation | None = None
 
 
 @dataclass
@@ -151,6 +190,84 @@ class Result:
     parent_id: str = ""
     stage1_seed: int = 0
     stage1_positional: bool = False
+    #: The LoRA adapter stage 2 ran under ("": the base model). Not on the gRPC wire.
+    adapter: str = ""
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A stream item: stage-1 tokens of request ``request_id`` (a parent's id) as P
+    sampled them, and their logprobs when the call asked for them (None when not)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class Parent:
+    """StartParent's answer: the parent as it stands when stage 1 ended."""
+
+    parent_id: str
+    model: str
+    adapter: str
+    prompt_ids: list[int]
+    thinking_ids: list[int]
+    thinking_text: str
+    thinking_logprobs: list[TokenLogprob]
+    finish_reason: str
+    held: bool
+    not_held_reason: str
+    prefill_endpoint: str
+    #: When P's hold ends (Unix time); None when it is not held.
+    lease_expires_at: float | None
+    stage1_ms: float
+    #: Its stage-1 sampling as run (None: not known).
+    stage1_seed: int | None
+    stage1_positional: bool
+    #: An approximate composition's KV (None: exact, or no chunks).
+    approximation: Approximation | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A registered named KV chunk (RegisterChunk's answer, ListChunks' items)."""
+
+    chunk_id: str
+    under: str
+    token_ids: list[int]
+    num_chain_tokens: int
+    num_blocks: int
+    prefill_endpoint: str
+    adapter: str
+    uses: int
+    last_used: float
+    prefill_ms: float
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class ChunkListing:
+    """ListChunks' answer: the chunks, and per P (by address) the blocks they hold and
+    the most they may."""
+
+    chunks: list[Chunk]
+    held_blocks: dict[str, int]
+    share_blocks: dict[str, int]
+    evictions: int
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Whether the router takes work: the roles with no engine taking it, and each
+    engine's state by address ("ok", "drained", or why it is out)."""
+
+    missing: list[str]
+    engines: dict[str, str]
+
+    @property
+    def ready(self) -> bool:
+        return not self.missing
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import grpc
 from kvhandoff.v1 import router_pb2_grpc
 from router import grpc_wire as wire
 from router.api import RouterAPI
-from router.auth import CLIENT, OPERATOR, grpc_authorization
+from router.auth import CLIENT, OPERATOR, grpc_authorization, need_of
 from router.grpc_wire import SERVICE_NAME
 
 __all__ = ["SERVICE_NAME", "RouterServicer", "add_router_service"]
@@ -30,11 +30,6 @@ def add_router_service(api: RouterAPI, server: grpc.aio.Server) -> None:
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
-
-
-def _need(request) -> str:
-    """A request that names a negative-control fault is an operator's call."""
-    return OPERATOR if getattr(request, "fault", "") else CLIENT
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -82,11 +77,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         raise AssertionError("the router produced no result")
 
     async def _parent(self, request, context) -> AsyncIterator[Any]:
-        plan = self.api.parent_plan(wire.parent_call(request), _deadline(context))
-        tokenizer = self.api.router.tokens.tokenizer
-        async with contextlib.aclosing(self.api.parent(FRONT, plan)) as items:
+        async with contextlib.aclosing(self.api.start_parent(
+                FRONT, wire.parent_call(request), _deadline(context))) as items:
             async for item in items:
-                yield wire.parent_event_to_pb(item, tokenizer)
+                yield wire.parent_event_to_pb(item)
 
     async def _continue(self, request, context):
         return wire.result_to_pb(await self.api.continue_(
@@ -95,23 +89,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # grpc.aio tells handlers apart by their kind: each must be a coroutine function
     # (unary) or an async generator function (streams).
     async def Generate(self, request, context):
-        return await self._unary(context, _need(request),
+        return await self._unary(context, need_of(request.fault),
                                  lambda: self._result(request, context))
 
     async def GenerateStream(self, request, context):
         async with contextlib.aclosing(self._stream(
-                context, _need(request), lambda: self._generate(request, context))) as events:
+                context, need_of(request.fault),
+                lambda: self._generate(request, context))) as events:
             async for event in events:
                 yield event
 
     async def StartParent(self, request, context):
         async with contextlib.aclosing(self._stream(
-                context, _need(request), lambda: self._parent(request, context))) as events:
+                context, CLIENT, lambda: self._parent(request, context))) as events:
             async for event in events:
                 yield event
 
     async def Continue(self, request, context):
-        return await self._unary(context, _need(request),
+        return await self._unary(context, need_of(request.fault),
                                  lambda: self._continue(request, context))
 
     async def ReleaseParent(self, request, context):
@@ -129,7 +124,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async def call():
             return wire.chunk_to_pb(await self.api.register_chunk(
                 FRONT, wire.chunk_call(request), _deadline(context)))
-        return await self._unary(context, _need(request), call)
+        return await self._unary(context, need_of(request.fault), call)
 
     async def ListChunks(self, request, context):
         async def call():

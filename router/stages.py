@@ -211,17 +211,22 @@ class StageCalls:
                     "there)", plan.request_id, t, d.address, resp.num_imported_tokens,
                     pause_ms, new)
 
-    def stage2_request(self, plan: Plan, out: Outcome) -> engine_pb2.Stage2Request:
+    def stage2_request(self, plan: Plan, out: Outcome, *, held_parent: str = "",
+                       handoff: common_pb2.Handoff | None = None
+                       ) -> engine_pb2.Stage2Request:
         """Stage 2's request: parent + suffix, from token ids (never re-tokenised); beam
-        search, or sampling when the plan says so (a continuation)."""
+        search, or sampling when the plan says so (a continuation). ``handoff``: the
+        parent's blocks to import (a continuation on its D); ``held_parent``: the name
+        P holds the parent under (a continuation on that P, copying from it)."""
         parent = plan.prompt_ids + out.thinking_ids
         stage2_prompt = continuation_prompt(parent, plan.suffix_ids, self.tokens.think_end_id)
         out.suffix_ids = stage2_prompt[len(parent):]
         request = engine_pb2.Stage2Request(
             request_id=f"{plan.request_id}-s2", prompt_token_ids=stage2_prompt,
-            beam=convert.beam_to_pb(plan.beam), adapter=plan.adapter)
-        if plan.stage2_sampling is not None:
-            request.sampling.CopyFrom(convert.stage1_to_pb(plan.stage2_sampling))
+            beam=convert.beam_to_pb(plan.beam), adapter=plan.adapter,
+            held_parent=held_parent, handoff=handoff,
+            sampling=(convert.stage1_to_pb(plan.stage2_sampling)
+                      if plan.stage2_sampling is not None else None))
         return request
 
     async def stage2(self, ep: Endpoint, claim: Claim | None,

@@ -516,7 +516,7 @@ def test_d_host_gone_mid_request_fails_clearly_and_d_is_used_again_when_back(on_
     rotation; P's export ends with its lease. When the link returns D comes back into
     rotation and imports handoffs again (:func:`_handoffs_import`); both pools end
     clean."""
-    from router.pool import KEEPALIVE_MS
+    from router.snapshots import KEEPALIVE_MS
     from tests.utils import long_stage1_request
 
     d_host, r_host = on_hosts["hosts"]["d"], on_hosts["hosts"]["r"]
@@ -545,7 +545,7 @@ def test_d_host_gone_mid_request_fails_clearly_and_d_is_used_again_when_back(on_
             failed.value
         print(f"D's host gone: the request ended {ended_after_s:.1f}s later: "
               f"{str(failed.value)[-200:]}")
-        # The router's keepalive (router.pool.KEEPALIVE_MS): a ping every 10 s, 10 s to
+        # The router's keepalive (router.snapshots.KEEPALIVE_MS): a ping every 10 s, 10 s to
         # answer it, so a dead link is found within 20 s (README: "within the router's
         # 20 s keepalive"); plus 3 s for the router to find no other D and answer (20.9 s
         # after the cut in the run docs/decisions.md records).

@@ -318,14 +318,14 @@ def test_the_holds_released_for_a_new_parent_are_idle_forgotten_first_then_lru()
     """``ParentRegistry.to_release``: nothing when the new parent fits or could never
     fit; else parents the registry forgot, then the least recently used, never one whose
     continuation is running."""
-    from router.parents import ParentRecord, ParentRegistry
+    from router.parents import ParentRecord, ParentRegistry, ParentState
 
     reg = ParentRegistry(max_parents=2, ttl_s=60, pool_share=0.3)  # 30 of 100 blocks
     records = {}
     for pid in ("old", "mid", "new"):
         r = records[pid] = ParentRecord(pid, "m", [1], num_blocks=10)
-        r.done.set()
         r.held_until = time.time() + 60
+        r.enter(ParentState.HELD)  # stage 1 ended, held on P
         reg.add(r)
         reg.hold(r, r.held_until)
         time.sleep(0.01)
@@ -802,3 +802,60 @@ def test_a_catalog_and_an_adapter_on_different_ds_is_not_found_naming_both(model
     router.pool.decode[0].stub, router.pool.decode[1].stub = Stub(True, False), Stub(True, True)
     claim = asyncio.run(router.pool.pick_decode(100, beam, None, adapter="a"))
     assert claim.endpoint.address == "d1"
+
+
+def test_a_parent_and_a_running_request_refuse_an_illegal_transition():
+    """Their states change only along ``_NEXT`` (``router.parents``, ``router.moves``):
+    a failed parent is never held after, an ended request never runs again."""
+    from router.moves import Running, Stage
+    from router.parents import ParentRecord, ParentState
+
+    held = ParentRecord("held", "m", [1])
+    held.held_until = time.time() + 60
+    held.enter(ParentState.HELD)
+    assert held.done.is_set() and held.held
+    held.enter(ParentState.NOT_HELD, "released by the client")
+    assert not held.held and held.not_held_reason == "released by the client"
+    failed = ParentRecord("failed", "m", [1])
+    failed.enter(ParentState.FAILED, "P went away")
+    assert failed.done.is_set() and failed.error == "P went away"
+    with pytest.raises(AssertionError, match="FAILED -> HELD"):
+        failed.enter(ParentState.HELD)
+    running = Running(_plan(), None, None)
+    running.enter(Stage.ON_D)  # moved to its D
+    running.enter(Stage.ON_P)  # finishing there failed: resumed on a P
+    running.enter(Stage.ENDED)
+    with pytest.raises(AssertionError, match="ENDED -> ON_P"):
+        running.enter(Stage.ON_P)
+
+
+def test_the_routers_registries_are_taken_by_their_interfaces(model_dir):
+    """Another store stands in for the parents, the chunks and the drains
+    (``ParentStore``, ``ChunkStore``, ``Rotation``): the router uses what it is given."""
+    from router import Endpoint, Router, RouterConfig
+    from router.chunk_registry import ChunkRegistry
+    from router.parents import ParentRegistry
+    from router.rotation import LocalRotation
+
+    class Drains(LocalRotation):
+        def __init__(self):
+            self.asked: list[tuple[str, str]] = []
+
+        def drain(self, ep):
+            self.asked.append(("drain", ep.address))
+            super().drain(ep)
+
+        def undo(self, ep):
+            self.asked.append(("undo", ep.address))
+            super().undo(ep)
+
+    parents, chunks, drains = ParentRegistry(4, 60.0, 0.5), ChunkRegistry(), Drains()
+    d = Endpoint("d0", FakeEngineStub(100), None)
+    config = RouterConfig(prefill=("p",), decode=("d0",), model=model_dir, warm_up=False)
+    router = Router(config, endpoints=([Endpoint("p", FakeEngineStub(100), None)], [d]),
+                    parents=parents, chunk_store=chunks, rotation=drains)
+    assert router.parents is parents and router.chunks.store is chunks
+    drained = asyncio.run(router.drain("d0", timeout_s=1.0))
+    assert drained.empty and d.draining and not d.takes_work
+    asyncio.run(router.drain("d0", undo=True))
+    assert drains.asked == [("drain", "d0"), ("undo", "d0")] and not d.draining
