@@ -21,7 +21,7 @@ sampling, before the step's output goes to the scheduler (``async_scheduling`` i
 A step the processor cannot run (a slot missing from the batch) is posted as an error:
 the scheduler ends the group; no beam is ever guessed.
 
-A group may name a catalog (``decode_engine.catalog``): the processor loads the engine's
+A group may name a catalog (``engine.catalog``): the processor loads the engine's
 catalogs once, at its start (``additional_config[CATALOGS_KEY]``), and limits each
 beam's candidates to the catalog's (``decode_engine.beam_search.catalog_candidates``).
 """
@@ -41,7 +41,6 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from connector import step_meta
 from connector.handoff import SLOT_KEY
-from decode_engine import catalog as catalogs
 from decode_engine.beam_search import (
     Candidates,
     GroupSearch,
@@ -49,6 +48,7 @@ from decode_engine.beam_search import (
     row_candidates,
 )
 from decode_engine.slot_spec import SlotSpec
+from engine import catalog as catalogs
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
