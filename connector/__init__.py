@@ -6,6 +6,7 @@ Importing this package does not import vLLM; ``nixl_continuation`` does."""
 
 from __future__ import annotations
 
-from connector.handoff import KEY, PROTOCOL_VERSION, Handoff
+from connector.handoff import PROTOCOL_VERSION, Handoff
+from connector.params import KEY
 
 __all__ = ["KEY", "PROTOCOL_VERSION", "Handoff"]

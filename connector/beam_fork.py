@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connector.adapters import adapter_of
-from connector.handoff import BEAM_KEY, FORK_TOKENS_KEY, is_made_slot
+from connector.handoff import is_made_slot
+from connector.params import BEAM_KEY, FORK_TOKENS_KEY
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

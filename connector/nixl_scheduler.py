@@ -19,32 +19,32 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 from connector.adapters import adapter_of, digests_of
 from connector.beam_fork import BeamForkScheduler, beam_params
 from connector.blend import BlendScheduler
-from connector.blend_spec import BLEND_KEY, BLENDED_KEY, UNROTATED_FAULT
+from connector.blend_spec import UNROTATED_FAULT
 from connector.faults import (
     FAULTS,
     fault_of,
     num_imported_with_fault,
 )
-from connector.handoff import (
+from connector.handoff import PROTOCOL_VERSION, Handoff, kv_bytes_per_block, token_digest
+from connector.liveness import LiveExports, side_channel_listener
+from connector.logs import use_vllm_handlers
+from connector.params import (
+    BLEND_KEY,
     HOLD_KEY,
-    IMPORTED_KEY,
     KEY,
-    PROTOCOL_VERSION,
     REEXPORT_KEY,
     RELEASE_KEY,
     RELEASE_PREFIX_KEY,
     RETARGET_KEY,
     STOP_KEY,
+    TARGET_KEY,
     WAIT_KEY,
-    Handoff,
-    kv_bytes_per_block,
-    token_digest,
+    HoldReport,
+    ImportReport,
 )
-from connector.liveness import LiveExports, side_channel_listener
-from connector.logs import use_vllm_handlers
 from connector.runs import MERGE_LONG, RunAllocator
 from connector.runtime import IdlePacer, listener_failures
-from connector.signing import TARGET_KEY, load_secret, sign
+from connector.signing import load_secret, sign
 from connector.stats import ContinuationStats
 from kvhandoff.model import model_fingerprint
 
@@ -320,19 +320,18 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             self._attach_handoff(request, params)
         blended = self._blend.finished(request)
         if blended is not None:
-            params = {**(params or {}), BLENDED_KEY: blended}
+            params = blended.attach(params)
         if record is not None:
             # What this request imported (the client sees it on the final
-            # RequestOutput.kv_transfer_params): under KEY on D, beside the new handoff
-            # on an engine that exports again (a moved stage 1).
-            params = dict(params or {})
-            params[IMPORTED_KEY if exporting else KEY] = {
-                "num_imported_tokens": record.num_tokens,
-                "num_imported_blocks": record.num_blocks,
-                "num_imported_bytes": record.num_blocks * self.kv_bytes_per_block,
+            # RequestOutput.kv_transfer_params), beside the new handoff on an engine
+            # that exports again (a moved stage 1).
+            params = ImportReport(
+                num_imported_tokens=record.num_tokens,
+                num_imported_blocks=record.num_blocks,
+                num_imported_bytes=record.num_blocks * self.kv_bytes_per_block,
                 # D admitted the import only without beam fork (its pool is short).
-                "beam_fork_disabled": bool((beam_params(request) or {}).get("fork_disabled")),
-            }
+                beam_fork_disabled=bool((beam_params(request) or {}).get("fork_disabled")),
+            ).attach(params, exporting)
         self._fork_pending.pop(request.request_id, None)
         beam = beam_params(request)
         if beam and not delay_free and self._keep(request, beam, block_ids):
@@ -340,8 +339,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
                 self._scribble_block_ids.extend(block_ids[0])
             if beam.get("hold_s"):
                 # A parent held here: the client learns until when (Unix time).
-                params = {**(params or {}),
-                          KEY: {"held_until": time.time() + float(beam["hold_s"])}}
+                params = HoldReport(time.time() + float(beam["hold_s"])).attach(params)
             return True, params
         return delay_free, params
 

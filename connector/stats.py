@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
-from connector.handoff import FAULTS_KEY, FORK_TOKENS_KEY, RUNS_KEY, RUNS_OUT_OF_ORDER_KEY
+from connector.params import FAULTS_KEY, FORK_TOKENS_KEY, RUNS_KEY, RUNS_OUT_OF_ORDER_KEY
 
 
 class ContinuationStats(NixlKVConnectorStats):

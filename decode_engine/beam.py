@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connector.handoff import BEAM_KEY, KEY, SLOT_KEY
+from connector.params import BEAM_KEY, KEY, SLOT_KEY, Refusal
 from decode_engine.slot_spec import GroupResult, slot_spec
 from kvhandoff.types import Beam, BeamParams, StageError
 
@@ -88,18 +88,16 @@ class BeamSearchOutcome:
 
 
 def error_message(out: Any) -> str:
-    params = out.kv_transfer_params or {}
-    info = params.get(KEY) or {}
-    return info.get("error") or "the engine finished the request with an error"
+    return (Refusal.read(out.kv_transfer_params).error
+            or "the engine finished the request with an error")
 
 
 def _check_outputs(outputs: list[Any]) -> None:
     """A request the engine ended with an error or abort ends the search."""
     for out in outputs:
         if out.outputs[0].finish_reason in ("error", "abort"):
-            reason = ((out.kv_transfer_params or {}).get(KEY) or {}).get(
-                "reason", out.outputs[0].finish_reason
-            )
+            reason = (Refusal.read(out.kv_transfer_params).reason
+                      or out.outputs[0].finish_reason)
             raise StageError("stage2", reason, error_message(out))
 
 

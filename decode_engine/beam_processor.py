@@ -40,7 +40,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from connector import step_meta
-from connector.handoff import SLOT_KEY
+from connector.params import CATALOGS_KEY, SLOT_KEY
 from decode_engine.beam_search import (
     Candidates,
     GroupSearch,
@@ -239,7 +239,7 @@ def _load_catalogs(vllm_config: VllmConfig) -> dict[str, catalogs.Catalog]:
     """The engine's catalogs (``additional_config[CATALOGS_KEY]``: name -> path). The
     front end loaded and checked the same files before the engine started."""
     extra = getattr(vllm_config, "additional_config", None)
-    paths = (extra.get(catalogs.CATALOGS_KEY) if isinstance(extra, dict) else None) or {}
+    paths = (extra.get(CATALOGS_KEY) if isinstance(extra, dict) else None) or {}
     if not paths:
         return {}
     model = vllm_config.model_config

@@ -52,7 +52,8 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from connector.handoff import BEAM_KEY, CLONE_SEP, KEY, SLOT_KEY, WAIT_KEY, is_made_slot
+from connector.handoff import CLONE_SEP, is_made_slot
+from connector.params import BEAM_KEY, KEY, SLOT_KEY, WAIT_KEY
 from decode_engine.beam_group import START_TIMEOUT_S, Group, mid_prompt, shared_from_free
 from decode_engine.beam_processor import BeamStepMeta
 from decode_engine.slot_spec import GroupResult, SlotSpec

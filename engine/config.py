@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from connector.adapters import ADAPTERS_KEY, Adapter, load_all, max_lora_rank
+from connector.adapters import Adapter, load_all, max_lora_rank
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
-from engine.catalog import CATALOGS_KEY
+from connector.params import ADAPTERS_KEY, CATALOGS_KEY
 from kvhandoff.ports import is_loopback
 from kvhandoff.types import MAX_BEAM_WIDTH
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from connector.handoff import KEY, SLOT_KEY
+from connector.params import KEY, SLOT_KEY
 from decode_engine.beam import beam_search
 from decode_engine.beam_processor import OUTBOX, BeamSlotProcessor
 from decode_engine.slot_spec import slot_spec
@@ -310,7 +310,7 @@ def _slot_request(prompt, *, group="g", slot, width, steps=2, fork_from=None):
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from connector.handoff import BEAM_KEY
+    from connector.params import BEAM_KEY
     from tests.utils import BLOCK_SIZE
 
     init_none_hash(sha256)
@@ -357,7 +357,7 @@ def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir, b
     forward (on the connector's worker with beam fork on, else through vLLM's
     ``kv_cache_block_copies``); slot 0's final output carries the beams; nothing is
     left."""
-    from connector.handoff import KEY
+    from connector.params import KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
     scheduler = make_scheduler(model_dir, extra_config={"beam_fork": beam_fork})
@@ -403,7 +403,7 @@ def test_a_group_waits_for_room_and_a_step_without_decision_ends_it(model_dir):
     """16 running requests at most: a second group of 8 waits while 12 slots run, and
     starts when they end. A step whose decision never arrived ends every slot of its
     group with the reason; no block is left."""
-    from connector.handoff import KEY
+    from connector.params import KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
     scheduler = make_scheduler(model_dir)
@@ -434,7 +434,7 @@ def test_a_group_waits_for_room_and_a_step_without_decision_ends_it(model_dir):
 
 def test_an_incomplete_group_ends_after_its_start_timeout(model_dir, monkeypatch):
     import decode_engine.beam_slots
-    from connector.handoff import KEY
+    from connector.params import KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
     monkeypatch.setattr(decode_engine.beam_slots, "START_TIMEOUT_S", 0.0)
@@ -458,7 +458,7 @@ def test_a_group_starts_only_with_blocks_for_its_first_step_and_one_too_big_ends
     of the pool's 11 blocks, and starts when it has ended; a group that needs more than
     the whole pool ends at once with the numbers (it was scheduled split before and
     failed a step later)."""
-    from connector.handoff import KEY
+    from connector.params import KEY
     from tests.utils import BLOCK_SIZE, assert_scheduler_clean, make_scheduler
 
     assert BLOCK_SIZE == 32
@@ -519,7 +519,8 @@ def test_the_scheduler_makes_a_groups_slots_from_its_leader(model_dir):
     leader's prompt with each one's own last token, its own slot and score), they start
     together with it, slot 0's output carries the beams, and the made slots end with
     the group; nothing is left."""
-    from connector.handoff import CLONE_SEP, KEY
+    from connector.handoff import CLONE_SEP
+    from connector.params import KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
     scheduler = make_scheduler(model_dir)
@@ -665,7 +666,7 @@ def test_a_group_that_never_gets_room_ends_as_a_retryable_refusal(model_dir, mon
     import grpc
 
     import decode_engine.beam_slots
-    from connector.handoff import KEY
+    from connector.params import KEY
     from kvhandoff.errors import status_for
     from kvhandoff.types import StageError
     from tests.utils import assert_scheduler_clean, make_scheduler

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.catalog import CATALOGS_KEY, CatalogError, build, load, parse_spec
+from connector.params import CATALOGS_KEY
+from engine.catalog import CatalogError, build, load, parse_spec
 from kvhandoff.budget import live_slots
 from kvhandoff.types import BeamParams
 from tests.test_beam_slots import EOS, VOCAB, ScriptedEngine, ours, scripted_logits
