@@ -48,6 +48,7 @@ from connector.field_checks import DEFAULT_MAX_LEASE_S, check_geometry
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S, ImportRequest, can_reach_p, validate_import
 from connector.params import BEAM_KEY, Refusal
 from connector.signing import load_secret, verify
+from connector.step_orders import ContinuationMetadata
 from kvhandoff.budget import blocks_needed
 from kvhandoff.heap import Trimmer, start_from_env
 from kvhandoff.model import model_fingerprint
@@ -158,8 +159,8 @@ class AdmissionScheduler(Scheduler):
         which on CPU copies through a byte view and cost ~0.8 ms a step for 25 blocks
         (docs/decisions.md, "Slot copies on the connector's worker")."""
         meta = output.kv_connector_metadata
-        if self._beam_fork and hasattr(meta, "kvhandoff_fork_copies"):
-            meta.kvhandoff_fork_copies = [*meta.kvhandoff_fork_copies, *copies]
+        if self._beam_fork and isinstance(meta, ContinuationMetadata):
+            meta.orders.fork_copies = [*meta.orders.fork_copies, *copies]
             # They feed this step's forward: vLLM runs the connector's loads before it
             # only in a step with a sync load (else after, off the critical path).
             output.has_sync_kv_loads = True

@@ -39,6 +39,8 @@ from connector.params import BEAM_KEY, FORK_TOKENS_KEY
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from connector.step_orders import StepOrders
+
 logger = logging.getLogger(__name__)
 
 
@@ -153,8 +155,8 @@ class BeamForkScheduler:
                          len(block_ids[0]))
         return True
 
-    def _attach_fork_meta(self, meta: Any) -> None:
-        """Each step: hand the worker the block copies and the releases due."""
+    def _take_fork_orders(self) -> tuple[list[tuple[int, int]], list[str]]:
+        """Each step: the block copies and the releases due, for the worker."""
         now = time.monotonic()
         for name, kept in self._kept.items():
             if now >= kept.expires_at and name not in self._fork_release:
@@ -167,11 +169,10 @@ class BeamForkScheduler:
                     "%.1fs", name, kept.num_forked, kept.num_children, self._fork_hold_s
                 )
                 self._fork_release.add(name)
-        meta.kvhandoff_fork_copies = self._fork_copies
-        meta.kvhandoff_fork_release = [
-            self._kept.pop(name).request_id for name in self._fork_release
-        ]
+        copies = self._fork_copies
+        release = [self._kept.pop(name).request_id for name in self._fork_release]
         self._fork_copies, self._fork_release = [], set()
+        return copies, release
 
 
 def block_views(kv_caches: dict[str, Any], num_blocks: int) -> list[tuple[Any, int]]:
@@ -222,11 +223,10 @@ class BeamForkWorker:
         self._kernel_blocks_per_block = physical_per_logical
         self._kv_views = block_views(kv_caches, self._num_blocks * physical_per_logical)
 
-    def _fork_on_step(self, metadata: Any) -> None:
-        copies = getattr(metadata, "kvhandoff_fork_copies", None)
-        if copies:
-            self._copy_blocks(copies)
-        self._fork_released.update(getattr(metadata, "kvhandoff_fork_release", None) or ())
+    def _fork_on_step(self, orders: StepOrders) -> None:
+        if orders.fork_copies:
+            self._copy_blocks(orders.fork_copies)
+        self._fork_released.update(orders.fork_release)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy kept requests' blocks into their children's, every layer."""

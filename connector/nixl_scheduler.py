@@ -46,6 +46,7 @@ from connector.runs import MERGE_LONG, RunAllocator
 from connector.runtime import IdlePacer, listener_failures
 from connector.signing import load_secret, sign
 from connector.stats import ContinuationStats
+from connector.step_orders import ContinuationMetadata, StepOrders
 from kvhandoff.model import model_fingerprint
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
 
     def _release_holds(self, names: list[str]) -> None:
         """End holds early (the engine's Release): parents held here are released with
-        the beam fork's releases; exported ones go to the worker (``kvhandoff_unhold``),
+        the beam fork's releases; exported ones go to the worker (``StepOrders.unhold``),
         which ends their lease now."""
         for name in names:
             kept = self._kept.get(name)
@@ -196,25 +197,23 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
                 self._unholds.append(name)
         logger.debug("Releasing held parents early: %s", names)
 
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
+    def build_connector_meta(self, scheduler_output: Any) -> ContinuationMetadata:
         """Once per scheduler step: the stock metadata (READs to post, exports to
-        hold) plus beam-fork copies and releases and, with fault injection, the faults
-        the worker applies. The lists handed over are owned by the worker from here."""
+        hold) plus this step's orders (``connector.step_orders``): beam-fork copies and
+        releases, compositions' copies, holds and, with fault injection, the faults the
+        worker applies. The lists handed over are owned by the worker from here."""
         self._pace_idle_step(scheduler_output)
         meta = super().build_connector_meta(scheduler_output)
-        self._attach_fork_meta(meta)
-        meta.kvhandoff_blend = self._blend.take_copies()
-        meta.kvhandoff_faults = {r: f for r, f in self._import_faults.items()
-                                 if r in meta.reqs_to_recv}
-        for req_id in meta.kvhandoff_faults:
+        fork_copies, fork_release = self._take_fork_orders()
+        faults = {r: f for r, f in self._import_faults.items() if r in meta.reqs_to_recv}
+        for req_id in faults:
             del self._import_faults[req_id]
-        meta.kvhandoff_scribble = self._scribble_block_ids
-        self._scribble_block_ids = []
-        meta.kvhandoff_hold = self._holds
-        self._holds = []
-        meta.kvhandoff_unhold = self._unholds
-        self._unholds = []
-        return meta
+        orders = StepOrders(fork_copies=fork_copies, fork_release=fork_release,
+                            blend=self._blend.take_copies(), faults=faults,
+                            scribble=self._scribble_block_ids, hold=self._holds,
+                            unhold=self._unholds)
+        self._scribble_block_ids, self._holds, self._unholds = [], [], []
+        return ContinuationMetadata(meta, orders)
 
     def _pace_idle_step(self, scheduler_output: Any) -> None:
         """A step that computes tokens or posts READs is busy (``IdlePacer``)."""

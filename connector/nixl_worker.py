@@ -25,6 +25,7 @@ from connector.merged_reads import MergedReadWorker
 from connector.runs import MERGE_FAULTS
 from connector.runtime import back_with_huge_pages, nixl_agent_options
 from connector.stats import ContinuationStats
+from connector.step_orders import ContinuationMetadata
 from kvhandoff.ucxlog import flush_ucx_log
 
 if TYPE_CHECKING:
@@ -99,22 +100,25 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
         """Each step, before the forward pass: beam-fork copies, releases, approximate
         compositions' copies (``connector.blend``) and injected faults from the
         scheduler, then the stock READs (posted, not awaited)."""
-        self._fork_on_step(metadata)
-        self._blend.apply(getattr(metadata, "kvhandoff_blend", None) or [])
+        assert isinstance(metadata, ContinuationMetadata), \
+            f"the connector's worker got {type(metadata).__name__}, not its scheduler's"
+        orders = metadata.orders
+        self._fork_on_step(orders)
+        self._blend.apply(orders.blend)
         if self._fault_injection:
-            self._import_faults.update(getattr(metadata, "kvhandoff_faults", None) or {})
-            stale = getattr(metadata, "kvhandoff_scribble", None)
+            self._import_faults.update(orders.faults)
+            stale = orders.scribble
             if stale:
                 logger.warning("Injected fault 'stale': overwriting %d exported blocks",
                                len(stale))
                 scribble(self._kv_views, stale, self._kernel_blocks_per_block)
                 self.xfer_stats.record_fault()
         super().start_load_kv(metadata)
-        for req_id in getattr(metadata, "kvhandoff_hold", None) or ():
+        for req_id in orders.hold:
             expires = self._reqs_to_send.get(req_id)
             if expires is not None:
                 self._held[req_id] = expires
-        for req_id in getattr(metadata, "kvhandoff_unhold", None) or ():
+        for req_id in orders.unhold:
             # A held parent, or an export its D refused before reading (the router's
             # Release): its lease ends now, and vLLM's reaper frees it next.
             if req_id in self._held:

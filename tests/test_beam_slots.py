@@ -384,7 +384,7 @@ def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir, b
     for rid, new in zip(cached.req_ids, cached.new_block_ids):
         own[rid] = own[rid] + (list(new[0]) if new else [])
     assert len(own["g0"]) == 2, "block 2 and the one step 2 writes into"
-    on_worker = list(out.kv_connector_metadata.kvhandoff_fork_copies)
+    on_worker = list(out.kv_connector_metadata.orders.fork_copies)
     by_vllm = list(out.kv_cache_block_copies or [])
     assert not (by_vllm if beam_fork else on_worker), "copies sent two ways"
     # vLLM runs the connector's loads before the forward only in a step marked so.

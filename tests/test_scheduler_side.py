@@ -271,9 +271,9 @@ def test_beam_fork_copies_the_partial_block_and_releases_the_source(model_dir):
     assert out.num_scheduled_tokens == {"c5-internal": 1, "c6-internal": 1}
     meta = out.kv_connector_metadata
     child_blocks = {r.req_id: r.block_ids[0] for r in out.scheduled_new_reqs}
-    assert sorted(meta.kvhandoff_fork_copies) == sorted(
+    assert sorted(meta.orders.fork_copies) == sorted(
         (source_blocks[2], child_blocks[c.request_id][2]) for c in children)
-    assert meta.kvhandoff_fork_release == ["s0-internal"]
+    assert meta.orders.fork_release == ["s0-internal"]
     # The worker copies, then reports the source as sent: its blocks are freed.
     _step(scheduler, finished_sending={"s0-internal"})
     assert_scheduler_clean(scheduler)
@@ -289,8 +289,8 @@ def test_beam_fork_refuses_a_child_that_does_not_extend_its_source(model_dir):
                                                 "fork_children": 1}, "c-internal"))
     out = _step(scheduler)
     assert out.num_scheduled_tokens == {"c-internal": 71 - 64}, "computed, not copied"
-    assert out.kv_connector_metadata.kvhandoff_fork_copies == []
-    assert out.kv_connector_metadata.kvhandoff_fork_release == ["s0-internal"]
+    assert out.kv_connector_metadata.orders.fork_copies == []
+    assert out.kv_connector_metadata.orders.fork_release == ["s0-internal"]
     _step(scheduler, finished_sending={"s0-internal"})
     assert_scheduler_clean(scheduler)
 
@@ -303,11 +303,11 @@ def test_beam_fork_releases_unclaimed_sources(model_dir):
                                         "a-internal"))
     out = _step(scheduler)
     held_since = time.monotonic()
-    while not out.kv_connector_metadata.kvhandoff_fork_release:  # until the hold ends
+    while not out.kv_connector_metadata.orders.fork_release:  # until the hold ends
         assert time.monotonic() - held_since < 5.0, "the kept request was never released"
         time.sleep(0.01)
         out = _step(scheduler)
-    assert out.kv_connector_metadata.kvhandoff_fork_release == ["a-internal"]
+    assert out.kv_connector_metadata.orders.fork_release == ["a-internal"]
     assert time.monotonic() - held_since >= 0.4
     _step(scheduler, finished_sending={"a-internal"})
     assert_scheduler_clean(scheduler)
