@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,6 +35,7 @@ import numpy as np
 from connector.adapters import adapter_of
 from connector.blend_spec import BlendPart, parse_parts
 from connector.params import BlendReport
+from connector.step_orders import BlendCopies
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -49,18 +49,6 @@ logger = logging.getLogger(__name__)
 #: beside the scheduler side, which refuses every composition then (``availability``
 #: admits CPU attention only).
 _worker_unavailable: str | None = None
-
-
-@dataclass(slots=True)
-class BlendCopies:
-    """One step's token copies, for the worker: flat slot lists (block * block_size +
-    offset) and each token's position delta; ``rotate`` False only under the
-    ``unrotated`` fault."""
-
-    source_slots: list[int]
-    dest_slots: list[int]
-    deltas: list[int]
-    rotate: bool = True
 
 
 class BlendScheduler:

@@ -64,7 +64,7 @@ class _ImportRecord:
     num_blocks: int
 
 
-class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorScheduler):
+class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
     """Scheduler side: export a typed handoff on P, import a continuation on D."""
 
     #: vLLM's side-channel thread target; ``__init__`` binds one to this engine's exports.
@@ -81,13 +81,14 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._imports: dict[str, _ImportRecord] = {}
         extra = vllm_config.kv_transfer_config
         assert extra is not None
-        self._init_beam_fork(extra, len(kv_cache_config.kv_cache_groups))
+        self.stats = ContinuationStats()
+        self._fork = BeamForkScheduler.from_config(
+            extra, len(kv_cache_config.kv_cache_groups), self.block_size, self.stats)
         # Approximate compositions load from the held chunks (connector.blend).
         self._blend = BlendScheduler(
-            self.block_size, self._kept,
-            BlendScheduler.availability(vllm_config) if self._fork_enabled
+            self.block_size, self._fork.kept,
+            BlendScheduler.availability(vllm_config) if self._fork.enabled
             else "this engine runs without beam fork (no chunks are held)")
-        self.stats = ContinuationStats()
         #: This engine's adapters' digests by name: P signs the one an export ran under.
         self._adapter_digests = digests_of(vllm_config)
         self._secret = load_secret(extra.get_from_extra_config("handoff_secret_file", None))
@@ -171,8 +172,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             self._release_holds([str(r) for r in params[RELEASE_KEY]])
         if params.get(RELEASE_PREFIX_KEY):
             prefixes = tuple(str(p) for p in params[RELEASE_PREFIX_KEY])
-            self._release_holds([name for name, kept in self._kept.items()
-                                 if kept.held and name.startswith(prefixes)])
+            self._release_holds([name for name in self._fork.held_names()
+                                 if name.startswith(prefixes)])
         if params.get(STOP_KEY):
             target = str(params.get(RETARGET_KEY) or "")
             self._stops.update((str(r), target) for r in params[STOP_KEY])
@@ -190,10 +191,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         the beam fork's releases; exported ones go to the worker (``StepOrders.unhold``),
         which ends their lease now."""
         for name in names:
-            kept = self._kept.get(name)
-            if kept is not None and kept.held:
-                self._fork_release.add(name)
-            else:
+            if not self._fork.release_held(name):
                 self._unholds.append(name)
         logger.debug("Releasing held parents early: %s", names)
 
@@ -204,7 +202,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         worker applies. The lists handed over are owned by the worker from here."""
         self._pace_idle_step(scheduler_output)
         meta = super().build_connector_meta(scheduler_output)
-        fork_copies, fork_release = self._take_fork_orders()
+        fork_copies, fork_release = self._fork.take_orders()
         faults = {r: f for r, f in self._import_faults.items() if r in meta.reqs_to_recv}
         for req_id in faults:
             del self._import_faults[req_id]
@@ -234,8 +232,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         beam = beam_params(request)
         if beam and beam.get(WAIT_KEY):
             return None, False  # a beam slot whose group has not started: asked again
-        if self._is_fork_child(beam):
-            return self._fork_match(request, beam, num_computed_tokens), False
+        if self._fork.is_child(beam):
+            return self._fork.match(request, beam, num_computed_tokens), False
         if params and params.get(BLEND_KEY):
             # An approximate composition (connector.blend): loaded in this step.
             count = self._blend.match(request, params[BLEND_KEY], num_computed_tokens)
@@ -278,8 +276,8 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         READ (or the beam-fork copy) into them is queued for the next step."""
         params = request.kv_transfer_params
         beam = beam_params(request)
-        if self._is_fork_child(beam):
-            self._fork_scheduled(request, beam, blocks, num_external_tokens)
+        if self._fork.is_child(beam):
+            self._fork.scheduled(request, beam, blocks, num_external_tokens)
         if params and params.get(BLEND_KEY):
             self._blend.scheduled(request, blocks.get_block_ids()[0], num_external_tokens,
                                   rotate=self._fault(request) != UNROTATED_FAULT)
@@ -331,9 +329,9 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
                 # D admitted the import only without beam fork (its pool is short).
                 beam_fork_disabled=bool((beam_params(request) or {}).get("fork_disabled")),
             ).attach(params, exporting)
-        self._fork_pending.pop(request.request_id, None)
+        self._fork.forget(request.request_id)
         beam = beam_params(request)
-        if beam and not delay_free and self._keep(request, beam, block_ids):
+        if beam and not delay_free and self._fork.keep(request, beam, block_ids):
             if self._fault(request) == "stale":  # a held parent or chunk overwritten
                 self._scribble_block_ids.extend(block_ids[0])
             if beam.get("hold_s"):

@@ -68,6 +68,8 @@ TARGET_KEY = "kvhandoff_target"
 #: ``decode_engine.slot_spec``), and the group's beams on the final output of its slot 0
 #: (``kv_transfer_params[KEY][SLOT_KEY]``).
 SLOT_KEY = "kvhandoff_slot"
+#: A positional request's sampling parameters (``engine.sampling``).
+SAMPLE_KEY = "kvhandoff_sample"
 
 # ---- additional_config (what an engine loaded at start, for its other processes) ----
 #: Adapter name -> its digest (``connector.adapters``; the scheduler side's copy).
@@ -168,6 +170,12 @@ class Refusal:
 
     def to_params(self) -> dict[str, Any]:
         return {KEY: {"error": self.error, "reason": self.reason}}
+
+    def attach(self, params: dict[str, Any] | None) -> dict[str, Any]:
+        """``params`` (a copy) with this refusal beside what else is under ``KEY``."""
+        params = dict(params or {})
+        params[KEY] = {**_under(params, KEY), "reason": self.reason, "error": self.error}
+        return params
 
     @classmethod
     def read(cls, params: Mapping[str, Any] | None) -> Refusal:

@@ -22,6 +22,9 @@ class ContinuationStats(NixlKVConnectorStats):
         self.data[RUNS_KEY] = []
         self.data[RUNS_OUT_OF_ORDER_KEY] = []
 
+    def record_fork_tokens(self, num_tokens: int) -> None:
+        self.data[FORK_TOKENS_KEY].append(num_tokens)
+
     def record_fault(self) -> None:
         self.data[FAULTS_KEY].append(1)
 

@@ -8,12 +8,20 @@ its one reader; the lists in it are the worker's from the step it arrives in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
-if TYPE_CHECKING:
-    from connector.blend import BlendCopies
+
+@dataclass(slots=True)
+class BlendCopies:
+    """An approximate composition's token copies (``connector.blend``): flat slot lists
+    (block * block_size + offset) and each token's position delta; ``rotate`` False only
+    under the ``unrotated`` fault."""
+
+    source_slots: list[int]
+    dest_slots: list[int]
+    deltas: list[int]
+    rotate: bool = True
 
 
 @dataclass(slots=True)
