@@ -47,7 +47,10 @@ logger = logging.getLogger(__name__)
 #: Why this process's worker cannot make the copies (its layout probe or RoPE table
 #: failed at start; None: it can). On CPU the worker runs in the engine-core process,
 #: beside the scheduler side, which refuses every composition then (``availability``
-#: admits CPU attention only).
+#: admits CPU attention only). A registry, and the only one between the two sides: vLLM
+#: builds each side of the connector on its own and hands neither the other, and the
+#: worker learns this when vLLM registers its KV caches, before any step's worker
+#: metadata could carry it to a composition arriving first.
 _worker_unavailable: str | None = None
 
 

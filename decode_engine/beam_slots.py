@@ -54,8 +54,8 @@ from vllm.v1.request import RequestStatus
 
 from connector.handoff import CLONE_SEP, is_made_slot
 from connector.params import BEAM_KEY, KEY, SLOT_KEY, WAIT_KEY, Refusal
+from connector.step_meta import BeamStepMeta
 from decode_engine.beam_group import START_TIMEOUT_S, Group, mid_prompt, shared_from_free
-from decode_engine.beam_processor import BeamStepMeta
 from decode_engine.slot_spec import GroupResult, SlotSpec
 
 if TYPE_CHECKING:

@@ -20,8 +20,9 @@ import torch
 from vllm import SamplingParams
 
 from connector.params import KEY, SLOT_KEY
+from connector.step_meta import OUTBOX
 from decode_engine.beam import beam_search
-from decode_engine.beam_processor import OUTBOX, BeamSlotProcessor
+from decode_engine.beam_processor import BeamSlotProcessor
 from decode_engine.slot_spec import slot_spec
 from kvhandoff.types import BeamParams, StageError
 
@@ -332,7 +333,7 @@ def _slot_step(scheduler, groups=None, finished_sending=()):
     processor's records (``groups``) in the worker metadata."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-    from decode_engine.beam_processor import BeamStepMeta
+    from connector.step_meta import BeamStepMeta
 
     out = scheduler.schedule()
     ids = list(out.num_scheduled_tokens)
