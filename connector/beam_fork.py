@@ -93,10 +93,6 @@ class BeamForkScheduler:
                    and num_kv_groups == 1,
                    hold_s=float(extra.get_from_extra_config("beam_fork_hold_s", 10.0)))
 
-    def is_child(self, beam: dict[str, Any] | None) -> bool:
-        """Whether a request with beam-fork parameters ``beam`` copies from a kept one."""
-        return bool(beam and beam.get("fork_from") and self.enabled)
-
     def match(self, request: Request, beam: dict[str, Any], num_computed: int) -> int:
         """Tokens a beam child can copy from its kept source (0: compute them)."""
         source = self.kept.get(beam["fork_from"])

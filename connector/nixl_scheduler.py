@@ -32,7 +32,6 @@ from connector.params import (
     BLEND_KEY,
     HOLD_KEY,
     KEY,
-    REEXPORT_KEY,
     RELEASE_KEY,
     RELEASE_PREFIX_KEY,
     RETARGET_KEY,
@@ -42,6 +41,7 @@ from connector.params import (
     HoldReport,
     ImportReport,
 )
+from connector.request_kind import RequestKind, RequestKinds
 from connector.runs import MERGE_LONG, RunAllocator
 from connector.runtime import IdlePacer, listener_failures
 from connector.signing import load_secret, sign
@@ -84,6 +84,7 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         self.stats = ContinuationStats()
         self._fork = BeamForkScheduler.from_config(
             extra, len(kv_cache_config.kv_cache_groups), self.block_size, self.stats)
+        self._kinds = RequestKinds(self._fork.enabled)
         # Approximate compositions load from the held chunks (connector.blend).
         self._blend = BlendScheduler(
             self.block_size, self._fork.kept,
@@ -165,8 +166,9 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
 
 
     def on_new_request(self, request: Request) -> None:
-        """Each request as it arrives (before scheduling): releases and stops it asks
-        for."""
+        """Each request as it arrives (before scheduling): its kind, and the releases
+        and stops it asks for."""
+        self._kinds.of(request)
         params = request.kv_transfer_params or {}
         if params.get(RELEASE_KEY):
             self._release_holds([str(r) for r in params[RELEASE_KEY]])
@@ -230,18 +232,19 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         the tokens it copies from its kept source (synchronous)."""
         params = request.kv_transfer_params
         beam = beam_params(request)
+        kind = self._kinds.of(request)
         if beam and beam.get(WAIT_KEY):
             return None, False  # a beam slot whose group has not started: asked again
-        if self._fork.is_child(beam):
+        if kind is RequestKind.FORK_CHILD:
             return self._fork.match(request, beam, num_computed_tokens), False
-        if params and params.get(BLEND_KEY):
+        if kind is RequestKind.BLEND:
             # An approximate composition (connector.blend): loaded in this step.
             count = self._blend.match(request, params[BLEND_KEY], num_computed_tokens)
             if params.get("do_remote_decode"):
                 self._arrange_run(request, num_computed_tokens,
                                   request.num_prompt_tokens + (request.max_tokens or 0))
             return count, False
-        if params and params.get(REEXPORT_KEY) and params.get("_remote_blocks_processed"):
+        if kind is RequestKind.MOVED and params.get("_remote_blocks_processed"):
             # A moved stage 1 whose import was queued (it may be scheduled again after a
             # preemption): the stock P path would pull its "remote" blocks once more.
             return 0, False
@@ -275,10 +278,10 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         ``num_external_tokens`` to load: the blocks are the request's from here; the
         READ (or the beam-fork copy) into them is queued for the next step."""
         params = request.kv_transfer_params
-        beam = beam_params(request)
-        if self._fork.is_child(beam):
-            self._fork.scheduled(request, beam, blocks, num_external_tokens)
-        if params and params.get(BLEND_KEY):
+        kind = self._kinds.of(request)
+        if kind is RequestKind.FORK_CHILD:
+            self._fork.scheduled(request, beam_params(request), blocks, num_external_tokens)
+        elif kind is RequestKind.BLEND:
             self._blend.scheduled(request, blocks.get_block_ids()[0], num_external_tokens,
                                   rotate=self._fault(request) != UNROTATED_FAULT)
         if params and params.get("do_remote_prefill") and num_external_tokens > 0:
@@ -295,7 +298,7 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
                 self.stats.record_fault()
         importing = bool(params and params.get("do_remote_prefill"))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if importing and params.get(REEXPORT_KEY):
+        if importing and kind is RequestKind.MOVED:
             # The READ is queued (do_remote_prefill is now False): from here the request
             # is an exporting one, whose blocks are kept under a lease when it ends.
             params["do_remote_decode"] = True
@@ -330,6 +333,7 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
                 beam_fork_disabled=bool((beam_params(request) or {}).get("fork_disabled")),
             ).attach(params, exporting)
         self._fork.forget(request.request_id)
+        self._kinds.forget(request.request_id)
         beam = beam_params(request)
         if beam and not delay_free and self._fork.keep(request, beam, block_ids):
             if self._fault(request) == "stale":  # a held parent or chunk overwritten
