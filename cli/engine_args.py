@@ -34,14 +34,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     if args.fault_injection:
         kwargs["fault_injection"] = True
     if args.catalog:
-        from decode_engine.catalog import parse_spec
+        from engine.catalog import parse_spec
         from kvhandoff.builtin.generate import builtin_catalog
 
         kwargs["catalogs"] = tuple(
             (name, str(builtin_catalog(model_dir)) if path == "builtin" else path)
             for name, path in map(parse_spec, args.catalog))
     if args.adapter:
-        from decode_engine.catalog import parse_spec
+        from engine.catalog import parse_spec
         from kvhandoff.builtin.adapters import resolve
 
         kwargs["adapters"] = tuple((name, resolve(model_dir, path)) for name, path in

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from connector.params import ADAPTERS_KEY
 from kvhandoff.digests import file_digests
 from kvhandoff.types import HandoffError
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
-#: ``additional_config`` key: adapter name -> its digest (the scheduler side's copy).
-ADAPTERS_KEY = "kvhandoff_adapters"
 #: The weight files a digest covers, with the config (PEFT's names).
 _WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 #: vLLM 0.32's ``max_lora_rank`` choices (``LoRAConfig``).

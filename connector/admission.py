@@ -45,15 +45,10 @@ from vllm.v1.request import Request, RequestStatus
 from connector.adapters import adapter_of, check_import_adapter, digests_of
 from connector.faults import ANY_ADAPTER_FAULT
 from connector.field_checks import DEFAULT_MAX_LEASE_S, check_geometry
-from connector.handoff import (
-    BEAM_KEY,
-    DEFAULT_LEASE_SAFETY_MARGIN_S,
-    KEY,
-    ImportRequest,
-    can_reach_p,
-    validate_import,
-)
+from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S, ImportRequest, can_reach_p, validate_import
+from connector.params import BEAM_KEY, Refusal
 from connector.signing import load_secret, verify
+from connector.step_orders import ContinuationMetadata
 from kvhandoff.budget import blocks_needed
 from kvhandoff.heap import Trimmer, start_from_env
 from kvhandoff.model import model_fingerprint
@@ -164,8 +159,8 @@ class AdmissionScheduler(Scheduler):
         which on CPU copies through a byte view and cost ~0.8 ms a step for 25 blocks
         (docs/decisions.md, "Slot copies on the connector's worker")."""
         meta = output.kv_connector_metadata
-        if self._beam_fork and hasattr(meta, "kvhandoff_fork_copies"):
-            meta.kvhandoff_fork_copies = [*meta.kvhandoff_fork_copies, *copies]
+        if self._beam_fork and isinstance(meta, ContinuationMetadata):
+            meta.orders.fork_copies = [*meta.orders.fork_copies, *copies]
             # They feed this step's forward: vLLM runs the connector's loads before it
             # only in a step with a sync load (else after, off the critical path).
             output.has_sync_kv_loads = True
@@ -281,14 +276,14 @@ class AdmissionScheduler(Scheduler):
                 self._importing.discard(out.request_id)
                 if out.finish_reason == FinishReason.ERROR and not out.kv_transfer_params:
                     # vLLM fails a request whose KV load failed without saying why.
-                    out.kv_transfer_params = {KEY: {
-                        "reason": "import_failed",
-                        "error": "KV import from P failed: the READ was refused (P's lease "
-                                 "was about to end, or a block id beyond P's pool as its "
-                                 "handshake gave it), failed in transport, or P did not "
-                                 "confirm it still held the export when the READ "
-                                 "completed; see D's log",
-                    }}
+                    out.kv_transfer_params = Refusal(
+                        "import_failed",
+                        "KV import from P failed: the READ was refused (P's lease "
+                        "was about to end, or a block id beyond P's pool as its "
+                        "handshake gave it), failed in transport, or P did not "
+                        "confirm it still held the export when the READ "
+                        "completed; see D's log",
+                    ).to_params()
         # Forget imports finished without an output (aborted by the client).
         self._importing.intersection_update(self.requests)
         for hook in self._hooks:
@@ -303,7 +298,7 @@ class AdmissionScheduler(Scheduler):
                     request_id=request.request_id,
                     new_token_ids=[],
                     finish_reason=request.get_finished_reason(),
-                    kv_transfer_params={KEY: {"error": message, "reason": reason}},
+                    kv_transfer_params=Refusal(reason, message).to_params(),
                 )
             )
         for eco in outputs.values():

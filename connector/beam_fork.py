@@ -1,5 +1,5 @@
 """Beam fork: a request copies the partial last block of a kept request it extends
-instead of recomputing it. Mixed into the connector's scheduler and worker sides.
+instead of recomputing it. A part of the connector's scheduler and of its worker.
 
 vLLM's prefix cache shares only full blocks, so each beam slot (``decode_engine.beam_slots``)
 would recompute the partial last block of the parent it starts from (up to
@@ -33,10 +33,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connector.adapters import adapter_of
-from connector.handoff import BEAM_KEY, FORK_TOKENS_KEY, is_made_slot
+from connector.handoff import is_made_slot
+from connector.params import BEAM_KEY
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+    from connector.stats import ContinuationStats
+    from connector.step_orders import StepOrders
 
 logger = logging.getLogger(__name__)
 
@@ -62,28 +66,36 @@ class KeptRequest:
 
 
 class BeamForkScheduler:
-    """Scheduler side (a mixin of ``ContinuationConnectorScheduler``: ``block_size`` and
-    ``stats`` come from it)."""
+    """Scheduler side, a part of ``ContinuationConnectorScheduler``: the kept requests
+    (by beam name), the children waiting for their copies, and each step's copies and
+    releases for the worker (``StepOrders.fork_copies``, ``fork_release``)."""
 
-    block_size: int
-    stats: Any
+    def __init__(self, block_size: int, stats: ContinuationStats, enabled: bool,
+                 hold_s: float):
+        self._block_size = block_size
+        self._stats = stats
+        #: Whether this engine forks at all (off: every beam step computes its tokens).
+        self.enabled = enabled
+        self._hold_s = hold_s
+        #: Kept requests by beam name (read by ``connector.blend``: its sources).
+        self.kept: dict[str, KeptRequest] = {}
+        self._pending: dict[str, tuple[str, int]] = {}  # child -> (source, tokens)
+        self._copies: list[tuple[int, int]] = []  # (source block, child block)
+        self._release: set[str] = set()  # beam names
 
-    def _init_beam_fork(self, extra: Any, num_kv_groups: int) -> None:
-        self._fork_enabled = bool(extra.get_from_extra_config("beam_fork", True)) and (
-            num_kv_groups == 1
-        )
-        self._fork_hold_s = float(extra.get_from_extra_config("beam_fork_hold_s", 10.0))
-        self._kept: dict[str, KeptRequest] = {}  # by beam name
-        self._fork_pending: dict[str, tuple[str, int]] = {}  # child -> (source, tokens)
-        self._fork_copies: list[tuple[int, int]] = []  # (source block, child block)
-        self._fork_release: set[str] = set()  # beam names
+    @classmethod
+    def from_config(cls, extra: Any, num_kv_groups: int, block_size: int,
+                    stats: ContinuationStats) -> BeamForkScheduler:
+        """From the connector's extra config (``beam_fork``, ``beam_fork_hold_s``); one
+        KV cache group only."""
+        return cls(block_size, stats,
+                   enabled=bool(extra.get_from_extra_config("beam_fork", True))
+                   and num_kv_groups == 1,
+                   hold_s=float(extra.get_from_extra_config("beam_fork_hold_s", 10.0)))
 
-    def _is_fork_child(self, beam: dict[str, Any] | None) -> bool:
-        return bool(beam and beam.get("fork_from") and self._fork_enabled)
-
-    def _fork_match(self, request: Request, beam: dict[str, Any], num_computed: int) -> int:
+    def match(self, request: Request, beam: dict[str, Any], num_computed: int) -> int:
         """Tokens a beam child can copy from its kept source (0: compute them)."""
-        source = self._kept.get(beam["fork_from"])
+        source = self.kept.get(beam["fork_from"])
         if source is None or source.adapter != adapter_of(request):
             # Its KV is another adapter's (connector.adapters): computed here instead.
             return 0
@@ -93,43 +105,47 @@ class BeamForkScheduler:
             request.prompt_token_ids[:num_tokens] != source.token_ids[:num_tokens]
         ):
             return 0
-        self._fork_pending[request.request_id] = (beam["fork_from"], num_tokens)
+        self._pending[request.request_id] = (beam["fork_from"], num_tokens)
         return num_tokens - num_computed
 
-    def _fork_scheduled(self, request: Request, beam: dict[str, Any], blocks: Any,
-                        num_external_tokens: int) -> None:
+    def scheduled(self, request: Request, beam: dict[str, Any], blocks: Any,
+                  num_external_tokens: int) -> None:
         """A child got its blocks: queue the copies, count it against its source."""
-        pending = self._fork_pending.pop(request.request_id, None)
-        source = self._kept.get(beam["fork_from"])
+        pending = self._pending.pop(request.request_id, None)
+        source = self.kept.get(beam["fork_from"])
         if source is None:
             return
         if pending is not None and num_external_tokens > 0:
             num_tokens = pending[1]
-            first = (num_tokens - num_external_tokens) // self.block_size
-            last = -(-num_tokens // self.block_size)
+            first = (num_tokens - num_external_tokens) // self._block_size
+            last = -(-num_tokens // self._block_size)
             child_blocks = blocks.get_block_ids()[0]
-            self._fork_copies.extend(
+            self._copies.extend(
                 zip(source.block_ids[0][first:last], child_blocks[first:last])
             )
             if not is_made_slot(request.request_id):
                 # vLLM's front end counts external tokens of the requests it knows: a
                 # slot made in the engine is not one of them (``EngineCounters``
                 # subtracts these from its external tokens).
-                self.stats.data[FORK_TOKENS_KEY].append(num_external_tokens)
+                self._stats.record_fork_tokens(num_external_tokens)
         if source.held:
             return
         if source.num_children is None:
             source.num_children = max(int(beam.get("fork_children") or 1), 1)
         source.num_forked += 1
         if source.num_forked >= source.num_children:
-            self._fork_release.add(beam["fork_from"])
+            self._release.add(beam["fork_from"])
 
-    def _keep(self, request: Request, beam: dict[str, Any], block_ids: Any) -> bool:
+    def forget(self, request_id: str) -> None:
+        """A request finished: a copy it was matched for and never scheduled is dropped."""
+        self._pending.pop(request_id, None)
+
+    def keep(self, request: Request, beam: dict[str, Any], block_ids: Any) -> bool:
         """Keep a finished beam step's blocks for its children; True if kept."""
         from vllm.v1.request import RequestStatus
 
         if not (
-            self._fork_enabled
+            self.enabled
             and beam.get("keep")
             and beam.get("id")
             and request.status
@@ -138,11 +154,11 @@ class BeamForkScheduler:
         ):
             return False
         hold_s = float(beam.get("hold_s") or 0.0)
-        self._kept[beam["id"]] = KeptRequest(
+        self.kept[beam["id"]] = KeptRequest(
             request_id=request.request_id,
             token_ids=list(request.all_token_ids[: request.num_computed_tokens]),
             block_ids=tuple(list(group) for group in block_ids),
-            expires_at=time.monotonic() + (hold_s or self._fork_hold_s),
+            expires_at=time.monotonic() + (hold_s or self._hold_s),
             held=hold_s > 0,
             adapter=adapter_of(request),
         )
@@ -152,25 +168,37 @@ class BeamForkScheduler:
                          len(block_ids[0]))
         return True
 
-    def _attach_fork_meta(self, meta: Any) -> None:
-        """Each step: hand the worker the block copies and the releases due."""
+    def release_held(self, name: str) -> bool:
+        """End the hold of a parent held here now (the engine's Release); False if
+        ``name`` is no parent held here."""
+        kept = self.kept.get(name)
+        if kept is None or not kept.held:
+            return False
+        self._release.add(name)
+        return True
+
+    def held_names(self) -> list[str]:
+        """The names of the parents held here."""
+        return [name for name, kept in self.kept.items() if kept.held]
+
+    def take_orders(self) -> tuple[list[tuple[int, int]], list[str]]:
+        """Each step: the block copies and the releases due, for the worker."""
         now = time.monotonic()
-        for name, kept in self._kept.items():
-            if now >= kept.expires_at and name not in self._fork_release:
+        for name, kept in self.kept.items():
+            if now >= kept.expires_at and name not in self._release:
                 if kept.held:
                     logger.debug("Held parent %s released: its hold ended", name)
-                    self._fork_release.add(name)
+                    self._release.add(name)
                     continue
                 logger.warning(
                     "Releasing beam request %s: %d of %s children forked from it within "
-                    "%.1fs", name, kept.num_forked, kept.num_children, self._fork_hold_s
+                    "%.1fs", name, kept.num_forked, kept.num_children, self._hold_s
                 )
-                self._fork_release.add(name)
-        meta.kvhandoff_fork_copies = self._fork_copies
-        meta.kvhandoff_fork_release = [
-            self._kept.pop(name).request_id for name in self._fork_release
-        ]
-        self._fork_copies, self._fork_release = [], set()
+                self._release.add(name)
+        copies = self._copies
+        release = [self.kept.pop(name).request_id for name in self._release]
+        self._copies, self._release = [], set()
+        return copies, release
 
 
 def block_views(kv_caches: dict[str, Any], num_blocks: int) -> list[tuple[Any, int]]:
@@ -202,30 +230,48 @@ def block_views(kv_caches: dict[str, Any], num_blocks: int) -> list[tuple[Any, i
 
 
 class BeamForkWorker:
-    """Worker side (a mixin of ``ContinuationConnectorWorker``)."""
+    """Worker side, a part of ``ContinuationConnectorWorker``: the block copies and the
+    releases its scheduler side orders, through views of the KV cache it owns (which the
+    harness's injected faults write through too: ``connector.faults``)."""
 
-    def _init_beam_fork(self, extra: Any, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enabled: bool):
         self._num_blocks = num_blocks
-        self._fork_enabled = bool(extra.get_from_extra_config("beam_fork", True))
-        # (tensor, block dimension) for each distinct KV cache tensor; also what the
-        # harness's injected faults write through (connector.faults).
+        #: Whether this engine forks (off: no copies are ever ordered).
+        self.enabled = enabled
         self._kv_views: list[tuple[Any, int]] = []
         self._kernel_blocks_per_block = 1
         # Gather buffers of block copies, by (dtype, device, block shape): the largest
         # step's copies, held while the engine runs.
         self._copy_buffers: dict[tuple[Any, ...], Any] = {}
-        self._fork_released: set[str] = set()
+        self._released: set[str] = set()
 
-    def _register_kv_views(self, kv_caches: dict[str, Any], physical_per_logical: int) -> None:
+    @classmethod
+    def from_config(cls, extra: Any, num_blocks: int) -> BeamForkWorker:
+        return cls(num_blocks, enabled=bool(extra.get_from_extra_config("beam_fork", True)))
+
+    @property
+    def kv_views(self) -> list[tuple[Any, int]]:
+        """(tensor, block dimension) for each distinct KV cache tensor, in layer order
+        (empty until :meth:`register_kv_views`)."""
+        return self._kv_views
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        """The attention kernel's blocks per logical block."""
+        return self._kernel_blocks_per_block
+
+    def register_kv_views(self, kv_caches: dict[str, Any], physical_per_logical: int) -> None:
+        """Once, when vLLM registers the KV caches."""
         # The attention kernel may split a logical block into several.
         self._kernel_blocks_per_block = physical_per_logical
         self._kv_views = block_views(kv_caches, self._num_blocks * physical_per_logical)
 
-    def _fork_on_step(self, metadata: Any) -> None:
-        copies = getattr(metadata, "kvhandoff_fork_copies", None)
-        if copies:
-            self._copy_blocks(copies)
-        self._fork_released.update(getattr(metadata, "kvhandoff_fork_release", None) or ())
+    def on_step(self, orders: StepOrders) -> None:
+        """Each step, before the forward pass: the copies ordered, and the releases
+        (reported by :meth:`report_releases` after it)."""
+        if orders.fork_copies:
+            self._copy_blocks(orders.fork_copies)
+        self._released.update(orders.fork_release)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy kept requests' blocks into their children's, every layer."""
@@ -259,10 +305,10 @@ class BeamForkWorker:
         torch.index_select(tensor, 0, index, out=out)
         return out
 
-    def _report_fork_releases(self, results: Any) -> Any:
+    def report_releases(self, results: Any) -> Any:
         """Released kept requests are reported as "finished sending": the scheduler frees
         their blocks."""
-        if self._fork_released:
-            results.finished_sending.update(self._fork_released)
-            self._fork_released = set()
+        if self._released:
+            results.finished_sending.update(self._released)
+            self._released = set()
         return results

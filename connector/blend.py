@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from connector.adapters import adapter_of
 from connector.blend_spec import BlendPart, parse_parts
+from connector.params import BlendReport
+from connector.step_orders import BlendCopies
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -46,20 +47,11 @@ logger = logging.getLogger(__name__)
 #: Why this process's worker cannot make the copies (its layout probe or RoPE table
 #: failed at start; None: it can). On CPU the worker runs in the engine-core process,
 #: beside the scheduler side, which refuses every composition then (``availability``
-#: admits CPU attention only).
+#: admits CPU attention only). A registry, and the only one between the two sides: vLLM
+#: builds each side of the connector on its own and hands neither the other, and the
+#: worker learns this when vLLM registers its KV caches, before any step's worker
+#: metadata could carry it to a composition arriving first.
 _worker_unavailable: str | None = None
-
-
-@dataclass(slots=True)
-class BlendCopies:
-    """One step's token copies, for the worker: flat slot lists (block * block_size +
-    offset) and each token's position delta; ``rotate`` False only under the
-    ``unrotated`` fault."""
-
-    source_slots: list[int]
-    dest_slots: list[int]
-    deltas: list[int]
-    rotate: bool = True
 
 
 class BlendScheduler:
@@ -73,7 +65,7 @@ class BlendScheduler:
         #: Why this engine cannot move keys ("": it can): every composition is refused.
         self.unavailable = unavailable
         self._pending: dict[str, tuple[list[BlendPart], int]] = {}
-        self._loaded: dict[str, tuple[int, str]] = {}  # request id -> (tokens, refused)
+        self._blended: dict[str, BlendReport] = {}  # by request id
         self._copies: list[BlendCopies] = []
 
     @staticmethod
@@ -114,12 +106,12 @@ class BlendScheduler:
                            request.request_id, e)
             # Prefix hits under its salt (a run before a preemption, or an identical
             # composition) still hold copied KV: counted, so the answer stays flagged.
-            self._loaded[request.request_id] = (num_computed if request.cache_salt else 0,
-                                                str(e))
+            self._blended[request.request_id] = BlendReport(
+                num_computed if request.cache_salt else 0, str(e))
             return 0
         num_loaded = min(num_loaded, request.num_prompt_tokens - 1)
         # Prefix hits under the salt hold what an identical composition loaded.
-        self._loaded[request.request_id] = (num_loaded, "")
+        self._blended[request.request_id] = BlendReport(num_loaded)
         if num_loaded <= num_computed:
             return 0
         self._pending[request.request_id] = (parts, num_loaded)
@@ -169,13 +161,10 @@ class BlendScheduler:
         copies, self._copies = self._copies, []
         return copies
 
-    def finished(self, request: Request) -> dict[str, Any] | None:
-        """What ``request`` loaded (None: it named no composition), for its output."""
+    def finished(self, request: Request) -> BlendReport | None:
+        """What ``request`` blended (None: it named no composition), for its output."""
         self._pending.pop(request.request_id, None)
-        loaded = self._loaded.pop(request.request_id, None)
-        if loaded is None:
-            return None
-        return {"num_loaded_tokens": loaded[0], "refused": loaded[1]}
+        return self._blended.pop(request.request_id, None)
 
 
 class BlendWorker:

@@ -10,11 +10,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: ``kv_transfer_params`` key of a stage 1 composed approximately (``connector.blend``).
-BLEND_KEY = "kvhandoff_blend"
-#: ``kv_transfer_params`` key of what it loaded, on its final output:
-#: ``{"num_loaded_tokens": n, "refused": reason or ""}``.
-BLENDED_KEY = "kvhandoff_blended"
 #: The fault that copies keys without moving them (``connector.faults``).
 UNROTATED_FAULT = "unrotated"
 

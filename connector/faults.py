@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-#: The key a request names its fault under (P's stage-1 params or D's import params).
-FAULT_KEY = "kvhandoff_fault"
+from connector.params import FAULT_KEY
 
 Side = Literal["prefill", "decode_scheduler", "decode_worker"]
 

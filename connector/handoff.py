@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from connector.faults import FAULT_KEY
+from connector.params import FAULT_KEY, KEY
 from kvhandoff.types import BeamParams, HandoffError
 
 #: Bumped whenever the meaning of a handoff field changes. P and D must agree.
@@ -35,35 +35,9 @@ from kvhandoff.types import BeamParams, HandoffError
 #: files, not only the config (``kvhandoff.model``).
 PROTOCOL_VERSION = 4
 
-#: The key under which our fields travel inside ``kv_transfer_params``.
-KEY = "kvhandoff"
-
-#: The key of the beam-fork parameters (``connector.beam_fork``). A request sent with
-#: ``{"id": name, "keep": True, "hold_s": s}`` under it is a parent held on its own engine
-#: (the one-engine path): its blocks stay ``s`` seconds, however many continuations copy
-#: from them (``{"fork_from": name}``).
-BEAM_KEY = "kvhandoff_beam"
-#: ``SamplingParams.extra_args`` key of a beam slot's parameters (beam search inside the
-#: engine: ``decode_engine.beam_processor.slot_spec``), and of the group's beams on the final
-#: output of its slot 0 (``kv_transfer_params[KEY][SLOT_KEY]``).
-SLOT_KEY = "kvhandoff_slot"
-#: Connector stats key: prompt tokens beam steps copied from a kept beam (beam fork). vLLM
-#: counts them as external (KV-connector) tokens; they were copied on D, not transferred.
-FORK_TOKENS_KEY = "kvhandoff_beam_fork_tokens"
-#: Connector stats key: injected faults (``connector.faults``) that took effect on this
-#: engine, one entry each: the harness's evidence that a negative control really ran.
-FAULTS_KEY = "kvhandoff_faults_injected"
-#: Connector stats: allocations arranged in runs (``connector.runs``), one entry each
-#: (the runs made), and the cached blocks each evicted out of the LRU order.
-RUNS_KEY = "kvhandoff_runs"
-RUNS_OUT_OF_ORDER_KEY = "kvhandoff_runs_out_of_lru_order"
 #: A beam slot made in the engine from its group's leader (``decode_engine.beam_slots``):
 #: ``<leader's request id>`` + this + its index. The front end never sees its outputs.
 CLONE_SEP = ".slot"
-
-
-#: ``kv_transfer_params[BEAM_KEY]`` flag on a beam slot: not yet (the connector skips it).
-WAIT_KEY = "slot_wait"
 
 
 def is_made_slot(request_id: str) -> bool:
@@ -71,33 +45,6 @@ def is_made_slot(request_id: str) -> bool:
     head, sep, index = request_id.rpartition(CLONE_SEP)
     return bool(head and sep and index.isdigit())
 
-#: ``kv_transfer_params`` key on P's stage-1 request: hold the export for its whole lease
-#: (a parent for continuations): P keeps the blocks after a READ, so several
-#: continuations (on one D or several) may read them, until the lease ends. True: P's
-#: lease; a number of seconds: that long, at most P's lease.
-HOLD_KEY = "kvhandoff_hold"
-
-#: ``kv_transfer_params`` key of a one-token request that ends holds early (the engine's
-#: Release): exported parents by their handoff's request id (P's internal one), parents
-#: held on their own engine by their stage-1 request id. Unknown ones are ignored.
-RELEASE_KEY = "kvhandoff_release"
-#: ... and of the name prefixes whose parents held on this engine it ends (a router's
-#: chunks, pinned here, released when that router starts again).
-RELEASE_PREFIX_KEY = "kvhandoff_release_prefix"
-
-#: ``kv_transfer_params`` key of a one-token request that stops running requests after
-#: their next token (the engine's ``stop``; a move): client request ids.
-STOP_KEY = "kvhandoff_stop"
-#: With ``STOP_KEY``: the engine id the stopped requests' handoffs are addressed to
-#: instead of the one they named (a move to another P); absent or "": unchanged.
-RETARGET_KEY = "kvhandoff_retarget"
-
-#: ``kv_transfer_params`` key of an import that exports again when it ends (a stage 1
-#: moved to another P: it imports the tokens so far, samples on and exports its own
-#: handoff). Its import's report is then returned under ``IMPORTED_KEY`` (``KEY``
-#: carries the new handoff).
-REEXPORT_KEY = "kvhandoff_reexport"
-IMPORTED_KEY = "kvhandoff_imported"
 
 #: Reads are refused this long before the lease ends: the READ itself, the clock
 #: difference between hosts and a stalled step must all fit in it.

@@ -32,12 +32,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPullConnector,
 )
 
-from connector import step_meta
 from connector.nixl_scheduler import ContinuationConnectorScheduler
 from connector.nixl_worker import ContinuationConnectorWorker
 from connector.runs import kv_layout
 from connector.runtime import bound_shm_reader_waits
 from connector.stats import ContinuationStats
+from connector.step_meta import OUTBOX
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,10 +84,9 @@ class ContinuationConnector(NixlPullConnector):
             self.connector_scheduler.use_block_pool(gpu_block_pool)
 
     def build_connector_worker_meta(self) -> Any:
-        """The step's metadata from its registered source (``connector.step_meta``: the
-        beam groups', filled by the logits processor during this step's sampling); None
-        without one."""
-        return step_meta.open_step()
+        """The step's metadata (``connector.step_meta``: the beam groups', filled by the
+        logits processor during this step's sampling); None while no group runs."""
+        return OUTBOX.open_step()
 
     def get_kv_connector_stats(self) -> ContinuationStats | None:
         scheduler = self.connector_scheduler

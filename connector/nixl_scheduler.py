@@ -19,33 +19,34 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 from connector.adapters import adapter_of, digests_of
 from connector.beam_fork import BeamForkScheduler, beam_params
 from connector.blend import BlendScheduler
-from connector.blend_spec import BLEND_KEY, BLENDED_KEY, UNROTATED_FAULT
+from connector.blend_spec import UNROTATED_FAULT
 from connector.faults import (
     FAULTS,
     fault_of,
     num_imported_with_fault,
 )
-from connector.handoff import (
+from connector.handoff import PROTOCOL_VERSION, Handoff, kv_bytes_per_block, token_digest
+from connector.liveness import LiveExports, side_channel_listener
+from connector.logs import use_vllm_handlers
+from connector.params import (
+    BLEND_KEY,
     HOLD_KEY,
-    IMPORTED_KEY,
     KEY,
-    PROTOCOL_VERSION,
-    REEXPORT_KEY,
     RELEASE_KEY,
     RELEASE_PREFIX_KEY,
     RETARGET_KEY,
     STOP_KEY,
+    TARGET_KEY,
     WAIT_KEY,
-    Handoff,
-    kv_bytes_per_block,
-    token_digest,
+    HoldReport,
+    ImportReport,
 )
-from connector.liveness import LiveExports, side_channel_listener
-from connector.logs import use_vllm_handlers
+from connector.request_kind import RequestKind, RequestKinds
 from connector.runs import MERGE_LONG, RunAllocator
 from connector.runtime import IdlePacer, listener_failures
-from connector.signing import TARGET_KEY, load_secret, sign
+from connector.signing import load_secret, sign
 from connector.stats import ContinuationStats
+from connector.step_orders import ContinuationMetadata, StepOrders
 from kvhandoff.model import model_fingerprint
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class _ImportRecord:
     num_blocks: int
 
 
-class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorScheduler):
+class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
     """Scheduler side: export a typed handoff on P, import a continuation on D."""
 
     #: vLLM's side-channel thread target; ``__init__`` binds one to this engine's exports.
@@ -80,13 +81,15 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         self._imports: dict[str, _ImportRecord] = {}
         extra = vllm_config.kv_transfer_config
         assert extra is not None
-        self._init_beam_fork(extra, len(kv_cache_config.kv_cache_groups))
+        self.stats = ContinuationStats()
+        self._fork = BeamForkScheduler.from_config(
+            extra, len(kv_cache_config.kv_cache_groups), self.block_size, self.stats)
+        self._kinds = RequestKinds(self._fork.enabled)
         # Approximate compositions load from the held chunks (connector.blend).
         self._blend = BlendScheduler(
-            self.block_size, self._kept,
-            BlendScheduler.availability(vllm_config) if self._fork_enabled
+            self.block_size, self._fork.kept,
+            BlendScheduler.availability(vllm_config) if self._fork.enabled
             else "this engine runs without beam fork (no chunks are held)")
-        self.stats = ContinuationStats()
         #: This engine's adapters' digests by name: P signs the one an export ran under.
         self._adapter_digests = digests_of(vllm_config)
         self._secret = load_secret(extra.get_from_extra_config("handoff_secret_file", None))
@@ -163,15 +166,16 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
 
 
     def on_new_request(self, request: Request) -> None:
-        """Each request as it arrives (before scheduling): releases and stops it asks
-        for."""
+        """Each request as it arrives (before scheduling): its kind, and the releases
+        and stops it asks for."""
+        self._kinds.of(request)
         params = request.kv_transfer_params or {}
         if params.get(RELEASE_KEY):
             self._release_holds([str(r) for r in params[RELEASE_KEY]])
         if params.get(RELEASE_PREFIX_KEY):
             prefixes = tuple(str(p) for p in params[RELEASE_PREFIX_KEY])
-            self._release_holds([name for name, kept in self._kept.items()
-                                 if kept.held and name.startswith(prefixes)])
+            self._release_holds([name for name in self._fork.held_names()
+                                 if name.startswith(prefixes)])
         if params.get(STOP_KEY):
             target = str(params.get(RETARGET_KEY) or "")
             self._stops.update((str(r), target) for r in params[STOP_KEY])
@@ -186,35 +190,30 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
 
     def _release_holds(self, names: list[str]) -> None:
         """End holds early (the engine's Release): parents held here are released with
-        the beam fork's releases; exported ones go to the worker (``kvhandoff_unhold``),
+        the beam fork's releases; exported ones go to the worker (``StepOrders.unhold``),
         which ends their lease now."""
         for name in names:
-            kept = self._kept.get(name)
-            if kept is not None and kept.held:
-                self._fork_release.add(name)
-            else:
+            if not self._fork.release_held(name):
                 self._unholds.append(name)
         logger.debug("Releasing held parents early: %s", names)
 
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
+    def build_connector_meta(self, scheduler_output: Any) -> ContinuationMetadata:
         """Once per scheduler step: the stock metadata (READs to post, exports to
-        hold) plus beam-fork copies and releases and, with fault injection, the faults
-        the worker applies. The lists handed over are owned by the worker from here."""
+        hold) plus this step's orders (``connector.step_orders``): beam-fork copies and
+        releases, compositions' copies, holds and, with fault injection, the faults the
+        worker applies. The lists handed over are owned by the worker from here."""
         self._pace_idle_step(scheduler_output)
         meta = super().build_connector_meta(scheduler_output)
-        self._attach_fork_meta(meta)
-        meta.kvhandoff_blend = self._blend.take_copies()
-        meta.kvhandoff_faults = {r: f for r, f in self._import_faults.items()
-                                 if r in meta.reqs_to_recv}
-        for req_id in meta.kvhandoff_faults:
+        fork_copies, fork_release = self._fork.take_orders()
+        faults = {r: f for r, f in self._import_faults.items() if r in meta.reqs_to_recv}
+        for req_id in faults:
             del self._import_faults[req_id]
-        meta.kvhandoff_scribble = self._scribble_block_ids
-        self._scribble_block_ids = []
-        meta.kvhandoff_hold = self._holds
-        self._holds = []
-        meta.kvhandoff_unhold = self._unholds
-        self._unholds = []
-        return meta
+        orders = StepOrders(fork_copies=fork_copies, fork_release=fork_release,
+                            blend=self._blend.take_copies(), faults=faults,
+                            scribble=self._scribble_block_ids, hold=self._holds,
+                            unhold=self._unholds)
+        self._scribble_block_ids, self._holds, self._unholds = [], [], []
+        return ContinuationMetadata(meta, orders)
 
     def _pace_idle_step(self, scheduler_output: Any) -> None:
         """A step that computes tokens or posts READs is busy (``IdlePacer``)."""
@@ -233,18 +232,19 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         the tokens it copies from its kept source (synchronous)."""
         params = request.kv_transfer_params
         beam = beam_params(request)
+        kind = self._kinds.of(request)
         if beam and beam.get(WAIT_KEY):
             return None, False  # a beam slot whose group has not started: asked again
-        if self._is_fork_child(beam):
-            return self._fork_match(request, beam, num_computed_tokens), False
-        if params and params.get(BLEND_KEY):
+        if kind is RequestKind.FORK_CHILD:
+            return self._fork.match(request, beam, num_computed_tokens), False
+        if kind is RequestKind.BLEND:
             # An approximate composition (connector.blend): loaded in this step.
             count = self._blend.match(request, params[BLEND_KEY], num_computed_tokens)
             if params.get("do_remote_decode"):
                 self._arrange_run(request, num_computed_tokens,
                                   request.num_prompt_tokens + (request.max_tokens or 0))
             return count, False
-        if params and params.get(REEXPORT_KEY) and params.get("_remote_blocks_processed"):
+        if kind is RequestKind.MOVED and params.get("_remote_blocks_processed"):
             # A moved stage 1 whose import was queued (it may be scheduled again after a
             # preemption): the stock P path would pull its "remote" blocks once more.
             return 0, False
@@ -278,10 +278,10 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
         ``num_external_tokens`` to load: the blocks are the request's from here; the
         READ (or the beam-fork copy) into them is queued for the next step."""
         params = request.kv_transfer_params
-        beam = beam_params(request)
-        if self._is_fork_child(beam):
-            self._fork_scheduled(request, beam, blocks, num_external_tokens)
-        if params and params.get(BLEND_KEY):
+        kind = self._kinds.of(request)
+        if kind is RequestKind.FORK_CHILD:
+            self._fork.scheduled(request, beam_params(request), blocks, num_external_tokens)
+        elif kind is RequestKind.BLEND:
             self._blend.scheduled(request, blocks.get_block_ids()[0], num_external_tokens,
                                   rotate=self._fault(request) != UNROTATED_FAULT)
         if params and params.get("do_remote_prefill") and num_external_tokens > 0:
@@ -298,7 +298,7 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
                 self.stats.record_fault()
         importing = bool(params and params.get("do_remote_prefill"))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if importing and params.get(REEXPORT_KEY):
+        if importing and kind is RequestKind.MOVED:
             # The READ is queued (do_remote_prefill is now False): from here the request
             # is an exporting one, whose blocks are kept under a lease when it ends.
             params["do_remote_decode"] = True
@@ -320,28 +320,27 @@ class ContinuationConnectorScheduler(BeamForkScheduler, NixlPullConnectorSchedul
             self._attach_handoff(request, params)
         blended = self._blend.finished(request)
         if blended is not None:
-            params = {**(params or {}), BLENDED_KEY: blended}
+            params = blended.attach(params)
         if record is not None:
             # What this request imported (the client sees it on the final
-            # RequestOutput.kv_transfer_params): under KEY on D, beside the new handoff
-            # on an engine that exports again (a moved stage 1).
-            params = dict(params or {})
-            params[IMPORTED_KEY if exporting else KEY] = {
-                "num_imported_tokens": record.num_tokens,
-                "num_imported_blocks": record.num_blocks,
-                "num_imported_bytes": record.num_blocks * self.kv_bytes_per_block,
+            # RequestOutput.kv_transfer_params), beside the new handoff on an engine
+            # that exports again (a moved stage 1).
+            params = ImportReport(
+                num_imported_tokens=record.num_tokens,
+                num_imported_blocks=record.num_blocks,
+                num_imported_bytes=record.num_blocks * self.kv_bytes_per_block,
                 # D admitted the import only without beam fork (its pool is short).
-                "beam_fork_disabled": bool((beam_params(request) or {}).get("fork_disabled")),
-            }
-        self._fork_pending.pop(request.request_id, None)
+                beam_fork_disabled=bool((beam_params(request) or {}).get("fork_disabled")),
+            ).attach(params, exporting)
+        self._fork.forget(request.request_id)
+        self._kinds.forget(request.request_id)
         beam = beam_params(request)
-        if beam and not delay_free and self._keep(request, beam, block_ids):
+        if beam and not delay_free and self._fork.keep(request, beam, block_ids):
             if self._fault(request) == "stale":  # a held parent or chunk overwritten
                 self._scribble_block_ids.extend(block_ids[0])
             if beam.get("hold_s"):
                 # A parent held here: the client learns until when (Unix time).
-                params = {**(params or {}),
-                          KEY: {"held_until": time.time() + float(beam["hold_s"])}}
+                params = HoldReport(time.time() + float(beam["hold_s"])).attach(params)
             return True, params
         return delay_free, params
 

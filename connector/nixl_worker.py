@@ -25,6 +25,7 @@ from connector.merged_reads import MergedReadWorker
 from connector.runs import MERGE_FAULTS
 from connector.runtime import back_with_huge_pages, nixl_agent_options
 from connector.stats import ContinuationStats
+from connector.step_orders import ContinuationMetadata
 from kvhandoff.ucxlog import flush_ucx_log
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 SLOW_READ_S = 1.0
 
 
-class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConnectorWorker):
+class ContinuationConnectorWorker(MergedReadWorker, NixlPullConnectorWorker):
     """Worker side: READs in merged descriptors, fenced by the lease."""
 
     def __init__(
@@ -72,7 +73,7 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
         self._read_deadlines: dict[str, tuple[float, float]] = {}
         # Same stats as NIXL's, with keys that aggregate with the scheduler side's.
         self.xfer_stats = ContinuationStats()
-        self._init_beam_fork(extra, kv_cache_config.num_blocks)
+        self._fork = BeamForkWorker.from_config(extra, kv_cache_config.num_blocks)
         self._fault_injection = bool(extra.get_from_extra_config("fault_injection", False))
         self._import_faults: dict[str, str] = {}  # request id -> fault, until its READ is done
         # P: held exports (parents) -> their lease end (perf_counter, as _reqs_to_send):
@@ -91,30 +92,33 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
                         time.perf_counter() - t0)
         super().register_kv_caches(kv_caches)
         ratio = int(getattr(self, "_physical_blocks_per_logical_kv_block", 1))
-        if self._fork_enabled or self._fault_injection:
-            self._register_kv_views(kv_caches, ratio)
+        if self._fork.enabled or self._fault_injection:
+            self._fork.register_kv_views(kv_caches, ratio)
         self._blend.register(kv_caches, self.block_size)  # the kernel's block size
 
     def start_load_kv(self, metadata: Any) -> None:
         """Each step, before the forward pass: beam-fork copies, releases, approximate
         compositions' copies (``connector.blend``) and injected faults from the
         scheduler, then the stock READs (posted, not awaited)."""
-        self._fork_on_step(metadata)
-        self._blend.apply(getattr(metadata, "kvhandoff_blend", None) or [])
+        assert isinstance(metadata, ContinuationMetadata), \
+            f"the connector's worker got {type(metadata).__name__}, not its scheduler's"
+        orders = metadata.orders
+        self._fork.on_step(orders)
+        self._blend.apply(orders.blend)
         if self._fault_injection:
-            self._import_faults.update(getattr(metadata, "kvhandoff_faults", None) or {})
-            stale = getattr(metadata, "kvhandoff_scribble", None)
+            self._import_faults.update(orders.faults)
+            stale = orders.scribble
             if stale:
                 logger.warning("Injected fault 'stale': overwriting %d exported blocks",
                                len(stale))
-                scribble(self._kv_views, stale, self._kernel_blocks_per_block)
+                scribble(self._fork.kv_views, stale, self._fork.kernel_blocks_per_block)
                 self.xfer_stats.record_fault()
         super().start_load_kv(metadata)
-        for req_id in getattr(metadata, "kvhandoff_hold", None) or ():
+        for req_id in orders.hold:
             expires = self._reqs_to_send.get(req_id)
             if expires is not None:
                 self._held[req_id] = expires
-        for req_id in getattr(metadata, "kvhandoff_unhold", None) or ():
+        for req_id in orders.unhold:
             # A held parent, or an export its D refused before reading (the router's
             # Release): its lease ends now, and vLLM's reaper frees it next.
             if req_id in self._held:
@@ -165,7 +169,7 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
         # _pop_done_transfers: its deadline goes with it.
         for req_id in getattr(results, "finished_recving", None) or ():
             self._read_deadlines.pop(req_id, None)
-        return self._report_fork_releases(results)
+        return self._fork.report_releases(results)
 
     def _inject_import_faults(self, done: set[str]) -> None:
         for req_id in done:
@@ -178,7 +182,8 @@ class ContinuationConnectorWorker(BeamForkWorker, MergedReadWorker, NixlPullConn
                                fault, req_id)
                 continue
             blocks = list(meta.local_block_ids[0])
-            if corrupt_imported(fault, self._kv_views, blocks, self._kernel_blocks_per_block):
+            if corrupt_imported(fault, self._fork.kv_views, blocks,
+                                self._fork.kernel_blocks_per_block):
                 logger.warning("Injected fault %r into %s's imported blocks", fault, req_id)
                 self.xfer_stats.record_fault()
             else:

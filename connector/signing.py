@@ -19,13 +19,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from connector.handoff import KEY, SIGNED_FIELDS
+from connector.handoff import SIGNED_FIELDS
+from connector.params import KEY
 from kvhandoff.types import HandoffError
 
 SECRET_FILE_ENV = "KVHANDOFF_HANDOFF_SECRET_FILE"
 SECRET_ENV = "KVHANDOFF_HANDOFF_SECRET"
-#: ``kv_transfer_params`` key of the target D engine id on P's stage-1 request.
-TARGET_KEY = "kvhandoff_target"
 MIN_SECRET_BYTES = 16
 
 #: Signed fields: vLLM's NIXL transport fields, then ours (under ``KEY``).

@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
-from connector.handoff import FAULTS_KEY, FORK_TOKENS_KEY, RUNS_KEY, RUNS_OUT_OF_ORDER_KEY
+from connector.params import FAULTS_KEY, FORK_TOKENS_KEY, RUNS_KEY, RUNS_OUT_OF_ORDER_KEY
 
 
 class ContinuationStats(NixlKVConnectorStats):
@@ -21,6 +21,9 @@ class ContinuationStats(NixlKVConnectorStats):
         self.data[FAULTS_KEY] = []
         self.data[RUNS_KEY] = []
         self.data[RUNS_OUT_OF_ORDER_KEY] = []
+
+    def record_fork_tokens(self, num_tokens: int) -> None:
+        self.data[FORK_TOKENS_KEY].append(num_tokens)
 
     def record_fault(self) -> None:
         self.data[FAULTS_KEY].append(1)

@@ -3,9 +3,10 @@ engine. The engine (``engine``: ``DecodeEngine``, ``run_beam_stage``) and the fr
 of a search (``beam``: ``AsyncLLM.generate`` with its slots' parameters); the engine side:
 the groups of slots in the scheduler (``beam_slots``, ``beam_group``), the logits
 processor that picks each step's beams (``beam_processor``, its arithmetic in
-``beam_search``), the catalogs beams may be kept in (``catalog``), and D's scheduler
-vLLM loads by class path (``scheduler``). P's colocated path runs the same beam search.
+``beam_search``; the catalogs beams may be kept in are ``engine.catalog``), and D's
+scheduler vLLM loads by class path (``scheduler``). P's colocated path runs the same beam
+search.
 
-Nothing is imported here: ``engine`` (under it, vLLM's engine) imports this package's
-catalogs, and the engine-core and worker processes load only the parts they run.
+Nothing is imported here: the engine-core and worker processes load only the parts they
+run.
 """

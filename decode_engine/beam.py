@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connector.handoff import BEAM_KEY, KEY, SLOT_KEY
+from connector.params import BEAM_KEY, KEY, SLOT_KEY, ImportReport, Refusal
 from decode_engine.slot_spec import GroupResult, slot_spec
 from kvhandoff.types import Beam, BeamParams, StageError
 
@@ -88,18 +88,16 @@ class BeamSearchOutcome:
 
 
 def error_message(out: Any) -> str:
-    params = out.kv_transfer_params or {}
-    info = params.get(KEY) or {}
-    return info.get("error") or "the engine finished the request with an error"
+    return (Refusal.read(out.kv_transfer_params).error
+            or "the engine finished the request with an error")
 
 
 def _check_outputs(outputs: list[Any]) -> None:
     """A request the engine ended with an error or abort ends the search."""
     for out in outputs:
         if out.outputs[0].finish_reason in ("error", "abort"):
-            reason = ((out.kv_transfer_params or {}).get(KEY) or {}).get(
-                "reason", out.outputs[0].finish_reason
-            )
+            reason = (Refusal.read(out.kv_transfer_params).reason
+                      or out.outputs[0].finish_reason)
             raise StageError("stage2", reason, error_message(out))
 
 
@@ -158,7 +156,8 @@ def _group_result(out: Any) -> GroupResult:
     _check_outputs([out])
     info = (out.kv_transfer_params or {}).get(KEY) or {}
     if SLOT_KEY not in info:
-        raise StageError("stage2", info.get("reason", "beam_group"), error_message(out))
+        raise StageError("stage2", Refusal.read(out.kv_transfer_params).reason or "beam_group",
+                         error_message(out))
     return GroupResult.read(info[SLOT_KEY])
 
 
@@ -199,7 +198,7 @@ async def beam_search(
         name)
     first_step_s = time.perf_counter() - t0
     step0 = _group_result(first)
-    if ((first.kv_transfer_params or {}).get(KEY) or {}).get("beam_fork_disabled"):
+    if ImportReport.read(first.kv_transfer_params).beam_fork_disabled:
         fork = False  # D admitted the import only without it: step 0 was not kept
     step_computed = [len(first.prompt_token_ids) - (first.num_cached_tokens or 0)]
     completed = [_Sequence(prompt + list(tokens), float(cum))

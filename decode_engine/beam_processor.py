@@ -13,15 +13,15 @@ is a group of one slot (``max_tokens=1``, the import's request): its one row giv
 first beams, returned as the group's result.
 
 What the step decided goes to the scheduler in this step's worker metadata
-(:class:`BeamStepMeta`): the parents of the new beams (the scheduler copies each
+(``connector.step_meta.BeamStepMeta``): the parents of the new beams (the scheduler copies each
 parent's KV into its children's slots before the next forward), and, at the last step,
 the beams. vLLM builds that metadata in ``execute_model``, before sampling; the
-connector worker opens it (:meth:`Outbox.open_step`) and the processor fills it during
+connector worker opens it (``connector.step_meta.OUTBOX``) and the processor fills it during
 sampling, before the step's output goes to the scheduler (``async_scheduling`` is off).
 A step the processor cannot run (a slot missing from the batch) is posted as an error:
 the scheduler ends the group; no beam is ever guessed.
 
-A group may name a catalog (``decode_engine.catalog``): the processor loads the engine's
+A group may name a catalog (``engine.catalog``): the processor loads the engine's
 catalogs once, at its start (``additional_config[CATALOGS_KEY]``), and limits each
 beam's candidates to the catalog's (``decode_engine.beam_search.catalog_candidates``).
 """
@@ -35,13 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from connector import step_meta
-from connector.handoff import SLOT_KEY
-from decode_engine import catalog as catalogs
+from connector.params import CATALOGS_KEY, SLOT_KEY
+from connector.step_meta import OUTBOX
 from decode_engine.beam_search import (
     Candidates,
     GroupSearch,
@@ -49,56 +47,13 @@ from decode_engine.beam_search import (
     row_candidates,
 )
 from decode_engine.slot_spec import SlotSpec
+from engine import catalog as catalogs
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
-
-class BeamStepMeta(KVConnectorWorkerMetadata):
-    """One step's records, by group: ``{"step": k, "parents": [...], "select_ms": t}``
-    (``t``: the processor's time on the group), plus ``"result"`` at the group's last
-    step, or ``{"step": k, "error": why}``."""
-
-    def __init__(self) -> None:
-        self.groups: dict[str, dict[str, Any]] = {}
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        # Tensor-parallel workers see the same logits and decide the same.
-        if isinstance(other, BeamStepMeta):
-            for group, record in other.groups.items():
-                self.groups.setdefault(group, record)
-        return self
-
-
-class Outbox:
-    """This worker process's hand-over from the processor to the connector worker: the
-    metadata of the step being run, while any group is active here."""
-
-    def __init__(self) -> None:
-        self.active = False  # set by the processor: slots are in the batch
-        self._current: BeamStepMeta | None = None
-
-    def open_step(self) -> BeamStepMeta | None:
-        """The connector worker, once per step (``build_connector_worker_meta``)."""
-        self._current = BeamStepMeta() if self.active else None
-        return self._current
-
-    def post(self, group: str, record: dict[str, Any]) -> None:
-        if self._current is None:
-            # Cannot happen with the connector loaded; the scheduler sees the step
-            # missing and ends the group.
-            logger.error("Beam group %s: no step metadata to post step %s to", group,
-                         record.get("step"))
-            return
-        self._current.groups[group] = record
-
-
-#: One per worker process: the processor and the connector worker meet here.
-OUTBOX = Outbox()
-step_meta.register(OUTBOX.open_step)
-
 
 @dataclass(slots=True)
 class _Slot:
@@ -239,7 +194,7 @@ def _load_catalogs(vllm_config: VllmConfig) -> dict[str, catalogs.Catalog]:
     """The engine's catalogs (``additional_config[CATALOGS_KEY]``: name -> path). The
     front end loaded and checked the same files before the engine started."""
     extra = getattr(vllm_config, "additional_config", None)
-    paths = (extra.get(catalogs.CATALOGS_KEY) if isinstance(extra, dict) else None) or {}
+    paths = (extra.get(CATALOGS_KEY) if isinstance(extra, dict) else None) or {}
     if not paths:
         return {}
     model = vllm_config.model_config

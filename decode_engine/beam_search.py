@@ -16,7 +16,7 @@ the beam's cumulative logprob plus the token's (float32 logprob, float64 sum);
 EOS-ending candidates go to ``completed``, and the W best of the others are picked by
 :func:`top_candidates`, the same numpy calls, so that exact ties resolve as vLLM's.
 
-A search constrained to a catalog (``decode_engine.catalog``) keeps vLLM's scores (the
+A search constrained to a catalog (``engine.catalog``) keeps vLLM's scores (the
 model's full-vocabulary logprobs) and rules, with each beam's candidates limited to the
 tokens that keep it inside the catalog (EOS only where it completes an item): each
 row's ``2W`` best allowed tokens by logprob, ties by token id (:func:`catalog_candidates`),
@@ -40,7 +40,7 @@ from decode_engine.slot_spec import GroupResult, WireBeam
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from decode_engine.catalog import Catalog
+    from engine.catalog import Catalog
 
 
 def top_candidates(cum_logprobs: np.ndarray, width: int) -> np.ndarray:

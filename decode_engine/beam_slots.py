@@ -52,9 +52,10 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from connector.handoff import BEAM_KEY, CLONE_SEP, KEY, SLOT_KEY, WAIT_KEY, is_made_slot
+from connector.handoff import CLONE_SEP, is_made_slot
+from connector.params import BEAM_KEY, KEY, SLOT_KEY, WAIT_KEY, Refusal
+from connector.step_meta import BeamStepMeta
 from decode_engine.beam_group import START_TIMEOUT_S, Group, mid_prompt, shared_from_free
-from decode_engine.beam_processor import BeamStepMeta
 from decode_engine.slot_spec import GroupResult, SlotSpec
 
 if TYPE_CHECKING:
@@ -353,8 +354,8 @@ class SlotGroups:
                 else:
                     # A slot ending without the group's beams says why, whichever step.
                     out.finish_reason = FinishReason.ERROR
-                    params[KEY] = {**(params.get(KEY) or {}), "reason": group.reason,
-                                   "error": f"beam search failed: {group.error or 'no beams'}"}
+                    params = Refusal(group.reason, "beam search failed: "
+                                     f"{group.error or 'no beams'}").attach(params)
                 out.kv_transfer_params = params or None
         for name, group in self._groups.items():
             if group.error and not group.reported:

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from connector.handoff import BEAM_KEY, KEY, ImportRequest
+from connector.handoff import ImportRequest
+from connector.params import BEAM_KEY, KEY, ImportReport, Refusal
 from decode_engine.beam import beam_search, error_message
 from engine import VllmEngine
 from kvhandoff.budget import live_slots, stage2_reservation
@@ -95,13 +96,13 @@ async def run_beam_stage(
             max_live=slots,
         )
     first = outcome.first_output
-    imported = ((first.kv_transfer_params or {}).get(KEY) or {}) if first else {}
+    imported = ImportReport.read(first.kv_transfer_params if first else None)
     return Stage2Result(
         beams=outcome.beams,
         num_prompt_tokens=len(prompt_token_ids),
-        num_imported_tokens=int(imported.get("num_imported_tokens", 0)),
-        num_imported_bytes=int(imported.get("num_imported_bytes", 0)),
-        num_imported_blocks=int(imported.get("num_imported_blocks", 0)),
+        num_imported_tokens=imported.num_imported_tokens,
+        num_imported_bytes=imported.num_imported_bytes,
+        num_imported_blocks=imported.num_imported_blocks,
         num_computed_tokens_first_step=outcome.step_computed_tokens[0],
         num_computed_tokens_total=sum(outcome.step_computed_tokens),
         first_step_s=outcome.first_step_s,
@@ -182,19 +183,19 @@ async def run_sample_stage(
     reason = last.outputs[0].finish_reason
     if reason not in ("stop", "length"):
         # An import refused at admission or failed says why (connector.admission).
-        info = (last.kv_transfer_params or {}).get(KEY) or {}
-        raise StageError("stage2", info.get("reason") or reason or "unknown",
+        raise StageError("stage2",
+                         Refusal.read(last.kv_transfer_params).reason or reason or "unknown",
                          error_message(last))
-    imported = ((last.kv_transfer_params or {}).get(KEY) or {})
+    imported = ImportReport.read(last.kv_transfer_params)
     computed_first = len(prompt_token_ids) - (first.num_cached_tokens or 0)
     return Stage2Result(
         beams=[Beam(token_ids=token_ids,
                     cum_logprob=float(last.outputs[0].cumulative_logprob or 0.0),
                     finish_reason=reason)],
         num_prompt_tokens=len(prompt_token_ids),
-        num_imported_tokens=int(imported.get("num_imported_tokens", 0)),
-        num_imported_bytes=int(imported.get("num_imported_bytes", 0)),
-        num_imported_blocks=int(imported.get("num_imported_blocks", 0)),
+        num_imported_tokens=imported.num_imported_tokens,
+        num_imported_bytes=imported.num_imported_bytes,
+        num_imported_blocks=imported.num_imported_blocks,
         num_computed_tokens_first_step=computed_first,
         num_computed_tokens_total=computed_first + max(len(token_ids) - 1, 0),
         first_step_s=first_step_s,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from connector.handoff import SLOT_KEY
+from connector.params import SLOT_KEY
 
 #: A slot's parameters, every one required on the wire.
 REQUIRED = ("group", "slot", "members", "width", "live", "steps", "cum", "eos",

@@ -1,7 +1,8 @@
 """The engine layer's base: one vLLM ``AsyncLLM`` configured for kvhandoff, under
 ``prefill_engine`` and ``decode_engine``: its configuration and engine arguments
-(``config``), its pool snapshot and counters (``stats``), and its lifecycle
-(``vllm_engine``). vLLM is imported lazily, when an engine starts."""
+(``config``), its pool snapshot and counters (``stats``), its lifecycle
+(``vllm_engine``), and the catalogs constrained beams are kept in (``catalog``). vLLM is
+imported lazily, when an engine starts."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from connector.adapters import ADAPTERS_KEY, Adapter, load_all, max_lora_rank
+from connector.adapters import Adapter, load_all, max_lora_rank
 from connector.handoff import DEFAULT_LEASE_SAFETY_MARGIN_S
-from decode_engine.catalog import CATALOGS_KEY
+from connector.params import ADAPTERS_KEY, CATALOGS_KEY
 from kvhandoff.ports import is_loopback
 from kvhandoff.types import MAX_BEAM_WIDTH
 
@@ -114,7 +114,7 @@ class EngineConfig:
     kv_events: bool = True
     kv_events_host: str = "127.0.0.1"
     kv_events_key_file: str | None = None
-    #: Catalogs beams may be constrained to, (name, path) pairs (``decode_engine.catalog``):
+    #: Catalogs beams may be constrained to, (name, path) pairs (``engine.catalog``):
     #: loaded and checked at start by the front end and by each worker.
     catalogs: tuple[tuple[str, str], ...] = ()
     #: LoRA adapters served here, (name, directory in PEFT's format) pairs

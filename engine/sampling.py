@@ -11,7 +11,7 @@ in any batch, and after any move (the position is absolute: prompt plus output).
 
 Loaded by vLLM as a logits processor (``logits_processors=["engine.sampling:PositionalSampler"]``,
 ``engine.config``) in each worker. A request opts in with
-``SamplingParams(temperature=0, extra_args={KEY: spec})``, ``spec`` from :func:`spec_of`;
+``SamplingParams(temperature=0, extra_args={SAMPLE_KEY: spec})``, ``spec`` from :func:`spec_of`;
 every other request is left as it is. Stop tokens, ``min_tokens`` (vLLM masks them to
 -inf, which stays -inf here) and ``max_tokens`` keep vLLM's meaning.
 """
@@ -26,14 +26,13 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
+from connector.params import SAMPLE_KEY
+
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.config import VllmConfig
 
     from kvhandoff.types import Stage1Params
-
-#: ``SamplingParams.extra_args`` key of a positional request's parameters.
-KEY = "kvhandoff_sample"
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -43,7 +42,7 @@ _MIX2 = 0x94D049BB133111EB
 
 def spec_of(*, seed: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
             min_p: float = 0.0) -> dict[str, Any]:
-    """A request's positional-sampling parameters (``extra_args[KEY]``)."""
+    """A request's positional-sampling parameters (``extra_args[SAMPLE_KEY]``)."""
     if seed is None:
         raise ValueError("positional sampling needs a seed")
     return {"seed": int(seed) & _MASK64, "temperature": float(temperature),
@@ -54,7 +53,7 @@ def sampling_params(params: Stage1Params, extra_args: dict[str, Any] | None = No
                     logprobs: int | None = None) -> SamplingParams:
     """vLLM sampling parameters for ``params`` (stage 1, or a sampled stage 2), with
     ``extra_args`` (e.g. ``kv_transfer_params``) and ``logprobs`` (default: the
-    params'). Positional ones run greedy with their spec under :data:`KEY`; the others
+    params'). Positional ones run greedy with their spec under :data:`SAMPLE_KEY`; the others
     are vLLM's own seeded sampling."""
     from vllm import SamplingParams
 
@@ -62,7 +61,7 @@ def sampling_params(params: Stage1Params, extra_args: dict[str, Any] | None = No
         logprobs = params.logprobs
     extra = dict(extra_args or {})
     if params.positional and params.temperature > 0:  # greedy is positional already
-        extra[KEY] = spec_of(seed=params.seed, temperature=params.temperature,
+        extra[SAMPLE_KEY] = spec_of(seed=params.seed, temperature=params.temperature,
                              top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
         return SamplingParams(
             max_tokens=params.max_tokens, temperature=0.0,
@@ -160,15 +159,15 @@ class PositionalSampler(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        spec = (sampling_params.extra_args or {}).get(KEY)
+        spec = (sampling_params.extra_args or {}).get(SAMPLE_KEY)
         if spec is None:
             return
         if sampling_params.temperature != 0.0:
-            raise ValueError(f"{KEY}: the request must be greedy (temperature 0); the "
+            raise ValueError(f"{SAMPLE_KEY}: the request must be greedy (temperature 0); the "
                              "temperature goes in its positional parameters")
         for name in ("seed", "temperature", "top_k", "top_p", "min_p"):
             if name not in spec:
-                raise ValueError(f"{KEY}: missing {name!r}")
+                raise ValueError(f"{SAMPLE_KEY}: missing {name!r}")
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device,
                  is_pin_memory: bool) -> None:
@@ -188,7 +187,7 @@ class PositionalSampler(LogitsProcessor):
 
 def _row_of(params: SamplingParams | None, prompt_token_ids: list[int] | None,
             output_token_ids: list[int]) -> _Row | None:
-    spec = ((params.extra_args or {}) if params is not None else {}).get(KEY)
+    spec = ((params.extra_args or {}) if params is not None else {}).get(SAMPLE_KEY)
     if spec is None:
         return None
     return _Row(spec, len(prompt_token_ids or ()), output_token_ids)

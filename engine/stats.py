@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.handoff import FAULTS_KEY, FORK_TOKENS_KEY, RUNS_KEY, RUNS_OUT_OF_ORDER_KEY
+from connector.params import FAULTS_KEY, FORK_TOKENS_KEY, RUNS_KEY, RUNS_OUT_OF_ORDER_KEY
 
 
 @dataclass(frozen=True, slots=True)

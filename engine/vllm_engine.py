@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from connector.adapters import Adapter
 from connector.adapters import load_all as load_adapters
 from connector.faults import FAULTS
-from decode_engine.catalog import Catalog, load
+from engine.catalog import Catalog, load
 from engine.config import EngineConfig, engine_env, environment
 from engine.kv_events import EventEndpoints, EventRelay
 from engine.stats import EngineCounters, PoolSnapshot, stats_logger_factory

@@ -144,7 +144,7 @@ class BeamParams:
     max_tokens: int = 3
     length_penalty: float = 1.0
     ignore_eos: bool = False
-    #: Beams stay in this catalog of D's (``decode_engine.catalog``); None: unconstrained.
+    #: Beams stay in this catalog of D's (``engine.catalog``); None: unconstrained.
     catalog: str | None = None
 
     def __post_init__(self) -> None:

@@ -23,21 +23,24 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from connector.blend_spec import BLEND_KEY, BLENDED_KEY, Blend
-from connector.faults import FAULT_KEY
-from connector.handoff import (
+from connector.blend_spec import Blend
+from connector.handoff import ImportRequest
+from connector.params import (
     BEAM_KEY,
+    BLEND_KEY,
+    FAULT_KEY,
     HOLD_KEY,
-    IMPORTED_KEY,
-    KEY,
     REEXPORT_KEY,
     RELEASE_KEY,
     RELEASE_PREFIX_KEY,
     RETARGET_KEY,
     STOP_KEY,
-    ImportRequest,
+    TARGET_KEY,
+    BlendReport,
+    HoldReport,
+    ImportReport,
+    Refusal,
 )
-from connector.signing import TARGET_KEY
 from engine import VllmEngine
 from kvhandoff.types import (
     InvalidRequest,
@@ -193,18 +196,17 @@ class PrefillEngine(VllmEngine):
         reason = last.outputs[0].finish_reason
         if reason not in ("stop", "length"):
             # An import refused at admission or failed says why (connector.admission).
-            info = (last.kv_transfer_params or {}).get(KEY) or {}
-            raise StageError("stage1", info.get("reason") or reason or "unknown",
-                             info.get("error") or f"stage 1 ended with finish_reason={reason}")
+            refusal = Refusal.read(last.kv_transfer_params)
+            raise StageError("stage1", refusal.reason or reason or "unknown",
+                             refusal.error or f"stage 1 ended with finish_reason={reason}")
         handoff_params = last.kv_transfer_params if export else None
         if export and not handoff_params:
             raise StageError("stage1", "export", "P finished stage 1 but exported no handoff")
         held_until = 0.0
         if hold and not export:
-            held_until = float(((last.kv_transfer_params or {}).get(KEY) or {})
-                               .get("held_until", 0.0))
-        imported = (last.kv_transfer_params or {}).get(IMPORTED_KEY) or {}
-        blended = (last.kv_transfer_params or {}).get(BLENDED_KEY) or {}
+            held_until = HoldReport.read(last.kv_transfer_params).held_until
+        imported = ImportReport.read(last.kv_transfer_params, exporting=True)
+        blended = BlendReport.read(last.kv_transfer_params)
         yield [], [], Stage1Result(
             token_ids=token_ids,
             finish_reason=reason,
@@ -212,15 +214,15 @@ class PrefillEngine(VllmEngine):
             elapsed_s=time.perf_counter() - t0,
             held_until=held_until,
             logprobs=logprobs,
-            num_imported_tokens=int(imported.get("num_imported_tokens", 0)),
-            num_imported_bytes=int(imported.get("num_imported_bytes", 0)),
+            num_imported_tokens=imported.num_imported_tokens,
+            num_imported_bytes=imported.num_imported_bytes,
             num_computed_tokens=len(prompt_token_ids) - (first.num_cached_tokens or 0),
-            num_blended_tokens=int(blended.get("num_loaded_tokens", 0)),
-            blend_refused=str(blended.get("refused", "")),
+            num_blended_tokens=blended.num_blended_tokens,
+            blend_refused=blended.refused,
         )
 
     async def release(self, names: list[str], prefixes: list[str] | None = None) -> None:
-        """End holds early (see ``connector.handoff.RELEASE_KEY``): a one-token request
+        """End holds early (see ``connector.params.RELEASE_KEY``): a one-token request
         carries the names to the connector's scheduler side; their blocks are freed
         within a step or two of its return. ``prefixes``: also every parent held here
         whose name starts with one. The caller promises no READ of them is in flight or

@@ -2,13 +2,13 @@
 and admitting a moved stage 1's import up front (``connector.admission``).
 
 Loaded by vLLM in P's engine-core process (``scheduler_cls``, ``engine.config``). A
-request named by the connector's stop list (``connector.handoff.STOP_KEY``, carried by
+request named by the connector's stop list (``connector.params.STOP_KEY``, carried by
 the engine's ``stop`` request) gets ``max_tokens`` = the tokens it has plus one: vLLM's
 own length check ends it after its next token, as if it had asked for that many, so a
 request started with ``export`` ends exactly as a finished stage 1 does: its blocks (the
 partial last block included) are kept under a lease and described by a handoff, and
 another engine can continue it from there. A stop may address that handoff to another
-engine than the one the request named (``connector.handoff.RETARGET_KEY``: a move to
+engine than the one the request named (``connector.params.RETARGET_KEY``: a move to
 another P).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 from connector.admission import AdmissionScheduler
-from connector.signing import TARGET_KEY
+from connector.params import TARGET_KEY
 from decode_engine.beam_slots import SlotGroups
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from connector.blend_spec import Blend, BlendPart
-from connector.handoff import HANDOFF_FIELDS, KEY, TRANSPORT_FIELDS
+from connector.handoff import HANDOFF_FIELDS, TRANSPORT_FIELDS
+from connector.params import KEY
 from kvhandoff.v1 import common_pb2, engine_pb2
 
 #: Transport fields the Handoff message carries as they are (P's engine and request id

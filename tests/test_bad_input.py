@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from connector.handoff import KEY, ImportRequest
+from connector.handoff import ImportRequest
+from connector.params import KEY
 from kvhandoff.types import BeamParams, InvalidRequest, Stage1Params, StageError
 from tests.conftest import LEASE_S
 from tests.utils import make_request

@@ -19,9 +19,10 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from connector.handoff import KEY, SLOT_KEY
+from connector.params import KEY, SLOT_KEY
+from connector.step_meta import OUTBOX
 from decode_engine.beam import beam_search
-from decode_engine.beam_processor import OUTBOX, BeamSlotProcessor
+from decode_engine.beam_processor import BeamSlotProcessor
 from decode_engine.slot_spec import slot_spec
 from kvhandoff.types import BeamParams, StageError
 
@@ -310,7 +311,7 @@ def _slot_request(prompt, *, group="g", slot, width, steps=2, fork_from=None):
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from connector.handoff import BEAM_KEY
+    from connector.params import BEAM_KEY
     from tests.utils import BLOCK_SIZE
 
     init_none_hash(sha256)
@@ -332,7 +333,7 @@ def _slot_step(scheduler, groups=None, finished_sending=()):
     processor's records (``groups``) in the worker metadata."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-    from decode_engine.beam_processor import BeamStepMeta
+    from connector.step_meta import BeamStepMeta
 
     out = scheduler.schedule()
     ids = list(out.num_scheduled_tokens)
@@ -357,7 +358,7 @@ def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir, b
     forward (on the connector's worker with beam fork on, else through vLLM's
     ``kv_cache_block_copies``); slot 0's final output carries the beams; nothing is
     left."""
-    from connector.handoff import KEY
+    from connector.params import KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
     scheduler = make_scheduler(model_dir, extra_config={"beam_fork": beam_fork})
@@ -384,7 +385,7 @@ def test_slots_start_together_and_their_blocks_follow_their_parents(model_dir, b
     for rid, new in zip(cached.req_ids, cached.new_block_ids):
         own[rid] = own[rid] + (list(new[0]) if new else [])
     assert len(own["g0"]) == 2, "block 2 and the one step 2 writes into"
-    on_worker = list(out.kv_connector_metadata.kvhandoff_fork_copies)
+    on_worker = list(out.kv_connector_metadata.orders.fork_copies)
     by_vllm = list(out.kv_cache_block_copies or [])
     assert not (by_vllm if beam_fork else on_worker), "copies sent two ways"
     # vLLM runs the connector's loads before the forward only in a step marked so.
@@ -403,7 +404,7 @@ def test_a_group_waits_for_room_and_a_step_without_decision_ends_it(model_dir):
     """16 running requests at most: a second group of 8 waits while 12 slots run, and
     starts when they end. A step whose decision never arrived ends every slot of its
     group with the reason; no block is left."""
-    from connector.handoff import KEY
+    from connector.params import KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
     scheduler = make_scheduler(model_dir)
@@ -434,7 +435,7 @@ def test_a_group_waits_for_room_and_a_step_without_decision_ends_it(model_dir):
 
 def test_an_incomplete_group_ends_after_its_start_timeout(model_dir, monkeypatch):
     import decode_engine.beam_slots
-    from connector.handoff import KEY
+    from connector.params import KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
     monkeypatch.setattr(decode_engine.beam_slots, "START_TIMEOUT_S", 0.0)
@@ -458,7 +459,7 @@ def test_a_group_starts_only_with_blocks_for_its_first_step_and_one_too_big_ends
     of the pool's 11 blocks, and starts when it has ended; a group that needs more than
     the whole pool ends at once with the numbers (it was scheduled split before and
     failed a step later)."""
-    from connector.handoff import KEY
+    from connector.params import KEY
     from tests.utils import BLOCK_SIZE, assert_scheduler_clean, make_scheduler
 
     assert BLOCK_SIZE == 32
@@ -519,7 +520,8 @@ def test_the_scheduler_makes_a_groups_slots_from_its_leader(model_dir):
     leader's prompt with each one's own last token, its own slot and score), they start
     together with it, slot 0's output carries the beams, and the made slots end with
     the group; nothing is left."""
-    from connector.handoff import CLONE_SEP, KEY
+    from connector.handoff import CLONE_SEP
+    from connector.params import KEY
     from tests.utils import assert_scheduler_clean, make_scheduler
 
     scheduler = make_scheduler(model_dir)
@@ -665,7 +667,7 @@ def test_a_group_that_never_gets_room_ends_as_a_retryable_refusal(model_dir, mon
     import grpc
 
     import decode_engine.beam_slots
-    from connector.handoff import KEY
+    from connector.params import KEY
     from kvhandoff.errors import status_for
     from kvhandoff.types import StageError
     from tests.utils import assert_scheduler_clean, make_scheduler

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from connector.params import BlendReport
 from connector.token_kv import LayoutError, Rerotation, TokenKV
 
 
@@ -137,7 +138,8 @@ def test_the_connector_refuses_a_composition_it_cannot_honour():
     (copies,) = blend.take_copies()
     assert (copies.source_slots, copies.dest_slots, copies.deltas) == (
         [12, 13, 14, 15], [40, 41, 42, 43], [0, 0, 0, 0])
-    assert blend.finished(request([5, 6, 7, 8, 9])) == {"num_loaded_tokens": 4, "refused": ""}
+    assert blend.finished(request([5, 6, 7, 8, 9])) == BlendReport(num_blended_tokens=4,
+                                                                   refused="")
     for prompt, parts, why in (
             ([5, 6, 7, 0, 9], [["pin-a", 0, 4, 0]], "not the prompt's"),
             ([5, 6, 7, 8, 9], [["gone", 0, 4, 0]], "not held here"),
@@ -145,15 +147,15 @@ def test_the_connector_refuses_a_composition_it_cannot_honour():
             ([5, 6, 7, 8, 9], [["pin-a", 0, 4, 1]], "tile the prompt")):
         r = request(prompt, "bad")
         assert blend.match(r, {"parts": parts, "num_loaded": 4}, 0) == 0
-        assert why in blend.finished(r)["refused"]
+        assert why in blend.finished(r).refused
     # Unsalted, its blocks would reach the prefix cache of every request: refused.
     r = request([5, 6, 7, 8, 9], "unsalted", salt=None)
-    assert blend.match(r, spec, 0) == 0 and "salt" in blend.finished(r)["refused"]
+    assert blend.match(r, spec, 0) == 0 and "salt" in blend.finished(r).refused
     # Refused after a preemption (its source gone since): the prefix hits under its salt
     # are copied KV still, and counted.
     r = request([5, 6, 7, 8, 9], "again")
     assert blend.match(r, {"parts": [["gone", 0, 4, 0]], "num_loaded": 4}, 4) == 0
-    assert blend.finished(r)["num_loaded_tokens"] == 4
+    assert blend.finished(r).num_blended_tokens == 4
     # The last prompt token is always computed, to sample from it.
     assert blend.match(request([5, 6, 7, 8]), spec, 0) == 3
 

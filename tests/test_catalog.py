@@ -1,4 +1,4 @@
-"""Beams constrained to a catalog, unit level: the trie (``decode_engine.catalog``), its
+"""Beams constrained to a catalog, unit level: the trie (``engine.catalog``), its
 file's checks, and the in-engine search (the real processor driven as vLLM drives it,
 ``tests/test_beam_slots.py``'s scripted engine) against the reference written apart from
 it (``tools/harness/constrained.py``) on a scripted model with ties. The real engine:
@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from decode_engine.catalog import CATALOGS_KEY, CatalogError, build, load, parse_spec
+from connector.params import CATALOGS_KEY
+from engine.catalog import CatalogError, build, load, parse_spec
 from kvhandoff.budget import live_slots
 from kvhandoff.types import BeamParams
 from tests.test_beam_slots import EOS, VOCAB, ScriptedEngine, ours, scripted_logits

@@ -122,7 +122,7 @@ def test_an_unknown_catalog_and_a_too_short_search_are_refused_before_the_import
 
 def test_a_catalog_with_a_token_outside_the_vocabulary_refuses_the_start(tmp_path, model_dir):
     """At start, before vLLM: the file and line are named (no engine is started)."""
-    from decode_engine.catalog import CatalogError
+    from engine.catalog import CatalogError
     from engine.config import EngineConfig
     from engine.vllm_engine import load_catalogs
 

@@ -6,14 +6,8 @@ import time
 
 import pytest
 
-from connector.handoff import (
-    KEY,
-    Handoff,
-    HandoffError,
-    ImportRequest,
-    token_digest,
-    validate_import,
-)
+from connector.handoff import Handoff, HandoffError, ImportRequest, token_digest, validate_import
+from connector.params import KEY
 from kvhandoff.budget import blocks_needed
 from kvhandoff.types import continuation_prompt
 from tests.utils import make_export_params

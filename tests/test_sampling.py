@@ -83,11 +83,12 @@ def test_the_processor_follows_vllms_batch_updates():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-    from engine.sampling import KEY, PositionalSampler, perturbed, spec_of
+    from connector.params import SAMPLE_KEY
+    from engine.sampling import PositionalSampler, perturbed, spec_of
 
     proc = PositionalSampler(None, torch.device("cpu"), False)
     spec = spec_of(seed=5, temperature=1.0)
-    mine = SamplingParams(temperature=0.0, extra_args={KEY: spec})
+    mine = SamplingParams(temperature=0.0, extra_args={SAMPLE_KEY: spec})
     other = SamplingParams(temperature=1.0)
     out_a: list[int] = [1, 2]
     proc.update_state(BatchUpdate(batch_size=3, removed=[], moved=[], added=[

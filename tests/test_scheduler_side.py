@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from connector.handoff import KEY
+from connector.params import KEY
 from tests.utils import (
     BLOCK_SIZE,
     assert_scheduler_clean,
@@ -122,7 +122,7 @@ def test_p_admits_a_moved_stage1_up_front_and_exports_it_again(model_dir, finger
     once) and the queue goes on; one that fits gets its READ of N-1 tokens, then is an
     exporting request (``do_remote_decode``) that is not pulled a second time when
     vLLM asks again (after a preemption)."""
-    from connector.handoff import REEXPORT_KEY
+    from connector.params import REEXPORT_KEY
 
     scheduler = make_scheduler(model_dir, num_blocks=11, prefill=True)
 
@@ -154,8 +154,7 @@ def test_p_admits_a_moved_stage1_up_front_and_exports_it_again(model_dir, finger
 def test_a_stop_can_address_the_handoff_to_another_engine(model_dir, fingerprint):
     """P's stop (a move): the request ends after its next token; with a retarget its
     handoff is addressed to that engine, without one to the engine it named."""
-    from connector.handoff import RETARGET_KEY, STOP_KEY
-    from connector.signing import TARGET_KEY
+    from connector.params import RETARGET_KEY, STOP_KEY, TARGET_KEY
 
     scheduler = make_scheduler(model_dir, prefill=True)
     reqs = {}
@@ -220,7 +219,7 @@ def _beam_request(prompt, beam, request_id):
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from connector.handoff import BEAM_KEY
+    from connector.params import BEAM_KEY
 
     init_none_hash(sha256)
     sampling = SamplingParams(max_tokens=1, logprobs=8)
@@ -272,9 +271,9 @@ def test_beam_fork_copies_the_partial_block_and_releases_the_source(model_dir):
     assert out.num_scheduled_tokens == {"c5-internal": 1, "c6-internal": 1}
     meta = out.kv_connector_metadata
     child_blocks = {r.req_id: r.block_ids[0] for r in out.scheduled_new_reqs}
-    assert sorted(meta.kvhandoff_fork_copies) == sorted(
+    assert sorted(meta.orders.fork_copies) == sorted(
         (source_blocks[2], child_blocks[c.request_id][2]) for c in children)
-    assert meta.kvhandoff_fork_release == ["s0-internal"]
+    assert meta.orders.fork_release == ["s0-internal"]
     # The worker copies, then reports the source as sent: its blocks are freed.
     _step(scheduler, finished_sending={"s0-internal"})
     assert_scheduler_clean(scheduler)
@@ -290,8 +289,8 @@ def test_beam_fork_refuses_a_child_that_does_not_extend_its_source(model_dir):
                                                 "fork_children": 1}, "c-internal"))
     out = _step(scheduler)
     assert out.num_scheduled_tokens == {"c-internal": 71 - 64}, "computed, not copied"
-    assert out.kv_connector_metadata.kvhandoff_fork_copies == []
-    assert out.kv_connector_metadata.kvhandoff_fork_release == ["s0-internal"]
+    assert out.kv_connector_metadata.orders.fork_copies == []
+    assert out.kv_connector_metadata.orders.fork_release == ["s0-internal"]
     _step(scheduler, finished_sending={"s0-internal"})
     assert_scheduler_clean(scheduler)
 
@@ -304,11 +303,11 @@ def test_beam_fork_releases_unclaimed_sources(model_dir):
                                         "a-internal"))
     out = _step(scheduler)
     held_since = time.monotonic()
-    while not out.kv_connector_metadata.kvhandoff_fork_release:  # until the hold ends
+    while not out.kv_connector_metadata.orders.fork_release:  # until the hold ends
         assert time.monotonic() - held_since < 5.0, "the kept request was never released"
         time.sleep(0.01)
         out = _step(scheduler)
-    assert out.kv_connector_metadata.kvhandoff_fork_release == ["a-internal"]
+    assert out.kv_connector_metadata.orders.fork_release == ["a-internal"]
     assert time.monotonic() - held_since >= 0.4
     _step(scheduler, finished_sending={"a-internal"})
     assert_scheduler_clean(scheduler)
@@ -318,7 +317,7 @@ def test_import_admitted_without_beam_fork_when_only_that_fits(model_dir, finger
     """1505 tokens, 32 beams, 3 beam tokens: 80 blocks with fork (step 0 keeps its
     partial block while the 32 slots start), 79 without; with 79 free the import is
     admitted and fork is turned off for it."""
-    from connector.handoff import BEAM_KEY
+    from connector.params import BEAM_KEY
 
     scheduler = make_scheduler(model_dir, num_blocks=80)
     parent = list(range(10, 1515))

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from connector.handoff import KEY
+from connector.params import KEY
 from connector.signing import SECRET_ENV, SECRET_FILE_ENV, load_secret, sign, verify
 from kvhandoff.types import HandoffError
 from tests.utils import (
@@ -137,7 +137,7 @@ def test_p_signs_its_export_for_the_target(model_dir, secret_file):
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    from connector.signing import TARGET_KEY
+    from connector.params import TARGET_KEY
     from tests.utils import BLOCK_SIZE
 
     init_none_hash(sha256)

@@ -13,8 +13,9 @@ import asyncio
 import pytest
 
 from connector.faults import SKIP_LIVE_FAULT
-from connector.handoff import KEY, ImportRequest
+from connector.handoff import ImportRequest
 from connector.liveness import ask_live
+from connector.params import KEY
 from decode_engine.engine import run_beam_stage
 from kvhandoff.types import Stage1Params, StageError
 from tests.utils import make_request

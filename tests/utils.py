@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from connector.handoff import KEY, PROTOCOL_VERSION, ImportRequest, token_digest
+from connector.handoff import PROTOCOL_VERSION, ImportRequest, token_digest
+from connector.params import KEY
 
 BLOCK_SIZE = 32
 P_ENGINE_ID = "prefill-test"

@@ -1,5 +1,5 @@
 """The reference for beam search constrained to a catalog, written apart from the engine's
-fast path (``decode_engine.catalog``, ``decode_engine.beam_search``, ``decode_engine.beam_processor``).
+fast path (``engine.catalog``, ``decode_engine.beam_search``, ``decode_engine.beam_processor``).
 
 It shares no code with it: items are a dict-of-dicts trie built here; every step asks
 for each live beam's logprobs over the whole vocabulary (``next_logprobs``: one engine

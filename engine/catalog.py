@@ -22,9 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-#: ``additional_config`` key of an engine's catalogs (name -> path), read by its workers.
-CATALOGS_KEY = "kvhandoff_catalogs"
-
 
 class CatalogError(ValueError):
     """A catalog that cannot be loaded (the message names the file and line)."""
