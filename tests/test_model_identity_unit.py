@@ -184,7 +184,7 @@ def test_a_continuation_is_not_sent_to_an_engine_now_on_other_weights():
 
     from kvhandoff.v1 import engine_pb2
     from router.endpoint import Endpoint
-    from router.parents import ParentRecord
+    from router.parents import ParentRecord, ParentState
 
     def engine(fingerprint: str) -> Endpoint:
         return Endpoint("d:1", None, None, capacity=engine_pb2.Capacity(
@@ -192,6 +192,7 @@ def test_a_continuation_is_not_sent_to_an_engine_now_on_other_weights():
 
     record = ParentRecord("p1", "m", [1, 2, 3], decode=engine("aaaa"),
                           held_until=time.time() + 60, model_fingerprint="aaaa")
+    record.enter(ParentState.HELD)  # stage 1 ended, P holds the blocks
     assert record.why_not_importable() == ""
     record.decode = engine("bbbb")
     assert "now serves other weights (model bbbb" in record.why_not_importable()
