@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import ray
 from ray import serve
 
 from deploy.affinity import owned_id
@@ -47,7 +48,10 @@ class RouterServer:
     them, read before each call); the requests a replica runs are its own. With several
     replicas, Serve routes each call that names an id to its owner
     (``deploy.request_router.OwnerRouter``, by this replica's rank in
-    :meth:`record_routing_stats`), and the ids a replica makes are its own."""
+    :meth:`record_routing_stats`), and the ids a replica makes are its own. A ``rank``
+    keyword (a deployment handle's call only; unused here) sends a call to that replica
+    instead: Generate, Continue and RegisterChunk take one, so a test can reach a replica
+    other than the id's owner."""
 
     def __init__(self, prefill: Any, decode: Any, model: str, colocated_below_tokens: int = 0,
                  max_beam_width: int = 32, max_inflight: int = 256,
@@ -133,7 +137,8 @@ class RouterServer:
                 yield wire.event_to_pb(item)
 
     async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802
-                       grpc_context: Any = None) -> router_pb2.GenerateResponse:
+                       grpc_context: Any = None, rank: int | None = None
+                       ) -> router_pb2.GenerateResponse:
         try:
             self._authorize(grpc_context, need_of(request.fault))
             async with contextlib.aclosing(self._events(request)) as events:
@@ -302,6 +307,10 @@ class RouterServer:
     # The operator's per-replica calls, through a deployment handle: ``rank`` picks the
     # replica (OwnerRouter routes by it; unused here).
 
+    def actor_name(self, rank: int | None = None) -> str:
+        """This replica's Ray actor (namespace ``serve``): what a test kills."""
+        return ray.get_runtime_context().get_actor_name()
+
     async def warm_up_outcome(self, rank: int | None = None) -> dict[str, str] | None:
         """What the background warm-up did (None while it has not finished)."""
         if self._warm_up is None or not self._warm_up.done():
@@ -325,8 +334,9 @@ class RouterServer:
         """The parents in this replica's registry."""
         return self.api.parent_ids()
 
-    def drained(self, rank: int | None = None) -> list[str]:
-        """The engines this replica routes no new work to (as of its last call)."""
+    async def drained(self, rank: int | None = None) -> list[str]:
+        """The engines this replica routes no new work to, read as by any call."""
+        await self.shared.sync()
         return self.shared.rotation.drained()
 
     def set_shared_state(self, enabled: bool, rank: int | None = None) -> None:
