@@ -191,7 +191,8 @@ class RouterServer:
 
     async def _continue(self, request: router_pb2.ContinueRequest
                         ) -> router_pb2.GenerateResponse:
-        await self._ready(request.beam.beam_width)
+        # Every engine: the parent may be another replica's, on engines not asked here yet.
+        await self._ready(request.beam.beam_width, ask=("prefill", "decode"))
         await self.shared.sync(parent_id=request.parent_id)
         return wire.result_to_pb(
             await self.api.continue_(FRONT, wire.continue_call(request), None))
