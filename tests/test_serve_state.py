@@ -178,7 +178,9 @@ def test_the_store_killed_refuses_retryably_then_answers_from_the_rebuilt_store(
     Continue of the parent through the replica that does not own it is refused
     UNAVAILABLE (the reason says the store) or imports it, identical to the reference;
     never NOT_FOUND. The same after the store is killed for good (no restart): the
-    next replica call makes a new one, rebuilt from the replicas."""
+    next replica call makes a new one, rebuilt from the replicas. The control, a new
+    store that does not wait for the replicas' mirrors (NOT_FOUND):
+    tests/test_serve_state_unit.py."""
     from deploy.state import NAME, namespace
 
     ray, proxy, router = app["ray"], app["proxy"], app["router"]
@@ -199,6 +201,8 @@ def test_the_store_killed_refuses_retryably_then_answers_from_the_rebuilt_store(
                 time.sleep(1.0)
         assert not got.stats.recomputed and got.stats.num_imported_tokens > 0, got.stats
         assert_identical(got, ref, found_on_d=True)
+        # Killed for good, the first call finds it dead (Ray's restart may be seen or not).
+        assert refusals or not no_restart, "no call was refused while the store was gone"
 
 
 def test_a_router_replica_killed_between_start_parent_and_continue(app):
