@@ -105,13 +105,18 @@ class RouterAPI:
     @classmethod
     def over_stubs(cls, config: RouterConfig, prefill: Any, decode: Any,
                    new_id: Callable[[], str] | None = None,
-                   credentials: Credentials | None = None) -> RouterAPI:
+                   credentials: Credentials | None = None,
+                   stores: Callable[[Endpoint, Endpoint], dict[str, Any]] | None = None
+                   ) -> RouterAPI:
         """A router whose P and D are one stub each, standing for all the engines of
         its role (Ray Serve's deployment handles: Serve picks the replica), named by
-        ``config``'s first address of each role."""
-        router = Router(config, endpoints=(
-            [Endpoint(config.prefill[0], prefill, None, one_engine=False)],
-            [Endpoint(config.decode[0], decode, None, one_engine=False)]), new_id=new_id)
+        ``config``'s first address of each role. ``stores``: the router's ``parents``,
+        ``chunk_store`` and ``rotation`` (``router.core.Router``'s keywords), made
+        over those two endpoints (None: this process's own)."""
+        p = Endpoint(config.prefill[0], prefill, None, one_engine=False)
+        d = Endpoint(config.decode[0], decode, None, one_engine=False)
+        router = Router(config, endpoints=([p], [d]), new_id=new_id,
+                        **(stores(p, d) if stores is not None else {}))
         return cls(router, RouterMetrics(), credentials)
 
     def authorize(self, authorization: str | None, need: str) -> None:

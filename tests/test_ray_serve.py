@@ -482,8 +482,8 @@ def test_parents_live_with_the_router_replica_owning_their_ids(ray_app, proxy):
     """The shipped config's two Router replicas: parents whose ids each replica owns are
     started, continued and released through the proxy, every call landing on the replica
     that holds the parent (``OwnerRouter``). Each parent is in its owner's registry and
-    not the other's (where a Continue or Release would be NOT_FOUND, as the second
-    Release shows). Drain, whose rotation would be one replica's, is refused."""
+    not the other's (which reads it from the shared store only when a call for it lands
+    there: tests/test_serve_state.py); a second Release is NOT_FOUND."""
     assert ROUTERS == 2, "deploy/config.yaml runs two Router replicas"
     router = ray_app["serve"].get_deployment_handle("Router", app_name=APP)
     by_rank: dict[int, list[str]] = {0: [], 1: []}
@@ -511,11 +511,6 @@ def test_parents_live_with_the_router_replica_owning_their_ids(ray_app, proxy):
         with pytest.raises(grpc.RpcError) as e:
             proxy.ReleaseParent(release, metadata=METADATA, timeout=60)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        proxy.Drain(router_pb2.DrainRequest(endpoint="serve:Decode"), metadata=METADATA,
-                    timeout=60)
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
-    assert "this deployment runs 2" in e.value.details()
 
 
 def test_stage_1_goes_to_the_p_replica_whose_cache_holds_its_prompt(ray_app, proxy):
@@ -562,24 +557,36 @@ def test_stage_1_goes_to_the_p_replica_whose_cache_holds_its_prompt(ray_app, pro
         assert again.stats.num_cached_prompt_tokens == 24 * block, again.stats
 
 
-def test_chunks_through_serve_say_they_need_one_router_replica(proxy):
-    """A named KV chunk lives in one router replica's registry, and a call reaches any
-    of them: with the deployment's replicas (config.yaml's) RegisterChunk is refused
-    FAILED_PRECONDITION saying so, before anything runs; ListChunks answers (none)."""
+def test_chunks_through_serve_with_the_router_replicas(ray_app, proxy):
+    """Named KV chunks live in the store every Router replica shares: with the
+    deployment's replicas (config.yaml's two) a chunk is registered, listed and deleted
+    through the proxy, whichever replica each call reaches. Control: with the sharing
+    off on every replica, RegisterChunk is refused FAILED_PRECONDITION as before the
+    store (a chunk would live in one replica's registry). Composed through the replica
+    that did not register it: tests/test_serve_state.py."""
+    router = ray_app["serve"].get_deployment_handle("Router", app_name=APP)
     req = router_pb2.ChunkRequest(chunk_id="serve-sys")
     req.token_ids.ids.extend(range(100, 164))
-    if ROUTERS > 1:
-        with pytest.raises(grpc.RpcError) as e:
-            proxy.RegisterChunk(req, metadata=METADATA, timeout=60)
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
-        assert "run one router replica" in e.value.details()
-    else:  # one replica: the chunk is registered, and deleted again
-        assert proxy.RegisterChunk(req, metadata=METADATA, timeout=120).num_blocks == 2
-        proxy.DeleteChunk(router_pb2.DeleteChunkRequest(chunk_id="serve-sys"),
-                          metadata=METADATA, timeout=60)
+    assert proxy.RegisterChunk(req, metadata=METADATA, timeout=120).num_blocks == 2
+    listing = proxy.ListChunks(router_pb2.ListChunksRequest(), metadata=METADATA,
+                               timeout=60)
+    assert [c.chunk_id for c in listing.chunks] == ["serve-sys"]
+    proxy.DeleteChunk(router_pb2.DeleteChunkRequest(chunk_id="serve-sys"),
+                      metadata=METADATA, timeout=60)
     listing = proxy.ListChunks(router_pb2.ListChunksRequest(), metadata=METADATA,
                                timeout=60)
     assert not listing.chunks
+    if ROUTERS > 1:  # the control
+        for rank in range(ROUTERS):
+            router.set_shared_state.remote(False, rank=rank).result(timeout_s=30)
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                proxy.RegisterChunk(req, metadata=METADATA, timeout=60)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+            assert "run one router replica" in e.value.details()
+        finally:
+            for rank in range(ROUTERS):
+                router.set_shared_state.remote(True, rank=rank).result(timeout_s=30)
 
 
 def test_a_killed_decode_replica_is_replaced(ray_app, proxy):
