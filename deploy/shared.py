@@ -192,9 +192,14 @@ class SharedState:
         if self._handle is None:
             # Created by the first replica that needs it, found by the others; detached,
             # so it outlives every replica; restarted by Ray (then rebuilt) when it dies.
+            # Placed on the head node (Ray's own resource naming it): the cluster's state
+            # lives there already, and an engine or router node lost must not take the
+            # store with it (seen in tests/test_ray_serve_two_nodes.py, D's node killed,
+            # the store on it). A nominal share of that resource: it only places.
             self._handle = ray.remote(RouterState).options(
                 name=NAME, namespace=namespace(self.app_name), lifetime="detached",
                 get_if_exists=True, max_restarts=-1, num_cpus=0,
+                resources={"node:__internal_head__": 0.001},
             ).remote(self.config.max_parents, self.config.parent_ttl_s,
                      rebuilding=True if self._epoch is not None else None)
         return self._handle
