@@ -195,6 +195,11 @@ def _add_bench(sub: Any) -> None:
                             "KV read, first token and first beam, throughput, identity "
                             "(default model: the built-in one; --requests: users, "
                             "--concurrency: users at a time)")
+    bench.add_argument("--serve-routers", default=None, metavar="N,N",
+                       help="two-stage requests a second through Ray Serve (one P, one D) "
+                            "with each count of Router replicas in turn, e.g. 1,2, at "
+                            "--concurrency (32), --requests (160) each: is the router the "
+                            "bottleneck (built-in model unless --model)")
     bench.add_argument("--hosts-link", action="store_true",
                        help="the link between two network hosts (namespaces; root): a TCP "
                             "copy, a NIXL READ over TCP, over UCX's choice (cma) and on "

@@ -79,12 +79,13 @@ class EngineServer:
         async for event in self.servicer.Stage1(req, _CallContext()):
             yield event.SerializeToString()
 
-    async def stage2(self, request: bytes, blocks_needed: int = 0, prefix: tuple = ()) -> bytes:
+    async def stage2(self, request: bytes, blocks_needed: int = 0, prefix: tuple = (),
+                     affinity: str = "") -> bytes:
         req = engine_pb2.Stage2Request.FromString(request)
         return (await self.servicer.Stage2(req, _CallContext())).SerializeToString()
 
     async def stage2_stream(self, request: bytes, blocks_needed: int = 0,
-                            prefix: tuple = ()) -> AsyncIterator[bytes]:
+                            prefix: tuple = (), affinity: str = "") -> AsyncIterator[bytes]:
         req = engine_pb2.Stage2Request.FromString(request)
         async for event in self.servicer.Stage2Stream(req, _CallContext()):
             yield event.SerializeToString()

@@ -151,9 +151,12 @@ class HandleStub:
 
     async def Stage2(self, request: engine_pb2.Stage2Request,  # noqa: N802
                      timeout: float | None = None) -> engine_pb2.Stage2Response:
+        # A continuation's parent id (``affinity``): Decode's request router keeps a
+        # parent's continuations on one D while it runs and has room.
         response = self.handle.stage2.remote(request.SerializeToString(),
                                              blocks_needed=self._need(request),
-                                             prefix=self._prefix(request))
+                                             prefix=self._prefix(request),
+                                             affinity=request.affinity)
         return engine_pb2.Stage2Response.FromString(await self._unary(response, timeout))
 
     async def Stage2Stream(self, request: engine_pb2.Stage2Request,  # noqa: N802
@@ -161,7 +164,7 @@ class HandleStub:
                            ) -> AsyncIterator[engine_pb2.Stage2Event]:
         stream = self.handle.options(stream=True).stage2_stream.remote(
             request.SerializeToString(), blocks_needed=self._need(request),
-            prefix=self._prefix(request))
+            prefix=self._prefix(request), affinity=request.affinity)
         async with self._call(stream, timeout):
             async for data in stream:
                 yield engine_pb2.Stage2Event.FromString(data)

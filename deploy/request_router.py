@@ -5,7 +5,10 @@ replicas report their free KV blocks (``EngineServer.record_routing_stats``, pol
 Serve); a Stage2 call carries the blocks it needs (``blocks_needed``). Replicas that fit
 come first, most free blocks first; if none fits the call still goes to the one with the
 most free blocks, whose scheduler refuses it at admission with RESOURCE_EXHAUSTED (the
-standalone router's semantics). Calls without a need use Serve's own order.
+standalone router's semantics). A continuation carries its parent's id (``affinity``):
+of the replicas that fit, it goes first to the parent's own (``affinity.rendezvous``),
+where its earlier continuations left the parent's KV in the prefix cache. Calls without
+a need use Serve's own order.
 
 ``OwnerRouter`` (Router): a call naming a parent or a running request goes to the router
 replica that owns its id (``deploy.affinity``); router replicas report their rank
@@ -37,7 +40,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deploy.affinity import owner, routing_key
+from deploy.affinity import owner, rendezvous, routing_key
 from kvhandoff.ports import is_loopback
 
 logger = logging.getLogger("kvhandoff.deploy")
@@ -59,14 +62,24 @@ class CapacityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        need = int((pending_request.kwargs or {}).get("blocks_needed", 0)) if pending_request else 0
+        kwargs = (pending_request.kwargs or {}) if pending_request else {}
+        need = int(kwargs.get("blocks_needed", 0))
         if not need:
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=_free_blocks, reverse=True)
         fitting = [r for r in ranked if _free_blocks(r) >= need]
         if not fitting:
             return [ranked[:1]]
-        return [fitting, [r for r in ranked if r not in fitting]]
+        rest = [r for r in ranked if r not in fitting]
+        if kwargs.get("affinity"):
+            # A parent's continuations: the first fitting replica in the key's own order
+            # (where its earlier ones ran and left the parent's KV cached), then the
+            # others by room. Any D may redeem the group's handoff, so one that is gone
+            # or full costs a READ from P, never a recompute.
+            first, *others = rendezvous(kwargs["affinity"], fitting,
+                                        lambda r: r.replica_id.unique_id)
+            return [group for group in ([first], others, rest) if group]
+        return [fitting, rest]
 
 
 class OwnerRouter(RequestRouter):

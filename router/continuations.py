@@ -281,6 +281,8 @@ class Continuations:
         request = self.stages.stage2_request(
             plan, out, held_parent=record.held_name if on_p else "",
             handoff=record.handoff if on_d else None)
+        if on_d:  # its continuations share a D where one address stands for several
+            request.affinity = record.parent_id
         claim = None
         # In use from here: never released early while this continuation may read it.
         record.in_use += 1

@@ -324,6 +324,7 @@ def to_result(out: Outcome, tokenizer: Any, received_at: float | None = None) ->
                                       - s2.num_computed_tokens_first_step),
             num_cached_prompt_tokens=out.cached_prompt_tokens,
             prefill_engine_id=out.prefill_engine_id,
+            decode_engine_id=s2.engine_id,
             approximation=approximation(out) if parent is None else parent.approximation),
     )
 

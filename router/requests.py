@@ -165,6 +165,7 @@ class HandoffStats:
     num_found_on_d_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     prefill_engine_id: str = ""
+    decode_engine_id: str = ""
     #: An approximate composition's KV (None: exact, or no chunks).
     approximation: Approximation | None = None
 

@@ -207,6 +207,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             num_dropped_beams=result.num_dropped_beams,
             first_step_ms=result.first_step_s * 1e3,
             total_ms=result.elapsed_s * 1e3,
+            engine_id=self.engine.engine_id,
         )
 
     async def GetCapacity(self, request, context) -> engine_pb2.Capacity:

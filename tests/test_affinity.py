@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deploy.affinity import ID_FIELD, owned_id, owner, routing_key
-from deploy.request_router import OwnerRouter
+from deploy.affinity import ID_FIELD, owned_id, owner, rendezvous, routing_key
+from deploy.request_router import CapacityRouter, OwnerRouter
 from kvhandoff.v1 import router_pb2
 
 
@@ -90,3 +90,50 @@ def test_a_handle_call_naming_a_rank_goes_to_that_replica():
         [chosen] = _choose(replicas, "inflight", None, rank=rank)
         assert [r.routing_stats["rank"] for r in chosen] == [rank]
     assert _choose(replicas, "inflight", None) == [replicas]
+
+
+def test_rendezvous_keeps_a_key_on_its_item_and_moves_only_the_lost_ones_keys():
+    names = ["d-a", "d-b", "d-c"]
+    first = {k: rendezvous(f"parent-{k}", names, str)[0] for k in range(300)}
+    assert min(collections.Counter(first.values()).values()) > 60, first  # spread
+    assert all(rendezvous(f"parent-{k}", names, str)[0] == first[k] for k in range(300))
+    # d-b goes: its keys move to their second choice, nobody else's move.
+    without = {k: rendezvous(f"parent-{k}", ["d-a", "d-c"], str)[0] for k in range(300)}
+    assert all(without[k] == first[k] for k in first if first[k] != "d-b")
+    assert all(without[k] == rendezvous(f"parent-{k}", names, str)[1]
+               for k in first if first[k] == "d-b")
+
+
+def _d_replicas(*free_blocks):
+    return [SimpleNamespace(replica_id=SimpleNamespace(unique_id=f"d-{i}"),
+                            routing_stats={"free_blocks": n})
+            for i, n in enumerate(free_blocks)]
+
+
+def _place(replicas, **kwargs):
+    pending = SimpleNamespace(kwargs=kwargs)
+    return asyncio.run(CapacityRouter.choose_replicas(None, replicas, pending))
+
+
+def test_a_parents_continuations_go_to_its_own_d_while_it_has_room():
+    """Decode's request router: a continuation (``affinity``: its parent id) goes to the
+    parent's own D of those that fit (the same whichever router replica asks), the
+    others after it; one that does not fit is passed over (a READ from P elsewhere, not
+    a refusal); a call with no affinity goes by room alone. Control: the same calls with
+    no affinity spread by room, not by parent."""
+    replicas = _d_replicas(100, 90)
+    mine = {}
+    for k in range(40):
+        pid = f"parent-{k}"
+        [first], *later = _place(replicas, blocks_needed=10, affinity=pid)
+        assert [first] == rendezvous(pid, replicas, lambda r: r.replica_id.unique_id)[:1]
+        assert later == [[r for r in replicas if r is not first]]
+        mine[pid] = first
+    assert len(set(map(id, mine.values()))) == 2  # parents spread over both Ds
+    # The parent's own D is full: the other fitting one takes it.
+    pid = next(p for p, r in mine.items() if r is replicas[0])
+    full = _d_replicas(5, 90)
+    assert _place(full, blocks_needed=10, affinity=pid) == [[full[1]], [full[0]]]
+    # No affinity (a two-stage Generate's handoff): most free blocks first.
+    assert _place(replicas, blocks_needed=10) == [replicas, []]
+    assert _place(replicas) == [replicas]

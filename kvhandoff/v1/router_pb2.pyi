@@ -226,7 +226,7 @@ class Timings(_message.Message):
     def __init__(self, stage1_ms: _Optional[float] = ..., stage2_first_step_ms: _Optional[float] = ..., stage2_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., router_overhead_ms: _Optional[float] = ...) -> None: ...
 
 class HandoffStats(_message.Message):
-    __slots__ = ("path", "prefill_endpoint", "decode_endpoint", "num_parent_tokens", "num_imported_tokens", "num_bytes_moved", "num_computed_tokens_first_step", "num_computed_tokens_total", "recomputed", "failed_decode_endpoint", "num_recomputed_beam_tokens", "handoff_failure", "num_found_on_d_tokens", "num_cached_prompt_tokens", "prefill_engine_id", "approximate", "num_blended_tokens", "recomputed_share")
+    __slots__ = ("path", "prefill_endpoint", "decode_endpoint", "num_parent_tokens", "num_imported_tokens", "num_bytes_moved", "num_computed_tokens_first_step", "num_computed_tokens_total", "recomputed", "failed_decode_endpoint", "num_recomputed_beam_tokens", "handoff_failure", "num_found_on_d_tokens", "num_cached_prompt_tokens", "prefill_engine_id", "approximate", "num_blended_tokens", "recomputed_share", "decode_engine_id")
     PATH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class HandoffStats(_message.Message):
     APPROXIMATE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     path: _common_pb2.Path
     prefill_endpoint: str
     decode_endpoint: str
@@ -263,7 +264,8 @@ class HandoffStats(_message.Message):
     approximate: bool
     num_blended_tokens: int
     recomputed_share: float
-    def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., handoff_failure: _Optional[str] = ..., num_found_on_d_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., approximate: _Optional[bool] = ..., num_blended_tokens: _Optional[int] = ..., recomputed_share: _Optional[float] = ...) -> None: ...
+    decode_engine_id: str
+    def __init__(self, path: _Optional[_Union[_common_pb2.Path, str]] = ..., prefill_endpoint: _Optional[str] = ..., decode_endpoint: _Optional[str] = ..., num_parent_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., recomputed: _Optional[bool] = ..., failed_decode_endpoint: _Optional[str] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., handoff_failure: _Optional[str] = ..., num_found_on_d_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., approximate: _Optional[bool] = ..., num_blended_tokens: _Optional[int] = ..., recomputed_share: _Optional[float] = ..., decode_engine_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "thinking_token_ids", "thinking_text", "stage1_finish_reason", "suffix_token_ids", "beams", "timings", "stats", "prompt_token_ids", "parent_id", "stage1_seed", "stage1_positional", "moves", "num_beams_short", "num_dropped_beams")

@@ -4,7 +4,8 @@ outputs (the printed report, ``--json``, ``--plot``). The flags themselves are d
 
 One measurement per run: ``--beams`` (``tools.bench.beams``), ``--chunks``
 (``tools.bench.chunks`` and ``tools.bench.blend``), ``--fleet`` (``tools.bench.fleet``),
-``--http-two-calls`` (``tools.bench.http_two_calls``), ``--hosts-link``
+``--http-two-calls`` (``tools.bench.http_two_calls``), ``--serve-routers``
+(``tools.bench.serve_routers``), ``--hosts-link``
 (``tools.bench.hosts``), ``--moves`` (``tools.bench.moves``), ``--read``
 (``tools.bench.read``), ``--router-only`` (``tools.bench.router_overhead`` on
 processes), else the full bench (``tools.bench.run``, ``--quick`` for its small
@@ -77,6 +78,16 @@ def main_bench(args: argparse.Namespace) -> int:
             kw["concurrency"] = tuple(int(x) for x in args.concurrency.split(","))
         result = measure_two_calls_over_http(args.model, **kw)
         return _report(args, format_two_calls(result), result)
+
+    if args.serve_routers:
+        from tools.bench.serve_routers import format_serve_routers, measure_serve_routers
+
+        kw = {"routers": tuple(int(x) for x in args.serve_routers.split(",")),
+              **({"requests": args.requests} if args.requests else {}),
+              **({"concurrency": int(args.concurrency)} if args.concurrency else {}),
+              **_given(args, "prompt_tokens", "stage1_tokens", "beam_width", "seed")}
+        result = measure_serve_routers(args.model, **kw)
+        return _report(args, format_serve_routers(result), result)
 
     if args.hosts_link:
         from tools.bench.hosts import (
