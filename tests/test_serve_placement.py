@@ -20,20 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from kvhandoff.ports import free_port
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
-from tests.test_ray_serve import (
-    APP,
-    METADATA,
-    _alive,
-    _ray_init,
-    _serve_engine_cores,
-    _wait_healthy,
-    _wait_proxy_routes,
-    _wait_replicas,
-)
+from tests.test_ray_serve import APP, METADATA, _alive, _serve_engine_cores
 from tests.utils import assert_identical
 from tools.client import make_request
+from tools.serve_local import local_serve, wait_deployed
 
 pytestmark = [pytest.mark.ray, pytest.mark.engines]
 
@@ -68,28 +59,14 @@ class _PerReplicaAddress:
 
 @pytest.fixture(scope="module")
 def serve_instance():
-    import ray
-    from ray import serve
-
-    from deploy.app import GRPC_SERVICER_FUNCTIONS
-
-    grpc_port = free_port()
-    _ray_init(ray)
     cores: set[int] = set()
-    try:
-        serve.start(proxy_location="HeadOnly",
-                    http_options={"host": "127.0.0.1", "port": free_port()},
-                    grpc_options={"port": grpc_port,
-                                  "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
-        yield {"address": f"127.0.0.1:{grpc_port}", "serve": serve, "cores": cores}
-    finally:
+    with local_serve() as serve:
+        yield {"address": serve.grpc_address, "serve": serve, "cores": cores}
         cores |= _serve_engine_cores()
-        serve.shutdown()
-        ray.shutdown()
-        deadline = time.monotonic() + 30
-        while _alive(cores) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not _alive(cores), "engine processes outlived Ray Serve"
+    deadline = time.monotonic() + 30
+    while _alive(cores) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(cores), "engine processes outlived Ray Serve"
 
 
 @pytest.fixture(scope="module", params=["shipped", "control"])
@@ -114,9 +91,7 @@ def app(request, serve_instance, tmp_path_factory):
         serve.run(build_app({**ARGS, "handoff_secret_file": str(secret)}), name=APP,
                   route_prefix="/kvhandoff", blocking=False)
     try:
-        _wait_healthy(serve, ("Prefill", "Decode", "Router"))
-        _wait_replicas(serve, "Decode", 2)
-        _wait_proxy_routes(serve_instance["address"])
+        wait_deployed(serve, ARGS)
         channel = grpc.insecure_channel(serve_instance["address"])
         yield {"shipped": request.param == "shipped",
                "proxy": router_pb2_grpc.RouterStub(channel)}

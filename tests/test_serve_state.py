@@ -16,20 +16,11 @@ import grpc
 import pytest
 
 from deploy.affinity import owner
-from kvhandoff.ports import free_port
 from kvhandoff.v1 import router_pb2, router_pb2_grpc
-from tests.test_ray_serve import (
-    APP,
-    ARGS,
-    METADATA,
-    ROUTERS,
-    _ray_init,
-    _wait_healthy,
-    _wait_proxy_routes,
-    _wait_replicas,
-)
+from tests.test_ray_serve import APP, ARGS, METADATA, ROUTERS
 from tests.utils import assert_identical
 from tools.client import make_request
+from tools.serve_local import deploy, local_serve, wait_replicas
 
 pytestmark = [pytest.mark.ray, pytest.mark.engines]
 
@@ -40,30 +31,14 @@ STATE_ARGS = {**ARGS, "prefill": {**ARGS["prefill"], "num_replicas": 1}}
 @pytest.fixture(scope="module")
 def app():
     import ray
-    from ray import serve
-
-    from deploy.app import GRPC_SERVICER_FUNCTIONS, build_app
 
     assert ROUTERS == 2, "deploy/config.yaml runs two Router replicas"
-    grpc_port = free_port()
-    _ray_init(ray)
-    try:
-        serve.start(proxy_location="HeadOnly",
-                    http_options={"host": "127.0.0.1", "port": free_port()},
-                    grpc_options={"port": grpc_port,
-                                  "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
-        serve.run(build_app(STATE_ARGS), name=APP, route_prefix="/kvhandoff", blocking=False)
-        _wait_healthy(serve, ("Prefill", "Decode", "Router"))
-        _wait_replicas(serve, "Router", ROUTERS)
-        address = f"127.0.0.1:{grpc_port}"
-        _wait_proxy_routes(address)
-        channel = grpc.insecure_channel(address)
+    with local_serve() as serve:
+        deploy(serve, STATE_ARGS)
+        channel = grpc.insecure_channel(serve.grpc_address)
         yield {"ray": ray, "serve": serve, "proxy": router_pb2_grpc.RouterStub(channel),
                "router": serve.get_deployment_handle("Router", app_name=APP)}
         channel.close()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def _owned_by(rank: int, prefix: str) -> str:
@@ -243,4 +218,4 @@ def test_a_router_replica_killed_between_start_parent_and_continue(app):
     got = _continue(router, pid, rank=1)
     assert not got.stats.recomputed and got.stats.num_imported_tokens > 0, got.stats
     assert_identical(got, ref, found_on_d=True)
-    _wait_replicas(serve, "Router", ROUTERS)
+    wait_replicas(serve, "Router", ROUTERS)

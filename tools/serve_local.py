@@ -116,6 +116,11 @@ def deploy(serve: Any, args: dict[str, Any], *, app: str = APP) -> None:
     from deploy.app import build_app
 
     serve.run(build_app(args), name=app, route_prefix="/kvhandoff", blocking=False)
+    wait_deployed(serve, args, app=app)
+
+
+def wait_deployed(serve: Any, args: dict[str, Any], *, app: str = APP) -> None:
+    """Until every replica ``args`` asks for runs and the gRPC proxy routes ``app``."""
     wait_healthy(serve, ("Prefill", "Decode", "Router"), app=app)
     for role, name in (("prefill", "Prefill"), ("decode", "Decode"), ("router", "Router")):
         wait_replicas(serve, name, int(args.get(role, {}).get("num_replicas", 1)), app=app)
