@@ -1,0 +1,256 @@
+"""``kvhandoff bench --serve-scale``: the Ray Serve application autoscaled by its own
+policy (``deploy.autoscale``) under a load that ramps up and down.
+
+A local Ray instance (logical CPUs above the machine's: the engines share its cores),
+the application deployed from a Serve config that names the policy (Serve's application
+policy is set there, not in ``serve.run``), Prefill and Decode each 1 to 2 replicas with
+short delays. Clients run sessions through Serve's gRPC proxy: ``StartParent`` (a fresh
+prompt), then ``CONTINUATIONS`` continuations ``THINK_S`` apart (each a beam search on
+D reading the parent P holds), and a new session; the number of clients follows
+``PHASES``. A client stopping at a phase's end finishes its session first, so parents
+are still held, and continued, while the load falls and Serve removes P replicas.
+
+Recorded each second: the running (and starting, stopping) replicas of Prefill and
+Decode. Per call: served, lost (any error), recomputed (``stats.recomputed``: the
+parent was gone and D computed it again), imported tokens. ``drain=False`` is the
+control: engines stop at once (``drain_s: 0``), dropping what they hold.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from kvhandoff.ports import free_port
+from kvhandoff.v1 import router_pb2, router_pb2_grpc
+
+APP = "kvhandoff"
+METADATA = (("application", APP),)
+#: (seconds, clients): low, high, low, idle.
+PHASES = ((40, 1), (100, 4), (90, 1), (70, 0))
+THINK_S = 5.0
+CONTINUATIONS = 3
+PROMPT_TOKENS = 256
+
+#: Autoscaling of each role: Serve's fields (``deploy.args.Autoscaling``), short enough
+#: for a run of minutes.
+SCALING = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 1.0,
+           "look_back_period_s": 5.0, "upscale_delay_s": 3.0, "downscale_delay_s": 15.0}
+#: The policy's knobs (``deploy.args.PDScaling``): a stage 1 running or waiting is a P
+#: replica's share; D by its requests (a beam search's beams run as vLLM requests).
+POLICY = {"prefill_queue_per_replica": 1.0, "decode_free_fraction": 0.5,
+          "decode_requests_per_replica": 8.0, "max_engine_replicas": 4}
+
+
+def app_args(drain: bool, lease_s: int = 30) -> dict[str, Any]:
+    engine = {"kv_cache_mib": 64, "max_model_len": 2048, "side_channel_host": "127.0.0.1"}
+    role = {"num_cpus": 1, "autoscaling": SCALING, "engine": engine,
+            **({} if drain else {"drain_s": 0})}
+    return {"model": "builtin", "device": "cpu", "lease_s": lease_s, "prefill": role,
+            "decode": role, "router": {"num_cpus": 0.5}}
+
+
+def _deploy(grpc_port: int, drain: bool, lease_s: int) -> None:
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeApplicationSchema
+
+    from deploy.app import GRPC_SERVICER_FUNCTIONS
+
+    serve.start(proxy_location="HeadOnly",
+                http_options={"host": "127.0.0.1", "port": free_port()},
+                grpc_options={"port": grpc_port,
+                              "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+    # What ``serve run CONFIG`` does: the application policy is a config field only.
+    _get_global_client().deploy_apps(ServeApplicationSchema(
+        name=APP, route_prefix="/kvhandoff", import_path="deploy.app:build_app",
+        args=app_args(drain, lease_s), autoscaling_policy={
+            "policy_function": "deploy.autoscale:PDScalePolicy", "policy_kwargs": POLICY}))
+
+
+def _replicas(serve) -> dict[str, dict[str, int]]:
+    app = serve.status().applications.get(APP)
+    out = {}
+    for name in ("Prefill", "Decode"):
+        dep = app.deployments.get(name) if app else None
+        states = {str(getattr(k, "value", k)): v for k, v in (dep.replica_states if dep
+                                                               else {}).items()}
+        out[name] = states
+    return out
+
+
+def _wait_ready(serve, stub, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = _replicas(serve)
+        if all(states[n].get("RUNNING", 0) >= 1 for n in states):
+            try:
+                _session(stub, random.Random(0), [], 0.0, continuations=1, think_s=0.0)
+                return
+            except grpc.RpcError:
+                pass
+        time.sleep(2)
+    raise TimeoutError(f"the application did not come up: {_replicas(serve)}")
+
+
+def _session(stub, rng: random.Random, calls: list[dict], t0: float, *,
+             continuations: int = CONTINUATIONS, think_s: float = THINK_S) -> None:
+    """One parent and its continuations; each call's outcome appended to ``calls``."""
+    req = router_pb2.ParentRequest()
+    req.prompt_token_ids.ids.extend(rng.randrange(100, 30000) for _ in range(PROMPT_TOKENS))
+    req.stage1.max_tokens, req.stage1.temperature = 16, 1.0
+    req.stage1.seed = rng.randrange(1 << 30)
+    start = time.monotonic()
+    parent = None
+    try:
+        for event in stub.StartParent(req, metadata=METADATA, timeout=120):
+            if event.HasField("parent"):
+                parent = event.parent
+        calls.append({"call": "StartParent", "t": start - t0, "ok": True,
+                      "held": bool(parent and parent.held)})
+    except grpc.RpcError as e:
+        calls.append({"call": "StartParent", "t": start - t0, "ok": False,
+                      "error": f"{e.code().name}: {e.details()}"})
+        return
+    for _ in range(continuations):
+        time.sleep(think_s)
+        cont = router_pb2.ContinueRequest(parent_id=parent.parent_id)
+        cont.beam.beam_width, cont.beam.max_tokens = 4, 4
+        start = time.monotonic()
+        try:
+            resp = stub.Continue(cont, metadata=METADATA, timeout=120)
+            calls.append({"call": "Continue", "t": start - t0, "ok": True,
+                          "recomputed": resp.stats.recomputed,
+                          "failure": resp.stats.handoff_failure,
+                          "imported": resp.stats.num_imported_tokens,
+                          "found_on_d": resp.stats.num_found_on_d_tokens})
+        except grpc.RpcError as e:
+            calls.append({"call": "Continue", "t": start - t0, "ok": False,
+                          "error": f"{e.code().name}: {e.details()}"})
+
+
+def _client(stub, index: int, active: list[int], stop: threading.Event,
+            calls: list[dict], t0: float) -> None:
+    rng = random.Random(index + 1)
+    while not stop.is_set():
+        if index >= active[0]:
+            time.sleep(0.2)
+            continue
+        _session(stub, rng, calls, t0)
+
+
+def _sampler(serve, stop: threading.Event, timeline: list[dict], active: list[int],
+             t0: float) -> None:
+    while not stop.is_set():
+        try:
+            states = _replicas(serve)
+        except Exception as e:  # noqa: BLE001 - a status call during a change: skip it
+            timeline.append({"t": time.monotonic() - t0, "error": repr(e)})
+        else:
+            timeline.append({"t": time.monotonic() - t0, "clients": active[0],
+                             **{f"{n}_{s}": v for n, st in states.items()
+                                for s, v in st.items()}})
+        stop.wait(1.0)
+
+
+def run_serve_scale(*, drain: bool = True, phases=PHASES, lease_s: int = 30
+                    ) -> dict[str, Any]:
+    """Deploy, ramp the load through ``phases``, record, tear down; the result."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    grpc_port = free_port()
+    try:
+        _deploy(grpc_port, drain, lease_s)
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stub = router_pb2_grpc.RouterStub(channel)
+        _wait_ready(serve, stub)
+        max_clients = max(n for _, n in phases)
+        calls: list[dict] = []
+        timeline: list[dict] = []
+        active, stop = [0], threading.Event()
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(max_clients + 1) as pool:
+            pool.submit(_sampler, serve, stop, timeline, active, t0)
+            workers = [pool.submit(_client, stub, i, active, stop, calls, t0)
+                       for i in range(max_clients)]
+            for seconds, clients in phases:
+                active[0] = clients
+                time.sleep(seconds)
+            stop.set()
+            for w in workers:
+                w.result()
+        channel.close()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return summarize(calls, timeline, drain, phases)
+
+
+def summarize(calls: list[dict], timeline: list[dict], drain: bool,
+              phases=PHASES) -> dict[str, Any]:
+    conts = [c for c in calls if c["call"] == "Continue"]
+    peak = {n: max((s.get(f"{n}_RUNNING", 0) for s in timeline), default=0)
+            for n in ("Prefill", "Decode")}
+    return {
+        "drain": drain, "phases": [list(p) for p in phases], "think_s": THINK_S,
+        "continuations_per_parent": CONTINUATIONS, "scaling": SCALING, "policy": POLICY,
+        "num_calls": len(calls), "num_served": sum(c["ok"] for c in calls),
+        "num_lost": sum(not c["ok"] for c in calls),
+        "num_continuations": len(conts),
+        "num_recomputed": sum(bool(c.get("recomputed")) for c in conts),
+        "failures": sorted({c.get("failure") or c.get("error") for c in calls
+                            if c.get("failure") or c.get("error")}),
+        "peak_replicas": peak,
+        "final_replicas": {n: timeline[-1].get(f"{n}_RUNNING", 0) if timeline else 0
+                           for n in ("Prefill", "Decode")},
+        "timeline": timeline, "calls": calls,
+    }
+
+
+def format_serve_scale(r: dict[str, Any]) -> str:
+    return (f"serve-scale (drain {'on' if r['drain'] else 'off'}): {r['num_calls']} calls, "
+            f"{r['num_served']} served, {r['num_lost']} lost, {r['num_recomputed']} of "
+            f"{r['num_continuations']} continuations recomputed; replicas at peak "
+            f"P {r['peak_replicas']['Prefill']} D {r['peak_replicas']['Decode']}, at the "
+            f"end P {r['final_replicas']['Prefill']} D {r['final_replicas']['Decode']}"
+            + (f"; failures: {r['failures']}" if r["failures"] else ""))
+
+
+def plot_serve_scale(r: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = [s for s in r["timeline"] if "clients" in s]
+    t = [s["t"] for s in tl]
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    ax.step(t, [s["clients"] for s in tl], where="post", color="grey", label="clients")
+    ax.step(t, [s.get("Prefill_RUNNING", 0) for s in tl], where="post", label="P running")
+    ax.step(t, [s.get("Decode_RUNNING", 0) + 0.05 for s in tl], where="post",
+            label="D running")
+    ax.set_ylabel("count")
+    ax.legend(loc="upper right")
+    ax.set_title(f"P:D autoscaling ({'drain on' if r['drain'] else 'control: drain off'}): "
+                 f"{r['num_served']} served, {r['num_lost']} lost, "
+                 f"{r['num_recomputed']} recomputed")
+    for kind, marker in (("StartParent", "o"), ("Continue", "x")):
+        pts = [c for c in r["calls"] if c["call"] == kind and c["ok"]
+               and not c.get("recomputed")]
+        bx.plot([c["t"] for c in pts], [kind] * len(pts), marker, ms=3, ls="",
+                label=f"{kind} served")
+    bad = [c for c in r["calls"] if not c["ok"] or c.get("recomputed")]
+    bx.plot([c["t"] for c in bad], [c["call"] for c in bad], "r*", ms=9, ls="",
+            label="lost or recomputed")
+    bx.set_xlabel("seconds")
+    bx.legend(loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
