@@ -1,7 +1,8 @@
 """``kvhandoff bench --serve-scale``'s own run, shortened: the Serve application on a
 local Ray instance, scaled by its P:D policy (``deploy.autoscale``) from the engines'
-reports under three clients, then back down once they stop, with every call served and
-no continuation recomputed (the replica Serve stops drains its held parents first)."""
+reports under one session begun a second, then back down once the sessions stop, with
+every call served and no continuation recomputed (the replica Serve stops drains its
+held parents first)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.engines]
 def test_the_policy_scales_up_under_queue_and_back_down_losing_nothing():
     from tools.bench.serve_scale import format_serve_scale, run_serve_scale
 
-    r = run_serve_scale(phases=((45, 3), (55, 0)), lease_s=15)
+    r = run_serve_scale(phases=((45, 1.0), (55, 0.0)), lease_s=15)
     print(format_serve_scale(r))
     assert r["num_lost"] == 0 and r["num_recomputed"] == 0, r["failures"]
     assert r["num_continuations"] > 0

@@ -4,11 +4,11 @@ policy (``deploy.autoscale``) under a load that ramps up and down.
 A local Ray instance (logical CPUs above the machine's: the engines share its cores),
 the application deployed from a Serve config that names the policy (Serve's application
 policy is set there, not in ``serve.run``), Prefill and Decode each 1 to 2 replicas with
-short delays. Clients run sessions through Serve's gRPC proxy: ``StartParent`` (a fresh
-prompt), then ``CONTINUATIONS`` continuations ``THINK_S`` apart (each a beam search on
-D reading the parent P holds), and a new session; the number of clients follows
-``PHASES``. A client stopping at a phase's end finishes its session first, so parents
-are still held, and continued, while the load falls and Serve removes P replicas.
+short delays. Sessions arrive through Serve's gRPC proxy at the rate ``PHASES`` sets
+(evenly spaced, each in its own thread): ``StartParent`` (a fresh prompt, ``STAGE1_TOKENS``
+sampled on P), then ``CONTINUATIONS`` continuations ``THINK_S`` apart (each a beam search
+on D reading the parent P holds). Sessions begun before the load falls go on after it,
+so parents are still held, and continued, while Serve removes P replicas.
 
 Recorded each second: the running (and starting, stopping) replicas of Prefill and
 Decode. Per call: served, lost (any error), recomputed (``stats.recomputed``: the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,11 +32,14 @@ from kvhandoff.v1 import router_pb2, router_pb2_grpc
 
 APP = "kvhandoff"
 METADATA = (("application", APP),)
-#: (seconds, clients): low, high, low, idle.
-PHASES = ((40, 1), (100, 4), (90, 1), (70, 0))
-THINK_S = 5.0
+#: (seconds, sessions begun per second): low, high, low, idle.
+PHASES = ((40, 0.2), (100, 1.0), (90, 0.2), (70, 0.0))
+THINK_S = 4.0
 CONTINUATIONS = 3
 PROMPT_TOKENS = 256
+STAGE1_TOKENS = 64
+#: Sessions in flight at most (threads); more wait for one to end.
+MAX_SESSIONS = 64
 
 #: Autoscaling of each role: Serve's fields (``deploy.args.Autoscaling``), short enough
 #: for a run of minutes.
@@ -56,21 +60,25 @@ def app_args(drain: bool, lease_s: int = 30) -> dict[str, Any]:
 
 
 def _deploy(grpc_port: int, drain: bool, lease_s: int) -> None:
+    """What ``serve run CONFIG`` does: Serve started, then the config applied (the
+    application policy is a config field only)."""
     from ray import serve
     from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeApplicationSchema
+    from ray.serve.schema import ServeDeploySchema
 
     from deploy.app import GRPC_SERVICER_FUNCTIONS
 
-    serve.start(proxy_location="HeadOnly",
-                http_options={"host": "127.0.0.1", "port": free_port()},
-                grpc_options={"port": grpc_port,
-                              "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
-    # What ``serve run CONFIG`` does: the application policy is a config field only.
-    _get_global_client().deploy_apps(ServeApplicationSchema(
-        name=APP, route_prefix="/kvhandoff", import_path="deploy.app:build_app",
-        args=app_args(drain, lease_s), autoscaling_policy={
-            "policy_function": "deploy.autoscale:PDScalePolicy", "policy_kwargs": POLICY}))
+    options = {"proxy_location": "HeadOnly",
+               "http_options": {"host": "127.0.0.1", "port": free_port()},
+               "grpc_options": {"port": grpc_port,
+                                "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS}}
+    serve.start(**options)
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({**options,
+        "applications": [{
+            "name": APP, "route_prefix": "/kvhandoff", "import_path": "deploy.app:build_app",
+            "args": app_args(drain, lease_s),
+            "autoscaling_policy": {"policy_function": "deploy.autoscale:PDScalePolicy",
+                                   "policy_kwargs": POLICY}}]}))
 
 
 def _replicas(serve) -> dict[str, dict[str, int]]:
@@ -89,11 +97,10 @@ def _wait_ready(serve, stub, timeout_s: float = 600) -> None:
     while time.monotonic() < deadline:
         states = _replicas(serve)
         if all(states[n].get("RUNNING", 0) >= 1 for n in states):
-            try:
-                _session(stub, random.Random(0), [], 0.0, continuations=1, think_s=0.0)
+            calls: list[dict] = []
+            _session(stub, random.Random(0), calls, 0.0, continuations=1, think_s=0.0)
+            if all(c["ok"] for c in calls) and len(calls) == 2:
                 return
-            except grpc.RpcError:
-                pass
         time.sleep(2)
     raise TimeoutError(f"the application did not come up: {_replicas(serve)}")
 
@@ -102,8 +109,10 @@ def _session(stub, rng: random.Random, calls: list[dict], t0: float, *,
              continuations: int = CONTINUATIONS, think_s: float = THINK_S) -> None:
     """One parent and its continuations; each call's outcome appended to ``calls``."""
     req = router_pb2.ParentRequest()
-    req.prompt_token_ids.ids.extend(rng.randrange(100, 30000) for _ in range(PROMPT_TOKENS))
-    req.stage1.max_tokens, req.stage1.temperature = 16, 1.0
+    # Fresh token ids (the built-in model's vocabulary has 1024): no prefix-cache hits.
+    req.prompt_token_ids.ids.extend(rng.randrange(10, 1000) for _ in range(PROMPT_TOKENS))
+    req.stage1.max_tokens = req.stage1.min_tokens = STAGE1_TOKENS
+    req.stage1.temperature = 1.0
     req.stage1.seed = rng.randrange(1 << 30)
     start = time.monotonic()
     parent = None
@@ -112,7 +121,7 @@ def _session(stub, rng: random.Random, calls: list[dict], t0: float, *,
             if event.HasField("parent"):
                 parent = event.parent
         calls.append({"call": "StartParent", "t": start - t0, "ok": True,
-                      "held": bool(parent and parent.held)})
+                      "s": time.monotonic() - start, "held": bool(parent and parent.held)})
     except grpc.RpcError as e:
         calls.append({"call": "StartParent", "t": start - t0, "ok": False,
                       "error": f"{e.code().name}: {e.details()}"})
@@ -125,7 +134,7 @@ def _session(stub, rng: random.Random, calls: list[dict], t0: float, *,
         try:
             resp = stub.Continue(cont, metadata=METADATA, timeout=120)
             calls.append({"call": "Continue", "t": start - t0, "ok": True,
-                          "recomputed": resp.stats.recomputed,
+                          "s": time.monotonic() - start, "recomputed": resp.stats.recomputed,
                           "failure": resp.stats.handoff_failure,
                           "imported": resp.stats.num_imported_tokens,
                           "found_on_d": resp.stats.num_found_on_d_tokens})
@@ -134,17 +143,7 @@ def _session(stub, rng: random.Random, calls: list[dict], t0: float, *,
                           "error": f"{e.code().name}: {e.details()}"})
 
 
-def _client(stub, index: int, active: list[int], stop: threading.Event,
-            calls: list[dict], t0: float) -> None:
-    rng = random.Random(index + 1)
-    while not stop.is_set():
-        if index >= active[0]:
-            time.sleep(0.2)
-            continue
-        _session(stub, rng, calls, t0)
-
-
-def _sampler(serve, stop: threading.Event, timeline: list[dict], active: list[int],
+def _sampler(serve, stop: threading.Event, timeline: list[dict], rate: list[float],
              t0: float) -> None:
     while not stop.is_set():
         try:
@@ -152,7 +151,7 @@ def _sampler(serve, stop: threading.Event, timeline: list[dict], active: list[in
         except Exception as e:  # noqa: BLE001 - a status call during a change: skip it
             timeline.append({"t": time.monotonic() - t0, "error": repr(e)})
         else:
-            timeline.append({"t": time.monotonic() - t0, "clients": active[0],
+            timeline.append({"t": time.monotonic() - t0, "rate": rate[0],
                              **{f"{n}_{s}": v for n, st in states.items()
                                 for s, v in st.items()}})
         stop.wait(1.0)
@@ -172,21 +171,24 @@ def run_serve_scale(*, drain: bool = True, phases=PHASES, lease_s: int = 30
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         stub = router_pb2_grpc.RouterStub(channel)
         _wait_ready(serve, stub)
-        max_clients = max(n for _, n in phases)
         calls: list[dict] = []
         timeline: list[dict] = []
-        active, stop = [0], threading.Event()
+        rate, stop, rng = [0.0], threading.Event(), random.Random(1)
         t0 = time.monotonic()
-        with ThreadPoolExecutor(max_clients + 1) as pool:
-            pool.submit(_sampler, serve, stop, timeline, active, t0)
-            workers = [pool.submit(_client, stub, i, active, stop, calls, t0)
-                       for i in range(max_clients)]
-            for seconds, clients in phases:
-                active[0] = clients
-                time.sleep(seconds)
+        with ThreadPoolExecutor(MAX_SESSIONS) as sessions, ThreadPoolExecutor(1) as sampler:
+            sampler.submit(_sampler, serve, stop, timeline, rate, t0)
+            begun = []
+            for seconds, per_s in phases:
+                rate[0], end = per_s, time.monotonic() + seconds
+                while time.monotonic() < end:
+                    if per_s:
+                        begun.append(sessions.submit(_session, stub, random.Random(
+                            rng.randrange(1 << 30)), calls, t0))
+                    time.sleep(min(1.0 / per_s if per_s else 1.0,
+                                   max(0.0, end - time.monotonic())))
+            for b in begun:
+                b.result()
             stop.set()
-            for w in workers:
-                w.result()
         channel.close()
     finally:
         serve.shutdown()
@@ -206,8 +208,8 @@ def summarize(calls: list[dict], timeline: list[dict], drain: bool,
         "num_lost": sum(not c["ok"] for c in calls),
         "num_continuations": len(conts),
         "num_recomputed": sum(bool(c.get("recomputed")) for c in conts),
-        "failures": sorted({c.get("failure") or c.get("error") for c in calls
-                            if c.get("failure") or c.get("error")}),
+        "failures": dict(Counter((c.get("failure") or c.get("error"))[:120] for c in calls
+                                 if c.get("failure") or c.get("error")).most_common(8)),
         "peak_replicas": peak,
         "final_replicas": {n: timeline[-1].get(f"{n}_RUNNING", 0) if timeline else 0
                            for n in ("Prefill", "Decode")},
@@ -230,10 +232,11 @@ def plot_serve_scale(r: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tl = [s for s in r["timeline"] if "clients" in s]
+    tl = [s for s in r["timeline"] if "rate" in s]
     t = [s["t"] for s in tl]
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
-    ax.step(t, [s["clients"] for s in tl], where="post", color="grey", label="clients")
+    ax.step(t, [s["rate"] for s in tl], where="post", color="grey",
+            label="sessions begun / s")
     ax.step(t, [s.get("Prefill_RUNNING", 0) for s in tl], where="post", label="P running")
     ax.step(t, [s.get("Decode_RUNNING", 0) + 0.05 for s in tl], where="post",
             label="D running")
