@@ -45,10 +45,12 @@ MAX_SESSIONS = 64
 #: for a run of minutes.
 SCALING = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 1.0,
            "look_back_period_s": 5.0, "upscale_delay_s": 3.0, "downscale_delay_s": 15.0}
-#: The policy's knobs (``deploy.args.PDScaling``): a stage 1 running or waiting is a P
-#: replica's share; D by its requests (a beam search's beams run as vLLM requests).
-POLICY = {"prefill_queue_per_replica": 1.0, "decode_free_fraction": 0.5,
-          "decode_requests_per_replica": 8.0, "max_engine_replicas": 4}
+#: The policy's knobs (``deploy.args.PDScaling``), for this load on 2 shared cores: a
+#: P replica per half a stage 1 running or waiting on average (about 0.2 at the low
+#: rate, 1 or more at the high one), a D replica per 0.75 continuations (the built-in
+#: model's KV is small: D's 64 MiB pool stays mostly free, so D scales by its requests).
+POLICY = {"prefill_queue_per_replica": 0.5, "decode_free_fraction": 0.5,
+          "decode_requests_per_replica": 0.75, "max_engine_replicas": 4}
 
 
 def app_args(drain: bool, lease_s: int = 30) -> dict[str, Any]:
