@@ -5,6 +5,7 @@ own policy loader and wrapper, as the controller does."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -129,3 +130,53 @@ def test_bad_knobs_are_refused_when_serve_loads_the_policy():
 def test_a_fixed_role_keeps_its_count():
     d_id, d = _ctx("Decode", 2, {"outstanding": [50.0, 50.0]})
     assert PDScalePolicy()({d_id: d}) == ({d_id: 2}, {})
+
+
+class _Engine:
+    """What ``EngineServer.__del__`` uses of an engine: a pool that becomes clean after
+    ``clean_after_s``, and a shutdown."""
+
+    engine_id = "p0"
+
+    def __init__(self, clean_after_s: float):
+        self.clean_at = time.monotonic() + clean_after_s
+        self.waited_s: float | None = None
+        self.stopped_at: float | None = None
+
+    async def wait_pool_clean(self, timeout_s: float):
+        from engine.stats import PoolSnapshot
+
+        start = time.monotonic()
+        while time.monotonic() < min(self.clean_at, start + timeout_s):
+            await asyncio.sleep(0.01)
+        self.waited_s = time.monotonic() - start
+        used = 0 if time.monotonic() >= self.clean_at else 3
+        return PoolSnapshot(num_total_blocks=10, num_used_blocks=used, num_running_reqs=0,
+                            num_waiting_reqs=0, block_size=16)
+
+    def shutdown(self) -> None:
+        self.stopped_at = time.monotonic()
+
+
+# Python's collector calls ``__del__`` again once the object goes (Serve awaited it
+# already); that second call's coroutine is never run, which is what it should do.
+@pytest.mark.filterwarnings("ignore:coroutine 'EngineServer.__del__' was never awaited")
+@pytest.mark.parametrize("drain_s,clean_after_s,waits", [
+    (1.0, 0.2, True),    # held KV let go within drain_s: stops once it is
+    (0.3, 5.0, True),    # still held at drain_s: stops then
+    (0.0, 5.0, False),   # the control: stops at once, whatever is held
+])
+def test_a_stopping_engine_replica_waits_for_its_kv_within_drain_s(drain_s, clean_after_s,
+                                                                    waits):
+    from deploy.engine_server import EngineServer
+
+    server = EngineServer.func_or_class.__new__(EngineServer.func_or_class)
+    server.drain_s, server.engine = drain_s, _Engine(clean_after_s)
+    start = time.monotonic()
+    asyncio.run(server.__del__())
+    took = server.engine.stopped_at - start
+    assert server.engine.stopped_at is not None
+    if not waits:
+        assert server.engine.waited_s is None and took < 0.1
+    else:
+        assert min(drain_s, clean_after_s) - 0.05 <= took <= min(drain_s, clean_after_s) + 0.5
