@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.engines]
 def test_the_policy_scales_up_under_queue_and_back_down_losing_nothing():
     from tools.bench.serve_scale import format_serve_scale, run_serve_scale
 
-    r = run_serve_scale(phases=((60, 1.0), (75, 0.0)), lease_s=15)
+    r = run_serve_scale(phases=((60, 1.0), (75, 0.0)))
     print(format_serve_scale(r))
     assert r["num_lost"] == 0 and r["num_recomputed"] == 0, r["failures"]
     assert r["num_continuations"] > 0

@@ -33,8 +33,8 @@ from kvhandoff.v1 import router_pb2, router_pb2_grpc
 APP = "kvhandoff"
 METADATA = (("application", APP),)
 #: (seconds, sessions begun per second): low, high, low, idle.
-PHASES = ((40, 0.2), (100, 1.0), (90, 0.2), (70, 0.0))
-THINK_S = 4.0
+PHASES = ((40, 0.2), (100, 1.0), (90, 0.2), (60, 0.0))
+THINK_S = 6.0
 CONTINUATIONS = 3
 PROMPT_TOKENS = 256
 STAGE1_TOKENS = 64
@@ -44,20 +44,24 @@ MAX_SESSIONS = 64
 #: Autoscaling of each role: Serve's fields (``deploy.args.Autoscaling``), short enough
 #: for a run of minutes.
 SCALING = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 1.0,
-           "look_back_period_s": 5.0, "upscale_delay_s": 3.0, "downscale_delay_s": 15.0}
-#: The policy's knobs (``deploy.args.PDScaling``), for this load on 2 shared cores: a
-#: P replica per half a stage 1 running or waiting on average (about 0.2 at the low
-#: rate, 1 or more at the high one), a D replica per 0.75 continuations (the built-in
-#: model's KV is small: D's 64 MiB pool stays mostly free, so D scales by its requests).
-POLICY = {"prefill_queue_per_replica": 0.5, "decode_free_fraction": 0.5,
-          "decode_requests_per_replica": 0.75, "max_engine_replicas": 4}
+           "look_back_period_s": 10.0, "upscale_delay_s": 3.0, "downscale_delay_s": 5.0}
+#: The policy's knobs (``deploy.args.PDScaling``), for this load on 2 shared cores,
+#: from a first run: P's engines run about 0.1 stage 1s on average at the low rate and
+#: 0.6 at the high one, D's about 0.25 and 1.2 requests (a continuation's beams are
+#: requests in D's scheduler); D's 64 MiB pool stays mostly free, so D scales by its
+#: requests. Each threshold sits 2x or more from both.
+POLICY = {"prefill_queue_per_replica": 0.25, "decode_free_fraction": 0.5,
+          "decode_requests_per_replica": 0.5, "max_engine_replicas": 4}
 
 
 def app_args(drain: bool, lease_s: int = 30) -> dict[str, Any]:
     engine = {"kv_cache_mib": 64, "max_model_len": 2048, "side_channel_host": "127.0.0.1"}
     role = {"num_cpus": 1, "autoscaling": SCALING, "engine": engine,
             **({} if drain else {"drain_s": 0})}
-    return {"model": "builtin", "device": "cpu", "lease_s": lease_s, "prefill": role,
+    # P's pool holds a lease's worth of parents within the router's share for them
+    # (a quarter of P's blocks); at 64 MiB the share was spent within seconds.
+    prefill = {**role, "engine": {**engine, "kv_cache_mib": 512}}
+    return {"model": "builtin", "device": "cpu", "lease_s": lease_s, "prefill": prefill,
             "decode": role, "router": {"num_cpus": 0.5}}
 
 
@@ -180,17 +184,19 @@ def run_serve_scale(*, drain: bool = True, phases=PHASES, lease_s: int = 30
         with ThreadPoolExecutor(MAX_SESSIONS) as sessions, ThreadPoolExecutor(1) as sampler:
             sampler.submit(_sampler, serve, stop, timeline, rate, t0)
             begun = []
-            for seconds, per_s in phases:
-                rate[0], end = per_s, time.monotonic() + seconds
-                while time.monotonic() < end:
-                    if per_s:
-                        begun.append(sessions.submit(_session, stub, random.Random(
-                            rng.randrange(1 << 30)), calls, t0))
-                    time.sleep(min(1.0 / per_s if per_s else 1.0,
-                                   max(0.0, end - time.monotonic())))
-            for b in begun:
-                b.result()
-            stop.set()
+            try:
+                for seconds, per_s in phases:
+                    rate[0], end = per_s, time.monotonic() + seconds
+                    while time.monotonic() < end:
+                        if per_s:
+                            begun.append(sessions.submit(_session, stub, random.Random(
+                                rng.randrange(1 << 30)), calls, t0))
+                        time.sleep(min(1.0 / per_s if per_s else 1.0,
+                                       max(0.0, end - time.monotonic())))
+                for b in begun:
+                    b.result()
+            finally:
+                stop.set()  # the sampler ends, also on an interrupt
         channel.close()
     finally:
         serve.shutdown()
