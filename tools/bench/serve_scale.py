@@ -5,7 +5,7 @@ A local Ray instance (logical CPUs above the machine's: the engines share its co
 the application deployed from a Serve config that names the policy (Serve's application
 policy is set there, not in ``serve.run``), Prefill and Decode each 1 to 2 replicas with
 short delays. Sessions arrive through Serve's gRPC proxy at the rate ``PHASES`` sets
-(evenly spaced, each in its own thread): ``StartParent`` (a fresh prompt, ``STAGE1_TOKENS``
+(Poisson arrivals, each session in its own thread): ``StartParent`` (a fresh prompt, ``STAGE1_TOKENS``
 sampled on P), then ``CONTINUATIONS`` continuations ``THINK_S`` apart (each a beam search
 on D reading the parent P holds). Sessions begun before the load falls go on after it,
 so parents are still held, and continued, while Serve removes P replicas.
@@ -37,21 +37,21 @@ PHASES = ((40, 0.2), (100, 1.0), (90, 0.2), (60, 0.0))
 THINK_S = 6.0
 CONTINUATIONS = 3
 PROMPT_TOKENS = 256
-STAGE1_TOKENS = 64
+STAGE1_TOKENS = 128
 #: Sessions in flight at most (threads); more wait for one to end.
 MAX_SESSIONS = 64
 
 #: Autoscaling of each role: Serve's fields (``deploy.args.Autoscaling``), short enough
 #: for a run of minutes.
-SCALING = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 1.0,
+SCALING = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 0.5,
            "look_back_period_s": 10.0, "upscale_delay_s": 3.0, "downscale_delay_s": 5.0}
-#: The policy's knobs (``deploy.args.PDScaling``), for this load on 2 shared cores,
-#: from a first run: P's engines run about 0.1 stage 1s on average at the low rate and
-#: 0.6 at the high one, D's about 0.25 and 1.2 requests (a continuation's beams are
-#: requests in D's scheduler); D's 64 MiB pool stays mostly free, so D scales by its
-#: requests. Each threshold sits 2x or more from both.
-POLICY = {"prefill_queue_per_replica": 0.25, "decode_free_fraction": 0.5,
-          "decode_requests_per_replica": 0.5, "max_engine_replicas": 4}
+#: The policy's knobs (``deploy.args.PDScaling``), for this load on 2 shared cores: a
+#: stage 1 takes about 0.65 s alone here, so P's engines run about 0.13 on average at
+#: the low rate and 0.65 or more at the high one; D's continuations about 0.1 s each,
+#: 3 a second at the high rate. D's 64 MiB pool stays mostly free, so D scales by its
+#: requests. The P threshold sits about 2x from both rates.
+POLICY = {"prefill_queue_per_replica": 0.3, "decode_free_fraction": 0.5,
+          "decode_requests_per_replica": 0.4, "max_engine_replicas": 4}
 
 
 def app_args(drain: bool, lease_s: int = 30) -> dict[str, Any]:
@@ -191,7 +191,9 @@ def run_serve_scale(*, drain: bool = True, phases=PHASES, lease_s: int = 30
                         if per_s:
                             begun.append(sessions.submit(_session, stub, random.Random(
                                 rng.randrange(1 << 30)), calls, t0))
-                        time.sleep(min(1.0 / per_s if per_s else 1.0,
+                        # Poisson arrivals: evenly spaced ones, in step with the
+                        # replicas' once-a-second samples, read the same phase each time.
+                        time.sleep(min(rng.expovariate(per_s) if per_s else 1.0,
                                        max(0.0, end - time.monotonic())))
                 for b in begun:
                     b.result()
@@ -248,8 +250,12 @@ def plot_serve_scale(r: dict[str, Any], path: str) -> None:
     ax.step(t, [s.get("Prefill_RUNNING", 0) for s in tl], where="post", label="P running")
     ax.step(t, [s.get("Decode_RUNNING", 0) + 0.05 for s in tl], where="post",
             label="D running")
+    ax.step(t, [s.get("Prefill_STOPPING", 0) for s in tl], where="post", ls=":",
+            color="C0", label="P stopping (draining)")
+    ax.step(t, [s.get("Decode_STOPPING", 0) for s in tl], where="post", ls=":",
+            color="C1", label="D stopping (draining)")
     ax.set_ylabel("count")
-    ax.legend(loc="upper right")
+    ax.legend(loc="upper right", fontsize=7)
     ax.set_title(f"P:D autoscaling ({'drain on' if r['drain'] else 'control: drain off'}): "
                  f"{r['num_served']} served, {r['num_lost']} lost, "
                  f"{r['num_recomputed']} recomputed")
