@@ -150,8 +150,9 @@ class RoleArgs(_Strict):
     #: Serve's own wait for the calls running there, until nothing holds its KV (P: the
     #: exports D has not read yet and the parents held for continuations, until their
     #: leases end; D: what its requests hold), at most ``drain_s`` seconds (None: the
-    #: application's ``lease_s`` + 15). 0 stops the engine at once (what a killed
-    #: replica does: a held parent is lost and its continuation recomputed).
+    #: application's ``lease_s`` + 15 for an autoscaled role, else 0). 0 stops the engine
+    #: at once (what a killed replica does: a held parent is lost and its continuation
+    #: recomputed).
     drain_s: int | None = Field(None, ge=0)
 
 
@@ -262,8 +263,12 @@ class AppArgs(_Strict):
         return self
 
     def drain_s(self, role: RoleArgs) -> int:
-        """Seconds a stopping engine replica of ``role`` waits for its KV to be let go."""
-        return self.lease_s + 15 if role.drain_s is None else role.drain_s
+        """Seconds a stopping engine replica of ``role`` waits for its KV to be let go.
+        Unset, only an autoscaled role drains: a fixed one stops on a redeploy or a
+        shutdown only, and ``serve.shutdown`` waits 30 s for every replica by default."""
+        if role.drain_s is not None:
+            return role.drain_s
+        return self.lease_s + 15 if role.autoscaling is not None else 0
 
     def gpus(self, role: RoleArgs) -> float:
         if self.device == "cpu":

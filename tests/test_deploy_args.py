@@ -80,7 +80,8 @@ def test_bad_scaling_knobs_are_refused(knobs, message):
 
 def test_a_stopping_engine_drains_within_its_graceful_shutdown():
     """Serve's graceful shutdown of an engine replica covers Serve's wait for its calls
-    (30 s) and the engine's own drain: P's lease + 15 s unless ``drain_s`` says."""
+    (30 s) and the engine's own drain: for an autoscaled role P's lease + 15 s unless
+    ``drain_s`` says; a fixed role does not drain unless told."""
     from deploy.app import role_options
 
     a = AppArgs.model_validate({"lease_s": 20, "decode": {"drain_s": 0},
@@ -91,6 +92,8 @@ def test_a_stopping_engine_drains_within_its_graceful_shutdown():
     assert role_options(a, a.decode, "Decode")["graceful_shutdown_timeout_s"] == 30
     scaling = role_options(a, a.prefill, "Prefill")["autoscaling_config"]
     assert scaling["downscale_delay_s"] == 5 and scaling["max_replicas"] == 3
+    fixed = AppArgs.model_validate({"decode": {"drain_s": 12}})
+    assert fixed.drain_s(fixed.prefill) == 0 and fixed.drain_s(fixed.decode) == 12
     with pytest.raises(ValidationError, match="greater than or equal to 0"):
         AppArgs.model_validate({"prefill": {"drain_s": -1}})
 
