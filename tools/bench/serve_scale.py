@@ -244,16 +244,18 @@ def plot_serve_scale(r: dict[str, Any], path: str) -> None:
 
     tl = [s for s in r["timeline"] if "rate" in s]
     t = [s["t"] for s in tl]
-    fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
+                                 gridspec_kw={"height_ratios": [2, 1]})
     ax.step(t, [s["rate"] for s in tl], where="post", color="grey",
             label="sessions begun / s")
     ax.step(t, [s.get("Prefill_RUNNING", 0) for s in tl], where="post", label="P running")
     ax.step(t, [s.get("Decode_RUNNING", 0) + 0.05 for s in tl], where="post",
             label="D running")
-    ax.step(t, [s.get("Prefill_STOPPING", 0) for s in tl], where="post", ls=":",
-            color="C0", label="P stopping (draining)")
-    ax.step(t, [s.get("Decode_STOPPING", 0) for s in tl], where="post", ls=":",
-            color="C1", label="D stopping (draining)")
+    for role, color in (("Prefill", "C0"), ("Decode", "C1")):
+        ax.step(t, [s.get(f"{role}_STARTING", 0) for s in tl], where="post", ls="--",
+                color=color, lw=0.8, label=f"{role[0]} starting")
+        ax.step(t, [s.get(f"{role}_STOPPING", 0) for s in tl], where="post", ls=":",
+                color=color, label=f"{role[0]} stopping (draining)")
     ax.set_ylabel("count")
     ax.legend(loc="upper right", fontsize=7)
     ax.set_title(f"P:D autoscaling ({'drain on' if r['drain'] else 'control: drain off'}): "
