@@ -206,6 +206,15 @@ def _add_bench(sub: Any) -> None:
                             "loopback, 16-256 MiB; then the first handoffs (handshake "
                             "included) on loopback and across three hosts (built-in model "
                             "unless --model)")
+    bench.add_argument("--serve-scale", action="store_true",
+                       help="the Ray Serve application autoscaled by its P:D policy "
+                            "(deploy/autoscale.py) under a load ramping 0.2 -> 1 -> 0.2 -> 0 "
+                            "sessions a second (about 7 minutes, local Ray, built-in "
+                            "model): P and D "
+                            "replicas over time, calls served, lost, recomputed (--plot PNG)")
+    bench.add_argument("--no-drain", action="store_true",
+                       help="with --serve-scale: the control, engine replicas stop at once "
+                            "on a scale-down (drain_s 0)")
     bench.set_defaults(func=_bench)
 
 

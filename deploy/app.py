@@ -37,7 +37,9 @@ def role_options(a: AppArgs, role: RoleArgs, name: str) -> dict[str, Any]:
         # A vLLM engine takes a while to start (weights, KV pool, NIXL registration).
         "health_check_period_s": 10,
         "health_check_timeout_s": 60,
-        "graceful_shutdown_timeout_s": 30,
+        # Serve's wait for the calls running on a stopping replica, then the engine's
+        # own for the KV it holds (``EngineServer.__del__``).
+        "graceful_shutdown_timeout_s": 30 + a.drain_s(role),
         "max_ongoing_requests": max(8, role.engine.max_num_seqs),
     }
     if role.autoscaling is not None:
@@ -111,7 +113,8 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0)
     prefill = EngineServer.options(**prefill_opts).bind(
         "prefill", a.model, a.engine_kwargs(a.prefill),
-        a.prefill.engine.side_channel_host, a.prefill.engine.side_channel_port)
+        a.prefill.engine.side_channel_host, a.prefill.engine.side_channel_port,
+        a.drain_s(a.prefill))
     decode_opts = role_options(a, a.decode, "Decode")
     decode_opts["request_router_config"] = RequestRouterConfig(
         request_router_class="deploy.request_router:CapacityRouter",
@@ -120,7 +123,8 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     # whichever replica the handle routes stage 2 to may redeem it.
     decode = EngineServer.options(**decode_opts).bind(
         "decode", a.model, {**a.engine_kwargs(a.decode), "handoff_group": "Decode"},
-        a.decode.engine.side_channel_host, a.decode.engine.side_channel_port)
+        a.decode.engine.side_channel_host, a.decode.engine.side_channel_port,
+        a.drain_s(a.decode))
     return RouterServer.options(**router_options(a)).bind(
         prefill, decode, a.model, a.router.colocated_below_tokens, a.router.max_beam_width,
         a.router.max_inflight, a.router.placement == "cache")

@@ -22,17 +22,48 @@ class _Strict(BaseModel):
 
 
 class Autoscaling(_Strict):
-    """Ray Serve autoscaling for one role (replaces ``num_replicas``)."""
+    """Ray Serve autoscaling for one role (replaces ``num_replicas``): Serve's own
+    ``AutoscalingConfig`` fields, passed as they are. Under the application's policy
+    (``deploy.autoscale``) Serve still applies the bounds and the delays; the policy
+    replaces ``target_ongoing_requests``."""
 
     min_replicas: int = Field(1, ge=0)
     max_replicas: PositiveInt = 1
     target_ongoing_requests: float = Field(4.0, gt=0)
+    #: How often a replica sends its metrics (its load, and the engine's pool) to Serve's
+    #: controller, and the window they are averaged over.
+    metrics_interval_s: float = Field(10.0, gt=0)
+    look_back_period_s: float = Field(30.0, gt=0)
+    #: How long a decision to add (remove) replicas must hold before Serve acts on it.
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError("autoscaling: min_replicas > max_replicas")
         return self
+
+
+class PDScaling(_Strict):
+    """The knobs of the application-level autoscaling policy (``deploy.autoscale.
+    PDScalePolicy``), given as its ``policy_kwargs`` in the Serve config and validated
+    here when Serve's controller loads the policy. Prefill is sized by its queue, Decode
+    by its reserved KV blocks and its requests, both within their ``autoscaling``
+    bounds and together within ``max_engine_replicas``."""
+
+    #: Stage 1s (running or waiting in P's engines, or queued in Serve's handles for
+    #: Prefill) one P replica should carry: P replicas = ceil(queue / this).
+    prefill_queue_per_replica: float = Field(4.0, gt=0)
+    #: Share of D's KV pool to keep free: D replicas = ceil(reserved blocks /
+    #: ((1 - this) x one replica's blocks)).
+    decode_free_fraction: float = Field(0.25, ge=0, lt=1)
+    #: Requests (stage 2s running on D or queued for Decode) one D replica should carry.
+    decode_requests_per_replica: float = Field(8.0, gt=0)
+    #: P + D replicas at most (the engines' shared GPUs or CPUs); None: each role's own
+    #: ``max_replicas`` only. Over it, the replicas go to the roles in proportion to
+    #: what each asks, each keeping its ``min_replicas``.
+    max_engine_replicas: PositiveInt | None = None
 
 
 class EngineArgs(_Strict):
@@ -115,6 +146,14 @@ class RoleArgs(_Strict):
     #: Ray runtime environment of this role's replicas (e.g. ``pip``); P's and D's must
     #: pin the same vLLM.
     runtime_env: dict[str, Any] | None = None
+    #: When Serve stops a replica (a scale-down, a redeploy), its engine waits, after
+    #: Serve's own wait for the calls running there, until nothing holds its KV (P: the
+    #: exports D has not read yet and the parents held for continuations, until their
+    #: leases end; D: what its requests hold), at most ``drain_s`` seconds (None: the
+    #: application's ``lease_s`` + 15 for an autoscaled role, else 0). 0 stops the engine
+    #: at once (what a killed replica does: a held parent is lost and its continuation
+    #: recomputed).
+    drain_s: int | None = Field(None, ge=0)
 
 
 class RouterArgs(_Strict):
@@ -222,6 +261,14 @@ class AppArgs(_Strict):
             raise ValueError(f"P and D must run the same vLLM: prefill pins {sorted(p_pins)}, "
                              f"decode pins {sorted(d_pins)}")
         return self
+
+    def drain_s(self, role: RoleArgs) -> int:
+        """Seconds a stopping engine replica of ``role`` waits for its KV to be let go.
+        Unset, only an autoscaled role drains: a fixed one stops on a redeploy or a
+        shutdown only, and ``serve.shutdown`` waits 30 s for every replica by default."""
+        if role.drain_s is not None:
+            return role.drain_s
+        return self.lease_s + 15 if role.autoscaling is not None else 0
 
     def gpus(self, role: RoleArgs) -> float:
         if self.device == "cpu":

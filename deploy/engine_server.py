@@ -49,8 +49,10 @@ class EngineServer:
     """One P or D engine. Started in ``__init__`` (Serve marks the replica ready after)."""
 
     async def __init__(self, role: str, model: str, engine_kwargs: dict[str, Any],
-                       side_channel_host: str | None = None, side_channel_port: int = 0):
+                       side_channel_host: str | None = None, side_channel_port: int = 0,
+                       drain_s: float = 0.0):
         self.role = role
+        self.drain_s = drain_s
         model_dir = str(resolve_model(model))
         port = None
         if side_channel_port:
@@ -110,6 +112,20 @@ class EngineServer:
                 "model_fingerprint": self.servicer.model_fingerprint,
                 "block_size": self.engine.block_size}
 
+    def _pool_counts(self) -> dict[str, int]:
+        """The engine's pool as both the request routers and the autoscaling policy read
+        it: free and total KV blocks, and its queue (requests running or waiting)."""
+        snap = self.engine.pool()
+        return {"free_blocks": snap.num_free_blocks,
+                "num_total_blocks": snap.num_total_blocks,
+                "outstanding": snap.num_running_reqs + snap.num_waiting_reqs}
+
+    def record_autoscaling_stats(self) -> dict[str, int]:
+        """What the application's autoscaling policy (``deploy.autoscale``) sizes P and D
+        by; Serve calls it every ``metrics_interval_s`` and averages over
+        ``look_back_period_s``."""
+        return self._pool_counts()
+
     def record_routing_stats(self) -> dict[str, Any]:
         """What the request routers route by (Serve polls it): D's free blocks
         (CapacityRouter); P's engine id, queue and where its KV events are published,
@@ -117,12 +133,9 @@ class EngineServer:
         from its own node)."""
         import ray
 
-        snap = self.engine.pool()
         events = self.engine.kv_events
-        return {"engine_id": self.engine.engine_id,
-                "free_blocks": snap.num_free_blocks, "block_size": snap.block_size,
-                "outstanding": snap.num_running_reqs + snap.num_waiting_reqs,
-                "num_total_blocks": snap.num_total_blocks,
+        return {"engine_id": self.engine.engine_id, **self._pool_counts(),
+                "block_size": self.engine.block_size,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "kv_events_endpoint": events.endpoint if events else "",
                 "kv_events_replay_endpoint": events.replay_endpoint if events else "",
@@ -132,7 +145,21 @@ class EngineServer:
         if self.engine.llm.errored:
             raise RuntimeError(f"engine {self.engine.engine_id} has failed")
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve calls it when it stops the replica, once the calls running here have
+        ended (no new ones reach it by then). A scale-down must not drop what the engine
+        still holds for calls to come, which are not Serve calls: P's exports until D
+        reads them (NIXL, engine to engine) and its held parents until their leases end
+        (their continuations read them). So the engine runs until its pool is clean, at
+        most ``drain_s`` seconds (the deployment's ``graceful_shutdown_timeout_s``
+        leaves room for it); what is still held then is dropped, and its continuation
+        recomputed (flagged)."""
         engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        if engine is None:
+            return
+        if self.drain_s > 0:
+            snap = await engine.wait_pool_clean(self.drain_s)
+            if not snap.is_clean:
+                logger.warning("%s stops with KV still held after %.0f s: %s",
+                               engine.engine_id, self.drain_s, snap)
+        engine.shutdown()

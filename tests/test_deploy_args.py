@@ -25,6 +25,12 @@ def test_shipped_configs_validate_and_build(name):
     (app,) = cfg["applications"]
     assert app["import_path"] == "deploy.app:build_app"
     build_app(app["args"])
+    if "autoscaling_policy" in app:  # the application's P:D policy and its knobs
+        from deploy.args import PDScaling
+
+        assert app["autoscaling_policy"]["policy_function"] == "deploy.autoscale:PDScalePolicy"
+        PDScaling.model_validate(app["autoscaling_policy"].get("policy_kwargs", {}))
+        assert all(app["args"][role].get("autoscaling") for role in ("prefill", "decode"))
 
 
 @pytest.mark.parametrize("args,message", [
@@ -55,6 +61,41 @@ def test_shipped_configs_validate_and_build(name):
 def test_bad_args_are_refused_with_the_reason(args, message):
     with pytest.raises(ValidationError, match=message):
         AppArgs.model_validate(args)
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"prefill_queue_per_replica": 0}, "greater than 0"),
+    ({"decode_free_fraction": 1}, "less than 1"),
+    ({"decode_free_fraction": -0.1}, "greater than or equal to 0"),
+    ({"decode_requests_per_replica": -1}, "greater than 0"),
+    ({"max_engine_replicas": 0}, "greater than 0"),
+    ({"prefill_queue": 4}, "Extra inputs are not permitted"),
+])
+def test_bad_scaling_knobs_are_refused(knobs, message):
+    from deploy.args import PDScaling
+
+    with pytest.raises(ValidationError, match=message):
+        PDScaling.model_validate(knobs)
+
+
+def test_a_stopping_engine_drains_within_its_graceful_shutdown():
+    """Serve's graceful shutdown of an engine replica covers Serve's wait for its calls
+    (30 s) and the engine's own drain: for an autoscaled role P's lease + 15 s unless
+    ``drain_s`` says; a fixed role does not drain unless told."""
+    from deploy.app import role_options
+
+    a = AppArgs.model_validate({"lease_s": 20, "decode": {"drain_s": 0},
+                                "prefill": {"autoscaling": {"max_replicas": 3,
+                                                            "downscale_delay_s": 5}}})
+    assert a.drain_s(a.prefill) == 35 and a.drain_s(a.decode) == 0
+    assert role_options(a, a.prefill, "Prefill")["graceful_shutdown_timeout_s"] == 65
+    assert role_options(a, a.decode, "Decode")["graceful_shutdown_timeout_s"] == 30
+    scaling = role_options(a, a.prefill, "Prefill")["autoscaling_config"]
+    assert scaling["downscale_delay_s"] == 5 and scaling["max_replicas"] == 3
+    fixed = AppArgs.model_validate({"decode": {"drain_s": 12}})
+    assert fixed.drain_s(fixed.prefill) == 0 and fixed.drain_s(fixed.decode) == 12
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        AppArgs.model_validate({"prefill": {"drain_s": -1}})
 
 
 def test_gpu_defaults_reserve_whole_gpus_per_replica():

@@ -6,7 +6,8 @@ One measurement per run: ``--beams`` (``tools.bench.beams``), ``--chunks``
 (``tools.bench.chunks`` and ``tools.bench.blend``), ``--fleet`` (``tools.bench.fleet``),
 ``--http-two-calls`` (``tools.bench.http_two_calls``), ``--serve-routers``
 (``tools.bench.serve_routers``), ``--hosts-link``
-(``tools.bench.hosts``), ``--moves`` (``tools.bench.moves``), ``--read``
+(``tools.bench.hosts``), ``--moves`` (``tools.bench.moves``), ``--serve-scale``
+(``tools.bench.serve_scale``), ``--read``
 (``tools.bench.read``), ``--router-only`` (``tools.bench.router_overhead`` on
 processes), else the full bench (``tools.bench.run``, ``--quick`` for its small
 configuration). Each loads its module only when chosen.
@@ -101,6 +102,16 @@ def main_bench(args: argparse.Namespace) -> int:
         print(format_link(result))
         result["first_handoff"] = measure_first_handoff(args.model, Path("out") / "bench-hosts")
         return _report(args, format_first_handoff(result["first_handoff"]), result)
+
+    if args.serve_scale:
+        from tools.bench.serve_scale import format_serve_scale, plot_serve_scale, run_serve_scale
+
+        result = run_serve_scale(drain=not args.no_drain)
+        if args.plot:
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+            plot_serve_scale(result, args.plot)
+        _report(args, format_serve_scale(result), result)
+        return 0 if not result["num_lost"] and not result["num_recomputed"] else 1
 
     if args.moves:
         from tools.bench.moves import format_moves, measure_moves

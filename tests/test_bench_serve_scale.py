@@ -1,0 +1,23 @@
+"""``kvhandoff bench --serve-scale``'s own run, shortened: the Serve application on a
+local Ray instance, scaled by its P:D policy (``deploy.autoscale``) from the engines'
+reports under one session begun a second, then back down once the sessions stop, with
+every call served and no continuation recomputed (the replica Serve stops drains its
+held parents first)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.engines]
+
+
+def test_the_policy_scales_up_under_queue_and_back_down_losing_nothing():
+    from tools.bench.serve_scale import format_serve_scale, run_serve_scale
+
+    r = run_serve_scale(phases=((60, 1.0), (75, 0.0)))
+    print(format_serve_scale(r))
+    assert r["num_lost"] == 0 and r["num_recomputed"] == 0, r["failures"]
+    assert r["num_continuations"] > 0
+    assert r["peak_replicas"]["Prefill"] == 2, r["timeline"]
+    # Back to one P once idle: the stopped replica drained (its parents' leases) first.
+    assert r["final_replicas"]["Prefill"] == 1, r["timeline"][-5:]
