@@ -16,7 +16,8 @@ On one P+D pair in this process, the engines to itself:
     each other; any difference fails the bench (``BeamsConcurrencyResult.identical``);
   - **floor at concurrency** (plain vLLM on D): the import step(s), C 1-token requests on
     the same warm prompts at once (wall time, median of ``FLOOR_REPEATS``), plus T-1
-    engine steps decoding C x W sequences of those prompts (``floor.decode_step_ms_many``);
+    engine steps decoding C x W sequences of those prompts, each cut to one token past
+    its last full block (``floor.decode_step_ms_many``; below);
     floor QPS = C / floor; ours / floor = floor QPS / ours QPS;
   - **where ours' time goes** (its better run): the engine step with C x W slots (slot
     0's inter-token times, ``beams.slot_step_ms``), the logits processor's ms a step per
@@ -155,14 +156,19 @@ async def concurrency_point(bench: Bench, prompts: list[list[int]], width: int,
     same = (runs["ours"][0]["beams"] == runs["ours"][1]["beams"]
             and all(r["beams"] == runs["ours"][0]["beams"] for r in runs["vllm"]))
     import_ms = statistics.median([await _warm(bench, prompts) for _ in range(FLOOR_REPEATS)])
-    # Long enough that all C x W, admitted over a few steps (each computes its prompt's
-    # uncached tail within the step's token budget), decode together for a while.
-    tail = len(prompts[0]) % bench.d.block_size + 1
-    admit = -(-c * width * tail // bench.d.config.max_num_batched_tokens)
-    decode_ms = await decode_step_ms_many(bench, prompts, width, max(tokens, 3) + admit + 2)
+    # The decode steps' sequences end one token into a block: their full blocks are the
+    # parents' (cached), each computes one token to start, so C x W start in one step's
+    # token budget, and decode within one block each (C x W blocks, as the pool is sized).
+    #   | parent's full blocks (cached, shared) | 1 | decoded ... | (one block each)
+    # Up to block_size - 1 tokens shorter than the parents: a floor a hair low.
+    bs = bench.d.block_size
+    trimmed = [p[:(len(p) - 1) // bs * bs + 1] for p in prompts]
+    admit = -(-c * width // bench.d.config.max_num_batched_tokens)
+    decode_ms = await decode_step_ms_many(bench, trimmed, width, max(tokens, 3) + admit + 2)
     floor_ms = import_ms + (tokens - 1) * decode_ms
     row: dict[str, Any] = {"beam_width": width, "concurrency": c, "beam_tokens": tokens,
-                           "parent_tokens_mean": round(statistics.mean(map(len, prompts)), 1)}
+                           "prompt_tokens_mean": round(statistics.mean(map(len, prompts)), 1),
+                           "floor_tokens_mean": round(statistics.mean(map(len, trimmed)), 1)}
     for kind, rs in runs.items():
         walls = [r["wall_ms"] for r in rs]
         lat = rs[min(range(2), key=lambda i: walls[i])]["latency_ms"]
