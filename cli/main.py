@@ -175,6 +175,8 @@ def _add_bench(sub: Any) -> None:
                             "floor at concurrency, W in --widths (50,128,512), T "
                             "--beam-tokens (3); exit 1 if any beams differ")
     bench.add_argument("--widths", default=None, help="with --beams: e.g. 4,32")
+    bench.add_argument("--d-pool-mib", type=int, default=None,
+                       help="with --beams --concurrency: D's KV pool (4096)")
     bench.add_argument("--read", action="store_true",
                        help="a handoff's READ under vLLM's descriptors and under the runs "
                             "(connector.runs), one pair each: cold at the --sweep lengths "

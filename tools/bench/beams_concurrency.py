@@ -48,8 +48,8 @@ from tools.local import local_pair
 WIDTHS = (50, 128, 512)
 CONCURRENCY = (1, 4, 8, 32)
 TOKENS = 3
-#: D's KV pool: W=512 at C=8 (about 4,200 blocks of the bench model's 768 KiB) beside 32
-#: parents; C=32 at W=512 would need about 12.4 GiB and is skipped.
+#: D's KV pool by default (``--d-pool-mib``): W=50 at C=32 and W=512 at C=4 beside 32
+#: parents of the bench model (768 KiB blocks); W=512 at C=8 needs about 4.9 GiB.
 D_POOL_MIB = 4096
 FLOOR_REPEATS = 3
 #: D's max_num_seqs at most (vLLM wants max_num_batched_tokens, 4096, no smaller).
@@ -220,9 +220,10 @@ def _too_big(bench: Bench, prompts: list[list[int]], width: int, tokens: int) ->
 async def run_beams_concurrency(cfg: BenchConfig, widths: tuple[int, ...] = WIDTHS,
                                 concurrency: tuple[int, ...] = CONCURRENCY,
                                 tokens: int = TOKENS, pair: Any = None,
-                                progress: Any = None) -> BeamsConcurrencyResult:
+                                progress: Any = None,
+                                d_pool_mib: int = D_POOL_MIB) -> BeamsConcurrencyResult:
     """The grid, on ``pair`` if given (tests), else on a new P+D pair whose D has a pool
-    of ``D_POOL_MIB`` and room for the largest C x W."""
+    of ``d_pool_mib`` and room for the largest C x W."""
     if pair is None:
         max_len = cfg.prompt_tokens + cfg.stage1_tokens + 64 + tokens
         max_len += -max_len % 32
@@ -231,7 +232,7 @@ async def run_beams_concurrency(cfg: BenchConfig, widths: tuple[int, ...] = WIDT
                       max_num_seqs=min(seqs, MAX_SEQUENCES), max_num_batched_tokens=4096,
                       max_logprobs=max(64, 2 * max(widths)))
         async with local_pair(cfg.model, decode_overrides={
-                "kv_cache_memory_bytes": D_POOL_MIB << 20}, **common) as new:
+                "kv_cache_memory_bytes": d_pool_mib << 20}, **common) as new:
             return await run_beams_concurrency(cfg, widths, concurrency, tokens, new, progress)
     bench = Bench(pair, cfg)
     # Every path once, on a short prompt: the engines' first requests out of the figures.

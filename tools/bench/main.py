@@ -80,6 +80,7 @@ def _run_beams_concurrency(args: argparse.Namespace) -> int:
                     **_given(args, "prompt_tokens", "stage1_tokens", "seed")),
         widths, tuple(int(x) for x in args.concurrency.split(",")),
         **({"tokens": args.beam_tokens} if args.beam_tokens else {}),
+        **({"d_pool_mib": args.d_pool_mib} if args.d_pool_mib else {}),
         progress=lambda label: print(label, flush=True))).as_dict()
     _report(args, format_beams_concurrency(result), result)
     return 0 if result["identical"] else 1
