@@ -176,7 +176,8 @@ def _add_bench(sub: Any) -> None:
                             "--beam-tokens (3); exit 1 if any beams differ")
     bench.add_argument("--widths", default=None, help="with --beams: e.g. 4,32")
     bench.add_argument("--d-pool-mib", type=int, default=None,
-                       help="with --beams --concurrency: D's KV pool (4096)")
+                       help="with --beams --concurrency: D's KV pool (4096; W=512 at C=8 "
+                            "needs about 4.7 GiB of the bench model's)")
     bench.add_argument("--read", action="store_true",
                        help="a handoff's READ under vLLM's descriptors and under the runs "
                             "(connector.runs), one pair each: cold at the --sweep lengths "

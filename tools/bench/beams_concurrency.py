@@ -49,7 +49,7 @@ WIDTHS = (50, 128, 512)
 CONCURRENCY = (1, 4, 8, 32)
 TOKENS = 3
 #: D's KV pool by default (``--d-pool-mib``): W=50 at C=32 and W=512 at C=4 beside 32
-#: parents of the bench model (768 KiB blocks); W=512 at C=8 needs about 4.9 GiB.
+#: parents of the bench model (768 KiB blocks); W=512 at C=8 needs about 4.7 GiB.
 D_POOL_MIB = 4096
 FLOOR_REPEATS = 3
 #: D's max_num_seqs at most (vLLM wants max_num_batched_tokens, 4096, no smaller).
