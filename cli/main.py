@@ -169,8 +169,15 @@ def _add_bench(sub: Any) -> None:
                             "vLLM's beam_search, W in --widths (4,32,128,512) x T in 3,8, "
                             "with the slots' steps and D's peak memory; then open vs "
                             "constrained to a synthetic catalog at W 32 and 512 (bench "
-                            "model unless --model; --prompt-tokens, --stage1-tokens)")
+                            "model unless --model; --prompt-tokens, --stage1-tokens). "
+                            "With --concurrency C,C: C searches at once instead, QPS and "
+                            "p50/p99 of ours and vLLM's beam_search side by side and the "
+                            "floor at concurrency, W in --widths (50,128,512), T "
+                            "--beam-tokens (3); exit 1 if any beams differ")
     bench.add_argument("--widths", default=None, help="with --beams: e.g. 4,32")
+    bench.add_argument("--d-pool-mib", type=int, default=None,
+                       help="with --beams --concurrency: D's KV pool (4096; W=512 at C=8 "
+                            "needs about 4.7 GiB of the bench model's)")
     bench.add_argument("--read", action="store_true",
                        help="a handoff's READ under vLLM's descriptors and under the runs "
                             "(connector.runs), one pair each: cold at the --sweep lengths "

@@ -88,7 +88,7 @@ async def catalog_point(bench: Bench, prompt: list[int], width: int) -> dict[str
             "catalog_beams": len(runs["catalog"][-1].beams)}
 
 
-def _engine_core_hwm_mib(llm: Any) -> float | None:
+def engine_core_hwm_mib(llm: Any) -> float | None:
     """Peak resident memory (VmHWM) of ``llm``'s engine-core process, MiB (None if vLLM's
     process list is not where 0.32 keeps it)."""
     manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
@@ -101,12 +101,15 @@ def _engine_core_hwm_mib(llm: Any) -> float | None:
     return None
 
 
-def _slot_step_ms(bench: Bench, width: int, since: int) -> float | None:
-    """Median engine step of the slots, after iteration ``since`` (D runs nothing else
-    then): the time between slot 0's tokens (the front end knows slot 0 alone, the
-    engine makes the others: vLLM's iteration stats list its inter-token time only)."""
+def slot_step_ms(bench: Bench, width: int, since: int,
+                 until: int | None = None) -> float | None:
+    """Median engine step of the slots, after iteration ``since`` (up to ``until``, if
+    given; D runs nothing else then): the time between slot 0's tokens (the front end
+    knows slot 0 alone, the engine makes the others: vLLM's iteration stats list its
+    inter-token time only)."""
     steps = [max(it.inter_token_s) for it in bench.d.counters.recent_iterations
-             if it.index > since and it.inter_token_s]
+             if it.index > since and (until is None or it.index <= until)
+             and it.inter_token_s]
     return statistics.median(steps) * 1e3 if steps else None
 
 
@@ -133,7 +136,7 @@ async def beam_point(bench: Bench, prompt: list[int], width: int, tokens: int,
     t0 = time.perf_counter()
     ours = await run_beam_stage(bench.d, cold.stage2_prompt, beam, bench.new_id("warm"))
     ours_ms = (time.perf_counter() - t0) * 1e3
-    slot_step = _slot_step_ms(bench, width, since)
+    slot_step = slot_step_ms(bench, width, since)
     t0 = time.perf_counter()
     theirs = await vllm_beam_search(bench.d.llm, bench.tok, cold.stage2_prompt, beam,
                                     bench.new_id("vllm"))
@@ -160,7 +163,7 @@ async def beam_point(bench: Bench, prompt: list[int], width: int, tokens: int,
                                    if steps.get("copied_blocks") else 0),
         "front_end_ms": (None if slot_step is None else
                          round(slots_ms - (tokens - 1) * slot_step, 1)),
-        "d_peak_rss_mib": _engine_core_hwm_mib(bench.d.llm),
+        "d_peak_rss_mib": engine_core_hwm_mib(bench.d.llm),
     }
 
 

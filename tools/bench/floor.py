@@ -66,19 +66,30 @@ async def decode_step_ms(bench: Bench, prompt: list[int], width: int, steps: int
                          logprobs: int | None = None) -> float:
     """Median duration of an engine step decoding ``width`` sequences of ``prompt``'s
     length on D, from vLLM's iteration stats (steps in which all of them decoded)."""
+    return await decode_step_ms_many(bench, [prompt], width, steps, logprobs)
+
+
+async def decode_step_ms_many(bench: Bench, prompts: list[list[int]], width: int, steps: int,
+                              logprobs: int | None = None) -> float:
+    """Median duration of an engine step decoding ``width`` sequences of each of
+    ``prompts`` (``len(prompts) x width`` in all) on D, plain vLLM requests, from vLLM's
+    iteration stats (steps in which all of them decoded). ``steps`` must outlast their
+    admission: each sequence's first step computes its prompt's uncached tail, and those
+    share the step's token budget."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True,
                             logprobs=logprobs, detokenize=False)
     first = bench.d.counters.iterations
-    await asyncio.gather(*(bench.d.generate(prompt, params, bench.new_id(f"floor{i}"))
-                           for i in range(width)))
+    total = len(prompts) * width
+    await asyncio.gather(*(bench.d.generate(prompt, params, bench.new_id(f"floor{j}-{i}"))
+                           for j, prompt in enumerate(prompts) for i in range(width)))
     await asyncio.sleep(0.1)
     step_s = [statistics.median(it.inter_token_s)
               for it in bench.d.counters.recent_iterations
-              if it.index > first and len(it.inter_token_s) == width]
+              if it.index > first and len(it.inter_token_s) == total]
     if not step_s:
-        raise BenchError(f"no engine step decoded all {width} sequences together")
+        raise BenchError(f"no engine step decoded all {total} sequences together")
     return statistics.median(step_s) * 1e3
 
 

@@ -2,7 +2,8 @@
 outputs (the printed report, ``--json``, ``--plot``). The flags themselves are defined in
 ``cli.main``.
 
-One measurement per run: ``--beams`` (``tools.bench.beams``), ``--chunks``
+One measurement per run: ``--beams`` (``tools.bench.beams``; with ``--concurrency``,
+``tools.bench.beams_concurrency``), ``--chunks``
 (``tools.bench.chunks`` and ``tools.bench.blend``), ``--fleet`` (``tools.bench.fleet``),
 ``--http-two-calls`` (``tools.bench.http_two_calls``), ``--serve-routers``
 (``tools.bench.serve_routers``), ``--hosts-link``
@@ -64,6 +65,26 @@ def _run_chunks(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if "quality" in result or "speed" in result:
         text.append(format_blend(result.get("speed"), result.get("quality")))
     return "\n\n".join(text), result
+
+
+def _run_beams_concurrency(args: argparse.Namespace) -> int:
+    """``--beams --concurrency``: print and write the grid; 1 if any row's beams differ."""
+    from tools.bench.beams_concurrency import (
+        WIDTHS,
+        format_beams_concurrency,
+        run_beams_concurrency,
+    )
+
+    widths = tuple(int(x) for x in args.widths.split(",")) if args.widths else WIDTHS
+    result = asyncio.run(run_beams_concurrency(
+        BenchConfig(model=args.model or "bench",
+                    **_given(args, "prompt_tokens", "stage1_tokens", "seed")),
+        widths, tuple(int(x) for x in args.concurrency.split(",")),
+        **({"tokens": args.beam_tokens} if args.beam_tokens else {}),
+        **({"d_pool_mib": args.d_pool_mib} if args.d_pool_mib else {}),
+        progress=lambda label: print(label, flush=True))).as_dict()
+    _report(args, format_beams_concurrency(result), result)
+    return 0 if result["identical"] else 1
 
 
 def main_bench(args: argparse.Namespace) -> int:
@@ -128,6 +149,9 @@ def main_bench(args: argparse.Namespace) -> int:
             BenchConfig(model=args.model or "bench", **_given(args, "seed")), sweep,
             progress=lambda label: print(label, flush=True)))
         return _report(args, format_read(result), result)
+
+    if args.beams and args.concurrency:
+        return _run_beams_concurrency(args)
 
     if args.beams:
         from tools.bench.beams import WIDTHS, format_beams, run_beams
