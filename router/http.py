@@ -167,7 +167,7 @@ class HttpFront:
     async def list_chunks(self, request: Request) -> Response:
         if (refused := self._refusal(request, OPERATOR)) is not None:
             return refused
-        listing = self.api.chunks()
+        listing = await self.api.chunks()
         return JSONResponse({"object": "list", "data": [chunk_json(r) for r in listing.chunks],
                              "held_blocks": listing.held_blocks,
                              "share_blocks": listing.share_blocks,
