@@ -618,11 +618,11 @@ def test_the_openai_client_through_serves_http_front_equals_the_colocated_refere
     --role router --http-port``: a parent (also streamed: the same tokens), then its
     continuation with beams, equal to the same request run colocated through Serve's
     gRPC proxy (:func:`assert_http_identical`: stage 1, the beams' ids and cumulative
-    logprobs, the parent imported). The continuation reaches either Router replica (the
-    HTTP proxy routes by load: no owner routing), and the other one continues the parent
-    from the shared store: continued until a call has landed there. Negative control:
-    D's import faulted through the same front (``fault``) fails the same check. Without
-    the ingress the first call fails: Serve's HTTP proxy has no route for it."""
+    logprobs, the parent imported). An HTTP continuation reaching the Router replica
+    that did not start its parent imports it too (read from the shared store).
+    Negative control: D's import faulted through the same front (``fault``) fails the
+    same check. Without the ingress the first call fails (the deployment has no HTTP
+    handler)."""
     router = ray_app["serve"].get_deployment_handle("Router", app_name=APP)
     client = _openai(ray_app)
     model = client.models.list().data[0].id
@@ -649,15 +649,41 @@ def test_the_openai_client_through_serves_http_front_equals_the_colocated_refere
             assert beams.usage.prompt_tokens_details.model_extra["imported_tokens"] > 0
             return
         assert_http_identical(stage1, beams, ref, found_on_d=True)
-        other = 1 - owner(stage1.id, ROUTERS)
-        for _ in range(12):  # P(never there) ~ 2**-12: Serve picks by queue, ties at random
-            if stage1.id in router.parent_ids.remote(rank=other).result(timeout_s=30):
+        # Through the replica that does not hold the parent: parents started through the
+        # gRPC proxy under ids each replica owns (each lands on its owner), continued
+        # over HTTP, which Serve routes by load alone (OwnerRouter finds no id in an HTTP
+        # call; on a tie, the first replica): one continuation lands on the replica that
+        # did not start its parent and reads it from the shared store.
+        owned = [next(i for i in (f"http-owned-{rank}-{n}" for n in itertools.count())
+                      if owner(i, ROUTERS) == rank) for rank in range(ROUTERS)]
+        for n, pid in enumerate(owned):
+            req = router_pb2.ParentRequest(request_id=pid)
+            req.prompt_token_ids.ids.extend(range(820 + n, 880 + n))
+            req.stage1.max_tokens, req.stage1.seed = 8, n
+            *_, last = proxy.StartParent(req, metadata=METADATA, timeout=300)
+            assert last.parent.held, last.parent
+            ids.append(pid)
+
+        def fetched() -> list[str]:
+            """The parents held by a replica that does not own them."""
+            held = [set(router.parent_ids.remote(rank=r).result(timeout_s=30))
+                    for r in range(ROUTERS)]
+            return [pid for pid in owned if any(pid in held[r] for r in range(ROUTERS)
+                                                if r != owner(pid, ROUTERS))]
+
+        for _ in range(6):  # at once on a tie to the first replica; 4**-6 if at random
+            for pid in owned:
+                again = client.completions.create(
+                    model=model, prompt="", max_tokens=2, n=2,
+                    extra_body={"use_beam_search": True, "continuation_of": pid})
+                info = again.model_extra["kvhandoff"]
+                assert not info["recomputed"] and info["parent_id"] == pid, info
+                assert again.usage.prompt_tokens_details.model_extra["imported_tokens"] > 0
+            if fetched():
                 break
-            again = client.completions.create(model=model, prompt="", max_tokens=2, n=2,
-                                              extra_body=body)
-            assert not again.model_extra["kvhandoff"]["recomputed"], again.model_extra
         else:
-            raise AssertionError(f"no continuation reached router replica {other}")
+            raise AssertionError("no HTTP continuation reached a replica not holding its "
+                                 "parent")
     finally:
         for parent_id in ids:
             proxy.ReleaseParent(router_pb2.ReleaseParentRequest(parent_id=parent_id),
