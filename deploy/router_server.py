@@ -56,7 +56,8 @@ class RouterServer:
     :meth:`record_routing_stats`), and the ids a replica makes are its own. A ``rank``
     keyword (a deployment handle's call only; unused here) sends a call to that replica
     instead: Generate, Continue and RegisterChunk take one, so a test can reach a replica
-    other than the id's owner."""
+    other than the id's owner. Serve's HTTP proxy reaches the replica's HTTP front
+    (module docstring): OwnerRouter finds no id in its calls, which go by load."""
 
     def __init__(self, prefill: Any, decode: Any, model: str, colocated_below_tokens: int = 0,
                  max_beam_width: int = 32, max_inflight: int = 256,

@@ -1,5 +1,7 @@
 """The one request API under the router's three fronts (``router.service``: gRPC;
-``router.http``: OpenAI-compatible HTTP; ``deploy.router_server``: Ray Serve). Every
+``router.http``: OpenAI-compatible HTTP; ``deploy.router_server``: Ray Serve's gRPC
+proxy, and ``router.http`` again behind its HTTP proxy, both over a replica's
+``deploy.replica_api.ReplicaAPI``). Every
 request, whichever front it came in through, is admitted by the same guard
 (:class:`Admission`: ``max_inflight`` over all fronts, refused at once beyond it), planned
 and run by the same :class:`~router.core.Router`, counted under its front, and its

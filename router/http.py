@@ -1,7 +1,9 @@
 """The router's OpenAI-compatible HTTP front (``kvhandoff serve --role router --http-port``),
 on FastAPI and uvicorn (the ASGI stack vLLM's own server uses), beside gRPC in the same
 process and event loop, over the same :class:`~router.api.RouterAPI` (the ``http`` front:
-the same ``max_inflight``, deadlines and statuses as gRPC).
+the same ``max_inflight``, deadlines and statuses as gRPC). Under Ray Serve the same app
+is the Router deployment's HTTP ingress, over each replica's API
+(``deploy/router_server.py``).
 
 ``POST /v1/completions``:
 
