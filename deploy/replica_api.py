@@ -32,6 +32,7 @@ from deploy.affinity import owned_id
 from deploy.shared import SharedState
 from kvhandoff.types import check_beam_width
 from router.api import RouterAPI
+from router.auth import Credentials
 from router.errors import RouterError
 from router.requests import (
     BeamsCall,
@@ -58,9 +59,11 @@ class ReplicaAPI(RouterAPI):
     (this replica's rank and the deployment's replicas, read each time: Serve sets them,
     and a scaled deployment changes the second)."""
 
-    def __init__(self, router: Any, metrics: Any = None, credentials: Any = None, *,
-                 shared: SharedState, engines: tuple[Any, Any], max_beam_width: int,
-                 rank: Rank):
+    def __init__(self, router: Any, metrics: Any = None,
+                 credentials: Credentials | None = None, *, shared: SharedState,
+                 engines: tuple[Any, Any], max_beam_width: int, rank: Rank):
+        # ``router`` and ``metrics``: the base class's (a router.core.Router and its
+        # RouterMetrics, which this front may not import: pyproject's contract).
         super().__init__(router, metrics, credentials)
         self.shared, self._engines = shared, engines
         self.max_beam_width, self._rank = max_beam_width, rank
