@@ -343,7 +343,8 @@ async def _parsed(request: Request, model: type[Any]) -> Any:
 
 async def _cancel_on_disconnect(work: Awaitable[Any], request: Request) -> Any:
     """Await ``work``; if the client disconnects first, cancel it (its cleanup aborts the
-    request on P and D) and answer 499."""
+    request on P and D) and answer 499. A cancelled caller cancels ``work`` too (Ray
+    Serve cancels the handler when its client goes away)."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -353,6 +354,9 @@ async def _cancel_on_disconnect(work: Awaitable[Any], request: Request) -> Any:
     watcher = asyncio.ensure_future(watch())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if not task.done():

@@ -1,7 +1,8 @@
 """The Router deployment as Serve's HTTP ingress, without a Ray cluster: the ASGI app a
 replica builds (``RouterServer.__serve_build_asgi_app__``) is the standalone router's
 HTTP front over that replica's :class:`~deploy.replica_api.ReplicaAPI`, so it wants the
-router's keys and shares the replica's one admission with the gRPC front. The engines
+router's keys and shares the replica's one admission with the gRPC front; a handler
+Serve cancels (its client gone) cancels its request. The engines
 are never called (their snapshots are given); the shared store is the store actor's
 class called in process (tests/test_serve_state_unit.py's handle), the one fake part.
 On Ray, with the ``openai`` client through Serve's HTTP proxy: tests/test_ray_serve.py."""
@@ -105,3 +106,38 @@ def test_the_http_front_wants_the_key_and_shares_the_replicas_admission():
             assert listed.status_code == 200 and listed.json()["data"] == [], listed.text
 
     asyncio.run(calls())
+
+
+def test_a_handler_cancelled_by_serve_cancels_its_request():
+    """Serve cancels a replica's HTTP handler when its client goes away (uvicorn, in the
+    standalone router, reports a disconnect instead): the request's work is cancelled
+    with the handler, which frees P and D, not left running behind it."""
+    import pytest
+
+    from router.http import _cancel_on_disconnect
+
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    class Connected:
+        """The request as the handler sees it: its client never reported gone."""
+
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def main() -> None:
+        handler = asyncio.ensure_future(_cancel_on_disconnect(work(), Connected()))
+        await started.wait()
+        handler.cancel()  # what Serve does
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        await asyncio.wait_for(cancelled.wait(), 1.0)
+
+    asyncio.run(main())
