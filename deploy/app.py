@@ -3,8 +3,10 @@
 ``serve run deploy/config.yaml`` (GPU nodes) or ``deploy/config-cpu.yaml`` imports
 ``deploy.app:build_app`` with the YAML's ``args``; :class:`deploy.args.AppArgs` validates
 them before anything starts. Deployments: ``Prefill`` and ``Decode`` (one vLLM engine per
-replica) and ``Router`` (the ``kvhandoff.v1.Router`` gRPC service via Serve's gRPC proxy,
-which must list ``kvhandoff.v1.router_pb2_grpc.add_RouterServicer_to_server``).
+replica) and ``Router``, the application's ingress (the ``kvhandoff.v1.Router`` gRPC
+service via Serve's gRPC proxy, which must list
+``kvhandoff.v1.router_pb2_grpc.add_RouterServicer_to_server``, and the router's
+OpenAI-compatible HTTP front via Serve's HTTP proxy, under the route prefix).
 """
 
 from __future__ import annotations

@@ -1,34 +1,38 @@
-"""The router deployment: ``kvhandoff.v1.Router`` behind Ray Serve's gRPC proxy, the
-``serve`` front of :class:`~router.api.RouterAPI` (the same admission, runs, statuses and
-metrics as the standalone router's gRPC and HTTP fronts), over deployment handles to the
-engine deployments."""
+"""The router deployment, the application's ingress with two fronts over one
+:class:`~deploy.replica_api.ReplicaAPI` per replica (the same admission, runs, statuses
+and metrics as the standalone router's gRPC and HTTP fronts), over deployment handles to
+the engine deployments:
+
+- ``kvhandoff.v1.Router`` behind Ray Serve's gRPC proxy (the ``serve`` front: the
+  proxy calls this class's methods by the RPC's name);
+- the standalone router's OpenAI-compatible HTTP front (``router.http``, the ``http``
+  front) behind Serve's HTTP proxy, under the application's route prefix: the app is
+  built per replica over that replica's API (``__serve_build_asgi_app__``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import ray
 from ray import serve
 
 from deploy.affinity import owned_id
 from deploy.handles import HandleStub
+from deploy.replica_api import ReplicaAPI
 from deploy.shared import SharedState
 from kvhandoff.model import resolve_model
-from kvhandoff.types import check_beam_width
 from kvhandoff.v1 import router_pb2
 from router import grpc_wire as wire
-from router.api import RouterAPI
 from router.auth import API_KEY_ENV, CLIENT, OPERATOR, OPERATOR_KEY_ENV, Credentials, need_of
 from router.config import RouterConfig
 from router.errors import RouterError
-from router.requests import Parent
+from router.http import HttpFront
 
 logger = logging.getLogger("kvhandoff.deploy")
 
@@ -41,6 +45,7 @@ class RequestFailed(Exception):
 
 
 @serve.deployment
+@serve.ingress()  # the app: __serve_build_asgi_app__, once the replica is constructed
 class RouterServer:
     """``kvhandoff.v1.Router`` behind Serve's gRPC proxy: same messages, semantics and
     status codes as ``kvhandoff serve --role router``. Parents, chunks and drained
@@ -51,7 +56,8 @@ class RouterServer:
     :meth:`record_routing_stats`), and the ids a replica makes are its own. A ``rank``
     keyword (a deployment handle's call only; unused here) sends a call to that replica
     instead: Generate, Continue and RegisterChunk take one, so a test can reach a replica
-    other than the id's owner."""
+    other than the id's owner. Serve's HTTP proxy reaches the replica's HTTP front
+    (module docstring): OwnerRouter finds no id in its calls, which go by load."""
 
     def __init__(self, prefill: Any, decode: Any, model: str, colocated_below_tokens: int = 0,
                  max_beam_width: int = 32, max_inflight: int = 256,
@@ -66,17 +72,22 @@ class RouterServer:
                               placement="load")
         self.shared = SharedState(serve.get_replica_context().app_name, config, self._rank)
         # The standalone router's keys (router.auth), from the replica's environment
-        # (the application's runtime_env env_vars), checked on the proxy's metadata.
-        self.api = RouterAPI.over_stubs(
+        # (the application's runtime_env env_vars), checked on the proxy's metadata and
+        # on the HTTP front's Authorization header.
+        self.api = ReplicaAPI.over_stubs(
             config, HandleStub(prefill, by_prefix=by_cache), HandleStub(decode),
             new_id=lambda: owned_id(*self._rank()), credentials=Credentials(
                 os.environ.get(API_KEY_ENV) or None, os.environ.get(OPERATOR_KEY_ENV) or None),
-            stores=self.shared.stores)
-        self.max_beam_width = max_beam_width
-        self._prefill, self._decode = prefill, decode
-        self._checked = False
+            stores=self.shared.stores, shared=self.shared, engines=(prefill, decode),
+            max_beam_width=max_beam_width, rank=self._rank)
         #: The background warm-up, started by the first health check that finds P and D.
         self._warm_up: asyncio.Task | None = None
+
+    def __serve_build_asgi_app__(self) -> Any:
+        """Serve's HTTP ingress: the standalone router's OpenAI-compatible front
+        (``router.http``) over this replica's own API, so both fronts share its
+        admission, counts, keys and state. Serve calls it once, after ``__init__``."""
+        return HttpFront(self.api).app
 
     @staticmethod
     def _rank() -> tuple[int, int]:
@@ -89,24 +100,6 @@ class RouterServer:
         """What OwnerRouter routes by (Serve polls it)."""
         rank, world_size = self._rank()
         return {"rank": rank, "world_size": world_size}
-
-    async def _ready(self, beam_width: int | None = None, ask: tuple[str, ...] = (),
-                     unless_one_answered: bool = False) -> None:
-        """Once: P and D run the same model, vLLM and block size. Then: the beam width
-        is one this deployment takes, and the engines of roles ``ask`` without a
-        snapshot are asked now (no poller runs here; ``RouterAPI.ask_engines``)."""
-        if not self._checked:
-            p, d = await asyncio.gather(self._prefill.info.remote(),
-                                        self._decode.info.remote())
-            for key in ("vllm_version", "model_fingerprint", "block_size"):
-                if p[key] != d[key]:
-                    raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
-                                      f"P and D differ in {key}: {p[key]} vs {d[key]}")
-            self._checked = True
-        if beam_width is not None:
-            check_beam_width(beam_width, self.max_beam_width, "this deployment")
-        if ask:
-            await self.api.ask_engines(ask, unless_one_answered)
 
     def _authorize(self, grpc_context: Any, need: str) -> None:
         """The caller's key, from the proxy's metadata (a call through a handle, with
@@ -129,8 +122,6 @@ class RouterServer:
 
     async def _events(self, request: router_pb2.GenerateRequest
                       ) -> AsyncIterator[router_pb2.GenerateStreamEvent]:
-        await self._ready(request.beam.beam_width, ask=("prefill",), unless_one_answered=True)
-        await self.shared.sync(chunks=bool(request.chunk_ids))
         async with contextlib.aclosing(
                 self.api.generate(FRONT, wire.generate_call(request), None)) as items:
             async for item in items:
@@ -163,14 +154,9 @@ class RouterServer:
                           grpc_context: Any = None):
         try:
             self._authorize(grpc_context, CLIENT)
-            # Every engine: without a D's snapshot the parent would not be held.
-            await self._ready(ask=("prefill", "decode"))
-            await self.shared.sync(chunks=bool(request.chunk_ids))
             async with contextlib.aclosing(self.api.start_parent(
                     FRONT, wire.parent_call(request), None)) as items:
                 async for item in items:
-                    if isinstance(item, Parent):  # shared before its client hears of it
-                        await self.shared.publish_parent(item.parent_id)
                     yield wire.parent_event_to_pb(item)
         except (Exception, asyncio.CancelledError) as e:
             self._fail(grpc_context, e)
@@ -191,9 +177,6 @@ class RouterServer:
 
     async def _continue(self, request: router_pb2.ContinueRequest
                         ) -> router_pb2.GenerateResponse:
-        # Every engine: the parent may be another replica's, on engines not asked here yet.
-        await self._ready(request.beam.beam_width, ask=("prefill", "decode"))
-        await self.shared.sync(parent_id=request.parent_id)
         return wire.result_to_pb(
             await self.api.continue_(FRONT, wire.continue_call(request), None))
 
@@ -209,10 +192,7 @@ class RouterServer:
 
     async def _release(self, request: router_pb2.ReleaseParentRequest
                        ) -> router_pb2.ReleaseParentResponse:
-        await self.shared.sync(parent_id=request.parent_id)
-        released = await self.api.release_parent(request.parent_id)
-        await self.shared.flush()  # dropped from the store: no replica continues it
-        return wire.released_to_pb(released)
+        return wire.released_to_pb(await self.api.release_parent(request.parent_id))
 
     async def Move(self, request: router_pb2.MoveRequest,  # noqa: N802
                    grpc_context: Any = None) -> router_pb2.MoveResponse:
@@ -228,51 +208,19 @@ class RouterServer:
                                  need_of(request.fault))
 
     async def _register_chunk(self, request: router_pb2.ChunkRequest) -> router_pb2.Chunk:
-        rank, world_size = self._rank()
-        if world_size > 1 and not self.shared.enabled:
-            # A chunk's registry is one router replica's, and a call reaches one of them.
-            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, (
-                f"named KV chunks live in one router replica's registry and this "
-                f"deployment runs {world_size} (router state not shared): run one router "
-                "replica to use them"))
-        await self._ready(ask=("prefill",))
-        await self.shared.sync(chunks=True)
-        # An id unique over the replicas: taken in the store before P prefills anything.
-        call = wire.chunk_call(request)
-        if not call.chunk_id:
-            call = dataclasses.replace(call, chunk_id=owned_id(rank, world_size, "chunk"))
-        if not await self.shared.reserve_chunk(call.chunk_id):
-            raise RouterError(grpc.StatusCode.ALREADY_EXISTS,
-                              f"chunk {call.chunk_id!r} exists: delete it first, or pick "
-                              "another name")
-        try:
-            chunk = await self.api.register_chunk(FRONT, call, None)
-        except BaseException:
-            with contextlib.suppress(RouterError):
-                await self.shared.unreserve_chunk(call.chunk_id)
-            raise
-        held = await self.shared.publish_chunk(chunk.chunk_id)
-        if held is not None:  # the share filled through other replicas meanwhile
-            await self.api.delete_chunk(chunk.chunk_id)
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                f"chunk {chunk.chunk_id!r} needs {chunk.num_blocks} blocks and chunks "
-                f"registered meanwhile hold {held} of its P's share: retry"))
-        return wire.chunk_to_pb(chunk)
+        return wire.chunk_to_pb(await self.api.register_chunk(
+            FRONT, wire.chunk_call(request), None))
 
     async def ListChunks(self, request: router_pb2.ListChunksRequest,  # noqa: N802
                          grpc_context: Any = None) -> router_pb2.ListChunksResponse:
         async def listing():
-            await self.shared.sync(chunks=True)
-            return wire.chunks_to_pb(self.api.chunks())
+            return wire.chunks_to_pb(await self.api.chunks())
         return await self._unary(grpc_context, listing(), OPERATOR)
 
     async def DeleteChunk(self, request: router_pb2.DeleteChunkRequest,  # noqa: N802
                           grpc_context: Any = None) -> router_pb2.DeleteChunkResponse:
         async def delete():
-            await self.shared.sync(chunks=True)
-            deleted = await self.api.delete_chunk(request.chunk_id)
-            await self.shared.flush()
-            return wire.deleted_to_pb(deleted)
+            return wire.deleted_to_pb(await self.api.delete_chunk(request.chunk_id))
         return await self._unary(grpc_context, delete(), OPERATOR)
 
     async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
@@ -280,20 +228,8 @@ class RouterServer:
         return await self._unary(grpc_context, self._drain(request), OPERATOR)
 
     async def _drain(self, request: router_pb2.DrainRequest) -> router_pb2.DrainResponse:
-        _, world_size = self._rank()
-        if world_size > 1 and not self.shared.enabled:
-            # Rotation is each replica's own, and a call reaches one of them.
-            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, (
-                f"Drain takes an engine out of one router replica's rotation and this "
-                f"deployment runs {world_size} (router state not shared): drain engine "
-                "replicas through Serve (lower the role's num_replicas; a replica stops "
-                "after finishing its requests, within graceful_shutdown_timeout_s)"))
-        await self.shared.sync()
-        # The drain is in the store when the rotation changes (sent, in order): every
-        # replica reads it before its next call. This replica waits for its own requests.
-        drained = await self.api.drain(request.endpoint, request.timeout_ms, request.undo)
-        await self.shared.flush()
-        return wire.drained_to_pb(drained)
+        return wire.drained_to_pb(await self.api.drain(request.endpoint, request.timeout_ms,
+                                                       request.undo))
 
     async def check_health(self) -> None:
         with contextlib.suppress(Exception):

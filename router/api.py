@@ -1,5 +1,7 @@
 """The one request API under the router's three fronts (``router.service``: gRPC;
-``router.http``: OpenAI-compatible HTTP; ``deploy.router_server``: Ray Serve). Every
+``router.http``: OpenAI-compatible HTTP; ``deploy.router_server``: Ray Serve's gRPC
+proxy, and ``router.http`` again behind its HTTP proxy, both over a replica's
+``deploy.replica_api.ReplicaAPI``). Every
 request, whichever front it came in through, is admitted by the same guard
 (:class:`Admission`: ``max_inflight`` over all fronts, refused at once beyond it), planned
 and run by the same :class:`~router.core.Router`, counted under its front, and its
@@ -106,18 +108,19 @@ class RouterAPI:
     def over_stubs(cls, config: RouterConfig, prefill: Any, decode: Any,
                    new_id: Callable[[], str] | None = None,
                    credentials: Credentials | None = None,
-                   stores: Callable[[Endpoint, Endpoint], dict[str, Any]] | None = None
-                   ) -> RouterAPI:
+                   stores: Callable[[Endpoint, Endpoint], dict[str, Any]] | None = None,
+                   **extra: Any) -> RouterAPI:
         """A router whose P and D are one stub each, standing for all the engines of
         its role (Ray Serve's deployment handles: Serve picks the replica), named by
         ``config``'s first address of each role. ``stores``: the router's ``parents``,
         ``chunk_store`` and ``rotation`` (``router.core.Router``'s keywords), made
-        over those two endpoints (None: this process's own)."""
+        over those two endpoints (None: this process's own). ``extra``: a subclass's
+        own keywords (``deploy.replica_api.ReplicaAPI``)."""
         p = Endpoint(config.prefill[0], prefill, None, one_engine=False)
         d = Endpoint(config.decode[0], decode, None, one_engine=False)
         router = Router(config, endpoints=([p], [d]), new_id=new_id,
                         **(stores(p, d) if stores is not None else {}))
-        return cls(router, RouterMetrics(), credentials)
+        return cls(router, RouterMetrics(), credentials, **extra)
 
     def authorize(self, authorization: str | None, need: str) -> None:
         """Raises the refusal for a caller whose ``authorization`` does not grant
@@ -291,7 +294,8 @@ class RouterAPI:
         self.metrics.observe_served(front)
         return record.as_chunk()
 
-    def chunks(self) -> ChunkListing:
+    async def chunks(self) -> ChunkListing:
+        """ListChunks (async: a front may have to read a store first)."""
         return self.router.chunks.listing()
 
     async def delete_chunk(self, chunk_id: str) -> list[str]:

@@ -1,7 +1,9 @@
 """The router's OpenAI-compatible HTTP front (``kvhandoff serve --role router --http-port``),
 on FastAPI and uvicorn (the ASGI stack vLLM's own server uses), beside gRPC in the same
 process and event loop, over the same :class:`~router.api.RouterAPI` (the ``http`` front:
-the same ``max_inflight``, deadlines and statuses as gRPC).
+the same ``max_inflight``, deadlines and statuses as gRPC). Under Ray Serve the same app
+is the Router deployment's HTTP ingress, over each replica's API
+(``deploy/router_server.py``).
 
 ``POST /v1/completions``:
 
@@ -167,7 +169,7 @@ class HttpFront:
     async def list_chunks(self, request: Request) -> Response:
         if (refused := self._refusal(request, OPERATOR)) is not None:
             return refused
-        listing = self.api.chunks()
+        listing = await self.api.chunks()
         return JSONResponse({"object": "list", "data": [chunk_json(r) for r in listing.chunks],
                              "held_blocks": listing.held_blocks,
                              "share_blocks": listing.share_blocks,
@@ -341,7 +343,8 @@ async def _parsed(request: Request, model: type[Any]) -> Any:
 
 async def _cancel_on_disconnect(work: Awaitable[Any], request: Request) -> Any:
     """Await ``work``; if the client disconnects first, cancel it (its cleanup aborts the
-    request on P and D) and answer 499."""
+    request on P and D) and answer 499. A cancelled caller cancels ``work`` too (Ray
+    Serve cancels the handler when its client goes away)."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -351,6 +354,9 @@ async def _cancel_on_disconnect(work: Awaitable[Any], request: Request) -> Any:
     watcher = asyncio.ensure_future(watch())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if not task.done():

@@ -128,7 +128,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ListChunks(self, request, context):
         async def call():
-            return wire.chunks_to_pb(self.api.chunks())
+            return wire.chunks_to_pb(await self.api.chunks())
         return await self._unary(context, OPERATOR, call)  # every chunk's tokens
 
     async def DeleteChunk(self, request, context):

@@ -15,7 +15,14 @@ import yaml
 from deploy.affinity import owner
 from kvhandoff.ports import free_port
 from kvhandoff.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
-from tests.utils import RACED, assert_handed_off, assert_identical, in_this_netns, move_or_raced
+from tests.utils import (
+    RACED,
+    assert_handed_off,
+    assert_http_identical,
+    assert_identical,
+    in_this_netns,
+    move_or_raced,
+)
 from tools.client import make_request
 from tools.serve_local import ray_init as _ray_init
 from tools.serve_local import wait_healthy as _wait_healthy
@@ -103,12 +110,12 @@ def ray_app():
 
     from deploy.app import GRPC_SERVICER_FUNCTIONS, build_app
 
-    grpc_port = free_port()
+    grpc_port, http_port = free_port(), free_port()
     cores: set[int] = set()
     _ray_init(ray)
     try:
         serve.start(proxy_location="HeadOnly",
-                    http_options={"host": "127.0.0.1", "port": free_port()},
+                    http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options={"port": grpc_port,
                                   "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
         # An ingress needs a route prefix to be routable, by the gRPC proxy too.
@@ -126,7 +133,9 @@ def ray_app():
         while not (cores := _serve_engine_cores()) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert cores, f"no engine-core process under a Serve replica: {_engine_cores_seen()}"
-        yield {"address": address, "serve": serve, "ray": ray}
+        yield {"address": address, "serve": serve, "ray": ray,
+               # Serve's HTTP proxy, under the application's route prefix.
+               "http": f"http://127.0.0.1:{http_port}/kvhandoff"}
     finally:
         cores |= _serve_engine_cores()  # a replaced replica's too
         serve.shutdown()
@@ -533,6 +542,180 @@ def test_chunks_through_serve_with_the_router_replicas(ray_app, proxy):
         finally:
             for rank in range(ROUTERS):
                 router.set_shared_state.remote(True, rank=rank).result(timeout_s=30)
+
+
+def _openai(ray_app, asynchronous: bool = False):
+    """The official client against Serve's HTTP front (the Router deployment is the
+    application's ingress, under its route prefix)."""
+    import openai
+
+    cls = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+    return cls(base_url=ray_app["http"] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.http
+@pytest.mark.parametrize("fault", [None, "zero-block"])
+def test_the_openai_client_through_serves_http_front_equals_the_colocated_reference(
+        ray_app, proxy, fault):
+    """The ``openai`` client against Serve's HTTP front, as against ``kvhandoff serve
+    --role router --http-port``: a parent (also streamed: the same tokens), then its
+    continuation with beams, equal to the same request run colocated through Serve's
+    gRPC proxy (:func:`assert_http_identical`: stage 1, the beams' ids and cumulative
+    logprobs, the parent imported). An HTTP continuation reaching the Router replica
+    that did not start its parent imports it too (read from the shared store).
+    Negative control: D's import faulted through the same front (``fault``) fails the
+    same check. Without the ingress the first call fails (the deployment has no HTTP
+    handler)."""
+    router = ray_app["serve"].get_deployment_handle("Router", app_name=APP)
+    client = _openai(ray_app)
+    model = client.models.list().data[0].id
+    # The control's prompt is one D has not cached: the fault hits a real import.
+    prompt = list(range(800 + (fault is not None), 880 + (fault is not None)))
+    stage1 = client.completions.create(model=model, prompt=prompt, max_tokens=16,
+                                       temperature=1.0, seed=21)
+    streamed = list(client.completions.create(model=model, prompt=prompt, max_tokens=16,
+                                              temperature=1.0, seed=21, stream=True))
+    ids = [stage1.id, streamed[0].id]
+    try:
+        assert [t for c in streamed if c.choices for t in c.choices[0].model_extra.get(
+            "token_ids") or []] == stage1.choices[0].model_extra["token_ids"]
+        body = {"use_beam_search": True, "continuation_of": stage1.id, "fault": fault}
+        beams = client.completions.create(model=model, prompt="", max_tokens=3, n=4,
+                                          extra_body=body)
+        assert beams.model_extra["kvhandoff"]["parent_id"] == stage1.id
+        ref = proxy.Generate(make_request(prompt=prompt, max_tokens=16, seed=21,
+                                          beam_width=4, path="colocated"),
+                             metadata=METADATA, timeout=300)
+        if fault is not None:
+            with pytest.raises(AssertionError, match="cum_logprob|beams differ"):
+                assert_http_identical(stage1, beams, ref, found_on_d=True)
+            assert beams.usage.prompt_tokens_details.model_extra["imported_tokens"] > 0
+            return
+        assert_http_identical(stage1, beams, ref, found_on_d=True)
+        # Through the replica that does not hold the parent: parents started through the
+        # gRPC proxy under ids each replica owns (each lands on its owner), continued
+        # over HTTP, which Serve routes by load alone (OwnerRouter finds no id in an HTTP
+        # call; on a tie, the first replica): one continuation lands on the replica that
+        # did not start its parent and reads it from the shared store.
+        owned = [next(i for i in (f"http-owned-{rank}-{n}" for n in itertools.count())
+                      if owner(i, ROUTERS) == rank) for rank in range(ROUTERS)]
+        for n, pid in enumerate(owned):
+            req = router_pb2.ParentRequest(request_id=pid)
+            req.prompt_token_ids.ids.extend(range(820 + n, 880 + n))
+            req.stage1.max_tokens, req.stage1.seed = 8, n
+            *_, last = proxy.StartParent(req, metadata=METADATA, timeout=300)
+            assert last.parent.held, last.parent
+            ids.append(pid)
+
+        def fetched() -> list[str]:
+            """The parents held by a replica that does not own them."""
+            held = [set(router.parent_ids.remote(rank=r).result(timeout_s=30))
+                    for r in range(ROUTERS)]
+            return [pid for pid in owned if any(pid in held[r] for r in range(ROUTERS)
+                                                if r != owner(pid, ROUTERS))]
+
+        for _ in range(6):  # at once on a tie to the first replica; 4**-6 if at random
+            for pid in owned:
+                again = client.completions.create(
+                    model=model, prompt="", max_tokens=2, n=2,
+                    extra_body={"use_beam_search": True, "continuation_of": pid})
+                info = again.model_extra["kvhandoff"]
+                assert not info["recomputed"] and info["parent_id"] == pid, info
+                assert again.usage.prompt_tokens_details.model_extra["imported_tokens"] > 0
+            if fetched():
+                break
+        else:
+            raise AssertionError("no HTTP continuation reached a replica not holding its "
+                                 "parent")
+    finally:
+        for parent_id in ids:
+            proxy.ReleaseParent(router_pb2.ReleaseParentRequest(parent_id=parent_id),
+                                metadata=METADATA, timeout=60)
+
+
+@pytest.mark.http
+@pytest.mark.chunks
+def test_chunks_through_serves_http_front(ray_app, proxy):
+    """``/v1/chunks`` under Serve: a chunk registered, listed, composed into a
+    completion's prompt (the ``openai`` client's ``extra_body``), deleted; an unknown
+    chunk is 404 and a second delete too, as from the standalone router."""
+    import httpx
+    import openai
+
+    http = ray_app["http"]
+    system, query = list(range(100, 164)), list(range(300, 308))
+    made = httpx.post(f"{http}/v1/chunks", json={"chunk_id": "http-sys", "prompt": system},
+                      timeout=120).json()
+    assert (made["id"], made["num_chain_tokens"], made["num_blocks"]) == ("http-sys", 64, 2)
+    listed = httpx.get(f"{http}/v1/chunks", timeout=30).json()["data"]
+    assert [c["id"] for c in listed] == ["http-sys"]
+    client = _openai(ray_app)
+    done = client.completions.create(model=client.models.list().data[0].id, prompt=query,
+                                     max_tokens=4, seed=5, extra_body={"chunks": ["http-sys"]})
+    proxy.ReleaseParent(router_pb2.ReleaseParentRequest(parent_id=done.id),
+                        metadata=METADATA, timeout=60)
+    assert done.usage.prompt_tokens == 72, done.usage
+    with pytest.raises(openai.NotFoundError, match="chunk 'nope'"):
+        client.completions.create(model=done.model, prompt=query, max_tokens=4,
+                                  extra_body={"chunks": ["nope"]})
+    assert httpx.delete(f"{http}/v1/chunks/http-sys", timeout=30).json()["deleted"] == \
+        ["http-sys"]
+    assert httpx.delete(f"{http}/v1/chunks/http-sys", timeout=30).status_code == 404
+
+
+@pytest.mark.http
+def test_serves_http_front_refuses_past_max_inflight_with_429_at_once(ray_app, proxy):
+    """``max_inflight`` 1 on each Router replica: six completions sent at once through
+    Serve's HTTP front with the async ``openai`` client are served, or refused 429 at
+    once (``Retry-After``, OpenAI's error body saying the router is busy); a replica
+    never runs more than one. The bound is the replica's one admission for both fronts
+    (``ReplicaAPI``): the gRPC flood's test sets it the same way."""
+    import asyncio
+
+    import openai
+
+    router = ray_app["serve"].get_deployment_handle("Router", app_name=APP)
+
+    async def one(client, model: str, i: int):
+        start = time.monotonic()
+        try:
+            done = await client.completions.create(
+                model=model, prompt=list(range(900 + i, 960 + i)), max_tokens=120, seed=i,
+                extra_body={"min_tokens": 120})
+            return done, time.monotonic() - start
+        except openai.RateLimitError as e:
+            return e, time.monotonic() - start
+
+    async def flood():
+        client = _openai(ray_app, asynchronous=True)
+        model = (await client.models.list()).data[0].id
+        try:
+            return await asyncio.gather(*(one(client, model, i) for i in range(6)))
+        finally:
+            await client.close()
+
+    for rank in range(ROUTERS):
+        router.set_max_inflight.remote(1, rank=rank).result(timeout_s=30)
+    try:
+        results = asyncio.run(flood())
+        peaks = [router.inflight.remote(rank=rank).result(timeout_s=30)[1]
+                 for rank in range(ROUTERS)]
+    finally:
+        for rank in range(ROUTERS):
+            router.set_max_inflight.remote(ARGS["router"].get("max_inflight", 256),
+                                           rank=rank).result(timeout_s=30)
+    served = [r for r, _ in results if not isinstance(r, Exception)]
+    refused = [(e, s) for e, s in results if isinstance(e, Exception)]
+    for parent in served:
+        proxy.ReleaseParent(router_pb2.ReleaseParentRequest(parent_id=parent.id),
+                            metadata=METADATA, timeout=60)
+    assert served and refused, results
+    assert all(len(p.choices[0].model_extra["token_ids"]) == 120 for p in served)
+    for e, seconds in refused:
+        assert e.status_code == 429 and e.response.headers.get("retry-after"), e
+        assert "router busy: 1 requests in flight" in e.body["message"], e.body
+        assert seconds < 5.0, (seconds, e)
+    assert max(peaks) == 1, peaks
 
 
 def test_a_killed_decode_replica_is_replaced(ray_app, proxy):
