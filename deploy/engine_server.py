@@ -72,8 +72,8 @@ class EngineServer:
         logger.info("%s replica ready: engine %s, NIXL side channel %s", role,
                     self.engine.engine_id, host)
 
-    # The keyword arguments after the request (``blocks_needed``, ``prefix``, ``engine``)
-    # are read by the deployment's request router (``deploy.request_router``) before
+    # The keyword arguments after the request (``blocks_needed``, ``prefix``, ``engine``,
+    # ``affinity``) are read by the deployment's request router (``deploy.request_router``) before
     # the call lands here: nothing in the replica uses them.
 
     async def stage1(self, request: bytes, prefix: tuple = ()) -> AsyncIterator[bytes]:
@@ -92,7 +92,7 @@ class EngineServer:
         async for event in self.servicer.Stage2Stream(req, _CallContext()):
             yield event.SerializeToString()
 
-    async def capacity(self) -> bytes:
+    async def capacity(self, engine: str = "") -> bytes:
         cap = await self.servicer.GetCapacity(engine_pb2.CapacityRequest(), _CallContext())
         return cap.SerializeToString()
 

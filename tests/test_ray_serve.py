@@ -425,6 +425,60 @@ def test_a_call_no_replica_takes_fails_unavailable_not_at_the_deadline(ray_app):
         assert 2 <= after_s < 10, (name, after_s)
 
 
+def _free_blocks(prefill, engine_id: str) -> int:
+    """A P replica's free KV blocks now, asked of the replica running ``engine_id``
+    (Prefill's request router sends a call naming an engine there)."""
+    cap = engine_pb2.Capacity.FromString(
+        prefill.capacity.remote(engine=engine_id).result(timeout_s=60))
+    assert cap.engine_id == engine_id, (cap.engine_id, engine_id)
+    return cap.num_free_blocks
+
+
+def test_a_release_frees_the_blocks_on_the_p_replica_holding_the_parent(ray_app, proxy):
+    """Two P replicas. Per parent: STEP 1, each P's free blocks; STEP 2, StartParent
+    through the proxy: the P that ran it holds its blocks (fewer free there, not on the
+    other); STEP 3, the control: a Release of it sent to the other P (its prefix, that
+    engine named) frees nothing on the holder; STEP 4, ReleaseParent through the proxy:
+    the holder's blocks are free again within 20 s (the lease is 30 s), because the
+    router names the holding engine (``ReleaseRequest.engine_id``) and Prefill's request
+    router sends the call there."""
+    prefill = ray_app["serve"].get_deployment_handle("Prefill", app_name=APP)
+    engines: set[str] = set()
+    for _ in range(60):  # Serve spreads calls naming no engine over the replicas
+        engines.add(engine_pb2.Capacity.FromString(
+            prefill.capacity.remote().result(timeout_s=60)).engine_id)
+        if len(engines) == 2:
+            break
+    assert len(engines) == 2, engines
+    for n in range(2):
+        pid = f"release-where-held-{n}"
+        # STEP 1
+        idle = {e: _free_blocks(prefill, e) for e in engines}
+        # STEP 2
+        req = router_pb2.ParentRequest(request_id=pid)
+        req.prompt_token_ids.ids.extend(range(600 + 90 * n, 680 + 90 * n))
+        req.stage1.max_tokens, req.stage1.seed = 8, n
+        *_, last = proxy.StartParent(req, metadata=METADATA, timeout=300)
+        assert last.parent.held, last.parent
+        held = {e: _free_blocks(prefill, e) for e in engines}
+        (holder,) = [e for e in engines if held[e] < idle[e]]
+        (other,) = engines - {holder}
+        # 88 tokens: 3 blocks of 32 (measured 511 -> 508 free).
+        assert idle[holder] - held[holder] >= 3 and held[other] == idle[other], (idle, held)
+        # STEP 3
+        wrong = engine_pb2.ReleaseRequest(engine_id=other, prefixes=[pid])
+        prefill.release.remote(wrong.SerializeToString(), engine=other).result(timeout_s=60)
+        time.sleep(2.0)
+        assert _free_blocks(prefill, holder) == held[holder], "a release at the other P freed it"
+        # STEP 4
+        release = router_pb2.ReleaseParentRequest(parent_id=pid)
+        assert proxy.ReleaseParent(release, metadata=METADATA, timeout=60).hold_ended
+        deadline = time.monotonic() + 20
+        while (now := _free_blocks(prefill, holder)) < idle[holder]:
+            assert time.monotonic() < deadline, f"held after its release: {now} of {idle}"
+            time.sleep(0.5)
+
+
 def test_parents_live_with_the_router_replica_owning_their_ids(ray_app, proxy):
     """The shipped config's two Router replicas: parents whose ids each replica owns are
     started, continued and released through the proxy, every call landing on the replica
