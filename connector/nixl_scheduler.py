@@ -20,16 +20,18 @@ from connector.adapters import adapter_of, digests_of
 from connector.beam_fork import BeamForkScheduler, beam_params
 from connector.blend import BlendScheduler
 from connector.blend_spec import UNROTATED_FAULT
+from connector.exports import describe_export
 from connector.faults import (
     FAULTS,
     fault_of,
     num_imported_with_fault,
 )
-from connector.handoff import PROTOCOL_VERSION, Handoff, kv_bytes_per_block, token_digest
+from connector.handoff import PROTOCOL_VERSION, kv_bytes_per_block
 from connector.liveness import LiveExports, side_channel_listener
 from connector.logs import use_vllm_handlers
 from connector.params import (
     BLEND_KEY,
+    EXPORT_TOKENS_KEY,
     HOLD_KEY,
     KEY,
     RELEASE_KEY,
@@ -317,6 +319,10 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         delay_free, params = super().request_finished(request, block_ids)
         exporting = delay_free and params is not None and bool(params.get("do_remote_prefill"))
         if exporting:
+            if (request.kv_transfer_params or {}).get(EXPORT_TOKENS_KEY) is not None:
+                # A search stopped to move exports from its last step on: the worker
+                # registers its lease only for requests it saw in a batch as exports.
+                self._reqs_in_batch.add(request.request_id)
             self._attach_handoff(request, params)
         blended = self._blend.finished(request)
         if blended is not None:
@@ -345,12 +351,8 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         return delay_free, params
 
     def _attach_handoff(self, request: Request, params: dict[str, Any]) -> None:
-        """P side: describe the held blocks as a typed, versioned handoff."""
-        num_parent_tokens = request.num_tokens
-        assert request.num_computed_tokens == num_parent_tokens - 1, (
-            f"P exported {request.num_computed_tokens} computed tokens for a "
-            f"{num_parent_tokens}-token parent: the lease would cover the wrong KV"
-        )
+        """P side (or D's search stopped to move): describe the held blocks as a typed,
+        versioned handoff (``connector.exports``)."""
         now = time.time()
         lease_s = float(self._kv_lease_duration)
         hold = (request.kv_transfer_params or {}).get(HOLD_KEY)
@@ -362,24 +364,15 @@ class ContinuationConnectorScheduler(NixlPullConnectorScheduler):
         # Stock NIXL stamps the deadline in this process's perf_counter; D's worker
         # rebases it with the clock offset measured at the handshake.
         params["remote_blocks_expiry_time"] = self._reqs_need_send[request.request_id]
-        handoff = Handoff(
-            protocol_version=PROTOCOL_VERSION,
-            model_fingerprint=self.model_fingerprint,
-            engine_id=self.engine_id,
-            request_id=request.request_id,
-            num_parent_tokens=num_parent_tokens,
-            num_computed_tokens=request.num_computed_tokens,
-            token_digest=token_digest(request.all_token_ids),
-            block_size=self.block_size,
-            num_blocks=len(params["remote_block_ids"][0]),
-            kv_bytes_per_block=self.kv_bytes_per_block,
-            exported_at=now,
-            lease_expires_at=now + lease_s,
-            adapter=(adapter := adapter_of(request)),
-            adapter_digest=self._adapter_digests.get(adapter, ""),
-            cache_salt=request.cache_salt or "",
-            num_pool_blocks=self._kv_cache_config.num_blocks,
-        )
+        adapter = adapter_of(request)
+        handoff = describe_export(
+            request, params, block_size=self.block_size, exported_at=now,
+            lease_expires_at=now + lease_s, fields=dict(
+                protocol_version=PROTOCOL_VERSION, model_fingerprint=self.model_fingerprint,
+                engine_id=self.engine_id, kv_bytes_per_block=self.kv_bytes_per_block,
+                adapter=adapter, adapter_digest=self._adapter_digests.get(adapter, ""),
+                num_pool_blocks=self._kv_cache_config.num_blocks))
+        num_parent_tokens = handoff.num_parent_tokens
         self._live.add(request.request_id, params["remote_block_ids"])
         target = str((request.kv_transfer_params or {}).get(TARGET_KEY) or "")
         params[KEY] = {**handoff.to_dict(), "target_engine_id": target}

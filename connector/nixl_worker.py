@@ -25,6 +25,7 @@ from connector.merged_reads import MergedReadWorker
 from connector.runs import MERGE_FAULTS
 from connector.runtime import back_with_huge_pages, nixl_agent_options
 from connector.stats import ContinuationStats
+from connector.step_meta import OUTBOX
 from connector.step_orders import ContinuationMetadata
 from kvhandoff.ucxlog import flush_ucx_log
 
@@ -103,6 +104,7 @@ class ContinuationConnectorWorker(MergedReadWorker, NixlPullConnectorWorker):
         assert isinstance(metadata, ContinuationMetadata), \
             f"the connector's worker got {type(metadata).__name__}, not its scheduler's"
         orders = metadata.orders
+        OUTBOX.stopping = frozenset(orders.stop_groups)
         self._fork.on_step(orders)
         self._blend.apply(orders.blend)
         if self._fault_injection:

@@ -49,6 +49,9 @@ STOP_KEY = "kvhandoff_stop"
 #: With ``STOP_KEY``: the engine id the stopped requests' handoffs are addressed to
 #: instead of the one they named (a move to another P); absent or "": unchanged.
 RETARGET_KEY = "kvhandoff_retarget"
+#: A beam search stopped to move (``decode_engine.search_stops``): its slot 0 exports only
+#: the search's shared prefix, this many tokens (its own beam's tokens stay behind).
+EXPORT_TOKENS_KEY = "kvhandoff_export_tokens"
 #: An import that exports again when it ends (a stage 1 moved to another P: it imports
 #: the tokens so far, samples on and exports its own handoff). Its import's report is then
 #: returned under ``IMPORTED_KEY`` (``KEY`` carries the new handoff).

@@ -42,6 +42,10 @@ class Outbox:
     def __init__(self) -> None:
         self.active = False  # set by the processor: slots are in the batch
         self._current: BeamStepMeta | None = None
+        #: Set by the connector worker from each step's orders: the groups the
+        #: processor stops after their next step, to move them
+        #: (``decode_engine.search_stops``).
+        self.stopping: frozenset[str] = frozenset()
 
     def open_step(self) -> BeamStepMeta | None:
         """The connector worker, once per step (``build_connector_worker_meta``); None

@@ -43,6 +43,9 @@ class StepOrders:
     #: P: exports held for their whole lease, and held exports whose lease ends now.
     hold: list[str] = field(default_factory=list)
     unhold: list[str] = field(default_factory=list)
+    #: Beam groups to stop after their next beam step, to move
+    #: (``decode_engine.search_stops``): sent every step until the processor stops them.
+    stop_groups: list[str] = field(default_factory=list)
 
 
 class ContinuationMetadata(NixlConnectorMetadata):

@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 
 GenerateFn = Callable[[list[int], "SamplingParams", str], Awaitable["RequestOutput"]]
 
-__all__ = ["BeamSearchOutcome", "beam_score", "beam_search", "error_message",
-           "vllm_beam_search"]
+__all__ = ["BeamSearchOutcome", "StoppedSearch", "beam_score", "beam_search",
+           "error_message", "resume_search", "vllm_beam_search"]
 
 
 @dataclass(slots=True)
@@ -85,6 +85,48 @@ class BeamSearchOutcome:
     slot_steps: dict[str, list[float]] | None = None
     #: Constrained: live beams at the last step that were not whole items (left out).
     num_dropped: int = 0
+    #: The search stopped to move before its end (then ``beams`` is empty): its state.
+    stopped: StoppedSearch | None = None
+
+
+@dataclass(slots=True)
+class StoppedSearch:
+    """A beam search stopped on one engine to go on on another (``resume_search``):
+    stage 2's prompt (the shared prefix), the live beams (each its tokens after the
+    prompt and its cumulative logprob, in the search's order) and the completed ones
+    (in vLLM's order), the beam steps run (step 0 included: every live beam has that
+    many tokens), the slots it ran with, and ``export``: the ``kv_transfer_params`` of
+    the stopping engine's export of the prompt's KV (the handoff another engine
+    imports; ``decode_engine.search_stops``)."""
+
+    prompt: list[int]
+    live: list[tuple[list[int], float]]
+    completed: list[tuple[list[int], float]]
+    steps_done: int
+    members: int
+    export: dict[str, Any]
+
+    @classmethod
+    def of(cls, prompt: list[int], beams: list[_Sequence], completed: list[_Sequence],
+           result: GroupResult, out: Any, members: int, done: int) -> StoppedSearch:
+        """From the group stopped after ``result.stopped`` steps in all (``beams``:
+        the ones it started with, ``done`` steps into the search; ``out``: its slot 0's
+        final output, the export)."""
+        n = len(prompt)
+        ended = [*completed, *(_Sequence(beams[o].tokens + list(t), float(c))
+                               for o, t, c in result.completed)]
+        live = [(beams[o].tokens[n:] + list(t), float(c)) for o, t, c in result.live]
+        export = dict(out.kv_transfer_params or {})
+        fields = dict(export.get(KEY) or {})
+        fields.pop(SLOT_KEY, None)
+        export[KEY] = fields
+        if "remote_block_ids" not in export:
+            raise StageError("stage2", "move", "the stopped search exported no handoff "
+                                               "of its prompt (an engine without the "
+                                               "connector cannot move a search)")
+        return cls(prompt=prompt, live=live, completed=[(s.tokens[n:], s.cum_logprob)
+                                                        for s in ended],
+                   steps_done=result.stopped, members=members, export=export)
 
 
 def error_message(out: Any) -> str:
@@ -117,32 +159,38 @@ def _step0_extra(extra_args: dict[str, Any] | None, fork: bool, keep: bool, name
 
 async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamParams, *,
                      eos_token_id: int | None, request_id: str, fork_from: str | None,
-                     members: int | None = None) -> GroupResult:
+                     members: int | None = None, steps: int | None = None, tail: int = 1,
+                     stop_at: int = 0) -> tuple[GroupResult, Any]:
     """The steps inside the engine: a slot per beam (``members`` slots, the first
     ``len(beams)`` starting with a live beam, the rest waiting to be forked into), each
-    running the search's remaining steps. Only slot 0 is sent; the engine makes the
-    others from it (``decode_engine.beam_slots``). The search's result, from slot 0's final
-    output (``decode_engine.beam_search.GroupSearch.result``, with the steps' figures)."""
+    running the search's remaining ``steps`` (default: all but step 0). Only slot 0 is
+    sent; the engine makes the others from it (``decode_engine.beam_slots``). Each beam's
+    last ``tail`` tokens are its own (1: step 0's pick; more in a resumed search). The
+    search's result, from slot 0's final output (``decode_engine.beam_search.
+    GroupSearch.result``, with the steps' figures), and that output."""
     from vllm import SamplingParams
 
     group, live = _unique(f"{request_id}-g"), len(beams)
     members = max(members or live, live)
+    steps = params.max_tokens - 1 if steps is None else steps
 
     starts = [beams[min(i, live - 1)] for i in range(members)]
     beam = {"fork_from": fork_from, "fork_children": members} if fork_from else {}
     spec = slot_spec(group=group, slot=0, members=members, width=params.beam_width,
-                     live=live, steps=params.max_tokens - 1,
+                     live=live, steps=steps,
                      cum_logprob=starts[0].cum_logprob, eos_token_id=eos_token_id,
                      ignore_eos=params.ignore_eos, catalog=params.catalog,
-                     in_item=params.catalog is not None,
+                     in_item=params.catalog is not None, tail=tail, stop_at=stop_at,
                      # The other slots are made in the engine from this one
                      # (decode_engine.beam_slots): each the same prompt with its own
-                     # last token.
-                     clones=[(seq.tokens[-1], seq.cum_logprob) for seq in starts[1:]])
-    sampling = SamplingParams(max_tokens=params.max_tokens - 1, temperature=0.0,
+                     # last tokens.
+                     clones=[(tuple(seq.tokens[-tail:]) if tail > 1 else seq.tokens[-1],
+                              seq.cum_logprob) for seq in starts[1:]])
+    sampling = SamplingParams(max_tokens=steps, temperature=0.0,
                               ignore_eos=True, detokenize=False, extra_args={
                                   SLOT_KEY: spec, "kv_transfer_params": {BEAM_KEY: beam}})
-    return _group_result(await generate(starts[0].tokens, sampling, f"{group}0"))
+    out = await generate(starts[0].tokens, sampling, f"{group}0")
+    return _group_result(out), out
 
 
 def _unique(name: str) -> str:
@@ -161,33 +209,17 @@ def _group_result(out: Any) -> GroupResult:
     return GroupResult.read(info[SLOT_KEY])
 
 
-async def beam_search(
-    generate: GenerateFn,
-    prompt_token_ids: list[int],
-    params: BeamParams,
-    *,
-    eos_token_id: int | None,
-    request_id: str,
-    first_step_extra_args: dict[str, Any] | None = None,
-    fork: bool = False,
-    held_parent: str | None = None,
-    max_live: int | None = None,
-) -> BeamSearchOutcome:
-    """Run beam search (module docstring); ``first_step_extra_args`` go on step 0;
-    ``fork``: the slots copy step 0's partial last block; ``held_parent`` (with
-    ``fork``): a parent held on this engine that step 0 copies what its prefix-cache hit
-    lacks from (``connector.beam_fork``); ``max_live`` (constrained): the most beams the
-    catalog lets live at once, the slots made (``Catalog.max_live``; default W)."""
+async def _first_step(generate: GenerateFn, prompt: list[int], params: BeamParams, *,
+                      eos_token_id: int | None, name: str,
+                      first_step_extra_args: dict[str, Any] | None, fork: bool,
+                      held_parent: str | None) -> tuple[Any, GroupResult, bool, float]:
+    """Step 0: one request over the prompt (carrying the import), a beam group of one
+    slot whose processor picks the first W beams; kept for the slots to fork from
+    (``fork``). Returns its output, its result, whether the slots fork, its seconds."""
     from vllm import SamplingParams
 
-    def score(seq: _Sequence) -> float:
-        return beam_score(seq.tokens, seq.cum_logprob, eos_token_id, params.length_penalty)
-
-    prompt = list(prompt_token_ids)
-    name = f"{request_id}-s0"
     extra = dict(_step0_extra(first_step_extra_args, fork, params.max_tokens > 1, name,
                               held_parent) or {})
-    # Step 0 is a beam group of one slot: the engine picks the first W beams.
     extra[SLOT_KEY] = slot_spec(
         group=_unique(name), slot=0, members=1, width=params.beam_width, live=1, steps=1,
         cum_logprob=0.0, eos_token_id=eos_token_id, ignore_eos=params.ignore_eos,
@@ -200,25 +232,106 @@ async def beam_search(
     step0 = _group_result(first)
     if ImportReport.read(first.kv_transfer_params).beam_fork_disabled:
         fork = False  # D admitted the import only without it: step 0 was not kept
+    return first, step0, fork, first_step_s
+
+
+async def beam_search(
+    generate: GenerateFn,
+    prompt_token_ids: list[int],
+    params: BeamParams,
+    *,
+    eos_token_id: int | None,
+    request_id: str,
+    first_step_extra_args: dict[str, Any] | None = None,
+    fork: bool = False,
+    held_parent: str | None = None,
+    max_live: int | None = None,
+    stop_at: int = 0,
+) -> BeamSearchOutcome:
+    """Run beam search (module docstring); ``first_step_extra_args`` go on step 0;
+    ``fork``: the slots copy step 0's partial last block; ``held_parent`` (with
+    ``fork``): a parent held on this engine that step 0 copies what its prefix-cache hit
+    lacks from (``connector.beam_fork``); ``max_live`` (constrained): the most beams the
+    catalog lets live at once, the slots made (``Catalog.max_live``; default W);
+    ``stop_at``: stop the search to move it once this many beam steps ran (the
+    harness's move at step k; the engine's ``stop`` stops it at its next step):
+    the outcome is then ``stopped``, with no beams."""
+    prompt = list(prompt_token_ids)
+    name = f"{request_id}-s0"
+    first, step0, fork, first_step_s = await _first_step(
+        generate, prompt, params, eos_token_id=eos_token_id, name=name,
+        first_step_extra_args=first_step_extra_args, fork=fork, held_parent=held_parent)
+    members = len(step0.live)
+    if params.catalog is not None:  # room for the beams the catalog may grow to
+        members = min(params.beam_width, max_live or params.beam_width)
+    return await _search(
+        generate, prompt, params, first, first_step_s, step0,
+        [_Sequence(prompt + list(t), float(c)) for _, t, c in step0.live],
+        [_Sequence(prompt + list(t), float(c)) for _, t, c in step0.completed],
+        eos_token_id=eos_token_id, request_id=request_id,
+        fork_from=name if fork else None, members=members, done=1, stop_at=stop_at)
+
+
+async def resume_search(generate: GenerateFn, moved: StoppedSearch, params: BeamParams, *,
+                        eos_token_id: int | None, request_id: str,
+                        first_step_extra_args: dict[str, Any] | None = None,
+                        fork: bool = False, stop_at: int = 0) -> BeamSearchOutcome:
+    """A search stopped on another engine (``moved``) goes on here from its next step:
+    step 0 imports the shared prefix (``first_step_extra_args``: the import of
+    ``moved.export``) and is kept (its own pick is not used); the slots start with the
+    live beams, each computing its own tokens so far (forked from step 0: the partial
+    block of the prefix is copied, the beam's tokens recomputed), and run the steps
+    left. The beams equal those of the search left unmoved (the processor's decisions
+    depend only on the beams' scores and the logits). ``stop_at``: as in
+    :func:`beam_search` (counting the steps run before the move)."""
+    if stop_at and stop_at <= moved.steps_done:
+        raise ValueError(f"stop_at {stop_at}: the search ran {moved.steps_done} steps "
+                         "before it moved here")
+    prompt = list(moved.prompt)
+    name = f"{request_id}-s0"
+    first, _, fork, first_step_s = await _first_step(
+        generate, prompt, params, eos_token_id=eos_token_id, name=name,
+        first_step_extra_args=first_step_extra_args, fork=fork, held_parent=None)
+    return await _search(
+        generate, prompt, params, first, first_step_s, None,
+        [_Sequence(prompt + list(t), c) for t, c in moved.live],
+        [_Sequence(prompt + list(t), c) for t, c in moved.completed],
+        eos_token_id=eos_token_id, request_id=request_id,
+        fork_from=name if fork else None, members=moved.members, done=moved.steps_done,
+        stop_at=stop_at)
+
+
+async def _search(generate: GenerateFn, prompt: list[int], params: BeamParams, first: Any,
+                  first_step_s: float, step0: GroupResult | None, beams: list[_Sequence],
+                  completed: list[_Sequence], *, eos_token_id: int | None, request_id: str,
+                  fork_from: str | None, members: int, done: int,
+                  stop_at: int) -> BeamSearchOutcome:
+    """The slots' part of a search whose first ``done`` beam steps ran (``beams``: the
+    live ones, ``completed``: those that ended, in vLLM's order), and its outcome."""
+    def score(seq: _Sequence) -> float:
+        return beam_score(seq.tokens, seq.cum_logprob, eos_token_id, params.length_penalty)
+
     step_computed = [len(first.prompt_token_ids) - (first.num_cached_tokens or 0)]
-    completed = [_Sequence(prompt + list(tokens), float(cum))
-                 for _, tokens, cum in step0.completed]
-    beams = [_Sequence(prompt + list(tokens), float(cum)) for _, tokens, cum in step0.live]
-    recomputed, slot_steps, dropped = 0, None, step0.dropped
-    if params.max_tokens > 1 and beams:
-        members = len(beams)
-        if params.catalog is not None:  # room for the beams the catalog may grow to
-            members = min(params.beam_width, max_live or params.beam_width)
-        result = await _run_slots(generate, beams, params, eos_token_id=eos_token_id,
-                                  request_id=request_id, fork_from=name if fork else None,
-                                  members=members)
+    recomputed, slot_steps, dropped = 0, None, step0.dropped if step0 else 0
+    if params.max_tokens > done and beams:
+        members = max(members, len(beams))
+        result, out = await _run_slots(
+            generate, beams, params, eos_token_id=eos_token_id, request_id=request_id,
+            fork_from=fork_from, members=members, steps=params.max_tokens - done,
+            tail=done, stop_at=stop_at if stop_at >= done else 0)
         slot_steps = result.steps or {}
         first_computed = int(slot_steps.get("first_computed", members))
         # The slots' steps that ran: fewer than planned when no live beam was left.
-        ran = len(slot_steps.get("select_ms") or ()) or params.max_tokens - 1
+        ran = len(slot_steps.get("select_ms") or ()) or params.max_tokens - done
         step_computed += [first_computed] + [members] * (ran - 1)
-        recomputed = max(first_computed - members, 0)
+        recomputed = max(first_computed - members * done, 0)
         dropped = result.dropped
+        if result.stopped:
+            return BeamSearchOutcome(
+                beams=[], first_output=first, first_step_s=first_step_s,
+                step_computed_tokens=step_computed, slot_steps=slot_steps,
+                stopped=StoppedSearch.of(prompt, beams, completed, result, out, members,
+                                         done))
         for found in (result.completed, result.live):
             completed.extend(_Sequence(beams[origin].tokens + list(tokens), float(cum))
                              for origin, tokens, cum in found)

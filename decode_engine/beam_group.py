@@ -21,6 +21,8 @@ class Group:
     first_block: int  # index of the first block each slot holds alone
     tokens_each: int  # tokens a slot computes at its first step (worst case)
     own_blocks: int  # blocks a slot holds alone at its first step
+    #: Prompt tokens before the slots' own (the search's shared prefix: stage 2's prompt).
+    shared_tokens: int = 0
     first_computed: int = 0  # tokens its slots computed at their first step
     slots: dict[int, str] = field(default_factory=dict)  # slot -> request id
     started: bool = False
@@ -36,6 +38,9 @@ class Group:
     select_ms: list[float] = field(default_factory=list)
     copied: list[int] = field(default_factory=list)
     arrived_at: float = field(default_factory=time.monotonic)  # its first slot
+    #: Asked to stop to move (``decode_engine.search_stops``): the engine id its
+    #: handoff goes to ("": the group's own default); None: not asked.
+    stop_to: str | None = None
 
     def ids(self) -> list[str]:
         return [self.slots[i] for i in sorted(self.slots)]

@@ -60,7 +60,7 @@ class _Slot:
     group: str
     slot: int
     spec: SlotSpec
-    last_token: int  # its last prompt token
+    own_tokens: list[int]  # its beam's own last prompt tokens (``SlotSpec.tail``)
 
 
 def _slot_of(params: SamplingParams | None, prompt_token_ids: list[int] | None,
@@ -68,8 +68,8 @@ def _slot_of(params: SamplingParams | None, prompt_token_ids: list[int] | None,
     spec = SlotSpec.read(params.extra_args if params is not None else None)
     if spec is None:
         return None
-    last = int(prompt_token_ids[-1]) if prompt_token_ids else -1
-    return _Slot(spec.group, spec.slot, spec, last)
+    own = [int(t) for t in (prompt_token_ids or [])[-spec.tail:]]
+    return _Slot(spec.group, spec.slot, spec, own or [-1])
 
 
 class BeamSlotProcessor(LogitsProcessor):
@@ -137,11 +137,16 @@ class BeamSlotProcessor(LogitsProcessor):
                 ignore_eos=spec.ignore_eos, catalog=catalog,
                 cum_logprobs=np.array([row.spec.cum for row in live]))
             if catalog is not None and spec.in_item:
-                # Its beams hold an item's first token already: their last prompt token.
-                search.nodes = catalog.step(search.nodes,
-                                            np.array([row.last_token for row in live]))
+                # Its beams are inside an item already: their own prompt tokens (step 0's
+                # pick; in a resumed search, every token so far).
+                for i in range(spec.tail):
+                    search.nodes = catalog.step(search.nodes, np.array(
+                        [row.own_tokens[i] for row in live]))
         if search.done:
             return self._fail(group, search.step + 1, "a step past its last one")
+        if members > 1 and (group in OUTBOX.stopping
+                            or spec.stop_at == spec.tail + search.step):
+            return self._stop(group, rows, search, logits, spec.tail)
         live = search.num_live
         slot_of = self._slot_of_beam.get(group)
         if slot_of is None:
@@ -183,6 +188,20 @@ class BeamSlotProcessor(LogitsProcessor):
             # partial steps are sampled too (discarded), and the scheduler reads only
             # the record of the step that completes the prompt.
             del self._groups[group]
+
+    def _stop(self, group: str, rows: dict[int, int], search: GroupSearch,
+              logits: torch.Tensor, done_before: int) -> None:
+        """Stop the group to move it (``decode_engine.search_stops``), before this step's
+        decision: the step is the resumed search's first, on the engine it moves to. Its
+        state goes out as its result (every live beam, whole item or not), the slots end
+        with this step's token (never read). ``done_before``: the search's beam steps
+        before this group (step 0's; a resumed search's, before the move)."""
+        search.steps = search.step  # done: a row that comes again fails the group
+        _force(logits, rows, np.zeros(max(rows) + 1, dtype=np.int64))
+        result = search.result(goes_on=True)
+        result["stopped"] = done_before + search.step  # beam steps run, step 0 included
+        OUTBOX.post(group, {"step": search.step + 1, "parents": list(range(len(rows))),
+                            "select_ms": 0.0, "result": result, "stopped": True})
 
     def _fail(self, group: str, step: int, why: str) -> None:
         logger.error("Beam group %s fails at step %d: %s", group, step, why)

@@ -42,7 +42,6 @@ shared prefix blocks are prefix-cache hits, held by every slot.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable
@@ -52,10 +51,12 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from connector.handoff import CLONE_SEP, is_made_slot
+from connector.handoff import is_made_slot
 from connector.params import BEAM_KEY, KEY, SLOT_KEY, WAIT_KEY, Refusal
 from connector.step_meta import BeamStepMeta
 from decode_engine.beam_group import START_TIMEOUT_S, Group, mid_prompt, shared_from_free
+from decode_engine.search_stops import SearchStops
+from decode_engine.slot_clone import block_hasher, clone_slot
 from decode_engine.slot_spec import GroupResult, SlotSpec
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ class SlotGroups:
         self._hash_block_size = hash_block_size or block_size
         self._groups: dict[str, Group] = {}
         self._slot_of: dict[str, tuple[str, int]] = {}  # request id -> (group, slot)
+        #: Searches asked to stop to move (``decode_engine.search_stops``).
+        self.stops = SearchStops()
 
     @classmethod
     def for_scheduler(cls, scheduler: Any) -> SlotGroups:
@@ -98,6 +101,10 @@ class SlotGroups:
         size, its ``reject``, vLLM's block hasher as its engine core builds it."""
         return cls(scheduler.block_size, scheduler.reject, block_hasher(scheduler),
                    hash_block_size=scheduler.hash_block_size)
+
+    def stopping(self) -> list[str]:
+        """The groups to stop to move, for this step's orders."""
+        return self.stops.stopping(self._groups)
 
     def hides(self, request_id: str) -> bool:
         """Slots made here have no client (``CLONE_SEP``)."""
@@ -111,64 +118,26 @@ class SlotGroups:
         if spec is None:
             return []
         self._join(request, spec)
-        return [self._clone(request, spec, i, token, cum)
-                for i, (token, cum) in enumerate(spec.clones, start=1)]
-
-    def _clone(self, leader: Request, spec: SlotSpec, slot: int, token: int | None,
-               cum: float) -> Request:
-        """Slot ``slot`` of the leader's group: the leader's prompt with its own last
-        token (``token``; None: the same prompt), its own slot parameters; its outputs
-        go to a client that never asked for them and drops them."""
-        from vllm.v1.request import Request
-
-        params = leader.sampling_params
-        assert params is not None and params.extra_args is not None
-        prompt = list(leader.prompt_token_ids or [])
-        if token is not None:
-            prompt[-1] = int(token)
-        # Its own dicts one level down (its beam parameters are changed per slot); the
-        # leader's sampling parameters, already checked, with its own extra_args
-        # (``msgspec.structs.replace`` would check them again: 511 clones at W=512).
-        transfer = {k: dict(v) if isinstance(v, dict) else v
-                    for k, v in (params.extra_args.get("kv_transfer_params") or {}).items()}
-        extra = {**params.extra_args, SLOT_KEY: spec.for_slot(slot, cum).to_wire(),
-                 "kv_transfer_params": transfer or None}
-        sampling = copy.copy(params)
-        sampling.extra_args = extra
-        clone = Request(request_id=f"{leader.request_id}{CLONE_SEP}{slot}",
-                        prompt_token_ids=prompt,
-                        sampling_params=sampling,
-                        pooling_params=None, client_index=leader.client_index,
-                        arrival_time=leader.arrival_time, priority=leader.priority,
-                        # Its leader's adapter: the same weights, and block hashes
-                        # that find the leader's blocks (they carry the adapter).
-                        lora_request=leader.lora_request, cache_salt=leader.cache_salt,
-                        block_hasher=None)
-        if self._block_hasher is not None:
-            # Its full blocks before its own last token are its leader's, with the same
-            # adapter and salt: their hashes are copied, not computed again (511 slots
-            # of a 500-token parent hashed ~7.7k blocks); vLLM's hasher goes on from
-            # there, for a full block holding that token and for the blocks it decodes.
-            clone.block_hashes = list(leader.block_hashes[:(len(prompt) - 1)
-                                                          // self._hash_block_size])
-            clone._block_hasher = self._block_hasher
-            clone.update_block_hashes()
-        return clone
+        return [clone_slot(request, spec, i, tail, cum, self._block_hasher,
+                           self._hash_block_size)
+                for i, (tail, cum) in enumerate(spec.clones, start=1)]
 
     def _join(self, request: Request, spec: SlotSpec) -> None:
         name, slot, members = spec.group, spec.slot, spec.members
         group = self._groups.get(name)
         if group is None:
-            # A slot's own blocks start at the one holding its last prompt token (never
-            # a prefix-cache hit: vLLM computes at least that token).
-            last = request.num_prompt_tokens - 1
+            # A slot's own blocks start at the one holding its first own prompt token
+            # (its last one but in a resumed search: ``SlotSpec.tail``), never a
+            # prefix-cache hit (vLLM computes at least its last token; the others are
+            # its beam's alone).
+            first = request.num_prompt_tokens - spec.tail
             forked = bool(((request.kv_transfer_params or {}).get(BEAM_KEY) or {})
                           .get("fork_from"))
             group = self._groups[name] = Group(
-                members=members, first_block=last // self._block_size,
-                tokens_each=1 if forked else last % self._block_size + 1,
+                members=members, first_block=first // self._block_size,
+                tokens_each=spec.tail if forked else first % self._block_size + spec.tail,
                 own_blocks=-(-request.num_prompt_tokens // self._block_size)
-                - last // self._block_size)
+                - first // self._block_size, shared_tokens=first)
         group.slots[slot] = request.request_id
         self._slot_of[request.request_id] = (name, slot)
         if group.error:
@@ -182,6 +151,7 @@ class SlotGroups:
         """Start the groups whose slots all arrived and fit this step; a group still
         incomplete after ``START_TIMEOUT_S`` ends (its client went away mid-send)."""
         now = time.monotonic()
+        self.stops.match(self._groups)
         claimed_seqs = claimed_tokens = claimed_blocks = 0  # by the groups started here
         pool = scheduler.kv_cache_manager.block_pool
         for group in self._groups.values():
@@ -324,6 +294,8 @@ class SlotGroups:
                     group.parents = parents
                 if "result" in record:
                     group.result = record["result"]
+                    if record.get("stopped"):
+                        self.stops.export(group, requests.get(group.ids()[0]))
                     for rid in group.ids():
                         request = requests.get(rid)
                         if request is not None:
@@ -383,15 +355,3 @@ class SlotGroups:
                 logger.info("Beam group %s: %s ended; ending its %d other slots", name,
                             rid, len(left))
                 scheduler.finish_requests(left, RequestStatus.FINISHED_ABORTED)
-
-
-def block_hasher(scheduler: Any) -> Any:
-    """vLLM's request block hasher, as its engine core builds it (for the slots made
-    here); None without prefix caching."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-
-    if not scheduler.cache_config.enable_prefix_caching:
-        return None
-    return get_request_block_hasher(scheduler.hash_block_size, get_hash_fn_by_name(
-        scheduler.cache_config.prefix_caching_hash_algo))

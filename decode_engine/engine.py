@@ -13,13 +13,14 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 from connector.handoff import ImportRequest
 from connector.params import BEAM_KEY, KEY, ImportReport, Refusal
-from decode_engine.beam import beam_search, error_message
+from decode_engine.beam import StoppedSearch, beam_search, error_message, resume_search
 from engine import VllmEngine
 from kvhandoff.budget import live_slots, stage2_reservation
 from kvhandoff.types import (
@@ -61,11 +62,16 @@ async def run_beam_stage(
     held_parent: str | None = None,
     adapter: str = "",
     cache_salt: str | None = None,
+    moved: StoppedSearch | None = None,
+    stop_at: int = 0,
 ) -> Stage2Result:
     """Stage 2 on ``engine`` (under ``adapter``, "": none; every step under
     ``cache_salt``, if any); shared by the handoff path (D) and the colocated path
     (``held_parent``: the stage-1 request id of a parent held on ``engine``, whose blocks
-    the first step copies from)."""
+    the first step copies from). ``moved``: a search stopped on another engine, resumed
+    here (its prompt is ``prompt_token_ids``; step 0 imports its export); ``stop_at``:
+    stop it to move once that many beam steps ran (``decode_engine.beam.beam_search``):
+    the result is then ``stopped``."""
     validate_prompt(
         prompt_token_ids,
         vocab_size=engine.vocab_size,
@@ -83,18 +89,26 @@ async def run_beam_stage(
                                   engine.num_total_blocks,
                                   from_parent=beam.catalog is not None)
     t0 = time.perf_counter()
+    generate = functools.partial(engine.generate, adapter=adapter, cache_salt=cache_salt)
     with reserving(engine, reserved):
-        outcome = await beam_search(
-            functools.partial(engine.generate, adapter=adapter, cache_salt=cache_salt),
-            prompt_token_ids,
-            beam,
-            eos_token_id=engine.eos_token_id,
-            request_id=request_id,
-            first_step_extra_args=first_step_extra_args,
-            fork=engine.config.beam_fork,
-            held_parent=held_parent or None,
-            max_live=slots,
-        )
+        if moved is not None:
+            outcome = await resume_search(
+                generate, moved, beam, eos_token_id=engine.eos_token_id,
+                request_id=request_id, first_step_extra_args=first_step_extra_args,
+                fork=engine.config.beam_fork, stop_at=stop_at)
+        else:
+            outcome = await beam_search(
+                generate,
+                prompt_token_ids,
+                beam,
+                eos_token_id=engine.eos_token_id,
+                request_id=request_id,
+                first_step_extra_args=first_step_extra_args,
+                fork=engine.config.beam_fork,
+                held_parent=held_parent or None,
+                max_live=slots,
+                stop_at=stop_at,
+            )
     first = outcome.first_output
     imported = ImportReport.read(first.kv_transfer_params if first else None)
     return Stage2Result(
@@ -110,8 +124,9 @@ async def run_beam_stage(
         step_computed_tokens=outcome.step_computed_tokens,
         num_recomputed_beam_tokens=outcome.recomputed_tokens,
         beam_steps=outcome.slot_steps,
-        num_beams_short=beam.beam_width - len(outcome.beams),
+        num_beams_short=0 if outcome.stopped else beam.beam_width - len(outcome.beams),
         num_dropped_beams=outcome.num_dropped,
+        stopped=outcome.stopped,
     )
 
 
@@ -207,6 +222,22 @@ async def run_sample_stage(
 class DecodeEngine(VllmEngine):
     """The decode/beam engine (D)."""
 
+    async def stop_searches(self, request_ids: list[str], target: str = "") -> None:
+        """Stop running beam searches (stage 2s, by request id) after their next beam
+        step, to move them (``decode_engine.search_stops``): each one's stage 2 then
+        returns ``stopped``, its prompt's KV exported under a lease, the export
+        addressed to ``target`` when given. A search in its step 0 stops after its
+        first step of slots; unknown or finished ids are ignored."""
+        from vllm import SamplingParams
+
+        from connector.params import RETARGET_KEY, STOP_KEY
+
+        transfer = {STOP_KEY: request_ids, RETARGET_KEY: target}
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                extra_args={"kv_transfer_params": transfer})
+        await self.generate([self.eos_token_id or 0], params,
+                            f"stop-{uuid.uuid4().hex[:12]}")
+
     async def run_stage2(
         self,
         prompt_token_ids: list[int],
@@ -217,12 +248,17 @@ class DecodeEngine(VllmEngine):
         sampling: Stage1Params | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
         adapter: str = "",
+        moved: StoppedSearch | None = None,
+        stop_at: int = 0,
     ) -> Stage2Result:
         """Stage 2 importing P's export (``handoff``, built for ``beam``; with
         ``sampling``, a sampled stage 2 whose ``beam`` is its shape: width 1, its
         max_tokens), under ``adapter`` ("": none; D's admission refuses an export
         computed under another). Even a handoff that looks wrong goes to D's scheduler: it is the one
-        authority, and refusing there also tells P to release the parent's blocks."""
+        authority, and refusing there also tells P to release the parent's blocks.
+        ``moved``: a search stopped on another D, resumed here (``handoff``: the import
+        of its export; ``prompt_token_ids``: its prompt); ``stop_at``: see
+        :func:`run_beam_stage`."""
         assert (handoff.beam_width, handoff.beam_max_tokens) == (beam.beam_width, beam.max_tokens), \
             f"{request_id}: the import request was built for other beams"
         # A stage 2 carrying an injected fault runs under a cache salt of its own: it
@@ -251,8 +287,13 @@ class DecodeEngine(VllmEngine):
             result = await run_beam_stage(
                 self, prompt_token_ids, beam, request_id,
                 first_step_extra_args={"kv_transfer_params": params}, adapter=adapter,
-                cache_salt=salt,
+                cache_salt=salt, moved=moved, stop_at=stop_at,
             )
+        if result.stopped is not None:
+            # The stopped search's export reaches this engine's worker with the next
+            # step's metadata: once it ran, a READ of it is counted (not one that comes
+            # first, which vLLM's worker would drop, the blocks held to the lease).
+            await self.run_one_step()
         expected = int(params.get(KEY, {}).get("num_computed_tokens", 0))
         if result.num_prompt_tokens - result.num_computed_tokens_first_step < expected:
             # The import did not cover the parent (e.g. a load failure recomputed it).

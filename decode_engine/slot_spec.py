@@ -20,6 +20,11 @@ from connector.params import SLOT_KEY
 REQUIRED = ("group", "slot", "members", "width", "live", "steps", "cum", "eos",
             "ignore_eos", "catalog")
 
+#: A clone's own last prompt tokens: one token (a search's first slots: step 0's pick),
+#: a list of ``tail`` tokens (a search resumed after a move: each beam's tokens so far),
+#: or None (the leader's prompt as it is: a slot waiting to be forked into).
+CloneTail = int | tuple[int, ...] | None
+
 
 @dataclass(frozen=True, slots=True)
 class SlotSpec:
@@ -30,7 +35,11 @@ class SlotSpec:
     unconstrained), whether the beams start one token into an item (their last prompt
     token: the search's step 0 picked it), whether the search goes on after this group
     (step 0's: its live beams are returned whole items or not), and, on slot 0 as the
-    front end sends it, the other slots to make: (last prompt token, score) each."""
+    front end sends it, the other slots to make: (its own last prompt tokens, score)
+    each. ``tail``: how many last prompt tokens are the slot's beam's own (1: the first
+    token step 0 picked; more in a search resumed on another engine after a move, whose
+    beams arrive with the tokens they have so far); the prompt before them is the
+    search's shared prefix."""
 
     group: str
     slot: int
@@ -44,7 +53,13 @@ class SlotSpec:
     catalog: str | None = None
     in_item: bool = False
     goes_on: bool = False
-    clones: tuple[tuple[int | None, float], ...] = ()
+    clones: tuple[tuple[CloneTail, float], ...] = ()
+    tail: int = 1
+    #: Stop the search to move it when this many beam steps ran (step 0 included, and a
+    #: resumed search's steps before its move; 0: never): the harness's move at step k
+    #: (``decode_engine.search_stops``). The slots' ``tail`` is the steps run before
+    #: this group.
+    stop_at: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The dict that travels under ``extra_args[SLOT_KEY]``."""
@@ -58,7 +73,12 @@ class SlotSpec:
         if self.goes_on:
             wire["goes_on"] = True
         if self.clones:
-            wire["clones"] = [[token, float(cum)] for token, cum in self.clones]
+            wire["clones"] = [[list(t) if isinstance(t, tuple) else t, float(cum)]
+                              for t, cum in self.clones]
+        if self.tail != 1:
+            wire["tail"] = self.tail
+        if self.stop_at:
+            wire["stop_at"] = self.stop_at
         return wire
 
     def for_slot(self, slot: int, cum: float) -> SlotSpec:
@@ -82,26 +102,40 @@ class SlotSpec:
                    eos=None if wire["eos"] is None else int(wire["eos"]),
                    ignore_eos=bool(wire["ignore_eos"]), catalog=wire["catalog"],
                    in_item=bool(wire.get("in_item")), goes_on=bool(wire.get("goes_on")),
-                   clones=tuple((None if t is None else int(t), float(c))
-                                for t, c in wire.get("clones") or ()))
+                   clones=tuple((_tail_of(t), float(c)) for t, c in wire.get("clones") or ()),
+                   tail=int(wire.get("tail", 1)), stop_at=int(wire.get("stop_at", 0)))
         if not 0 <= spec.slot < spec.members:
             raise ValueError(f"{SLOT_KEY}: slot {spec.slot} outside the group's "
                              f"{spec.members}")
         if not 0 <= spec.live <= spec.members <= spec.width:
             raise ValueError(f"{SLOT_KEY}: live {spec.live}, members {spec.members}, "
                              f"width {spec.width} (live <= members <= width)")
+        if spec.tail < 1 or any(isinstance(t, tuple) and len(t) != spec.tail
+                                for t, _ in spec.clones):
+            raise ValueError(f"{SLOT_KEY}: tail {spec.tail}, and every clone's tokens "
+                             "that many")
         return spec
+
+
+def _tail_of(wire: Any) -> CloneTail:
+    if wire is None:
+        return None
+    if isinstance(wire, (list, tuple)):
+        return tuple(int(t) for t in wire)
+    return int(wire)
 
 
 def slot_spec(*, group: str, slot: int, members: int, width: int, live: int, steps: int,
               cum_logprob: float, eos_token_id: int | None, ignore_eos: bool,
               catalog: str | None = None, in_item: bool = False, goes_on: bool = False,
-              clones: list[tuple[int | None, float]] | None = None) -> dict[str, Any]:
+              clones: list[tuple[CloneTail, float]] | None = None,
+              tail: int = 1, stop_at: int = 0) -> dict[str, Any]:
     """A slot's parameters as they travel (:class:`SlotSpec`, its fields)."""
     return SlotSpec(group=group, slot=slot, members=members, width=width, live=live,
                     steps=steps, cum=float(cum_logprob), eos=eos_token_id,
                     ignore_eos=ignore_eos, catalog=catalog, in_item=in_item,
-                    goes_on=goes_on, clones=tuple(clones or ())).to_wire()
+                    goes_on=goes_on, clones=tuple(clones or ()), tail=tail,
+                    stop_at=stop_at).to_wire()
 
 
 #: A beam a group returns: the slot it started in, the tokens the slots generated for
@@ -122,6 +156,9 @@ class GroupResult:
     live: list[WireBeam]
     dropped: int = 0
     steps: dict[str, Any] | None = None
+    #: The beam steps the group ran before it was stopped to move (0: it ran to its
+    #: end); its live beams are then all returned, whole items or not.
+    stopped: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -131,6 +168,8 @@ class GroupResult:
             wire["dropped"] = int(self.dropped)
         if self.steps is not None:
             wire["steps"] = self.steps
+        if self.stopped:
+            wire["stopped"] = int(self.stopped)
         return wire
 
     def with_steps(self, steps: dict[str, Any]) -> GroupResult:
@@ -142,4 +181,5 @@ class GroupResult:
             return [(int(o), list(t), float(c)) for o, t, c in wire.get(key) or ()]
 
         return cls(completed=beams("completed"), live=beams("live"),
-                   dropped=int(wire.get("dropped", 0)), steps=wire.get("steps"))
+                   dropped=int(wire.get("dropped", 0)), steps=wire.get("steps"),
+                   stopped=int(wire.get("stopped", 0)))

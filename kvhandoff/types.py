@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 #: Beam search runs W slots in one engine batch (``decode_engine.beam_slots``): an engine
 #: takes widths up to its ``max_num_seqs`` and ``max_logprobs / 2`` (step 0 asks for 2W
@@ -286,3 +287,6 @@ class Stage2Result:
     #: live beams left out at the last step for not being whole items.
     num_beams_short: int = 0
     num_dropped_beams: int = 0
+    #: The search was stopped to move before its end (``beams`` is then empty): its
+    #: state, a ``decode_engine.beam.StoppedSearch`` (in-process only).
+    stopped: Any = None

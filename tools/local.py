@@ -34,6 +34,8 @@ class LocalPair:
     tokens: ModelTokens
     #: A second P (``second_prefill``): moves between Ps.
     p2: Any = None
+    #: A second D (``second_decode``): beam searches moved between Ds.
+    d2: Any = None
 
     @property
     def tokenizer(self) -> Any:
@@ -56,17 +58,19 @@ class LocalPair:
 async def local_pair(model: str | None = None, *, prefill_overrides: dict[str, Any] | None = None,
                      decode_overrides: dict[str, Any] | None = None,
                      second_prefill: bool = False,
+                     second_decode: bool = False,
                      on_hosts: dict[str, Any] | None = None,
                      ucx_log_dir: Path | None = None,
                      **common: Any) -> AsyncIterator[LocalPair]:
     """Start P then D (about 30 s each on CPU), and with ``second_prefill`` a second P
-    with P's settings; shut them down on exit. ``on_hosts``: P (and the second P) on
-    host ``p``, D on host ``d`` (see the module docstring), UCX limited to TCP over the
+    with P's settings, with ``second_decode`` a second D with D's; shut them down on
+    exit. ``on_hosts``: P (and the second P) on host ``p``, D (and the second D) on host
+    ``d`` (see the module docstring), UCX limited to TCP over the
     hosts' interfaces, its protocol tables in ``ucx_log_dir/<role>.<pid>.ucx.log``."""
 
     model_dir = resolve_model(model)
     tokens = ModelTokens.load(model_dir)
-    p = d = p2 = None
+    p = d = p2 = d2 = None
     try:
         prefill = EngineConfig(model=str(model_dir), role="prefill",
                                **{**common, **(prefill_overrides or {}),
@@ -79,10 +83,12 @@ async def local_pair(model: str | None = None, *, prefill_overrides: dict[str, A
         d = _start_on(hosts.get("d"), lambda: DecodeEngine.start(decode))
         if second_prefill:
             p2 = _start_on(hosts.get("p"), lambda: PrefillEngine.start(prefill))
-        await asyncio.gather(*(e.warmup() for e in (p, d, p2) if e is not None))
-        yield LocalPair(model_dir, p, d, tokens, p2)
+        if second_decode:
+            d2 = _start_on(hosts.get("d"), lambda: DecodeEngine.start(decode))
+        await asyncio.gather(*(e.warmup() for e in (p, d, p2, d2) if e is not None))
+        yield LocalPair(model_dir, p, d, tokens, p2, d2)
     finally:
-        shutdown_all([e for e in (p2, d, p) if e is not None])
+        shutdown_all([e for e in (d2, p2, d, p) if e is not None])
         # Let the engines' cancelled output-handler tasks finish, so nothing keeps an
         # AsyncLLM alive until interpreter teardown.
         await asyncio.sleep(0.1)
