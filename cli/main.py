@@ -21,6 +21,13 @@ def _verify(args: argparse.Namespace) -> int:
         from tools.fuzz_local import main_fuzz
 
         return main_fuzz(args.model, args.fuzz, args.fuzz_seed, args.json)
+    if args.search_moves:
+        import asyncio
+
+        from tools.harness.search_moves import verify_search_moves
+
+        return 0 if asyncio.run(verify_search_moves(args.model, quick=args.quick,
+                                                    json_path=args.json)) else 1
     from tools.harness import main_verify
 
     return main_verify(args.model, args.quick, args.json, args.inject, args.hosts,
@@ -78,6 +85,12 @@ def _add_verify(sub: Any) -> None:
                              "hosts (network namespaces joined by veth pairs; needs root), "
                              "the KV read over the link by TCP; the report names the "
                              "transport UCX chose (UCX's tables in out/verify-logs)")
+    verify.add_argument("--search-moves", action="store_true",
+                        help="instead of the cases: beam searches moved from one D to a "
+                             "second D at step k (W 4, 32, 512; T 3, 8; k 1 and T-1; with "
+                             "and without a catalog; --quick: W 4, 32), each against the "
+                             "unmoved search and vLLM's beam_search, and controls that "
+                             "must fail (tools.harness.search_moves)")
     verify.add_argument("--fuzz", type=int, default=None, metavar="N",
                         help="instead of the cases: throw N malformed handoffs and engine "
                              "calls (tools.fuzz; 0 = the single-field cases only) at a P "

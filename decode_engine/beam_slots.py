@@ -56,7 +56,7 @@ from connector.params import BEAM_KEY, KEY, SLOT_KEY, WAIT_KEY, Refusal
 from connector.step_meta import BeamStepMeta
 from decode_engine.beam_group import START_TIMEOUT_S, Group, mid_prompt, shared_from_free
 from decode_engine.search_stops import SearchStops
-from decode_engine.slot_clone import block_hasher, clone_slot
+from decode_engine.slot_clone import block_hasher, clone_slot, unshare_own_blocks
 from decode_engine.slot_spec import GroupResult, SlotSpec
 
 if TYPE_CHECKING:
@@ -118,6 +118,7 @@ class SlotGroups:
         if spec is None:
             return []
         self._join(request, spec)
+        unshare_own_blocks(request, spec, self._hash_block_size)
         return [clone_slot(request, spec, i, tail, cum, self._block_hasher,
                            self._hash_block_size)
                 for i, (tail, cum) in enumerate(spec.clones, start=1)]

@@ -5,6 +5,7 @@ parameters, and the leader's block hashes wherever the two prompts agree."""
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 from connector.handoff import CLONE_SEP
@@ -61,7 +62,26 @@ def clone_slot(leader: Request, spec: SlotSpec, slot: int, tail: CloneTail, cum:
                                                       // hash_block_size])
         clone._block_hasher = hasher
         clone.update_block_hashes()
+        unshare_own_blocks(clone, spec, hash_block_size)
     return clone
+
+
+def unshare_own_blocks(request: Request, spec: SlotSpec, hash_block_size: int) -> None:
+    """A slot of a resumed search (``spec.tail`` > 1): its own tokens may fill a block
+    whose tokens another slot's share (beams that start alike), and vLLM would serve it
+    to that slot as a prefix hit, in the step both start in; a parent's blocks copied
+    into it later would then write a block another slot holds. Its own blocks' hashes
+    are made its own, never matched (vLLM's hasher goes on from them), as the group's
+    blocks never stay cached anyway (``decode_engine.beam_slots`` evicts them). The
+    shared prefix's hashes are kept: its blocks are hits."""
+    if spec.tail <= 1 or not request.block_hashes:
+        return
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    first = (request.num_prompt_tokens - spec.tail) // hash_block_size
+    request.block_hashes[first:] = [
+        BlockHash(hashlib.sha256(f"{request.request_id}/{i}".encode()).digest())
+        for i in range(first, len(request.block_hashes))]
 
 
 def block_hasher(scheduler: Any) -> Any:

@@ -141,3 +141,30 @@ def test_the_engines_stop_moves_a_running_search(pair, run, assert_pools_clean):
     again = run(run_beam_stage(pair.d, prompt, beam, "no-such-search"))
     assert again.stopped is None and _same(again.beams, unmoved.beams)
     assert_pools_clean()
+
+
+def test_a_move_whose_beams_share_a_whole_block_of_their_own_tokens(
+        pair, run, assert_pools_clean):
+    """Stage 2's prompt ends 2 tokens before a block edge and the search moves after 4
+    steps: each live beam's own tokens fill that block, and beams that start alike
+    hold the same tokens in it. On D' they must still hold it each alone (a parent's
+    blocks are copied into its children's, which must be theirs alone), not share it as
+    a prefix hit: each slot computes its own tokens. Colocated on D (D computes the
+    prompt), so its length is exact."""
+    import random
+
+    rng = random.Random(7)
+    block = pair.d.block_size
+    prompt = [rng.randrange(6, pair.d.vocab_size) for _ in range(5 * block - 2)]
+    beam = BeamParams(beam_width=16, max_tokens=12, ignore_eos=True)
+    out = run(run_beam_stage(pair.d, prompt, beam, "smove-edge", stop_at=4))
+    stopped = out.stopped
+    assert stopped is not None and stopped.steps_done == 4
+    starts = [tuple(tokens[:2]) for tokens, _ in stopped.live]
+    assert len(set(starts)) < len(starts), "no two live beams share the block's tokens"
+    moved = _resume(pair, run, stopped, beam, "smove-edge-r")
+    # Each slot computed all its own tokens: none found another's block as a hit.
+    assert moved.beam_steps["first_computed"] == len(stopped.live) * stopped.steps_done
+    unmoved = run(run_beam_stage(pair.d, prompt, beam, "smove-edge-u"))
+    assert _same(moved.beams, unmoved.beams), (moved.beams, unmoved.beams)
+    assert_pools_clean()
