@@ -177,6 +177,11 @@ def _add_bench(sub: Any) -> None:
                        help="the cost of moving a running request P -> D by parent length "
                             "(256 to 3968 tokens), and a drain of --requests (8) running "
                             "requests against waiting for them (built-in model unless --model)")
+    bench.add_argument("--search-moves", action="store_true",
+                       help="the cost of moving a running beam search D -> D' after 4 of 8 "
+                            "beam steps, W 4, 32, 512 x parents of 256 to 3072 tokens: the "
+                            "KV read, the import, the beams' tokens recomputed, the resumed "
+                            "search against the unmoved one's rest (engines in this process)")
     bench.add_argument("--beams", action="store_true",
                        help="stage 2's beam search inside D against its floor and against "
                             "vLLM's beam_search, W in --widths (4,32,128,512) x T in 3,8, "

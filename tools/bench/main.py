@@ -134,6 +134,13 @@ def main_bench(args: argparse.Namespace) -> int:
         _report(args, format_serve_scale(result), result)
         return 0 if not result["num_lost"] and not result["num_recomputed"] else 1
 
+    if args.search_moves:
+        from tools.bench.search_moves import format_search_moves, run_search_moves
+
+        result = asyncio.run(run_search_moves(args.model))
+        _report(args, format_search_moves(result), result)
+        return 0 if result["identical"] else 1
+
     if args.moves:
         from tools.bench.moves import format_moves, measure_moves
 

@@ -84,8 +84,10 @@ def _tampered(stopped: StoppedSearch, control: str | None) -> StoppedSearch:
     return stopped
 
 
-async def run_case(pair: Any, case: SearchMoveCase, prompt_len: int = 400) -> dict[str, Any]:
-    """One case (module docstring): its row."""
+async def run_case(pair: Any, case: SearchMoveCase, prompt_len: int = 400,
+                   reference: bool = True) -> dict[str, Any]:
+    """One case (module docstring): its row (``reference`` False: without vLLM's
+    ``beam_search``, the bench's way)."""
     rid = f"verify-move-{case.name}"
     beam = BeamParams(beam_width=case.width, max_tokens=case.steps, catalog=case.catalog,
                       ignore_eos=case.control is not None)
@@ -113,7 +115,7 @@ async def run_case(pair: Any, case: SearchMoveCase, prompt_len: int = 400) -> di
     unmoved = await run_beam_stage(pair.d, stage2, beam, f"{rid}-u")
     why = _same(moved.beams, unmoved.beams)
     theirs_why = ""
-    if case.catalog is None and case.control is None:
+    if reference and case.catalog is None and case.control is None:
         theirs = await vllm_beam_search(pair.d.llm, pair.tokenizer, stage2, beam, f"{rid}-v")
         theirs_why = _same(moved.beams, theirs)
     if case.control is not None:
@@ -124,6 +126,7 @@ async def run_case(pair: Any, case: SearchMoveCase, prompt_len: int = 400) -> di
     return {**row, "ok": ok, "why": why, "beams": len(moved.beams),
             "live_moved": len(stopped.live), "imported_tokens": moved.num_imported_tokens,
             "imported_bytes": moved.num_imported_bytes,
+            "imported_blocks": moved.num_imported_blocks,
             "tail_tokens": moved.step_computed_tokens[1] if len(moved.step_computed_tokens) > 1
             else 0,
             "before_move_s": round(stopped_s, 3), "import_s": round(moved.first_step_s, 3),
