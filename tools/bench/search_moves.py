@@ -4,12 +4,13 @@ this process (the harness's pair, ``tools.harness.search_moves``).
 
 For each (W, L): stage 1 on P (a prompt of about L tokens, exported), stage 2 by
 handoff on D, T = 8, stopped after k = 4 beam steps; resumed on the second D; then the
-same search unmoved on D, after the move (its prefix cache holds the prompt's full
-blocks, as D's did before the move). Reported: the KV the second D READ (tokens, blocks,
+same search unmoved on D, importing the same parent (held on P for both) into an empty
+prefix cache, as the moved one did. Reported: the KV the second D READ (tokens, blocks,
 bytes) and its import step's seconds, the tokens the slots recomputed (each live beam's
-own), the resumed search's seconds against the unmoved search's last T - k steps (its
-seconds minus the moved run's seconds before the stop), and whether the beams are the
-unmoved search's. Each engine's caches are emptied before each row.
+own), the resumed search's seconds, what the move added to the search (the moved run's
+seconds on D and on the second D, minus the unmoved one's), what was left of the search
+at the move (the unmoved search's seconds minus the moved run's before the stop), and
+whether the beams are the unmoved search's.
 """
 
 from __future__ import annotations
@@ -44,9 +45,7 @@ async def run_search_moves(model: str | None, widths: tuple[int, ...] = WIDTHS,
             for length in lengths:
                 row = await run_case(pair, SearchMoveCase(width, STEPS, MOVE_AT), length,
                                      reference=False)
-                row.update(width=width, parent_len=length,
-                           unmoved_rest_s=round(row["unmoved_s"] - row["before_move_s"], 3)
-                           if "unmoved_s" in row else None)
+                row.update(width=width, parent_len=length)
                 print(f"W={width} L={length}: {row}", flush=True)
                 rows.append(row)
     return {"model": str(model_dir), "steps": STEPS, "move_at": MOVE_AT, "rows": rows,
@@ -57,7 +56,7 @@ def format_search_moves(result: dict[str, Any]) -> str:
     lines = [f"Beam searches moved D -> D' after {result['move_at']} of {result['steps']} "
              "beam steps (seconds)",
              f"{'W':>4} {'prompt':>6} {'READ tok':>8} {'blocks':>6} {'MiB':>6} "
-             f"{'import':>7} {'recomp':>6} {'resumed':>8} {'unmoved rest':>12} "
+             f"{'import':>7} {'recomp':>6} {'resumed':>8} {'rest':>7} {'added':>7} "
              f"{'identical':>9}"]
     for r in result["rows"]:
         if "imported_tokens" not in r:
@@ -67,5 +66,5 @@ def format_search_moves(result: dict[str, Any]) -> str:
             f"{r['width']:>4} {r['prompt_tokens']:>6} {r['imported_tokens']:>8} "
             f"{r['imported_blocks']:>6} {r['imported_bytes'] / 2**20:>6.1f} "
             f"{r['import_s']:>7.3f} {r['tail_tokens']:>6} {r['resumed_s']:>8.3f} "
-            f"{r['unmoved_rest_s']:>12.3f} {'yes' if r['ok'] else 'NO':>9}")
+            f"{r['rest_s']:>7.3f} {r['move_cost_s']:>7.3f} {'yes' if r['ok'] else 'NO':>9}")
     return "\n".join(lines)

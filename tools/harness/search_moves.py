@@ -5,7 +5,8 @@ Each case: stage 1 on P (exported), stage 2 by handoff on D stopped once ``k`` b
 ran (``stop_at``: the same stop the router's Move sends, at a chosen step), resumed on
 the second D (``decode_engine.beam.resume_search``: the prompt's KV READ from D over
 NIXL, each live beam's own tokens recomputed); its final beams against the unmoved
-search on D and, unconstrained, vLLM's own ``beam_search`` (ids exact, cumulative
+search on D (importing the same parent, held on P for both) and, unconstrained, vLLM's
+own ``beam_search`` (ids exact, cumulative
 logprobs within ``LOGPROB_TOLERANCE``). The negative controls hand over a wrong state or
 lose a moved block, and must differ. Every pool must be clean at the end.
 """
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.handoff import ImportRequest
+from connector.params import KEY
 from decode_engine.beam import StoppedSearch, vllm_beam_search
-from decode_engine.engine import run_beam_stage
 from kvhandoff.types import Beam, BeamParams, Stage1Params
 from tools.harness.cases import history_prompt
 from tools.harness.report import LOGPROB_TOLERANCE
@@ -92,10 +93,21 @@ async def run_case(pair: Any, case: SearchMoveCase, prompt_len: int = 400,
     beam = BeamParams(beam_width=case.width, max_tokens=case.steps, catalog=case.catalog,
                       ignore_eos=case.control is not None)
     prompt = history_prompt(prompt_len, rid, pair.tokenizer)
+    # Held for its lease: the unmoved search imports it too (released at the end).
     s1 = await pair.p.run_stage1(prompt, Stage1Params(
         max_tokens=48, temperature=1.0, seed=3, stop_token_ids=(pair.think_end_id,)),
-        f"{rid}-p", export=True)
+        f"{rid}-p", export=True, hold=True)
     stage2 = prompt + s1.token_ids + pair.default_suffix_ids
+    try:
+        return await _moved_and_unmoved(pair, case, rid, beam, s1, stage2, reference)
+    finally:
+        await pair.p.release([str(s1.handoff_params[KEY]["request_id"])])
+
+
+async def _moved_and_unmoved(pair: Any, case: SearchMoveCase, rid: str, beam: BeamParams,
+                             s1: Any, stage2: list[int], reference: bool) -> dict[str, Any]:
+    """The search moved at step k, then unmoved, each importing the parent from P into
+    a D whose prefix cache was emptied."""
     for d in (pair.d, pair.d2):
         await d.empty_prefix_cache()
     t0 = time.perf_counter()
@@ -112,7 +124,9 @@ async def run_case(pair: Any, case: SearchMoveCase, prompt_len: int = 400,
                                      handoff=ImportRequest.for_beams(stopped.export, beam,
                                                                      fault=fault))
     resumed_s = time.perf_counter() - t1
-    unmoved = await run_beam_stage(pair.d, stage2, beam, f"{rid}-u")
+    await pair.d.empty_prefix_cache()
+    unmoved = await pair.d.run_stage2(stage2, beam, f"{rid}-u",
+                                      handoff=ImportRequest.for_beams(s1.handoff_params, beam))
     why = _same(moved.beams, unmoved.beams)
     theirs_why = ""
     if reference and case.catalog is None and case.control is None:
@@ -130,7 +144,10 @@ async def run_case(pair: Any, case: SearchMoveCase, prompt_len: int = 400,
             "tail_tokens": moved.step_computed_tokens[1] if len(moved.step_computed_tokens) > 1
             else 0,
             "before_move_s": round(stopped_s, 3), "import_s": round(moved.first_step_s, 3),
-            "resumed_s": round(resumed_s, 3), "unmoved_s": round(unmoved.elapsed_s, 3)}
+            "resumed_s": round(resumed_s, 3), "unmoved_s": round(unmoved.elapsed_s, 3),
+            # What the move added to the search's time, and what was left of it.
+            "move_cost_s": round(stopped_s + resumed_s - unmoved.elapsed_s, 3),
+            "rest_s": round(unmoved.elapsed_s - stopped_s, 3)}
 
 
 async def verify_search_moves(model: str | None, *, quick: bool, json_path: str | None,
