@@ -190,3 +190,43 @@ def test_a_parent_held_on_p_is_copied_only_into_a_stage_2_under_its_adapter(run,
     assert _same([(list(b.token_ids), b.cum_logprob) for b in under_b.beams],
                  [(list(b.token_ids), b.cum_logprob) for b in ref_b.beams])
     assert run(lora.p.wait_pool_clean(10)).is_clean, lora.p.pool()
+
+
+def test_a_beam_search_moved_under_an_adapter_goes_on_under_it(run, lora):
+    """A search stopped under adapter a on D exports its prompt's KV under a (the
+    handoff names a and its digest); the engine it moves to imports it into a search
+    under a only, and ends with the beams of the search left on D, which are not the
+    base model's. Under b the import is refused (its KV was computed under a). The
+    engine it moves to here is the pair's P, which runs beam search too (the colocated
+    path): this pair serves the adapters on P and D only."""
+    from connector.handoff import ImportRequest
+    from connector.params import KEY
+    from decode_engine.engine import run_beam_stage
+    from kvhandoff.types import StageError
+
+    _empty_caches(run, lora)
+    prompt = list(range(100, 400)) + list(lora.default_suffix_ids)
+    beam = BeamParams(beam_width=4, max_tokens=6, ignore_eos=True)
+    out = run(run_beam_stage(lora.d, prompt, beam, "amove", adapter="a", stop_at=3))
+    stopped = out.stopped
+    assert stopped is not None and stopped.export[KEY]["adapter"] == "a"
+
+    def resume(adapter: str, rid: str):
+        params = ImportRequest.for_beams(stopped.export, beam).to_params()
+        return run(run_beam_stage(lora.p, stopped.prompt, beam, rid, adapter=adapter,
+                                  moved=stopped,
+                                  first_step_extra_args={"kv_transfer_params": params}))
+
+    moved = resume("a", "amove-a")
+    # Checked before any READ (a refusal also ends the export's lease: so after a).
+    with pytest.raises(StageError, match="adapter"):
+        resume("b", "amove-b")
+    unmoved = run(run_beam_stage(lora.d, prompt, beam, "amove-u", adapter="a"))
+    base = run(run_beam_stage(lora.d, prompt, beam, "amove-base"))
+    as_pairs = [(list(b.token_ids), b.cum_logprob) for b in moved.beams]
+    assert _same(as_pairs, [(list(b.token_ids), b.cum_logprob) for b in unmoved.beams])
+    assert not _same(as_pairs, [(list(b.token_ids), b.cum_logprob) for b in base.beams])
+    _empty_caches(run, lora)
+    for engine in (lora.p, lora.d):
+        snap = run(engine.wait_pool_clean(LEASE_S + 5))
+        assert snap.is_clean, snap

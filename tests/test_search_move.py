@@ -168,3 +168,26 @@ def test_a_move_whose_beams_share_a_whole_block_of_their_own_tokens(
     unmoved = run(run_beam_stage(pair.d, prompt, beam, "smove-edge-u"))
     assert _same(moved.beams, unmoved.beams), (moved.beams, unmoved.beams)
     assert_pools_clean()
+
+
+def test_a_search_under_a_cache_salt_moves_under_it(pair, run, assert_pools_clean):
+    """A search run under a cache salt (an approximate composition's) exports its
+    prompt's KV under that salt, and the D it moves to resumes it under the same one
+    (its blocks hash under it: nothing unsalted finds them)."""
+    import random
+
+    from connector.params import KEY
+
+    rng = random.Random(11)
+    prompt = [rng.randrange(6, pair.d.vocab_size) for _ in range(140)]
+    beam = BeamParams(beam_width=4, max_tokens=6, ignore_eos=True)
+    out = run(run_beam_stage(pair.d, prompt, beam, "smove-salt", cache_salt="blend-x",
+                             stop_at=3))
+    stopped = out.stopped
+    assert stopped is not None and stopped.export[KEY]["cache_salt"] == "blend-x"
+    moved = _resume(pair, run, stopped, beam, "smove-salt-r")
+    assert moved.num_imported_tokens == len(prompt) - 1
+    unmoved = run(run_beam_stage(pair.d, prompt, beam, "smove-salt-u", cache_salt="blend-x"))
+    assert _same(moved.beams, unmoved.beams), (moved.beams, unmoved.beams)
+    run(pair.d2.empty_prefix_cache())
+    assert_pools_clean()
