@@ -160,7 +160,7 @@ def test_engine_workers_keep_every_core_and_hold_their_pool_on_huge_pages(pair):
     children = psutil.Process().children(recursive=True)
     assert not [p for p in children if p.name().startswith("VLLM::Worker")]
     workers = [p for p in children if p.name().startswith("VLLM::EngineCor")]
-    assert len(workers) == 3  # the pair's P, D and second P
+    assert len(workers) == 4  # the pair's P, D, second P and second D
     for worker in workers:
         assert set(worker.cpu_affinity()) == os.sched_getaffinity(0), worker
         rollup = Path(f"/proc/{worker.pid}/smaps_rollup").read_text()
