@@ -1,5 +1,6 @@
 """The engine wire's own conversions: a handoff between ``common_pb2.Handoff`` and the
-``kv_transfer_params`` vLLM's connector and our scheduler read. The messages both wires
+``kv_transfer_params`` vLLM's connector and our scheduler read; a stopped beam search
+(``decode_engine.beam.StoppedSearch``) and its message. The messages both wires
 share (sampling, beams, logprobs): ``wire.common``."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 from connector.blend_spec import Blend, BlendPart
 from connector.handoff import HANDOFF_FIELDS, TRANSPORT_FIELDS
 from connector.params import KEY
+from decode_engine.beam import StoppedSearch
 from kvhandoff.v1 import common_pb2, engine_pb2
 
 #: Transport fields the Handoff message carries as they are (P's engine and request id
@@ -49,3 +51,25 @@ def blend_from_pb(msg: engine_pb2.Stage1Request) -> Blend | None:
         return None
     return Blend(tuple(BlendPart(p.source, p.source_start, p.length, p.position)
                        for p in msg.blend.parts), msg.blend.num_loaded)
+
+
+def stopped_to_pb(stopped: StoppedSearch) -> engine_pb2.StoppedSearch:
+    """A search stopped to move, as Stage2Response.stopped (its export as a Handoff)."""
+    def beams(pairs):
+        return [common_pb2.Beam(token_ids=list(t), cum_logprob=c) for t, c in pairs]
+
+    return engine_pb2.StoppedSearch(
+        prompt_token_ids=list(stopped.prompt), live=beams(stopped.live),
+        completed=beams(stopped.completed), steps_done=stopped.steps_done,
+        members=stopped.members, export=handoff_to_pb(stopped.export))
+
+
+def stopped_from_pb(msg: engine_pb2.StoppedSearch) -> StoppedSearch:
+    """Stage2Request.resume as the engine resumes it (``export``: the kv_transfer_params
+    of its Handoff; the cumulative logprobs travel as doubles, exactly)."""
+    return StoppedSearch(
+        prompt=list(msg.prompt_token_ids),
+        live=[(list(b.token_ids), b.cum_logprob) for b in msg.live],
+        completed=[(list(b.token_ids), b.cum_logprob) for b in msg.completed],
+        steps_done=msg.steps_done, members=msg.members,
+        export=handoff_from_pb(msg.export))
