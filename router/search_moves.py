@@ -256,9 +256,10 @@ class SearchMoves:
                        failed.endpoint.address, reason)
         out.failed_decode, out.handoff_failure = failed.endpoint.address, reason
         failed.release()
-        request.ClearField("resume")
-        request.ClearField("handoff")
-        request.request_id = f"{plan.request_id}-s2r{len(out.moves)}"
+        request = engine_pb2.Stage2Request(
+            request_id=f"{plan.request_id}-s2r{len(out.moves)}",
+            prompt_token_ids=request.prompt_token_ids, beam=request.beam,
+            adapter=request.adapter)
         claim = await self.pool.pick_decode(search.prompt_len, plan.beam, plan.deadline,
                                             fresh=True, adapter=plan.adapter)
         search.d, search.request_id = claim.endpoint, request.request_id
