@@ -98,12 +98,16 @@ class Search:
 def search_of(plan: Plan, ep: Endpoint, request: engine_pb2.Stage2Request,
               decode: list[Endpoint]) -> Search:
     """The Search of ``request`` (stage 2 of ``plan``) about to run on ``ep``; it says
-    why it cannot move when it is sampled or not on a D (colocated, a parent's P)."""
+    why it cannot move when it is sampled, not on a D (colocated, a parent's P), or on
+    an address standing for several engines (Serve's: Stop would reach any of them)."""
     why = ""
     if not any(ep is d for d in decode):
         why = "runs its stage 2 on a prefill engine (colocated): no D to move it from"
     elif request.HasField("sampling"):
         why = "samples its stage 2: only a beam search moves between Ds"
+    elif not ep.one_engine:
+        why = (f"runs its stage 2 on {ep.address}, which stands for several engines "
+               "(Serve): the one running it cannot be told to stop it")
     return Search(ep, request.request_id, len(request.prompt_token_ids), plan.beam,
                   plan.adapter, not_movable=why)
 
