@@ -11,6 +11,7 @@ from connector.blend_spec import Blend, BlendPart
 from connector.handoff import HANDOFF_FIELDS, TRANSPORT_FIELDS
 from connector.params import KEY
 from decode_engine.beam import StoppedSearch
+from kvhandoff.types import BeamParams, InvalidRequest, validate_token_ids
 from kvhandoff.v1 import common_pb2, engine_pb2
 
 #: Transport fields the Handoff message carries as they are (P's engine and request id
@@ -73,3 +74,23 @@ def stopped_from_pb(msg: engine_pb2.StoppedSearch) -> StoppedSearch:
         completed=[(list(b.token_ids), b.cum_logprob) for b in msg.completed],
         steps_done=msg.steps_done, members=msg.members,
         export=handoff_from_pb(msg.export))
+
+
+def check_stopped(stopped: StoppedSearch, beam: BeamParams, vocab_size: int) -> None:
+    """A resume's search is one this beam could have stopped: steps left to run, at most
+    W live beams each of ``steps_done`` tokens, at most W slots, every token in the
+    vocabulary (INVALID_ARGUMENT otherwise, before anything runs)."""
+    def bad(reason: str) -> InvalidRequest:
+        return InvalidRequest("resume", reason)
+
+    if not 1 <= stopped.steps_done < beam.max_tokens:
+        raise bad(f"steps_done {stopped.steps_done} leaves no step of beam.max_tokens "
+                  f"{beam.max_tokens} to run (or none ran)")
+    if len(stopped.live) > beam.beam_width:
+        raise bad(f"{len(stopped.live)} live beams for a width of {beam.beam_width}")
+    if any(len(tokens) != stopped.steps_done for tokens, _ in stopped.live):
+        raise bad(f"a live beam without exactly steps_done ({stopped.steps_done}) tokens")
+    if not 1 <= stopped.members <= beam.beam_width:
+        raise bad(f"members {stopped.members} is not in [1, the width {beam.beam_width}]")
+    for tokens, _ in (*stopped.live, *stopped.completed):
+        validate_token_ids(tokens, vocab_size=vocab_size, field_name="resume")

@@ -165,9 +165,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                           "handoff")
         moved = None
         if request.HasField("resume"):  # a search stopped on another D goes on here
+            if self.engine is None:
+                raise EngineStarting()
             if sampling is not None:
                 raise InvalidRequest("resume", "a resumed stage 2 is a beam search")
             moved = engine_pb.stopped_from_pb(request.resume)
+            engine_pb.check_stopped(moved, beam, self.engine.vocab_size)
             if moved.prompt != prompt:
                 raise InvalidRequest("resume", "prompt_token_ids is not the stopped "
                                                "search's prompt")

@@ -183,3 +183,38 @@ def test_a_sampled_stage_2_or_a_move_to_a_p_is_refused(model_dir):
         out, answer = asyncio.run(_run_and_move(router, _plan(), to=to))
         assert isinstance(answer, RouterError) and says in str(answer), (to, answer)
         assert not [s for ep in router.decode for s in ep.stub.stops]
+
+
+def test_a_stopped_search_crosses_the_wire_exactly_and_a_bad_resume_is_refused():
+    """``server.convert``: a StoppedSearch to its message and back is the same search
+    (cumulative logprobs as doubles, exactly; the export's block ids and fields); a
+    resume no search of the beam could have stopped is INVALID_ARGUMENT before it runs."""
+    import dataclasses
+
+    from connector.params import KEY
+    from decode_engine.beam import StoppedSearch
+    from kvhandoff.types import InvalidRequest
+    from server.convert import check_stopped, stopped_from_pb, stopped_to_pb
+
+    # As D's connector exports: its engine and request id travel among our fields.
+    export = {"remote_block_ids": [[3, 4, 5]], "remote_host": "127.0.0.1",
+              "remote_port": 5600, "tp_size": 1,
+              KEY: {"engine_id": "d0", "request_id": "r-s2-s0", "num_parent_tokens": 90,
+                    "target_engine_id": "d1", "signature": "s"}}
+    search = StoppedSearch(prompt=[7] * 90,
+                           live=[([1, 2], -0.1234567890123), ([1, 3], -2.5)],
+                           completed=[([4], -0.75)], steps_done=2, members=4, export=export)
+    back = stopped_from_pb(engine_pb2.StoppedSearch.FromString(
+        stopped_to_pb(search).SerializeToString()))
+    assert (back.prompt, back.live, back.completed, back.steps_done, back.members) == (
+        search.prompt, search.live, search.completed, 2, 4)
+    assert back.export["remote_block_ids"] == [[3, 4, 5]]
+    assert back.export["remote_engine_id"] == "d0" and back.export["remote_port"] == 5600
+    assert back.export[KEY]["target_engine_id"] == "d1" and back.export[KEY]["signature"] == "s"
+    beam = BeamParams(beam_width=4, max_tokens=8)
+    check_stopped(back, beam, vocab_size=100)
+    for bad in (dict(steps_done=8), dict(steps_done=0), dict(members=5),
+                dict(live=[([1], -0.1)]), dict(live=[([1, 200], -0.1)]),
+                dict(live=[([1, 2], 0.0)] * 5)):
+        with pytest.raises(InvalidRequest):
+            check_stopped(dataclasses.replace(back, **bad), beam, vocab_size=100)
