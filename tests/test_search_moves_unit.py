@@ -20,12 +20,14 @@ BEAMS = [common_pb2.Beam(token_ids=[9, 9, 9], cum_logprob=-1.0, finish_reason="l
 class FakeEngine:
     """A P or D: capacity, a stage 1 of two tokens and its handoff (P), a stage 2 that
     (``mode``) waits for a Stop and answers stopped ("stop"), waits for it and ends with
-    beams anyway ("end"), answers beams after 0.3 s ("slow") or at once; a resume fails
-    with ``fail`` when set."""
+    beams anyway ("end"), answers beams after ``slow_s`` ("slow") or at once; a resume
+    fails with ``fail`` when set."""
 
     def __init__(self, name: str, mode: str = "beams",
                  fail: grpc.StatusCode | None = None):
         self.name, self.mode, self.fail = name, mode, fail
+        #: Free blocks its capacity shows; how long a "slow" stage 2 takes.
+        self.free, self.slow_s = 200, 0.3
         self.requests: list[engine_pb2.Stage2Request] = []
         self.stops: list[engine_pb2.StopRequest] = []
         self._stopped: asyncio.Event | None = None
@@ -37,7 +39,8 @@ class FakeEngine:
         return self._stopped
 
     async def GetCapacity(self, request, timeout=None):  # noqa: N802 (the rpc's name)
-        return engine_pb2.Capacity(num_free_blocks=200, num_total_blocks=200, block_size=32,
+        return engine_pb2.Capacity(num_free_blocks=self.free, num_total_blocks=200,
+                                   block_size=32,
                                    max_beam_width=32, engine_id=self.name,
                                    handoff_target=f"{self.name}-target")
 
@@ -65,7 +68,7 @@ class FakeEngine:
                     live=[common_pb2.Beam(token_ids=[9, 9], cum_logprob=-0.5)],
                     export=common_pb2.Handoff(request_id=request.request_id)))
         if self.mode == "slow":
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(self.slow_s)
         return engine_pb2.Stage2Response(beams=BEAMS)
 
     async def Stop(self, request, timeout=None):  # noqa: N802
@@ -183,6 +186,46 @@ def test_a_sampled_stage_2_or_a_move_to_a_p_is_refused(model_dir):
         out, answer = asyncio.run(_run_and_move(router, _plan(), to=to))
         assert isinstance(answer, RouterError) and says in str(answer), (to, answer)
         assert not [s for ep in router.decode for s in ep.stub.stops]
+
+
+def test_a_move_with_no_other_d_with_room_or_of_a_colocated_stage_2_is_refused(model_dir):
+    """No other D has room for the search (within the 2 s a move waits): FAILED_
+    PRECONDITION saying so, nothing stopped; a colocated request's stage 2 (on its P):
+    FAILED_PRECONDITION saying so."""
+    from router.errors import RouterError
+
+    d0, d1 = FakeEngine("d0", "slow"), FakeEngine("d1", "slow")
+    d0.slow_s, d1.free = 4.0, 0
+    router = _router(model_dir, d0, d1)
+    out, answer = asyncio.run(_run_and_move(router, _plan()))
+    assert isinstance(answer, RouterError), answer
+    assert answer.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no other decode engine has room" in str(answer), answer
+    assert not d0.stops and not out.moves and _claims(router) == [0, 0]
+
+    router = _router(model_dir, FakeEngine("d0"), FakeEngine("d1"))
+    p = router.prefill[0].stub
+    p.mode = "slow"
+    plan = _plan()
+    plan.path = common_pb2.PATH_COLOCATED
+
+    async def run():
+        return [item async for item in router.executor.run(plan)]
+
+    async def colocated():
+        await router.pool.refresh_capacity(router.pool.endpoints)
+        task = asyncio.ensure_future(run())
+        while not p.requests:
+            await asyncio.sleep(0.001)
+        try:
+            await router.move(plan.request_id)
+        except RouterError as e:
+            return e
+        finally:
+            await task
+
+    refused = asyncio.run(colocated())
+    assert isinstance(refused, RouterError) and "colocated" in str(refused), refused
 
 
 def test_a_stopped_search_crosses_the_wire_exactly_and_a_bad_resume_is_refused():
