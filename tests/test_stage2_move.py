@@ -14,7 +14,7 @@ import pytest
 
 from tests.utils import assert_identical, assert_servers_clean
 
-pytestmark = pytest.mark.migration
+pytestmark = [pytest.mark.engines, pytest.mark.migration, pytest.mark.timeout(900)]
 
 W, T = 8, 8
 #: Stage 1's tokens: few, so the stage 2 starts soon after the request.
