@@ -151,7 +151,7 @@ class SlotGroups:
         """Start the groups whose slots all arrived and fit this step; a group still
         incomplete after ``START_TIMEOUT_S`` ends (its client went away mid-send)."""
         now = time.monotonic()
-        self.stops.match(self._groups)
+        self.stops.match(self._groups, scheduler.requests)
         claimed_seqs = claimed_tokens = claimed_blocks = 0  # by the groups started here
         pool = scheduler.kv_cache_manager.block_pool
         for group in self._groups.values():

@@ -26,7 +26,7 @@ class ContinuationScheduler(AdmissionScheduler):
         connector = getattr(self.connector, "connector_scheduler", None)
         stops = connector.take_stops() if connector is not None else {}
         if stops:
-            groups.stops.ask(stops)
+            groups.stops.ask(stops, self.requests)
         output = super().schedule(*args, **kwargs)
         stopping = groups.stopping()
         meta = output.kv_connector_metadata

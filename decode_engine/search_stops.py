@@ -12,9 +12,10 @@ with it. Slot 0 (the leader) then ends as an export of the search's shared prefi
 lease and described by a handoff (``connector.exports``) that another engine imports
 to resume the search (``decode_engine.beam_move``).
 
-A stop that names no running group waits for one for :data:`STOP_WAIT_S` (a search in
-its first step, whose slots are not made yet), then is forgotten; a group that ends
-before the processor sees the stop ends as usual (nothing moved).
+A stop naming a search that runs here but has no group of slots yet (its step 0 runs)
+waits for them while the search shows a request (then :data:`STOP_WAIT_S` more, the gap
+between step 0 and its slots); a stop naming no search running here is ignored; a group
+that ends before the processor sees the stop ends as usual (nothing moved).
 
 Who owns the blocks: the leader's, vLLM's delay-free (the connector's export) until the
 importing engine has READ them or the lease ends; the other slots' are freed as they
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from connector.params import EXPORT_TOKENS_KEY, TARGET_KEY
 
@@ -36,13 +38,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: How long a stop waits for its search's slots (its step 0 may still run).
-STOP_WAIT_S = 30.0
+#: How long a stop waits for its search's slots once no request of it is seen (the gap
+#: between step 0 and its slots).
+STOP_WAIT_S = 5.0
 
 
-def group_prefix(request_id: str) -> str:
-    """The names of a search's groups of slots start so (``decode_engine.beam``)."""
-    return f"{request_id}-g:"
+def _runs(request_id: str, requests: Mapping[str, Any]) -> bool:
+    """Whether a request of the search ``request_id`` is in the scheduler: its step 0
+    (``{id}-s0``) or a slot (``{id}-g:...``; ``decode_engine.beam`` names them)."""
+    prefixes = (f"{request_id}-s0", f"{request_id}-g:")
+    return any(rid.startswith(prefixes) for rid in requests)
 
 
 class SearchStops:
@@ -52,14 +57,21 @@ class SearchStops:
         #: Client request id -> (the engine its handoff goes to, until when it waits).
         self._pending: dict[str, tuple[str, float]] = {}
 
-    def ask(self, stops: dict[str, str]) -> None:
+    def ask(self, stops: dict[str, str], requests: Mapping[str, Any]) -> None:
         """The engine's stop: client request id -> the engine id its handoff goes to
-        ("": none named)."""
+        ("": none named). A stop naming no search running here (``requests``: the
+        scheduler's) is dropped at once: a later request may reuse the id."""
         deadline = time.monotonic() + STOP_WAIT_S
-        self._pending.update((rid, (target, deadline)) for rid, target in stops.items())
+        for rid, target in stops.items():
+            if _runs(rid, requests):
+                self._pending[rid] = (target, deadline)
+            else:
+                logger.info("Stop of %s ignored: no search of that id runs here", rid)
 
-    def match(self, groups: dict[str, Group]) -> None:
-        """Each step: the stops asked for go to their searches' groups of slots."""
+    def match(self, groups: dict[str, Group], requests: Mapping[str, Any]) -> None:
+        """Each step: the stops asked for go to their searches' groups of slots; one
+        whose search shows no request for :data:`STOP_WAIT_S` is dropped (it ended
+        before its slots)."""
         if not self._pending:
             return
         now = time.monotonic()
@@ -70,12 +82,14 @@ class SearchStops:
             asked = self._pending.pop(rid, None)
             if asked is not None:
                 group.stop_to = asked[0]
-                logger.info("Stopping beam group %s after its next step, to move it",
-                            name)
-        for rid in [r for r, (_, until) in self._pending.items() if until <= now]:
-            logger.info("Stop of %s dropped: no search of that id ran its slots within "
-                        "%.0f s", rid, STOP_WAIT_S)
-            del self._pending[rid]
+                logger.info("Stopping beam group %s at its next step, to move it", name)
+        for rid, (target, until) in list(self._pending.items()):
+            if _runs(rid, requests):
+                self._pending[rid] = (target, now + STOP_WAIT_S)
+            elif until <= now:
+                logger.info("Stop of %s dropped: its search ran no slots within %.0f s",
+                            rid, STOP_WAIT_S)
+                del self._pending[rid]
 
     @staticmethod
     def stopping(groups: dict[str, Group]) -> list[str]:

@@ -199,8 +199,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture
 def pair(run, model_dir):
-    """A real P and D on the built-in model, NIXL over loopback, and a second P (``p2``:
-    the harness's moves between Ps), each with the built-in catalog ``shop``. Fault
+    """A real P and D on the built-in model, NIXL over loopback, a second P (``p2``: the
+    harness's moves between Ps) and a second D (``d2``: beam searches moved between Ds),
+    each with the built-in catalog ``shop``. Fault
     injection is allowed (the negative controls of tests/test_harness.py and
     tests/test_catalog_engine.py); no other test names a fault."""
     from kvhandoff.builtin.generate import builtin_catalog
@@ -209,6 +210,7 @@ def pair(run, model_dir):
     def start():
         # Every engine of the group has the built-in shop (tests/test_catalog_engine.py).
         cm = local_pair(model_dir, lease_s=LEASE_S, fault_injection=True, second_prefill=True,
+                        second_decode=True,
                         catalogs=(("shop", str(builtin_catalog(model_dir))),),
                         prefill_overrides={"kv_cache_memory_bytes": P_POOL_BYTES},
                         decode_overrides={"kv_cache_memory_bytes": D_POOL_BYTES})
