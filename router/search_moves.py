@@ -48,10 +48,13 @@ logger = logging.getLogger(__name__)
 
 #: The longest a move waits for room on another D before answering FAILED_PRECONDITION.
 MOVE_ROOM_WAIT_S = 2.0
-#: The longest a move waits for D's answer after the Stop: D waits up to 30 s for a
-#: search still in its step 0 (``decode_engine.search_stops.STOP_WAIT_S``), then one
-#: beam step.
+#: The longest a move waits for D's answer after the Stop: a search still in its step 0
+#: stops after its first beam step (``decode_engine.search_stops``), so step 0 (its
+#: import) and one beam step.
 STOP_ANSWER_S = 45.0
+#: How often the Stop is sent again meanwhile (D ignores one that reached it before the
+#: search did).
+STOP_RESEND_S = 0.25
 #: Statuses of a failed resume that a recompute does not follow (the request's own end).
 _NOT_RECOMPUTED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
@@ -135,13 +138,8 @@ class SearchMoves:
                 search.dest = None
             claim.release()
             raise
-        try:
-            moving = await asyncio.wait_for(asyncio.shield(taken), STOP_ANSWER_S)
-        except TimeoutError:
-            raise grpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                             f"request {request_id!r}: {source.address} did not stop its "
-                             f"search within {STOP_ANSWER_S:g} s (it still may: the move "
-                             "goes on)") from None
+        moving = await self._answer(search, taken, source, request_id,
+                                    claim.endpoint.handoff_target)
         if not moving:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"request {request_id!r}: its beam search ended on "
@@ -150,6 +148,30 @@ class SearchMoves:
         logger.info("%s: moving its beam search from %s to %s (%s)", request_id,
                     source.address, claim.endpoint.address, reason)
         return Moved(from_endpoint=source.address, to_endpoint=claim.endpoint.address)
+
+    async def _answer(self, search: Search, taken: asyncio.Future, source: Endpoint,
+                      request_id: str, target: str) -> bool:
+        """D's answer as the run settles it. D ignores a Stop naming a search it does
+        not run yet (the run's Stage2 call may still be on its way): the Stop is sent
+        again every :data:`STOP_RESEND_S` while the same search runs there unanswered
+        (a repeat of a Stop D already holds changes nothing)."""
+        stage2_id, deadline = search.request_id, time.monotonic() + STOP_ANSWER_S
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(taken), STOP_RESEND_S)
+            except TimeoutError:
+                pass
+            if time.monotonic() >= deadline:
+                raise grpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"request {request_id!r}: {source.address} did not stop "
+                                 f"its search within {STOP_ANSWER_S:g} s (it still may: "
+                                 "the move goes on)")
+            if search.d is source and search.request_id == stage2_id:
+                try:
+                    await self.stages.stop(source, stage2_id, target)
+                except (RouterError, grpc.aio.AioRpcError) as e:
+                    logger.warning("%s: Stop sent again to %s failed (%s)", request_id,
+                                   source.address, code_of(e).name)
 
     async def _room(self, search: Search, request_id: str, to: str) -> Claim:
         """A claim on the destination: the D at ``to``, or another D with room."""

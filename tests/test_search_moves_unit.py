@@ -28,6 +28,8 @@ class FakeEngine:
         self.name, self.mode, self.fail = name, mode, fail
         #: Free blocks its capacity shows; how long a "slow" stage 2 takes.
         self.free, self.slow_s = 200, 0.3
+        #: Stops ignored before one counts (D ignores a Stop that comes before the search).
+        self.ignored_stops = 0
         self.requests: list[engine_pb2.Stage2Request] = []
         self.stops: list[engine_pb2.StopRequest] = []
         self._stopped: asyncio.Event | None = None
@@ -73,7 +75,8 @@ class FakeEngine:
 
     async def Stop(self, request, timeout=None):  # noqa: N802
         self.stops.append(request)
-        self.stopped.set()
+        if len(self.stops) > self.ignored_stops:
+            self.stopped.set()
         return engine_pb2.StopResponse()
 
 
@@ -141,6 +144,19 @@ def test_a_moved_search_resumes_on_the_other_d_holding_its_room_there(model_dir)
     assert (move.from_endpoint, move.to_endpoint, move.at_beam_step, move.reason) == (
         first.name, other.name, 2, "move")
     assert out.failed_decode is None and _claims(router) == [0, 0]
+
+
+def test_a_stop_d_ignored_is_sent_again_until_d_answers(model_dir):
+    """D ignores the first two Stops (they came before the search): the desk sends it
+    again until D stops the search, and the move completes."""
+    d0, d1 = FakeEngine("d0", "stop"), FakeEngine("d1", "stop")
+    d0.ignored_stops = d1.ignored_stops = 2
+    router = _router(model_dir, d0, d1)
+    out, answer = asyncio.run(_run_and_move(router, _plan()))
+    first = d0 if d0.stops else d1
+    assert len(first.stops) == 3 and answer.from_endpoint == first.name
+    assert len(out.moves) == 1 and list(out.stage2.beams) == BEAMS
+    assert _claims(router) == [0, 0]
 
 
 def test_a_search_that_ends_before_the_stop_is_not_moved(model_dir):

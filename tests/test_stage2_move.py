@@ -207,8 +207,11 @@ def test_a_resumed_search_with_a_changed_beam_score_gives_other_beams(two_d):
     def stopped(request_id):
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(stage2, d0, request_id)
-            d0.Stop(engine_pb2.StopRequest(request_ids=[request_id],
-                                           target_engine_id=target), timeout=30)
+            # As the router does: D ignores a Stop that comes before the search.
+            while not answer.done():
+                d0.Stop(engine_pb2.StopRequest(request_ids=[request_id],
+                                               target_engine_id=target), timeout=30)
+                time.sleep(0.05)
             resp = answer.result()
         assert resp.HasField("stopped") and not resp.beams, resp
         assert 1 <= resp.stopped.steps_done < T
