@@ -25,11 +25,20 @@ RACED = object()
 
 @pytest.fixture(scope="module")
 def two_d(model_dir, tmp_path_factory):
+    from tests.utils import metric_sum
     from tools.launch import local_cluster
 
     with local_cluster(model_dir, tmp_path_factory.mktemp("stage2-move-logs"),
                        decode_mib=32, prefill_mib=64, lease_s=LEASE_S,
                        extra_decode=1) as cluster:
+        # A D that came up after the router is warmed up in the background, taking no
+        # work meanwhile (a move to it would be refused): wait for both Ds' warm-ups.
+        deadline = time.monotonic() + 120
+        while not all(metric_sum(cluster["router_metrics"], "kvhandoff_router_warmups_total",
+                                 dest=d.address) for d in cluster["decode"]):
+            assert time.monotonic() < deadline, "the router never warmed both Ds up"
+            time.sleep(0.2)
+        time.sleep(0.5)  # the warm-up's end puts the D back to work just after its count
         yield cluster
 
 
@@ -46,7 +55,8 @@ def _request(request_id: str, prompt: list[int], path: str = "handoff"):
 
 
 #: Move's answers while the request is not in its beam search yet: try again.
-_NOT_YET = ("is not running here", "positional", "not in its stage 2's beam search yet")
+_NOT_YET = ("is not running here", "has no D yet", "positional",
+            "not in its stage 2's beam search yet")
 
 
 def _move_search(stub, request_id: str, call, to: str = ""):
