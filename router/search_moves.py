@@ -54,7 +54,7 @@ MOVE_ROOM_WAIT_S = 2.0
 STOP_ANSWER_S = 45.0
 #: How often the Stop is sent again meanwhile (D ignores one that reached it before the
 #: search did).
-STOP_RESEND_S = 0.25
+STOP_RESEND_S = 0.05
 #: Statuses of a failed resume that a recompute does not follow (the request's own end).
 _NOT_RECOMPUTED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 

@@ -214,16 +214,20 @@ def test_a_resumed_search_with_a_changed_beam_score_gives_other_beams(two_d):
 
     ref = stage2(d0, "neg-ref")
 
-    def stopped(request_id):
-        with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(stage2, d0, request_id)
-            # As the router does: D ignores a Stop that comes before the search.
-            while not answer.done():
-                d0.Stop(engine_pb2.StopRequest(request_ids=[request_id],
-                                               target_engine_id=target), timeout=30)
-                time.sleep(0.05)
-            resp = answer.result()
-        assert resp.HasField("stopped") and not resp.beams, resp
+    def stopped(name):
+        for attempt in range(5):  # the search is short: it may end before the stop
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(stage2, d0, f"{name}-{attempt}")
+                # As the router does: D ignores a Stop that comes before the search.
+                while not answer.done():
+                    d0.Stop(engine_pb2.StopRequest(request_ids=[f"{name}-{attempt}"],
+                                                   target_engine_id=target), timeout=30)
+                    time.sleep(0.005)
+                resp = answer.result()
+            if resp.HasField("stopped"):
+                break
+            assert beams(resp) == beams(ref), "the search ended unmoved with other beams"
+        assert resp.HasField("stopped") and not resp.beams, "5 searches ended before the stop"
         assert 1 <= resp.stopped.steps_done < T
         return resp.stopped
 
