@@ -36,6 +36,8 @@ def two_d(model_dir, tmp_path_factory):
         deadline = time.monotonic() + 120
         while not all(metric_sum(cluster["router_metrics"], "kvhandoff_router_warmups_total",
                                  dest=d.address) for d in cluster["decode"]):
+            dead = [str(d.log_path) for d in cluster["decode"] if d.proc.poll() is not None]
+            assert not dead, f"a D exited (its log: {dead})"
             assert time.monotonic() < deadline, "the router never warmed both Ds up"
             time.sleep(0.2)
         time.sleep(0.5)  # the warm-up's end puts the D back to work just after its count
