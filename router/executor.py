@@ -9,7 +9,8 @@ whose pool can hold the longest parent the request can make, the suffix and the 
 tails, waiting in the pool's bounded queue when none has room). D's admission still has
 the last word (it refuses with RESOURCE_EXHAUSTED and tells P to release the parent's
 blocks at once). Each request owns at most one claim on a D at a time
-(``Running.claim``), released when it ends, however it ends.
+(``Running.claim``), released when it ends, however it ends. A stage 2 a move stopped
+on its D goes on on another (``router.search_moves``), as often as it is moved.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from router.moves import MoveDesk, Running, Stage
 from router.plan import Outcome, Plan
 from router.pool import EnginePool
 from router.requests import Move
+from router.search_moves import Search, search_of
 from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
@@ -141,14 +143,22 @@ class Executor:
                          handoff_msg.lease_expires_at - time.time())
         elif not handoff:
             running.d = running.p
+        running.search = search_of(plan, running.d, request, self.pool.decode)
         try:
             claim = await self.stage2_or_recompute(running.d, running.claim, request, plan,
-                                                   out, handoff and not on_d)
+                                                   out, handoff and not on_d,
+                                                   search=running.search)
         except (RouterError, grpc.aio.AioRpcError) as e:
             if handoff and not on_d and code_of(e) in REFUSED_BEFORE_READ:
                 await self._release_export(running.p, handoff_msg, plan, e)
             raise
         running.set_claim(claim)
+        searches = self.desk.searches
+        while searches.stopped(running.search, out):  # moved: on at the destination
+            running.enter(Stage.ON_D)
+            running.set_claim(await searches.go_on(running.search, plan, out,
+                                                   self.config.recompute))
+        running.search = None
 
     async def _stage1_resuming(self, running: Running, plan: Plan, out: Outcome, *,
                                export: bool, resume_at: int | None = None,
@@ -317,11 +327,13 @@ class Executor:
     async def stage2_or_recompute(self, ep: Endpoint, claim: Claim | None,
                                   request: engine_pb2.Stage2Request, plan: Plan,
                                   out: Outcome, handoff: bool, *,
-                                  recompute: bool | None = None) -> Claim | None:
+                                  recompute: bool | None = None,
+                                  search: Search | None = None) -> Claim | None:
         """Stage 2 on ``ep`` (``claim``: its room there); a handoff D cannot complete is
         recomputed from the parent's token ids on a live D (``recompute``; by default
         the router's policy). Returns the claim of the D that ran it (the caller
-        releases it); a claim taken here for a recompute that fails is released here."""
+        releases it); a claim taken here for a recompute that fails is released here.
+        ``search``: the request's, told where a recompute runs (a move stops it there)."""
         if recompute is None:
             recompute = self.config.recompute
         try:
@@ -347,6 +359,8 @@ class Executor:
         claim = await self.pool.pick_decode(len(request.prompt_token_ids), plan.beam,
                                             plan.deadline, fresh=True, adapter=plan.adapter)
         out.decode = claim.endpoint.address
+        if search is not None:
+            search.d, search.request_id = claim.endpoint, request.request_id
         try:
             out.stage2 = await self.stages.stage2(claim.endpoint, claim, request, plan, out)
         except BaseException:

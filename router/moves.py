@@ -1,8 +1,10 @@
 """The move desk: the table of requests running now, and what moves them while they run
 (``Router.Move``: stage 1 stopped on its P after its next token and continued on its D or
-on another P; ``Router.Drain``: every movable request off an engine, the rest finished in
-place). The desk asks P to stop; the request's own run (``router.executor``) then carries
-it to its destination, reading :class:`Running`."""
+on another P; a stage 2's beam search stopped on its D after its next beam step and
+resumed on another D (``router.search_moves``); ``Router.Drain``: every movable request
+off an engine, the rest finished in place). The desk asks P (or D) to stop; the
+request's own run (``router.executor``) then carries it to its destination, reading
+:class:`Running`."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from router.plan import Outcome, Plan
 from router.pool import EnginePool
 from router.requests import Drained, Moved
 from router.rotation import LocalRotation, Rotation
+from router.search_moves import Search, SearchMoves
 from router.stages import StageCalls
 
 logger = logging.getLogger(__name__)
@@ -34,7 +37,8 @@ class Stage(enum.Enum):
 
     #: Stage 1 on a P (``Running.p``): the stage a move or a drain takes it from.
     ON_P = 1
-    #: On its D (``Running.d``): stage 1 finished there after a move, or stage 2.
+    #: On its D (``Running.d``): stage 1 finished there after a move, or stage 2 (its
+    #: beam search moved to another D stays here: ``Running.d`` is then that D).
     ON_D = 2
     #: It ended (``Running.done`` is set, ``Running.error`` says how).
     ENDED = 3
@@ -42,7 +46,7 @@ class Stage(enum.Enum):
 
 #: A request's allowed transitions, the only place they are written. A request on its D
 #: goes back to a P when finishing stage 1 there failed (resumed on a P); a resume on a
-#: P stays on a P; nothing follows the end.
+#: P stays on a P; a stage 2 moved to another D stays on a D; nothing follows the end.
 _NEXT: dict[Stage, frozenset[Stage]] = {
     Stage.ON_P: frozenset({Stage.ON_P, Stage.ON_D, Stage.ENDED}),
     Stage.ON_D: frozenset({Stage.ON_D, Stage.ON_P, Stage.ENDED}),
@@ -53,7 +57,8 @@ _NEXT: dict[Stage, frozenset[Stage]] = {
 @dataclass(eq=False)
 class Running:
     """A two-stage request from its start to its end. Written by its run; the desk reads
-    it and writes only the move fields (``move_reason``, ``move_to``)."""
+    it and writes only the move fields (``move_reason``, ``move_to``; a stage 2's:
+    ``search``'s)."""
 
     plan: Plan
     #: The P running stage 1 (another one after a resume or a move).
@@ -80,6 +85,8 @@ class Running:
     #: Stage 1 was finished on ``d`` (P died with no other P to resume on): D's prefix
     #: cache holds the parent, stage 2 needs no handoff.
     stage1_on_d: bool = False
+    #: Its stage 2 while it runs (None before and after): what a move of it stops.
+    search: Search | None = None
     #: Set when the request ended; ``error`` then says how it ended.
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     error: BaseException | None = None
@@ -111,9 +118,14 @@ class Running:
         self.d = claim.endpoint if claim is not None else self.d
 
     def why_not_movable(self) -> str:
-        """Why it cannot move to its D ("" when it can)."""
+        """Why it cannot move ("" when it can): stage 1 to its D (or another P), stage 2
+        to another D."""
+        if self.stage is Stage.ON_D:
+            if self.search is None:
+                return "is past stage 1 and not in its stage 2's beam search yet"
+            return self.search.why_not_movable()
         if self.stage is not Stage.ON_P:
-            return "is past stage 1"
+            return "has ended"
         if self.d is None:
             return ("has no D yet" if self.plan.path == Path.HANDOFF
                     else "runs colocated: no D to move it to")
@@ -139,6 +151,8 @@ class MoveDesk:
         #: Which engines are drained (``router.rotation``).
         self.rotation: Rotation = rotation if rotation is not None else LocalRotation()
         self._running: dict[str, Running] = {}
+        #: Moves of stage 2s (beam searches between Ds).
+        self.searches = SearchMoves(pool, stages)
 
     def __len__(self) -> int:
         return len(self._running)
@@ -159,11 +173,13 @@ class MoveDesk:
             if tracked:
                 del self._running[rid]
             running.enter(Stage.ENDED)
+            ended = grpc_error(grpc.StatusCode.ABORTED, f"request {rid!r} ended while it "
+                               f"was being moved ({running.error!r})")
             if running.move_taken is not None and not running.move_taken.done():
                 # It ended before stage 1 came back from the stop (failed or cancelled).
-                running.move_taken.set_exception(grpc_error(
-                    grpc.StatusCode.ABORTED, f"request {rid!r} ended while it was being "
-                    f"moved ({running.error!r})"))
+                running.move_taken.set_exception(ended)
+            if running.search is not None:
+                running.search.abandon(ended)
             running.done.set()
 
     async def move(self, request_id: str, reason: str = "move",
@@ -172,7 +188,9 @@ class MoveDesk:
         run then goes on at the destination: the D it is planned for, or the P at
         address ``to``. Answers once stage 1 has ended on P: OK when it goes on at the
         destination, FAILED_PRECONDITION when it ended on P before the stop reached it
-        (nothing is moved; the request goes on as if never asked)."""
+        (nothing is moved; the request goes on as if never asked). A request in its
+        stage 2 moves its beam search to the D at ``to`` or another D with room
+        (``SearchMoves.move``)."""
         running = self._running.get(request_id)
         if running is None:
             raise grpc_error(grpc.StatusCode.NOT_FOUND,
@@ -181,6 +199,8 @@ class MoveDesk:
         if why_not:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
                              f"request {request_id!r} {why_not}")
+        if running.stage is Stage.ON_D and running.search is not None:
+            return await self.searches.move(running.search, request_id, reason, to)
         dest = None
         if to and to != running.d.address:
             dest = next((ep for ep in self.pool.prefill if ep.address == to), None)
@@ -238,7 +258,8 @@ class MoveDesk:
     async def drain(self, address: str, timeout_s: float = 300.0,
                     undo: bool = False) -> Drained:
         """Router.Drain: no new work goes to the engine at ``address``; its running stage
-        1s that can move go to their D (reason "drain"), the rest finish where they are.
+        1s that can move go to their D, its running beam searches (a D's) to other Ds
+        with room (reason "drain"), the rest finish where they are.
         Returns once none of this router's requests use the engine (parents and
         continuations included), or after ``timeout_s``. ``undo``: back into rotation."""
         ep = self.pool.find(address)
@@ -257,7 +278,9 @@ class MoveDesk:
         logger.info("draining %s: %d running requests use it", address, len(affected))
         moved, in_place = 0, 0
         for r in affected:
-            if r.stage is Stage.ON_P and r.p is ep and not r.why_not_movable():
+            if (r.stage is Stage.ON_P and r.p is ep
+                    or r.stage is Stage.ON_D and r.search is not None and r.search.d is ep
+                    ) and not r.why_not_movable():
                 try:
                     await self.move(r.plan.request_id, reason="drain")
                     moved += 1

@@ -125,7 +125,8 @@ class Approximation:
 
 @dataclass
 class Move:
-    """One move of a running stage 1 (Router.Move, Drain, a resume), as it happened."""
+    """One move of a running request (Router.Move, Drain, a resume), as it happened: of
+    its stage 1, or (``at_beam_step`` > 0) of its stage 2's beam search between Ds."""
 
     from_endpoint: str = ""
     to_endpoint: str = ""
@@ -135,6 +136,7 @@ class Move:
     reason: str = ""
     pause_ms: float = 0.0
     num_bytes_moved: int = 0
+    at_beam_step: int = 0
 
 
 @dataclass

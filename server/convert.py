@@ -1,5 +1,6 @@
 """The engine wire's own conversions: a handoff between ``common_pb2.Handoff`` and the
-``kv_transfer_params`` vLLM's connector and our scheduler read. The messages both wires
+``kv_transfer_params`` vLLM's connector and our scheduler read; a stopped beam search
+(``decode_engine.beam.StoppedSearch``) and its message. The messages both wires
 share (sampling, beams, logprobs): ``wire.common``."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from typing import Any
 from connector.blend_spec import Blend, BlendPart
 from connector.handoff import HANDOFF_FIELDS, TRANSPORT_FIELDS
 from connector.params import KEY
+from decode_engine.beam import StoppedSearch
+from kvhandoff.types import BeamParams, InvalidRequest, validate_token_ids
 from kvhandoff.v1 import common_pb2, engine_pb2
 
 #: Transport fields the Handoff message carries as they are (P's engine and request id
@@ -49,3 +52,45 @@ def blend_from_pb(msg: engine_pb2.Stage1Request) -> Blend | None:
         return None
     return Blend(tuple(BlendPart(p.source, p.source_start, p.length, p.position)
                        for p in msg.blend.parts), msg.blend.num_loaded)
+
+
+def stopped_to_pb(stopped: StoppedSearch) -> engine_pb2.StoppedSearch:
+    """A search stopped to move, as Stage2Response.stopped (its export as a Handoff)."""
+    def beams(pairs):
+        return [common_pb2.Beam(token_ids=list(t), cum_logprob=c) for t, c in pairs]
+
+    return engine_pb2.StoppedSearch(
+        prompt_token_ids=list(stopped.prompt), live=beams(stopped.live),
+        completed=beams(stopped.completed), steps_done=stopped.steps_done,
+        members=stopped.members, export=handoff_to_pb(stopped.export))
+
+
+def stopped_from_pb(msg: engine_pb2.StoppedSearch) -> StoppedSearch:
+    """Stage2Request.resume as the engine resumes it (``export``: the kv_transfer_params
+    of its Handoff; the cumulative logprobs travel as doubles, exactly)."""
+    return StoppedSearch(
+        prompt=list(msg.prompt_token_ids),
+        live=[(list(b.token_ids), b.cum_logprob) for b in msg.live],
+        completed=[(list(b.token_ids), b.cum_logprob) for b in msg.completed],
+        steps_done=msg.steps_done, members=msg.members,
+        export=handoff_from_pb(msg.export))
+
+
+def check_stopped(stopped: StoppedSearch, beam: BeamParams, vocab_size: int) -> None:
+    """A resume's search is one this beam could have stopped: steps left to run, at most
+    W live beams each of ``steps_done`` tokens, at most W slots, every token in the
+    vocabulary (INVALID_ARGUMENT otherwise, before anything runs)."""
+    def bad(reason: str) -> InvalidRequest:
+        return InvalidRequest("resume", reason)
+
+    if not 1 <= stopped.steps_done < beam.max_tokens:
+        raise bad(f"steps_done {stopped.steps_done} leaves no step of beam.max_tokens "
+                  f"{beam.max_tokens} to run (or none ran)")
+    if len(stopped.live) > beam.beam_width:
+        raise bad(f"{len(stopped.live)} live beams for a width of {beam.beam_width}")
+    if any(len(tokens) != stopped.steps_done for tokens, _ in stopped.live):
+        raise bad(f"a live beam without exactly steps_done ({stopped.steps_done}) tokens")
+    if not 1 <= stopped.members <= beam.beam_width:
+        raise bad(f"members {stopped.members} is not in [1, the width {beam.beam_width}]")
+    for tokens, _ in (*stopped.live, *stopped.completed):
+        validate_token_ids(tokens, vocab_size=vocab_size, field_name="resume")

@@ -163,6 +163,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if request.fault and not request.HasField("handoff"):
             raise InvalidRequest("fault", "a fault is injected into an import: it needs a "
                                           "handoff")
+        moved = None
+        if request.HasField("resume"):  # a search stopped on another D goes on here
+            if self.engine is None:
+                raise EngineStarting()
+            if sampling is not None:
+                raise InvalidRequest("resume", "a resumed stage 2 is a beam search")
+            moved = engine_pb.stopped_from_pb(request.resume)
+            engine_pb.check_stopped(moved, beam, self.engine.vocab_size)
+            if moved.prompt != prompt:
+                raise InvalidRequest("resume", "prompt_token_ids is not the stopped "
+                                               "search's prompt")
+            request.handoff.CopyFrom(request.resume.export)
         with self._track(request.request_id):
             if request.HasField("handoff"):
                 if self.role != "decode":
@@ -182,7 +194,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         prompt, beam, request.request_id, handoff=ImportRequest.for_beams(
                             engine_pb.handoff_from_pb(request.handoff), beam,
                             fault=request.fault or None),
-                        sampling=sampling, on_tokens=on_tokens, adapter=request.adapter)
+                        sampling=sampling, on_tokens=on_tokens, adapter=request.adapter,
+                        moved=moved)
                 except Exception:
                     self.counts.import_failures += 1
                     raise
@@ -196,7 +209,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 result = await run_beam_stage(self.engine, prompt, beam, request.request_id,
                                               held_parent=request.held_parent,
                                               adapter=request.adapter)
+        stopped = None
+        if result.stopped is not None:
+            stopped = engine_pb.stopped_to_pb(result.stopped)
+            self.counts.exports += 1
         return engine_pb2.Stage2Response(
+            stopped=stopped,
             beams=common.beams_to_pb(result.beams),
             num_imported_tokens=result.num_imported_tokens,
             num_imported_bytes=result.num_imported_bytes,
@@ -255,12 +273,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await abort_with(context, e)
 
     async def Stop(self, request: engine_pb2.StopRequest, context):
+        """P: stop stage 1s after their next token; D: stop beam searches after their next
+        beam step (their Stage2 answers ``stopped``), to move them."""
         try:
-            if self.role != "prefill":
-                raise InvalidRequest("role", "stage 1 runs on a prefill engine")
             if self.engine is None:
                 raise EngineStarting()
-            if request.request_ids:
+            if request.request_ids and self.role == "decode":
+                await self.engine.stop_searches(list(request.request_ids),
+                                                request.target_engine_id)
+            elif request.request_ids:
                 await self.engine.stop(list(request.request_ids), request.target_engine_id)
             return engine_pb2.StopResponse()
         except Exception as e:

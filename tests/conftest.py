@@ -131,7 +131,9 @@ OWN_LANE_FILES = frozenset({
     "test_cli_errors.py", "test_chunks_unit.py", "test_bench_chunks.py", "test_bench_cli.py",
     "test_stale_kv.py", "test_weights_identity.py", "test_model_identity_unit.py",
     "test_field_checks.py", "test_liveness_unit.py", "test_undecodable.py",
-    "test_serve_state_unit.py", "test_autoscale_unit.py",
+    "test_serve_state_unit.py", "test_autoscale_unit.py", "test_search_moves_unit.py",
+    # One P, two Ds and a router of its own (module scope).
+    "test_stage2_move.py",
     # A LoRA pair of its own (module scope).
     "test_adapters.py",
     # Ray, but on hosts of its own (tools/netns): its processes are told apart from the

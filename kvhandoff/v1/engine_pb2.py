@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvhandoff.v1 import common_pb2 as kvhandoff_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvhandoff/v1/engine.proto\x12\x0ckvhandoff.v1\x1a\x19kvhandoff/v1/common.proto\"\xae\x02\n\rStage1Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage1Sampling\x12\x0e\n\x06\x65xport\x18\x04 \x01(\x08\x12\x18\n\x10target_engine_id\x18\x05 \x01(\t\x12\x0c\n\x04hold\x18\x06 \x01(\x08\x12\x0e\n\x06hold_s\x18\x07 \x01(\x02\x12&\n\x07handoff\x18\x08 \x01(\x0b\x32\x15.kvhandoff.v1.Handoff\x12\r\n\x05\x66\x61ult\x18\t \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\n \x01(\t\x12\x0b\n\x03pin\x18\x0b \x01(\x08\x12\"\n\x05\x62lend\x18\x0c \x01(\x0b\x32\x13.kvhandoff.v1.Blend\"C\n\x05\x42lend\x12&\n\x05parts\x18\x01 \x03(\x0b\x32\x17.kvhandoff.v1.BlendPart\x12\x12\n\nnum_loaded\x18\x02 \x01(\r\"S\n\tBlendPart\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x14\n\x0csource_start\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x10\n\x08position\x18\x04 \x01(\r\"\xc2\x02\n\x0bStage1Event\x12\x15\n\rnew_token_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12&\n\x07handoff\x18\x03 \x01(\x0b\x32\x15.kvhandoff.v1.Handoff\x12\x12\n\nheld_until\x18\x04 \x01(\x01\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.kvhandoff.v1.TokenLogprobs\x12\x1b\n\x13num_imported_tokens\x18\x06 \x01(\r\x12\x1a\n\x12num_imported_bytes\x18\x07 \x01(\x04\x12\x1b\n\x13num_computed_tokens\x18\x08 \x01(\r\x12\x11\n\tengine_id\x18\t \x01(\t\x12\x1a\n\x12num_blended_tokens\x18\n \x01(\r\x12\x15\n\rblend_refused\x18\x0b \x01(\t\"\x84\x02\n\rStage2Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12&\n\x04\x62\x65\x61m\x18\x03 \x01(\x0b\x32\x18.kvhandoff.v1.BeamSearch\x12&\n\x07handoff\x18\x04 \x01(\x0b\x32\x15.kvhandoff.v1.Handoff\x12\x13\n\x0bheld_parent\x18\x05 \x01(\t\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage1Sampling\x12\r\n\x05\x66\x61ult\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\x12\x10\n\x08\x61\x66\x66inity\x18\t \x01(\t\"R\n\x0bStage2Event\x12\x15\n\rnew_token_ids\x18\x01 \x03(\r\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage2Response\"\xcb\x02\n\x0eStage2Response\x12!\n\x05\x62\x65\x61ms\x18\x01 \x03(\x0b\x32\x12.kvhandoff.v1.Beam\x12\x1b\n\x13num_imported_tokens\x18\x02 \x01(\r\x12\x1a\n\x12num_imported_bytes\x18\x03 \x01(\x04\x12&\n\x1enum_computed_tokens_first_step\x18\x04 \x01(\r\x12!\n\x19num_computed_tokens_total\x18\x05 \x01(\r\x12\x15\n\rfirst_step_ms\x18\x06 \x01(\x01\x12\x10\n\x08total_ms\x18\x07 \x01(\x01\x12\"\n\x1anum_recomputed_beam_tokens\x18\x08 \x01(\r\x12\x17\n\x0fnum_beams_short\x18\t \x01(\r\x12\x19\n\x11num_dropped_beams\x18\n \x01(\r\x12\x11\n\tengine_id\x18\x0b \x01(\t\"\x11\n\x0f\x43\x61pacityRequest\"\x98\x04\n\x08\x43\x61pacity\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x18\n\x10num_running_reqs\x18\x06 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x16\n\x0emax_beam_width\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\t\x12\x16\n\x0ehandoff_target\x18\x0c \x01(\t\x12\x1b\n\x13num_reserved_blocks\x18\r \x01(\r\x12\x11\n\tbeam_fork\x18\x0e \x01(\x08\x12\x10\n\x08\x63\x61talogs\x18\x0f \x03(\t\x12\x1a\n\x12kv_events_endpoint\x18\x10 \x01(\t\x12!\n\x19kv_events_replay_endpoint\x18\x11 \x01(\t\x12\x33\n\x0e\x63\x61talog_widths\x18\x12 \x03(\x0b\x32\x1b.kvhandoff.v1.CatalogWidths\x12+\n\x08\x61\x64\x61pters\x18\x13 \x03(\x0b\x32\x19.kvhandoff.v1.AdapterInfo\x12\x17\n\x0fkv_events_curve\x18\x14 \x01(\x08\"+\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\"5\n\rCatalogWidths\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0enodes_at_depth\x18\x02 \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"J\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x10\n\x08prefixes\x18\x03 \x03(\t\"\x11\n\x0fReleaseResponse\"O\n\x0bStopRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x18\n\x10target_engine_id\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\"\x0e\n\x0cStopResponse2\xea\x03\n\x06\x45ngine\x12\x42\n\x06Stage1\x12\x1b.kvhandoff.v1.Stage1Request\x1a\x19.kvhandoff.v1.Stage1Event0\x01\x12\x43\n\x06Stage2\x12\x1b.kvhandoff.v1.Stage2Request\x1a\x1c.kvhandoff.v1.Stage2Response\x12H\n\x0cStage2Stream\x12\x1b.kvhandoff.v1.Stage2Request\x1a\x19.kvhandoff.v1.Stage2Event0\x01\x12\x44\n\x0bGetCapacity\x12\x1d.kvhandoff.v1.CapacityRequest\x1a\x16.kvhandoff.v1.Capacity\x12@\n\x05\x41\x62ort\x12\x1a.kvhandoff.v1.AbortRequest\x1a\x1b.kvhandoff.v1.AbortResponse\x12\x46\n\x07Release\x12\x1c.kvhandoff.v1.ReleaseRequest\x1a\x1d.kvhandoff.v1.ReleaseResponse\x12=\n\x04Stop\x12\x19.kvhandoff.v1.StopRequest\x1a\x1a.kvhandoff.v1.StopResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvhandoff/v1/engine.proto\x12\x0ckvhandoff.v1\x1a\x19kvhandoff/v1/common.proto\"\xae\x02\n\rStage1Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage1Sampling\x12\x0e\n\x06\x65xport\x18\x04 \x01(\x08\x12\x18\n\x10target_engine_id\x18\x05 \x01(\t\x12\x0c\n\x04hold\x18\x06 \x01(\x08\x12\x0e\n\x06hold_s\x18\x07 \x01(\x02\x12&\n\x07handoff\x18\x08 \x01(\x0b\x32\x15.kvhandoff.v1.Handoff\x12\r\n\x05\x66\x61ult\x18\t \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\n \x01(\t\x12\x0b\n\x03pin\x18\x0b \x01(\x08\x12\"\n\x05\x62lend\x18\x0c \x01(\x0b\x32\x13.kvhandoff.v1.Blend\"C\n\x05\x42lend\x12&\n\x05parts\x18\x01 \x03(\x0b\x32\x17.kvhandoff.v1.BlendPart\x12\x12\n\nnum_loaded\x18\x02 \x01(\r\"S\n\tBlendPart\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x14\n\x0csource_start\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x10\n\x08position\x18\x04 \x01(\r\"\xc2\x02\n\x0bStage1Event\x12\x15\n\rnew_token_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12&\n\x07handoff\x18\x03 \x01(\x0b\x32\x15.kvhandoff.v1.Handoff\x12\x12\n\nheld_until\x18\x04 \x01(\x01\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.kvhandoff.v1.TokenLogprobs\x12\x1b\n\x13num_imported_tokens\x18\x06 \x01(\r\x12\x1a\n\x12num_imported_bytes\x18\x07 \x01(\x04\x12\x1b\n\x13num_computed_tokens\x18\x08 \x01(\r\x12\x11\n\tengine_id\x18\t \x01(\t\x12\x1a\n\x12num_blended_tokens\x18\n \x01(\r\x12\x15\n\rblend_refused\x18\x0b \x01(\t\"\xb1\x02\n\rStage2Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12&\n\x04\x62\x65\x61m\x18\x03 \x01(\x0b\x32\x18.kvhandoff.v1.BeamSearch\x12&\n\x07handoff\x18\x04 \x01(\x0b\x32\x15.kvhandoff.v1.Handoff\x12\x13\n\x0bheld_parent\x18\x05 \x01(\t\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage1Sampling\x12\r\n\x05\x66\x61ult\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\x12\x10\n\x08\x61\x66\x66inity\x18\t \x01(\t\x12+\n\x06resume\x18\n \x01(\x0b\x32\x1b.kvhandoff.v1.StoppedSearch\"\xbe\x01\n\rStoppedSearch\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12 \n\x04live\x18\x02 \x03(\x0b\x32\x12.kvhandoff.v1.Beam\x12%\n\tcompleted\x18\x03 \x03(\x0b\x32\x12.kvhandoff.v1.Beam\x12\x12\n\nsteps_done\x18\x04 \x01(\r\x12\x0f\n\x07members\x18\x05 \x01(\r\x12%\n\x06\x65xport\x18\x06 \x01(\x0b\x32\x15.kvhandoff.v1.Handoff\"R\n\x0bStage2Event\x12\x15\n\rnew_token_ids\x18\x01 \x03(\r\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1c.kvhandoff.v1.Stage2Response\"\xf9\x02\n\x0eStage2Response\x12!\n\x05\x62\x65\x61ms\x18\x01 \x03(\x0b\x32\x12.kvhandoff.v1.Beam\x12\x1b\n\x13num_imported_tokens\x18\x02 \x01(\r\x12\x1a\n\x12num_imported_bytes\x18\x03 \x01(\x04\x12&\n\x1enum_computed_tokens_first_step\x18\x04 \x01(\r\x12!\n\x19num_computed_tokens_total\x18\x05 \x01(\r\x12\x15\n\rfirst_step_ms\x18\x06 \x01(\x01\x12\x10\n\x08total_ms\x18\x07 \x01(\x01\x12\"\n\x1anum_recomputed_beam_tokens\x18\x08 \x01(\r\x12\x17\n\x0fnum_beams_short\x18\t \x01(\r\x12\x19\n\x11num_dropped_beams\x18\n \x01(\r\x12\x11\n\tengine_id\x18\x0b \x01(\t\x12,\n\x07stopped\x18\x0c \x01(\x0b\x32\x1b.kvhandoff.v1.StoppedSearch\"\x11\n\x0f\x43\x61pacityRequest\"\x98\x04\n\x08\x43\x61pacity\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x18\n\x10num_running_reqs\x18\x06 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x16\n\x0emax_beam_width\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\t\x12\x16\n\x0ehandoff_target\x18\x0c \x01(\t\x12\x1b\n\x13num_reserved_blocks\x18\r \x01(\r\x12\x11\n\tbeam_fork\x18\x0e \x01(\x08\x12\x10\n\x08\x63\x61talogs\x18\x0f \x03(\t\x12\x1a\n\x12kv_events_endpoint\x18\x10 \x01(\t\x12!\n\x19kv_events_replay_endpoint\x18\x11 \x01(\t\x12\x33\n\x0e\x63\x61talog_widths\x18\x12 \x03(\x0b\x32\x1b.kvhandoff.v1.CatalogWidths\x12+\n\x08\x61\x64\x61pters\x18\x13 \x03(\x0b\x32\x19.kvhandoff.v1.AdapterInfo\x12\x17\n\x0fkv_events_curve\x18\x14 \x01(\x08\"+\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\"5\n\rCatalogWidths\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0enodes_at_depth\x18\x02 \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"J\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x10\n\x08prefixes\x18\x03 \x03(\t\"\x11\n\x0fReleaseResponse\"O\n\x0bStopRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x18\n\x10target_engine_id\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\"\x0e\n\x0cStopResponse2\xea\x03\n\x06\x45ngine\x12\x42\n\x06Stage1\x12\x1b.kvhandoff.v1.Stage1Request\x1a\x19.kvhandoff.v1.Stage1Event0\x01\x12\x43\n\x06Stage2\x12\x1b.kvhandoff.v1.Stage2Request\x1a\x1c.kvhandoff.v1.Stage2Response\x12H\n\x0cStage2Stream\x12\x1b.kvhandoff.v1.Stage2Request\x1a\x19.kvhandoff.v1.Stage2Event0\x01\x12\x44\n\x0bGetCapacity\x12\x1d.kvhandoff.v1.CapacityRequest\x1a\x16.kvhandoff.v1.Capacity\x12@\n\x05\x41\x62ort\x12\x1a.kvhandoff.v1.AbortRequest\x1a\x1b.kvhandoff.v1.AbortResponse\x12\x46\n\x07Release\x12\x1c.kvhandoff.v1.ReleaseRequest\x1a\x1d.kvhandoff.v1.ReleaseResponse\x12=\n\x04Stop\x12\x19.kvhandoff.v1.StopRequest\x1a\x1a.kvhandoff.v1.StopResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,31 +41,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGE1EVENT']._serialized_start=530
   _globals['_STAGE1EVENT']._serialized_end=852
   _globals['_STAGE2REQUEST']._serialized_start=855
-  _globals['_STAGE2REQUEST']._serialized_end=1115
-  _globals['_STAGE2EVENT']._serialized_start=1117
-  _globals['_STAGE2EVENT']._serialized_end=1199
-  _globals['_STAGE2RESPONSE']._serialized_start=1202
-  _globals['_STAGE2RESPONSE']._serialized_end=1533
-  _globals['_CAPACITYREQUEST']._serialized_start=1535
-  _globals['_CAPACITYREQUEST']._serialized_end=1552
-  _globals['_CAPACITY']._serialized_start=1555
-  _globals['_CAPACITY']._serialized_end=2091
-  _globals['_ADAPTERINFO']._serialized_start=2093
-  _globals['_ADAPTERINFO']._serialized_end=2136
-  _globals['_CATALOGWIDTHS']._serialized_start=2138
-  _globals['_CATALOGWIDTHS']._serialized_end=2191
-  _globals['_ABORTREQUEST']._serialized_start=2193
-  _globals['_ABORTREQUEST']._serialized_end=2227
-  _globals['_ABORTRESPONSE']._serialized_start=2229
-  _globals['_ABORTRESPONSE']._serialized_end=2244
-  _globals['_RELEASEREQUEST']._serialized_start=2246
-  _globals['_RELEASEREQUEST']._serialized_end=2320
-  _globals['_RELEASERESPONSE']._serialized_start=2322
-  _globals['_RELEASERESPONSE']._serialized_end=2339
-  _globals['_STOPREQUEST']._serialized_start=2341
-  _globals['_STOPREQUEST']._serialized_end=2420
-  _globals['_STOPRESPONSE']._serialized_start=2422
-  _globals['_STOPRESPONSE']._serialized_end=2436
-  _globals['_ENGINE']._serialized_start=2439
-  _globals['_ENGINE']._serialized_end=2929
+  _globals['_STAGE2REQUEST']._serialized_end=1160
+  _globals['_STOPPEDSEARCH']._serialized_start=1163
+  _globals['_STOPPEDSEARCH']._serialized_end=1353
+  _globals['_STAGE2EVENT']._serialized_start=1355
+  _globals['_STAGE2EVENT']._serialized_end=1437
+  _globals['_STAGE2RESPONSE']._serialized_start=1440
+  _globals['_STAGE2RESPONSE']._serialized_end=1817
+  _globals['_CAPACITYREQUEST']._serialized_start=1819
+  _globals['_CAPACITYREQUEST']._serialized_end=1836
+  _globals['_CAPACITY']._serialized_start=1839
+  _globals['_CAPACITY']._serialized_end=2375
+  _globals['_ADAPTERINFO']._serialized_start=2377
+  _globals['_ADAPTERINFO']._serialized_end=2420
+  _globals['_CATALOGWIDTHS']._serialized_start=2422
+  _globals['_CATALOGWIDTHS']._serialized_end=2475
+  _globals['_ABORTREQUEST']._serialized_start=2477
+  _globals['_ABORTREQUEST']._serialized_end=2511
+  _globals['_ABORTRESPONSE']._serialized_start=2513
+  _globals['_ABORTRESPONSE']._serialized_end=2528
+  _globals['_RELEASEREQUEST']._serialized_start=2530
+  _globals['_RELEASEREQUEST']._serialized_end=2604
+  _globals['_RELEASERESPONSE']._serialized_start=2606
+  _globals['_RELEASERESPONSE']._serialized_end=2623
+  _globals['_STOPREQUEST']._serialized_start=2625
+  _globals['_STOPREQUEST']._serialized_end=2704
+  _globals['_STOPRESPONSE']._serialized_start=2706
+  _globals['_STOPRESPONSE']._serialized_end=2720
+  _globals['_ENGINE']._serialized_start=2723
+  _globals['_ENGINE']._serialized_end=3213
 # @@protoc_insertion_point(module_scope)

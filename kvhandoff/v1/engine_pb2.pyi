@@ -82,7 +82,7 @@ class Stage1Event(_message.Message):
     def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_until: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., engine_id: _Optional[str] = ..., num_blended_tokens: _Optional[int] = ..., blend_refused: _Optional[str] = ...) -> None: ...
 
 class Stage2Request(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "beam", "handoff", "held_parent", "sampling", "fault", "adapter", "affinity")
+    __slots__ = ("request_id", "prompt_token_ids", "beam", "handoff", "held_parent", "sampling", "fault", "adapter", "affinity", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BEAM_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class Stage2Request(_message.Message):
     FAULT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     AFFINITY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     beam: _common_pb2.BeamSearch
@@ -101,7 +102,24 @@ class Stage2Request(_message.Message):
     fault: str
     adapter: str
     affinity: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_parent: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ..., affinity: _Optional[str] = ...) -> None: ...
+    resume: StoppedSearch
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., handoff: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ..., held_parent: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Stage1Sampling, _Mapping]] = ..., fault: _Optional[str] = ..., adapter: _Optional[str] = ..., affinity: _Optional[str] = ..., resume: _Optional[_Union[StoppedSearch, _Mapping]] = ...) -> None: ...
+
+class StoppedSearch(_message.Message):
+    __slots__ = ("prompt_token_ids", "live", "completed", "steps_done", "members", "export")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    live: _containers.RepeatedCompositeFieldContainer[_common_pb2.Beam]
+    completed: _containers.RepeatedCompositeFieldContainer[_common_pb2.Beam]
+    steps_done: int
+    members: int
+    export: _common_pb2.Handoff
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., live: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., completed: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., steps_done: _Optional[int] = ..., members: _Optional[int] = ..., export: _Optional[_Union[_common_pb2.Handoff, _Mapping]] = ...) -> None: ...
 
 class Stage2Event(_message.Message):
     __slots__ = ("new_token_ids", "result")
@@ -112,7 +130,7 @@ class Stage2Event(_message.Message):
     def __init__(self, new_token_ids: _Optional[_Iterable[int]] = ..., result: _Optional[_Union[Stage2Response, _Mapping]] = ...) -> None: ...
 
 class Stage2Response(_message.Message):
-    __slots__ = ("beams", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens_first_step", "num_computed_tokens_total", "first_step_ms", "total_ms", "num_recomputed_beam_tokens", "num_beams_short", "num_dropped_beams", "engine_id")
+    __slots__ = ("beams", "num_imported_tokens", "num_imported_bytes", "num_computed_tokens_first_step", "num_computed_tokens_total", "first_step_ms", "total_ms", "num_recomputed_beam_tokens", "num_beams_short", "num_dropped_beams", "engine_id", "stopped")
     BEAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMPORTED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +142,7 @@ class Stage2Response(_message.Message):
     NUM_BEAMS_SHORT_FIELD_NUMBER: _ClassVar[int]
     NUM_DROPPED_BEAMS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
     beams: _containers.RepeatedCompositeFieldContainer[_common_pb2.Beam]
     num_imported_tokens: int
     num_imported_bytes: int
@@ -135,7 +154,8 @@ class Stage2Response(_message.Message):
     num_beams_short: int
     num_dropped_beams: int
     engine_id: str
-    def __init__(self, beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., first_step_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., num_beams_short: _Optional[int] = ..., num_dropped_beams: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    stopped: StoppedSearch
+    def __init__(self, beams: _Optional[_Iterable[_Union[_common_pb2.Beam, _Mapping]]] = ..., num_imported_tokens: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., num_computed_tokens_first_step: _Optional[int] = ..., num_computed_tokens_total: _Optional[int] = ..., first_step_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_recomputed_beam_tokens: _Optional[int] = ..., num_beams_short: _Optional[int] = ..., num_dropped_beams: _Optional[int] = ..., engine_id: _Optional[str] = ..., stopped: _Optional[_Union[StoppedSearch, _Mapping]] = ...) -> None: ...
 
 class CapacityRequest(_message.Message):
     __slots__ = ()

@@ -123,8 +123,10 @@ class EngineServicer:
 
     def Stop(self, request, context):
         """Stop running stage 1s after their next token (a move): each ends as a finished
-        stage 1 (finish_reason "length"), with its handoff when it was exported. Unknown or
-        finished ids are ignored.
+        stage 1 (finish_reason "length"), with its handoff when it was exported. On a decode
+        engine: stop running beam searches (Stage2Request.request_id) after their next beam
+        step; each Stage2 then answers stopped (a search still in its first step is stopped
+        after it, waiting up to 30 s). Unknown or finished ids are ignored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -144,7 +144,11 @@ class RouterServicer:
         running here, or an unknown destination; FAILED_PRECONDITION: not positional, not
         on the handoff path, past stage 1, being moved, a destination not taking work, or
         stage 1 ended on P before the stop reached it (nothing moved). Answers once stage 1
-        has ended on P.
+        has ended on P. A request in its stage 2 (a beam search on a D) moves to another D:
+        D stops the search after its next beam step and exports its prompt's KV, the other
+        D imports it and runs the steps left (the same beams); answers once D has stopped
+        it. FAILED_PRECONDITION then also: a sampled stage 2, colocated, no other D with
+        room, or the search ended before the stop took effect (nothing moved).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,7 +156,8 @@ class RouterServicer:
 
     def Drain(self, request, context):
         """Drain an engine: no new work goes to it, every running stage 1 on it that can move
-        (positional or greedy sampling, on the handoff path) moves to its D, the rest finish
+        (positional or greedy sampling, on the handoff path) moves to its D, every beam
+        search running on it (a D) to another D with room, the rest finish
         where they are; answers when none of this router's requests use the engine any more
         (or at the timeout), with a summary. With undo, the engine takes new work again.
         NOT_FOUND: not one of this router's engines.

@@ -1,0 +1,246 @@
+"""Moving a running stage 2 (issue 59) through the gRPC router, with real processes: one
+P, two Ds and a router (``tools.launch.local_cluster(extra_decode=1)``). A beam search
+(W=8, T=8) is stopped on its D after a beam step and resumed on the other D; its beams
+equal the same request run colocated. The negative control resumes a stopped search with
+one live beam's score changed (through the engine wire, as the router sends it): its
+beams differ, so the identity check can fail."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from tests.utils import assert_identical, assert_servers_clean
+
+pytestmark = [pytest.mark.engines, pytest.mark.migration, pytest.mark.timeout(900)]
+
+W, T = 8, 8
+#: Stage 1's tokens: few, so the stage 2 starts soon after the request.
+S1 = 4
+LEASE_S = 30
+RACED = object()
+
+
+@pytest.fixture(scope="module")
+def two_d(model_dir, tmp_path_factory):
+    from tests.utils import metric_sum
+    from tools.launch import local_cluster
+
+    with local_cluster(model_dir, tmp_path_factory.mktemp("stage2-move-logs"),
+                       decode_mib=32, prefill_mib=64, lease_s=LEASE_S,
+                       extra_decode=1) as cluster:
+        # A D that came up after the router is warmed up in the background, taking no
+        # work meanwhile (a move to it would be refused): wait for both Ds' warm-ups.
+        deadline = time.monotonic() + 120
+        while not all(metric_sum(cluster["router_metrics"], "kvhandoff_router_warmups_total",
+                                 dest=d.address) for d in cluster["decode"]):
+            dead = [str(d.log_path) for d in cluster["decode"] if d.proc.poll() is not None]
+            assert not dead, f"a D exited (its log: {dead})"
+            assert time.monotonic() < deadline, "the router never warmed both Ds up"
+            time.sleep(0.2)
+        time.sleep(0.5)  # the warm-up's end puts the D back to work just after its count
+        yield cluster
+
+
+def _request(request_id: str, prompt: list[int], path: str = "handoff"):
+    """Stage 1 of ``S1`` tokens with vLLM's own seeded sampling (not movable: a Move
+    reaches only the stage 2), then a beam search of W, T."""
+    from tools.client import make_request
+
+    req = make_request(prompt=prompt, max_tokens=S1, seed=5, beam_width=W, beam_tokens=T,
+                       path=path, request_id=request_id)
+    req.stage1.min_tokens = S1
+    req.stage1.positional = False
+    return req
+
+
+#: Move's answers while the request is not in its beam search yet: try again.
+_NOT_YET = ("is not running here", "has no D yet", "positional",
+            "not in its stage 2's beam search yet")
+
+
+def _move_search(stub, request_id: str, call, to: str = ""):
+    """Router.Move of ``request_id``'s stage 2, asked from the moment it runs (the
+    request ``call`` started): its answer, or RACED when the search ended first."""
+    from kvhandoff.v1 import router_pb2
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            return stub.Move(router_pb2.MoveRequest(request_id=request_id, to_endpoint=to),
+                             timeout=60)
+        except grpc.RpcError as e:
+            if "before the stop took effect" in e.details() or call.done():
+                return RACED
+            if not any(s in e.details() for s in _NOT_YET):
+                raise
+        time.sleep(0.005)
+    raise AssertionError(f"{request_id}: never in its beam search")
+
+
+def _decodes(two_d) -> list[str]:
+    return [d.address for d in two_d["decode"]]
+
+
+def test_a_running_beam_search_moved_to_the_other_d_gives_the_unmoved_beams(two_d):
+    """Router.Move of a request in its beam search: D stops it after a beam step, the
+    other D resumes it; Move names both Ds, the response lists the move (its beam
+    step) and ends on the other D, the beams equal the colocated run's; both Ds end
+    clean. A Move of the finished request: NOT_FOUND."""
+    from kvhandoff.v1 import router_pb2
+    from tools.client import RouterClient
+
+    prompt = list(range(300, 380))
+    with RouterClient(two_d["router"]) as client:
+        ref = client.generate(_request("s2mv-ref", prompt, "colocated"), timeout=300)
+        for attempt in range(3):
+            rid = f"s2mv-{attempt}"
+            call = client.stub.Generate.future(_request(rid, prompt), timeout=300)
+            moved = _move_search(client.stub, rid, call)
+            got = call.result()
+            if moved is not RACED:
+                break
+            assert not got.moves, "Move said nothing moved, yet the search moved"
+        assert moved is not RACED, "every search of 3 ended before its Move"
+        with pytest.raises(grpc.RpcError) as e:
+            client.stub.Move(router_pb2.MoveRequest(request_id=rid), timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    decodes = _decodes(two_d)
+    assert {moved.from_endpoint, moved.to_endpoint} == set(decodes)
+    assert got.stats.decode_endpoint == moved.to_endpoint
+    (move,) = got.moves
+    assert (move.from_endpoint, move.to_endpoint, move.reason) == (
+        moved.from_endpoint, moved.to_endpoint, "move")
+    assert 1 <= move.at_beam_step < T and move.at_token == S1
+    assert move.num_imported_tokens > 0 and move.num_bytes_moved > 0
+    assert_identical(got, ref, imported=False)
+    assert_servers_clean(two_d["decode"], 2 * LEASE_S + 5)
+
+
+def test_a_drain_of_a_d_moves_its_running_beam_search_to_the_other_d(two_d):
+    """Router.Drain of the D running a beam search moves it (moved 1, reason "drain"):
+    the beams equal the colocated run's, and the drained D's pool is clean after."""
+    from tools.client import RouterClient
+    from tools.launch import pool_state
+
+    prompt = list(range(400, 480))
+    decodes = _decodes(two_d)
+    with RouterClient(two_d["router"]) as client:
+        ref = client.generate(_request("s2dr-ref", prompt, "colocated"), timeout=300)
+        for attempt in range(3):
+            call = client.stub.Generate.future(_request(f"s2dr-{attempt}", prompt),
+                                               timeout=300)
+            source, deadline = None, time.monotonic() + 120
+            while source is None and not call.done() and time.monotonic() < deadline:
+                source = next((a for a in decodes if pool_state(a)[1].num_running_reqs),
+                              None)
+                time.sleep(0.005)
+            drained = None
+            if source is not None:
+                try:
+                    drained = client.drain(source, timeout_s=120)
+                finally:
+                    client.drain(source, undo=True)
+            got = call.result()
+            if drained is not None and drained.moved:
+                break
+        assert drained is not None and drained.moved == 1, drained
+    assert (drained.failed, drained.empty) == (0, True), drained
+    (move,) = got.moves
+    assert (move.from_endpoint, move.reason) == (source, "drain")
+    assert move.to_endpoint == got.stats.decode_endpoint != source
+    assert_identical(got, ref, imported=False)
+    assert_servers_clean([s for s in two_d["decode"] if s.address == source], 2 * LEASE_S + 5)
+
+
+def test_a_move_of_a_search_that_ends_before_the_stop_answers_failed_precondition(two_d):
+    """A beam search of one step (T=1: step 0 only, no beam step for a stop to follow)
+    asked to move while it runs: Move answers FAILED_PRECONDITION ("before the stop
+    took effect"), the request ends unmoved on its D with the colocated run's beams."""
+    from kvhandoff.v1 import router_pb2
+    from tools.client import RouterClient
+
+    prompt = list(range(600, 680))
+
+    def one_step(request_id, path="handoff"):
+        req = _request(request_id, prompt, path)
+        req.beam.max_tokens = 1
+        return req
+
+    with RouterClient(two_d["router"]) as client:
+        ref = client.generate(one_step("s2end-ref", "colocated"), timeout=300)
+        refused = None
+        for attempt in range(5):  # the search is short: a Move may come after its end
+            rid = f"s2end-{attempt}"
+            call = client.stub.Generate.future(one_step(rid), timeout=300)
+            while refused is None and not call.done():
+                try:
+                    client.stub.Move(router_pb2.MoveRequest(request_id=rid), timeout=60)
+                    raise AssertionError("a one-step search was moved")
+                except grpc.RpcError as e:
+                    if "before the stop took effect" in e.details():
+                        refused = e
+                    elif not any(s in e.details() for s in _NOT_YET):
+                        raise
+            got = call.result()
+            if refused is not None:
+                break
+    assert refused is not None, "no Move of 5 reached a running one-step search"
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert not got.moves and got.stats.decode_endpoint in _decodes(two_d)
+    assert_identical(got, ref)
+    assert_servers_clean(two_d["decode"], 2 * LEASE_S + 5)
+
+
+def test_a_resumed_search_with_a_changed_beam_score_gives_other_beams(two_d):
+    """The engine wire as the router uses it: D0 runs a beam search, a Stop naming D1
+    stops it (Stage2 answers ``stopped``), D1 resumes it: the beams equal the unmoved
+    search's. The negative control: the same flow with the best live beam's cum_logprob
+    lowered by 10 in the resume gives other beams (the identity check can fail)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvhandoff.v1 import common_pb2, engine_pb2
+    from tests.conftest import engine_stub
+
+    d0, d1 = (engine_stub(a) for a in _decodes(two_d))
+    target = d1.GetCapacity(engine_pb2.CapacityRequest(), timeout=30).handoff_target
+    prompt = list(range(500, 590))
+    beam = common_pb2.BeamSearch(beam_width=W, max_tokens=T)
+
+    def stage2(stub, request_id, **kw):
+        return stub.Stage2(engine_pb2.Stage2Request(request_id=request_id,
+                                                    prompt_token_ids=prompt, beam=beam,
+                                                    **kw), timeout=120)
+
+    ref = stage2(d0, "neg-ref")
+
+    def stopped(name):
+        for attempt in range(5):  # the search is short: it may end before the stop
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(stage2, d0, f"{name}-{attempt}")
+                # As the router does: D ignores a Stop that comes before the search.
+                while not answer.done():
+                    d0.Stop(engine_pb2.StopRequest(request_ids=[f"{name}-{attempt}"],
+                                                   target_engine_id=target), timeout=30)
+                    time.sleep(0.005)
+                resp = answer.result()
+            if resp.HasField("stopped"):
+                break
+            assert beams(resp) == beams(ref), "the search ended unmoved with other beams"
+        assert resp.HasField("stopped") and not resp.beams, "5 searches ended before the stop"
+        assert 1 <= resp.stopped.steps_done < T
+        return resp.stopped
+
+    def beams(resp):
+        return [list(b.token_ids) for b in resp.beams]
+
+    same = stage2(d1, "neg-resumed", resume=stopped("neg-a"))
+    assert beams(same) == beams(ref)
+    tampered = stopped("neg-b")
+    tampered.live[0].cum_logprob -= 10.0  # NEGATIVE CONTROL: a wrong score moved over
+    other = stage2(d1, "neg-tampered", resume=tampered)
+    assert beams(other) != beams(ref)
+    assert_servers_clean(two_d["decode"], 2 * LEASE_S + 5)
+
