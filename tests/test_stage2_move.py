@@ -7,6 +7,7 @@ beams differ, so the identity check can fail."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import grpc
@@ -244,3 +245,79 @@ def test_a_resumed_search_with_a_changed_beam_score_gives_other_beams(two_d):
     assert beams(other) != beams(ref)
     assert_servers_clean(two_d["decode"], 2 * LEASE_S + 5)
 
+
+#: The load with drains: KVHANDOFF_MOVE_LOAD_REQUESTS at KVHANDOFF_MOVE_LOAD_CONCURRENCY
+#: (CI: 48 at 8; the issue's full size: 500 at 32).
+LOAD_REQUESTS = int(os.environ.get("KVHANDOFF_MOVE_LOAD_REQUESTS", "48"))
+LOAD_CONCURRENCY = int(os.environ.get("KVHANDOFF_MOVE_LOAD_CONCURRENCY", "8"))
+#: Requests compared with their colocated run (every LOAD_SAMPLE-th).
+LOAD_SAMPLE = 6
+
+
+def test_load_while_a_d_is_drained_and_brought_back_twice(two_d):
+    """LOAD_REQUESTS two-stage requests at LOAD_CONCURRENCY while one D is drained (its
+    running beam searches moved to the other D) and put back, twice: every request
+    answered, none recomputed, the sampled ones identical to their colocated runs, each
+    drain moved searches and left the drained D's pool clean, and both Ds clean at the
+    end."""
+    import random
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvhandoff.v1 import router_pb2
+    from tools.client import RouterClient
+    from tools.launch import wait_pool_clean
+
+    rng = random.Random(59)
+    prompts = [[rng.randrange(300, 900) for _ in range(rng.randrange(60, 160))]
+               for _ in range(LOAD_REQUESTS)]
+    drained = two_d["decode"][0].address
+    done = [0]
+    lock = threading.Lock()
+    drains: list[tuple[object, bool]] = []
+
+    def one(i: int):
+        with RouterClient(two_d["router"]) as client:
+            got = client.generate(_request(f"s2load-{i}", prompts[i]), timeout=600)
+        with lock:
+            done[0] += 1
+        return got
+
+    def drain_twice():
+        with RouterClient(two_d["router"]) as client:
+            for at in (0.2, 0.6):
+                while done[0] < at * LOAD_REQUESTS:
+                    time.sleep(0.01)
+                summary = client.stub.Drain(router_pb2.DrainRequest(endpoint=drained),
+                                            timeout=300)
+                clean, _ = wait_pool_clean(drained, 5.0)
+                drains.append((summary, clean))
+                client.stub.Drain(router_pb2.DrainRequest(endpoint=drained, undo=True),
+                                  timeout=60)
+
+    drainer = threading.Thread(target=drain_twice)
+    drainer.start()
+    with ThreadPoolExecutor(LOAD_CONCURRENCY) as pool:
+        results = list(pool.map(one, range(LOAD_REQUESTS)))
+    drainer.join(timeout=600)
+    assert len(drains) == 2, "the drains did not both run"
+    for summary, clean in drains:
+        assert summary.empty and not summary.failed, summary
+        assert clean, f"{drained} kept blocks after its drain: {summary}"
+    assert sum(s.moved for s, _ in drains) >= 1, f"no search moved: {drains}"
+    print(f"load with drains: {LOAD_REQUESTS} requests at {LOAD_CONCURRENCY}; drains "
+          + "; ".join(f"moved {s.moved}, in place {s.finished_in_place}, failed {s.failed}, "
+                      f"{s.seconds:.2f} s" for s, _ in drains)
+          + f"; {sum(1 for r in results if r.moves)} requests moved")
+    assert not [r.request_id for r in results if r.stats.recomputed], "recomputed"
+    moved = [i for i, r in enumerate(results) if r.moves]
+    with RouterClient(two_d["router"]) as client:
+        for i in range(0, LOAD_REQUESTS, LOAD_SAMPLE):
+            ref = client.generate(_request(f"s2load-ref-{i}", prompts[i], "colocated"),
+                                  timeout=300)
+            assert_identical(results[i], ref, imported=not results[i].moves)
+        for i in moved[:LOAD_SAMPLE]:  # the moved ones, each against its colocated run
+            ref = client.generate(_request(f"s2load-mref-{i}", prompts[i], "colocated"),
+                                  timeout=300)
+            assert_identical(results[i], ref, imported=False)
+    assert_servers_clean(two_d["decode"], 2 * LEASE_S + 5)
