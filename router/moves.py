@@ -242,6 +242,12 @@ class MoveDesk:
                     to_address, reason)
         return Moved(from_endpoint=source.address, to_endpoint=to_address)
 
+    @staticmethod
+    def _search_or_stage1_here(r: Running, ep: Endpoint) -> bool:
+        """Whether ``r`` runs its stage 1, or its beam search, on ``ep`` now."""
+        return (r.stage is Stage.ON_P and r.p is ep
+                or r.stage is Stage.ON_D and r.search is not None and r.search.d is ep)
+
     def _why_not_to(self, dest: Endpoint | None, running: Running, to: str) -> str:
         """Why ``running`` cannot move to the P at ``to`` ("" when it can)."""
         if dest is None:
@@ -259,7 +265,9 @@ class MoveDesk:
                     undo: bool = False) -> Drained:
         """Router.Drain: no new work goes to the engine at ``address``; its running stage
         1s that can move go to their D, its running beam searches (a D's) to other Ds
-        with room (reason "drain"), the rest finish where they are.
+        with room (reason "drain"), and so do the searches of requests whose stage 1 was
+        running on a P for this D, as each starts here (its import is addressed to this
+        D); the rest finish where they are.
         Returns once none of this router's requests use the engine (parents and
         continuations included), or after ``timeout_s``. ``undo``: back into rotation."""
         ep = self.pool.find(address)
@@ -277,10 +285,12 @@ class MoveDesk:
         affected = [r for r in self._running.values() if r.uses(ep) or r.d is ep]
         logger.info("draining %s: %d running requests use it", address, len(affected))
         moved, in_place = 0, 0
+        # Stage 1s on a P whose beam search will start on this D: moved once it runs.
+        coming = [r for r in affected if r.stage is Stage.ON_P and r.d is ep and r.p is not ep]
         for r in affected:
-            if (r.stage is Stage.ON_P and r.p is ep
-                    or r.stage is Stage.ON_D and r.search is not None and r.search.d is ep
-                    ) and not r.why_not_movable():
+            if r in coming:
+                continue
+            if self._search_or_stage1_here(r, ep) and not r.why_not_movable():
                 try:
                     await self.move(r.plan.request_id, reason="drain")
                     moved += 1
@@ -289,15 +299,37 @@ class MoveDesk:
                     logger.warning("drain of %s: %s not moved (%s)", address,
                                    r.plan.request_id, e)
             in_place += 1
+        moving: list[asyncio.Task] = []
 
         def busy() -> bool:
             return ep.outstanding > 0 or any(
                 not r.done.is_set() and (r.uses(ep) or (r.stage is Stage.ON_P and r.d is ep))
                 for r in affected)
 
-        deadline = t0 + timeout_s
+        deadline, told = t0 + timeout_s, t0
         while busy() and time.monotonic() < deadline:
+            if time.monotonic() - told >= 5.0:
+                told = time.monotonic()
+                waiting = [r for r in affected if not r.done.is_set()]
+                logger.info("draining %s: %d calls in flight, waiting for %s", address,
+                            ep.outstanding, ", ".join(
+                                f"{r.plan.request_id} ({r.stage.name})" for r in waiting[:8]))
+            for r in [r for r in coming if r.done.is_set() or r.stage is Stage.ENDED
+                      or (r.stage is Stage.ON_D and r.search is not None)]:
+                coming.remove(r)
+                if self._search_or_stage1_here(r, ep) and not r.why_not_movable():
+                    moving.append(asyncio.create_task(
+                        self.move(r.plan.request_id, reason="drain")))
+                else:
+                    in_place += 1  # ended, or its stage 2 cannot move (sampled, ...)
             await asyncio.sleep(0.02)
+        in_place += len(coming)
+        for result in await asyncio.gather(*moving, return_exceptions=True):
+            if isinstance(result, BaseException):
+                logger.warning("drain of %s: a beam search not moved (%s)", address, result)
+                in_place += 1
+            else:
+                moved += 1
         failed = sum(1 for r in affected if r.done.is_set() and r.error is not None)
         summary = Drained(
             endpoint=address, moved=moved, finished_in_place=in_place, failed=failed,

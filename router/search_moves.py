@@ -80,6 +80,9 @@ class Search:
     dest: Claim | None = None
     #: Settled by the run with D's answer: True stopped (it moves), False ended.
     taken: asyncio.Future | None = None
+    #: Set by the run when D answered with the search's end (not stopped): a move asked
+    #: after that, or while it waited for room, has nothing to stop.
+    ended: bool = False
 
     def why_not_movable(self) -> str:
         return self.not_movable or ("is already being moved" if self.reason else "")
@@ -126,6 +129,12 @@ class SearchMoves:
         (from, to), or FAILED_PRECONDITION when it ended first (nothing moved)."""
         source = search.d
         claim = await self._room(search, request_id, to)
+        if search.ended:  # it ended while the move waited for room: nothing to stop
+            claim.release()
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"request {request_id!r}: its beam search ended on "
+                             f"{source.address} before the stop took effect (nothing "
+                             "moved)")
         search.reason, search.dest = reason, claim
         taken = search.taken = asyncio.get_running_loop().create_future()
         # Read even when this call gave up waiting (no "never retrieved" at exit).
@@ -161,6 +170,8 @@ class SearchMoves:
                 return await asyncio.wait_for(asyncio.shield(taken), STOP_RESEND_S)
             except TimeoutError:
                 pass
+            if search.ended:
+                return False
             if time.monotonic() >= deadline:
                 raise grpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                                  f"request {request_id!r}: {source.address} did not stop "
@@ -220,6 +231,7 @@ class SearchMoves:
                                  "a stage 2 no move asked for answered stopped")
             return False
         search.settle(stopped)
+        search.ended = not stopped
         if not stopped and search.dest is not None:
             search.dest.release()
             search.dest = None

@@ -257,9 +257,9 @@ LOAD_SAMPLE = 6
 def test_load_while_a_d_is_drained_and_brought_back_twice(two_d):
     """LOAD_REQUESTS two-stage requests at LOAD_CONCURRENCY while one D is drained (its
     running beam searches moved to the other D) and put back, twice: every request
-    answered, none recomputed, the sampled ones identical to their colocated runs, each
-    drain moved searches and left the drained D's pool clean, and both Ds clean at the
-    end."""
+    answered, none recomputed, the sampled ones (and moved ones) identical to their
+    colocated runs, each drain found work on the D, returned with none left there and
+    the D's pool clean, and both Ds clean at the end."""
     import random
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -304,7 +304,9 @@ def test_load_while_a_d_is_drained_and_brought_back_twice(two_d):
     for summary, clean in drains:
         assert summary.empty and not summary.failed, summary
         assert clean, f"{drained} kept blocks after its drain: {summary}"
-    assert sum(s.moved for s, _ in drains) >= 1, f"no search moved: {drains}"
+    # Each drain found work on the D: searches moved, or ended before their stop (the
+    # built-in model's searches last ~70 ms; a move first claims room on the other D).
+    assert all(s.moved + s.finished_in_place for s, _ in drains), f"idle drains: {drains}"
     print(f"load with drains: {LOAD_REQUESTS} requests at {LOAD_CONCURRENCY}; drains "
           + "; ".join(f"moved {s.moved}, in place {s.finished_in_place}, failed {s.failed}, "
                       f"{s.seconds:.2f} s" for s, _ in drains)
