@@ -277,3 +277,34 @@ def test_a_stopped_search_crosses_the_wire_exactly_and_a_bad_resume_is_refused()
                 dict(live=[([1, 2], 0.0)] * 5)):
         with pytest.raises(InvalidRequest):
             check_stopped(dataclasses.replace(back, **bad), beam, vocab_size=100)
+
+
+def test_a_search_that_ends_while_the_move_waits_for_room_is_answered_at_once(model_dir):
+    """The other D has no room when the Move comes; the search ends on D0 meanwhile, then
+    room shows up: the Move answers FAILED_PRECONDITION (nothing moved) at once, with no
+    Stop sent, instead of stopping a search D no longer runs (it used to send Stops for
+    45 s). No claim is left."""
+    from router.errors import RouterError
+
+    d0, d1 = FakeEngine("d0", "slow"), FakeEngine("d1", "slow")
+    d1.free = 0
+    router = _router(model_dir, d0, d1)
+
+    async def scenario():
+        async def room_later():
+            await asyncio.sleep(d0.slow_s + 0.3)
+            d1.free = 200
+            await router.pool.refresh_capacity(router.pool.endpoints)
+
+        later = asyncio.ensure_future(room_later())
+        t0 = time.monotonic()
+        out, answer = await _run_and_move(router, _plan())
+        await later
+        return out, answer, time.monotonic() - t0
+
+    out, answer, seconds = asyncio.run(scenario())
+    assert isinstance(answer, RouterError), answer
+    assert answer.code == grpc.StatusCode.FAILED_PRECONDITION, answer
+    assert seconds < 5.0, f"the Move took {seconds:.1f} s"
+    assert not d0.stops and not out.moves and list(out.stage2.beams) == BEAMS
+    assert _claims(router) == [0, 0]
