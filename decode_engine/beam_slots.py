@@ -36,8 +36,14 @@ rest:
   step missing or out of order, or an error from the processor, ends every slot of the
   group with ``FINISHED_ERROR`` and the reason.
 
-Who owns the blocks: each slot's are vLLM's request blocks, freed when it finishes; the
-shared prefix blocks are prefix-cache hits, held by every slot.
+- **Stopped to move.** A group the engine's stop names (``decode_engine.search_stops``)
+  ends at its next step with its state as its result (``GroupResult.stopped``), slot 0
+  an export of the search's prompt; a group resumed elsewhere starts with slots whose
+  last ``SlotSpec.tail`` prompt tokens are their beams' own (``decode_engine.slot_clone``).
+
+Who owns the blocks: each slot's are vLLM's request blocks, freed when it finishes (a
+stopped group's slot 0: when the engine it moves to has READ them, or at its lease's
+end); the shared prefix blocks are prefix-cache hits, held by every slot.
 """
 
 from __future__ import annotations
