@@ -309,7 +309,12 @@ def test_a_burst_beyond_d_gets_resource_exhausted_and_the_rest_succeed(
           f"(max {max((t for _, t in refused), default=0.0):.1f}s)")
     for r, t in refused:
         assert r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (r.code(), r.details())
-        assert "decode queue full" in r.details() and t < 5.0, (r.details(), t)
+        # Refused by the router's bounded queue, or (seen once in three full-suite
+        # runs, 2026-11-29) by D's admission, the last word on its room ("decode pool
+        # too small": the router's claims ran ahead of D's own count while D was
+        # paused); either way at once, with the status a client retries.
+        assert ("decode queue full" in r.details()
+                or "decode pool too small" in r.details()) and t < 5.0, (r.details(), t)
     # Two run and two wait (at least: one may finish before the last ones arrive).
     assert len(ok) >= 4 and refused, len(ok)
     assert not recomputed, recomputed
