@@ -152,11 +152,12 @@ class EnginePool:
                            prefer: Endpoint | None = None) -> Endpoint:
         """The P for a stage 1 (``prefill_picker``; ``prefer``, the P holding the
         prompt's chunks, whenever the picker would take it at all). With none taking
-        work the request waits for one (``decode_wait_s``, its ``deadline``) while some
-        P answered lately; UNAVAILABLE if none did; NOT_FOUND if none in rotation has
-        ``catalog`` or ``adapter``."""
+        work each is asked once more, then the request waits for one (``decode_wait_s``,
+        its ``deadline``) while some P answered lately; UNAVAILABLE if none did;
+        NOT_FOUND if none in rotation has ``catalog`` or ``adapter``."""
         wait_until = give_up_at(self.config, deadline)
         picker = self.prefill_picker(prompt_ids, exclude, catalog, adapter)
+        asked = False
         while True:
             changed = self.snapshots.changed
             candidates = [ep for ep in self.prefill if ep is not exclude]
@@ -167,6 +168,13 @@ class EnginePool:
                 self.observer.placed("prefill", chosen.address,
                                      self.cached_blocks(chosen, prompt_ids, adapter))
                 return chosen
+            if not live and candidates and not asked:
+                # An engine back from a restart may not be polled since: each one out of
+                # rotation is asked once (bounded) before the request is refused.
+                asked = True
+                await asyncio.wait([self.refresh_soon(ep) for ep in candidates],
+                                   timeout=self.config.capacity_timeout_s)
+                continue
             self.snapshots.raise_unless_answered_lately(candidates, "prefill")
             left = wait_until - time.monotonic()
             if left <= 0:

@@ -859,3 +859,23 @@ def test_the_routers_registries_are_taken_by_their_interfaces(model_dir):
     assert drained.empty and d.draining and not d.takes_work
     asyncio.run(router.drain("d0", undo=True))
     assert drains.asked == [("drain", "d0"), ("undo", "d0")] and not d.draining
+
+
+def test_a_p_back_from_a_restart_before_the_next_poll_is_asked_not_refused(model_dir):
+    """P silent past ``engine_silence_s`` (a restart) answers again, and a request comes
+    before any poll saw it: the request asks P itself and goes there. P still down:
+    UNAVAILABLE, naming why, after that one ask."""
+    async def scenario():
+        router = _router(model_dir, [40], engine_silence_s=0.5)
+        p = router.prefill[0]
+        p.stub.fail_with = grpc.StatusCode.UNAVAILABLE  # "engine is starting"
+        await router.refresh_capacity(router.prefill)
+        p.answered_at -= 1.0
+        calls = p.stub.num_capacity_calls
+        with pytest.raises(RouterError, match="no prefill engine is reachable") as e:
+            await router.pool.pick_prefill(None)
+        assert "p: UNAVAILABLE" in str(e.value) and p.stub.num_capacity_calls == calls + 1
+        p.stub.fail_with = None  # serving again; no poll runs in this router
+        assert await asyncio.wait_for(router.pool.pick_prefill(None), 5) is p
+
+    asyncio.run(scenario())
