@@ -21,6 +21,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               "kv_events_key_file": args.kv_events_key}
     if args.kv_events not in ("off", "loopback"):
         kwargs["kv_events_host"] = args.kv_events
+    if args.max_num_seqs:
+        kwargs["max_num_seqs"] = args.max_num_seqs
     if args.kv_cache_mib:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
     if args.side_channel_port:

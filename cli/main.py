@@ -192,6 +192,14 @@ def _add_bench(sub: Any) -> None:
                             "p50/p99 of ours and vLLM's beam_search side by side and the "
                             "floor at concurrency, W in --widths (50,128,512), T "
                             "--beam-tokens (3); exit 1 if any beams differ")
+    bench.add_argument("--e2e", action="store_true",
+                       help="two-stage requests per second through the router at "
+                            "--concurrency (1,4,8,32), handoff and colocated paths, "
+                            "against vLLM alone (stage 1, then vLLM's beam_search as a new "
+                            "request) on an engine of the same model; first beam p50/p99; "
+                            "exit 1 if any answer differs from vLLM alone's (bench model "
+                            "unless --model; --prompt-tokens 500, --stage1-tokens 64, "
+                            "--beam-width 32, --beam-tokens 3)")
     bench.add_argument("--widths", default=None, help="with --beams: e.g. 4,32")
     bench.add_argument("--d-pool-mib", type=int, default=None,
                        help="with --beams --concurrency: D's KV pool (4096; W=512 at C=8 "

@@ -115,6 +115,10 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--kv-cache-mib", type=int, default=0, help="KV pool size (MiB)")
     serve.add_argument("--block-size", type=int, default=32)
     serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--max-num-seqs", type=int, default=0,
+                       help="prefill/decode: the most sequences one engine step runs, each "
+                            "beam slot counted (0: the widest beam, 512); at least the "
+                            "widest beam group, whose slots run in one batch")
     serve.add_argument("--lease-s", type=int, default=30)
     serve.add_argument("--load-format", default=None)
     serve.add_argument("--dtype", default=None,

@@ -87,6 +87,18 @@ def _run_beams_concurrency(args: argparse.Namespace) -> int:
     return 0 if result["identical"] else 1
 
 
+def _run_e2e(args: argparse.Namespace) -> int:
+    """``--e2e``: print and write the table; 1 if any answer differs or left its path."""
+    from tools.bench.e2e_concurrency import E2EConfig, format_e2e, measure_e2e
+
+    kw = _given(args, "prompt_tokens", "stage1_tokens", "beam_width", "beam_tokens", "seed")
+    if args.concurrency:
+        kw["concurrency"] = tuple(int(x) for x in args.concurrency.split(","))
+    result = measure_e2e(args.model or "bench", E2EConfig(**kw)).as_dict()
+    _report(args, format_e2e(result), result)
+    return 0 if result["identical"] else 1
+
+
 def main_bench(args: argparse.Namespace) -> int:
     """Run the measurement ``args`` select, print it, write its JSON and plot; 0."""
     from tqdm import tqdm
@@ -159,6 +171,9 @@ def main_bench(args: argparse.Namespace) -> int:
 
     if args.beams and args.concurrency:
         return _run_beams_concurrency(args)
+
+    if args.e2e:
+        return _run_e2e(args)
 
     if args.beams:
         from tools.bench.beams import WIDTHS, format_beams, run_beams
