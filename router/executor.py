@@ -31,7 +31,7 @@ from router.plan import Outcome, Plan
 from router.pool import EnginePool
 from router.requests import Move
 from router.search_moves import Search, search_of
-from router.stages import StageCalls
+from router.stages import StageCalls, stage2_recomputed
 
 logger = logging.getLogger(__name__)
 
@@ -356,17 +356,7 @@ class Executor:
         request.request_id = f"{plan.request_id}-s2r"
         if claim is not None:
             claim.release()
-        claim = await self.pool.pick_decode(len(request.prompt_token_ids), plan.beam,
-                                            plan.deadline, fresh=True, adapter=plan.adapter)
-        out.decode = claim.endpoint.address
-        if search is not None:
-            search.d, search.request_id = claim.endpoint, request.request_id
-        try:
-            out.stage2 = await self.stages.stage2(claim.endpoint, claim, request, plan, out)
-        except BaseException:
-            claim.release()
-            raise
-        return claim
+        return await stage2_recomputed(self.pool, self.stages, request, plan, out, search)
 
     async def stage2_anywhere(self, request: engine_pb2.Stage2Request, plan: Plan,
                               out: Outcome) -> None:

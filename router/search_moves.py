@@ -41,7 +41,7 @@ from router.errors import RouterError, code_of, details_of, grpc_error
 from router.plan import Outcome, Plan
 from router.pool import EnginePool
 from router.requests import Move, Moved
-from router.stages import StageCalls
+from router.stages import StageCalls, stage2_recomputed
 from wire import common as convert
 
 logger = logging.getLogger(__name__)
@@ -298,13 +298,4 @@ class SearchMoves:
             request_id=f"{plan.request_id}-s2r{len(out.moves)}",
             prompt_token_ids=request.prompt_token_ids, beam=request.beam,
             adapter=request.adapter)
-        claim = await self.pool.pick_decode(search.prompt_len, plan.beam, plan.deadline,
-                                            fresh=True, adapter=plan.adapter)
-        search.d, search.request_id = claim.endpoint, request.request_id
-        out.decode = claim.endpoint.address
-        try:
-            out.stage2 = await self.stages.stage2(claim.endpoint, claim, request, plan, out)
-        except BaseException:
-            claim.release()
-            raise
-        return claim
+        return await stage2_recomputed(self.pool, self.stages, request, plan, out, search)

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -23,6 +24,16 @@ from router.errors import grpc_error
 from router.plan import Outcome, Plan
 from router.requests import Move
 from wire import common as convert
+
+if TYPE_CHECKING:
+    from router.pool import EnginePool
+
+
+class RunsOn(Protocol):
+    """Told where a request's stage 2 runs (``router.search_moves.Search``)."""
+
+    d: Endpoint
+    request_id: str
 
 logger = logging.getLogger(__name__)
 
@@ -263,3 +274,24 @@ class StageCalls:
                                                         engine_id=engine_id,
                                                         prefixes=prefixes or []),
                               timeout=self.call_timeout_s)
+
+
+async def stage2_recomputed(pool: EnginePool, stages: StageCalls,
+                            request: engine_pb2.Stage2Request, plan: Plan, out: Outcome,
+                            search: RunsOn | None = None) -> Claim:
+    """Stage 2 of ``request`` (the prompt's token ids, nothing imported: the recompute of
+    a handoff or a move that failed) on a D with room, picked on fresh snapshots;
+    ``out.decode`` names it and ``search`` is told where it runs (a move stops it
+    there). Returns that D's claim, which the caller releases; released here if the
+    stage fails."""
+    claim = await pool.pick_decode(len(request.prompt_token_ids), plan.beam, plan.deadline,
+                                   fresh=True, adapter=plan.adapter)
+    out.decode = claim.endpoint.address
+    if search is not None:
+        search.d, search.request_id = claim.endpoint, request.request_id
+    try:
+        out.stage2 = await stages.stage2(claim.endpoint, claim, request, plan, out)
+    except BaseException:
+        claim.release()
+        raise
+    return claim
