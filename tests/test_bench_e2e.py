@@ -32,14 +32,15 @@ def _bench(cluster, vllm_peer, run, model_dir, cfg):
 
     engine, tokenizer, _ = vllm_peer
     rows, answers = run_router(cluster["router"], cfg, vocab=1000)
-    vllm_rows, diffs = run(run_vllm(engine, tokenizer, ModelTokens.load(Path(model_dir)),
-                                    cfg, answers), timeout=600)
-    return rows, vllm_rows, diffs
+    vllm_rows, diffs, gaps = run(run_vllm(engine, tokenizer,
+                                          ModelTokens.load(Path(model_dir)), cfg, answers),
+                                 timeout=600)
+    return rows, vllm_rows, diffs, gaps
 
 
 def test_the_e2e_bench_answers_as_vllm_alone_and_its_control_differs(
         cluster, vllm_peer, run, model_dir):
-    rows, vllm_rows, diffs = _bench(cluster, vllm_peer, run, model_dir, CFG)
+    rows, vllm_rows, diffs, gaps = _bench(cluster, vllm_peer, run, model_dir, CFG)
     assert diffs == [] and check_paths(rows) == []
     assert [(r["path"], r["concurrency"], r["requests"]) for r in rows + vllm_rows] == [
         ("handoff", 1, 2), ("colocated", 1, 2), ("handoff", 2, 2), ("colocated", 2, 2),
@@ -48,10 +49,10 @@ def test_the_e2e_bench_answers_as_vllm_alone_and_its_control_differs(
                for r in rows + vllm_rows)
     assert all(r["stage1_first_token_ms_p50"] for r in rows)
     settings = {"config": {**CFG.__dict__, "concurrency": list(CFG.concurrency)}}
-    text = format_e2e(E2EResult(settings, rows + vllm_rows, diffs).as_dict())
+    text = format_e2e(E2EResult(settings, rows + vllm_rows, diffs, gaps).as_dict())
     assert "identical to vLLM alone: yes" in text and "vllm_alone" in text
     # The control: the same requests with block 0 of every import zeroed on D.
     bad = dataclasses.replace(CFG, concurrency=(1,), fault="zero-block")
-    _, _, diffs = _bench(cluster, vllm_peer, run, model_dir, bad)
+    _, _, diffs, _ = _bench(cluster, vllm_peer, run, model_dir, bad)
     assert diffs and all(d.startswith("handoff C=1") for d in diffs), diffs
     assert any("beams differ" in d or "logprobs differ" in d for d in diffs), diffs

@@ -5,9 +5,10 @@ through the router, against the colocated path and against vLLM alone.
   NIXL, stage 2 (our beam search) on D.
 - **colocated**: the router's colocated path: both stages on P, no handoff.
 - **vLLM alone**: what a deployment without kvhandoff runs on one engine: stage 1 with
-  the router's sampling (positional: the same thinking), then stage 2 sent as a new request to vLLM's own ``beam_search``
-  (``decode_engine.beam.vllm_beam_search``) over prompt + thinking + suffix. Its prefix
-  cache still holds the prompt from stage 1 (in vLLM's favour).
+  the router's sampling (positional: the same thinking), then stage 2 sent as a new
+  request to vLLM's own ``beam_search`` (``decode_engine.beam.vllm_beam_search``) over
+  prompt + thinking + suffix. Its prefix cache still holds the prompt from stage 1 (in
+  vLLM's favour).
 
 Order and cache state: P, D and the router run as processes (``tools.launch.
 local_cluster``); ``WARM_UP`` requests of each router path first; then for each C,
@@ -24,9 +25,10 @@ is the answer); stage 1's first token p50 (router paths); answers that were reco
 or did not run on the path asked (there must be none).
 
 **Identity**: every handoff answer equals vLLM alone's on the same prompt and seed
-(stage-1 tokens, the beams' ids in order, cumulative logprobs within the harness's
-bound), and ``TWINS`` colocated answers per C are run by vLLM alone too (untimed) and
-compared; any difference is listed and fails the bench (``E2EResult.identical``).
+(stage-1 tokens and the beams' ids in order exactly, cumulative logprobs within
+``LOGPROB_BOUND``), and ``TWINS`` colocated answers per C are run by vLLM alone too
+(untimed) and compared; any difference is listed and fails the bench
+(``E2EResult.identical``); the largest logprob gap per path is reported.
 """
 
 from __future__ import annotations
@@ -58,6 +60,14 @@ TWINS = 2
 #: sequences.
 POOL_MIB = 3072
 MAX_NUM_SEQS = 1024
+#: Answers' cumulative logprobs may differ by this much: the harness's ceiling for
+#: rounding (``tools.harness.checks``: NOISE_FACTOR x LOGPROB_TOLERANCE, ten times its
+#: floor). Under concurrency a request's steps share their batch with others (a
+#: colocated stage 2 with other requests' stage 1 on P), which rounds otherwise than
+#: vLLM alone's run: 1.0-1.2e-5 seen at C=4-32 on the bench model, above the harness's
+#: floor of 1e-5 that one request at a time keeps. The injected faults shift them by 0.1
+#: or more; token ids are compared exactly.
+LOGPROB_BOUND = 1e-4
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,8 @@ class E2EResult:
     settings: dict[str, Any]
     rows: list[dict[str, Any]] = field(default_factory=list)
     differences: list[str] = field(default_factory=list)
+    #: The largest cumulative-logprob gap to vLLM alone's answers, by router path.
+    logprob_gaps: dict[str, float] = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
@@ -110,6 +122,7 @@ class E2EResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.settings, "rows": self.rows, "differences": self.differences,
+                "logprob_gaps": self.logprob_gaps, "logprob_bound": LOGPROB_BOUND,
                 "identical": self.identical}
 
 
@@ -143,17 +156,20 @@ def level_row(path: str, c: int, answers: list[Answer], wall_s: float,
     }
 
 
-def differences(label: str, got: Answer, ref: Answer) -> list[str]:
-    """What differs between two answers to one request (empty: identical)."""
-    from tools.harness import LOGPROB_TOLERANCE
+def logprob_gap(got: Answer, ref: Answer) -> float:
+    """The largest difference of the two answers' beams' cumulative logprobs."""
+    return max((abs(a - b) for (_, a), (_, b) in zip(got.beams, ref.beams)), default=0.0)
 
+
+def differences(label: str, got: Answer, ref: Answer) -> list[str]:
+    """What differs between two answers to one request (empty: identical): stage-1 and
+    beam token ids exactly, cumulative logprobs within ``LOGPROB_BOUND``."""
     if got.thinking != ref.thinking:
         return [f"{label}: stage-1 tokens differ"]
     if [ids for ids, _ in got.beams] != [ids for ids, _ in ref.beams]:
         return [f"{label}: beams differ"]
-    worst = max((abs(a - b) for (_, a), (_, b) in zip(got.beams, ref.beams)), default=0.0)
-    if worst > LOGPROB_TOLERANCE:
-        return [f"{label}: cumulative logprobs differ by {worst:.2e}"]
+    if (gap := logprob_gap(got, ref)) > LOGPROB_BOUND:
+        return [f"{label}: cumulative logprobs differ by {gap:.2e}"]
     return []
 
 
@@ -252,12 +268,15 @@ async def run_vllm_level(engine: Any, tokenizer: Any, tokens: Any, cfg: E2EConfi
 
 
 async def run_vllm(engine: Any, tokenizer: Any, tokens: Any, cfg: E2EConfig,
-                   answers: dict[int, dict[str, list[Answer]]]) -> tuple[list[dict], list[str]]:
+                   answers: dict[int, dict[str, list[Answer]]]
+                   ) -> tuple[list[dict], list[str], dict[str, float]]:
     """vLLM alone at every C over the handoff runs' prompts, then the colocated twins:
-    its rows and every difference from the router's answers."""
+    its rows, every difference from the router's answers, and the largest logprob gap
+    by router path."""
     warm = [(a.prompt, a.seed) for a in answers[cfg.concurrency[0]]["colocated"][:1]]
     await run_vllm_level(engine, tokenizer, tokens, cfg, 1, warm, "warm")
     rows, diffs = [], []
+    gaps = {"handoff": 0.0, "colocated": 0.0}
     for c in cfg.concurrency:
         ours = answers[c]["handoff"]
         row, theirs = await run_vllm_level(engine, tokenizer, tokens, cfg, c,
@@ -265,12 +284,14 @@ async def run_vllm(engine: Any, tokenizer: Any, tokens: Any, cfg: E2EConfig,
         rows.append(row)
         for i, (got, ref) in enumerate(zip(ours, theirs)):
             diffs += differences(f"handoff C={c} #{i}", got, ref)
+            gaps["handoff"] = max(gaps["handoff"], logprob_gap(got, ref))
         twins = answers[c]["colocated"][:TWINS]
         _, theirs = await run_vllm_level(engine, tokenizer, tokens, cfg, 1,
                                          [(a.prompt, a.seed) for a in twins], f"twin{c}")
         for i, (got, ref) in enumerate(zip(twins, theirs)):
             diffs += differences(f"colocated C={c} #{i}", got, ref)
-    return rows, diffs
+            gaps["colocated"] = max(gaps["colocated"], logprob_gap(got, ref))
+    return rows, diffs, gaps
 
 
 def check_paths(rows: list[dict[str, Any]]) -> list[str]:
@@ -298,7 +319,7 @@ def measure_e2e(model: str | None, cfg: E2EConfig) -> E2EResult:
                        decode_mib=POOL_MIB, engine_flags=engine_flags) as cluster:
         rows, answers = run_router(cluster["router"], cfg, vocab)
 
-    async def alone() -> tuple[list[dict], list[str]]:
+    async def alone() -> tuple[list[dict], list[str], dict[str, float]]:
         engine = PrefillEngine.start(EngineConfig(
             model=str(model_dir), role="prefill", kv_cache_memory_bytes=POOL_MIB << 20,
             max_num_seqs=MAX_NUM_SEQS))
@@ -309,10 +330,10 @@ def measure_e2e(model: str | None, cfg: E2EConfig) -> E2EResult:
             engine.shutdown()
             await asyncio.sleep(0.1)
 
-    vllm_rows, diffs = asyncio.run(alone())
+    vllm_rows, diffs, gaps = asyncio.run(alone())
     settings = {"config": {**cfg.__dict__, "concurrency": list(cfg.concurrency)},
                 "model": str(model_dir), "pool_mib": POOL_MIB, "max_num_seqs": MAX_NUM_SEQS}
-    return E2EResult(settings, rows + vllm_rows, check_paths(rows) + diffs)
+    return E2EResult(settings, rows + vllm_rows, check_paths(rows) + diffs, gaps)
 
 
 def format_e2e(result: dict[str, Any]) -> str:
@@ -334,6 +355,8 @@ def format_e2e(result: dict[str, Any]) -> str:
             lines.append(f"{c:>3} {path:>10} {r['requests']:>4} {r['qps']:>7.2f} "
                          f"{r['first_beam_ms_p50']:>15.0f} {r['first_beam_ms_p99']:>8.0f} "
                          f"{'-' if ttft is None else f'{ttft:.0f}':>17} {ratio:>13}")
-    lines.append("identical to vLLM alone: yes" if result["identical"] else
+    gaps = ", ".join(f"{k} {v:.1e}" for k, v in result.get("logprob_gaps", {}).items())
+    lines.append(f"identical to vLLM alone: yes (logprob gaps: {gaps or '-'}; bound "
+                 f"{result['logprob_bound']:.0e})" if result["identical"] else
                  "DIFFERENCES:\n  " + "\n  ".join(result["differences"]))
     return "\n".join(lines)
