@@ -62,11 +62,11 @@ POOL_MIB = 3072
 MAX_NUM_SEQS = 1024
 #: Answers' cumulative logprobs may differ by this much: the harness's bound for a case
 #: whose measured noise is 1e-5 (``tools.harness.checks``: max(LOGPROB_TOLERANCE,
-#: NOISE_FACTOR x noise)), ten times its floor. Under concurrency a request's steps share their batch with others (a
-#: colocated stage 2 with other requests' stage 1 on P), which rounds otherwise than
-#: vLLM alone's run: 1.0-1.2e-5 seen at C=4-32 on the bench model, above the harness's
-#: floor of 1e-5 that one request at a time keeps. The injected faults shift them by 0.1
-#: or more; token ids are compared exactly.
+#: NOISE_FACTOR x noise)), ten times its floor. Under concurrency a request's steps
+#: share their batch with others (a colocated stage 2 with other requests' stage 1 on
+#: P), which rounds otherwise than vLLM alone's run: 1.0-1.2e-5 seen at C=4-32 on the
+#: bench model, above the floor of 1e-5 that one request at a time keeps. The injected
+#: faults shift them by 0.1 or more; token ids are compared exactly.
 LOGPROB_BOUND = 1e-4
 
 
