@@ -79,6 +79,7 @@ class DecodeQueue:
         serves = placement.serves_adapter(adapter)
 
         ticket = object()
+        asked = False
         wait_until = give_up_at(cfg, deadline)
         max_age = cfg.capacity_max_age_s
         try:
@@ -93,6 +94,13 @@ class DecodeQueue:
                     await asyncio.wait([self.snapshots.refresh_soon(ep) for ep in stale],
                                        timeout=cfg.capacity_poll_s)
                 live = [ep for ep in decode if usable(ep)]
+                if not live and decode and not asked:
+                    # A D back from a restart that answers slower than a poll interval:
+                    # each is asked once more (bounded) before the request is refused.
+                    asked = True
+                    await asyncio.wait([self.snapshots.refresh_soon(ep) for ep in decode],
+                                       timeout=cfg.capacity_timeout_s)
+                    live = [ep for ep in decode if usable(ep)]
                 if not live:
                     self.snapshots.raise_unless_answered_lately(decode, "decode")
                 check_servable(beam.catalog, adapter, live, "decode")

@@ -24,9 +24,13 @@ class FakeEngineStub:
         self.num_capacity_calls = 0
         #: Status the next GetCapacity calls fail with (None: they answer).
         self.fail_with: grpc.StatusCode | None = None
+        #: Seconds each GetCapacity takes to answer.
+        self.delay_s = 0.0
 
     async def GetCapacity(self, request, timeout=None):  # noqa: N802 (the rpc's name)
         self.num_capacity_calls += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if self.fail_with is not None:
             raise grpc.aio.AioRpcError(self.fail_with, grpc.aio.Metadata(),
                                        grpc.aio.Metadata(), "from the fake")
@@ -877,5 +881,21 @@ def test_a_p_back_from_a_restart_before_the_next_poll_is_asked_not_refused(model
         assert "p: UNAVAILABLE" in str(e.value) and p.stub.num_capacity_calls == calls + 1
         p.stub.fail_with = None  # serving again; no poll runs in this router
         assert await asyncio.wait_for(router.pool.pick_prefill(None), 5) is p
+
+    asyncio.run(scenario())
+
+
+def test_a_d_back_from_a_restart_that_answers_slower_than_a_poll_is_waited_for(model_dir):
+    """D silent past ``engine_silence_s`` answers again, but slower than a poll interval
+    (the stale refresh's wait): the request waits for that answer (up to
+    ``capacity_timeout_s``) instead of refusing D as silent."""
+    async def scenario():
+        router = _router(model_dir, [40], engine_silence_s=0.5)
+        d = router.decode[0]
+        d.stub.fail_with = grpc.StatusCode.UNAVAILABLE
+        await router.refresh_capacity(router.decode)
+        d.answered_at -= 1.0
+        d.stub.fail_with, d.stub.delay_s = None, 3 * router.config.capacity_poll_s
+        assert await asyncio.wait_for(_pick(router), 5) is d
 
     asyncio.run(scenario())
