@@ -40,6 +40,7 @@ from kvhandoff.types import (
     validate_prompt,
     validate_token_ids,
 )
+from kvhandoff.v1 import engine_pb2
 from router import placement
 from router.config import RouterConfig
 from router.endpoint import Endpoint
@@ -283,7 +284,6 @@ class Continuations:
             handoff=record.handoff if on_d else None)
         if on_d:  # its continuations share a D where one address stands for several
             request.affinity = record.parent_id
-        claim = None
         # In use from here: never released early while this continuation may read it.
         record.in_use += 1
         try:
@@ -294,8 +294,9 @@ class Continuations:
             elif on_d:
                 claim = await self.pool.pick_decode(len(request.prompt_token_ids), plan.beam,
                                                     plan.deadline, only=[record.decode])
-                claim = await self.executor.stage2_or_recompute(
-                    claim.endpoint, claim, request, plan, out, True, recompute=not req.strict)
+                # Movable while it runs (Router.Move, Drain); the claims are its own.
+                await self.executor.continuation_stage2(
+                    record.prefill_ep, claim, request, plan, out, recompute=not req.strict)
             elif req.strict:
                 self.registry.continuations["refused"] += 1
                 raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION,
@@ -304,11 +305,9 @@ class Continuations:
             else:
                 logger.info("continuation of %s recomputed: %s", req.parent_id, why_not)
                 out.failed_decode, out.handoff_failure = "", f"parent not held: {why_not}"
-                await self.executor.stage2_anywhere(request, plan, out)
+                await self._stage2_anywhere(request, plan, out)
         finally:
             record.in_use -= 1
-            if claim is not None:
-                claim.release()
         out.total_ms = (time.perf_counter() - t0) * 1e3
         result = to_result(out, self.tokens.tokenizer, received_at)
         outcome = "recomputed" if result.stats.recomputed else "imported"
@@ -332,9 +331,26 @@ class Continuations:
                     adapter=adapter)
         t0 = time.perf_counter()
         out = Outcome(plan, "", None)
-        await self.executor.stage2_anywhere(self.stages.stage2_request(plan, out), plan, out)
+        await self._stage2_anywhere(self.stages.stage2_request(plan, out), plan, out)
         out.total_ms = (time.perf_counter() - t0) * 1e3
         return to_result(out, self.tokens.tokenizer, received_at)
+
+    async def _stage2_anywhere(self, request: engine_pb2.Stage2Request, plan: Plan,
+                               out: Outcome) -> None:
+        """Stage 2 from token ids (nothing imported) on the D with the most room (on a
+        P, for a router without decode engines)."""
+        if not self.pool.decode:
+            p = await self.pool.pick_prefill(plan.deadline, adapter=plan.adapter)
+            out.decode = p.address
+            out.stage2 = await self.stages.stage2(p, None, request, plan, out)
+            return
+        claim = await self.pool.pick_decode(len(request.prompt_token_ids), plan.beam,
+                                            plan.deadline, adapter=plan.adapter)
+        out.decode = claim.endpoint.address
+        try:
+            out.stage2 = await self.stages.stage2(claim.endpoint, claim, request, plan, out)
+        finally:
+            claim.release()
 
     def _continuation_plan(self, req: ContinueCall, record: ParentRecord,
                            deadline: float | None) -> Plan:

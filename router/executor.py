@@ -153,12 +153,39 @@ class Executor:
                 await self._release_export(running.p, handoff_msg, plan, e)
             raise
         running.set_claim(claim)
+        await self._follow_moves(running, plan, out, self.config.recompute)
+
+    async def _follow_moves(self, running: Running, plan: Plan, out: Outcome,
+                            recompute: bool) -> None:
+        """While a move stopped ``running``'s search (``out.stage2``: D's answer), it
+        goes on at the destination, whose claim ``running`` holds instead."""
         searches = self.desk.searches
-        while searches.stopped(running.search, out):  # moved: on at the destination
+        while searches.stopped(running.search, out):
             running.enter(Stage.ON_D)
-            running.set_claim(await searches.go_on(running.search, plan, out,
-                                                   self.config.recompute))
+            running.set_claim(await searches.go_on(running.search, plan, out, recompute))
         running.search = None
+
+    async def continuation_stage2(self, p: Endpoint | None, claim: Claim,
+                                  request: engine_pb2.Stage2Request, plan: Plan,
+                                  out: Outcome, *, recompute: bool) -> None:
+        """A continuation's stage 2 on ``claim``'s D, importing the parent ``p`` holds:
+        in the desk's table while it runs, so Router.Move and Drain move its beam search
+        to another D as they move a two-stage request's. Owns ``claim`` (and the claims
+        of the Ds it runs on after a move or a recompute): all released here."""
+        running = Running(plan, p, None, out=out)
+        running.enter(Stage.ON_D)
+        running.set_claim(claim)
+        out.decode = claim.endpoint.address
+        try:
+            with self.desk.track(running):
+                running.search = search_of(plan, claim.endpoint, request, self.pool.decode)
+                running.set_claim(await self.stage2_or_recompute(
+                    claim.endpoint, claim, request, plan, out, True, recompute=recompute,
+                    search=running.search))
+                await self._follow_moves(running, plan, out, recompute)
+        finally:
+            if running.claim is not None:
+                running.claim.release()
 
     async def _stage1_resuming(self, running: Running, plan: Plan, out: Outcome, *,
                                export: bool, resume_at: int | None = None,
@@ -357,20 +384,3 @@ class Executor:
         if claim is not None:
             claim.release()
         return await stage2_recomputed(self.pool, self.stages, request, plan, out, search)
-
-    async def stage2_anywhere(self, request: engine_pb2.Stage2Request, plan: Plan,
-                              out: Outcome) -> None:
-        """Stage 2 from token ids (nothing imported) on the D with the most room (on a
-        P, for a router without decode engines)."""
-        if not self.pool.decode:
-            p = await self.pool.pick_prefill(plan.deadline, adapter=plan.adapter)
-            out.decode = p.address
-            out.stage2 = await self.stages.stage2(p, None, request, plan, out)
-            return
-        claim = await self.pool.pick_decode(len(request.prompt_token_ids), plan.beam,
-                                            plan.deadline, adapter=plan.adapter)
-        out.decode = claim.endpoint.address
-        try:
-            out.stage2 = await self.stages.stage2(claim.endpoint, claim, request, plan, out)
-        finally:
-            claim.release()

@@ -5,6 +5,7 @@ and no I/O here."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -166,7 +167,9 @@ def logprobs_json(decode: Callable[[list[int]], str], logprobs: list[TokenLogpro
 
 def beams_json(model: str, resp: Result) -> dict[str, Any]:
     """A stage 2 (continuation or beams over a prompt): one choice per beam, best
-    first, and how many prompt tokens were imported rather than computed."""
+    first, how many prompt tokens were imported rather than computed, and the moves of
+    its beam search between Ds (``kvhandoff.moves``: router.proto's Move fields; [] when
+    it ran where it started)."""
     s = resp.stats
     prompt_tokens = s.num_parent_tokens + len(resp.suffix_token_ids)
     choices = [{"index": i, "text": b.text, "token_ids": list(b.token_ids),
@@ -187,4 +190,5 @@ def beams_json(model: str, resp: Result) -> dict[str, Any]:
                       decode_endpoint=s.decode_endpoint,
                       stage2_first_step_ms=resp.timings.stage2_first_step_ms,
                       stage2_ms=resp.timings.stage2_ms,
+                      moves=[dataclasses.asdict(m) for m in resp.moves],
                       **Approximation.fields_of(s.approximation))

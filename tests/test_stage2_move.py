@@ -1,9 +1,10 @@
-"""Moving a running stage 2 (issue 59) through the gRPC router, with real processes: one
-P, two Ds and a router (``tools.launch.local_cluster(extra_decode=1)``). A beam search
-(W=8, T=8) is stopped on its D after a beam step and resumed on the other D; its beams
-equal the same request run colocated. The negative control resumes a stopped search with
-one live beam's score changed (through the engine wire, as the router sends it): its
-beams differ, so the identity check can fail."""
+"""Moving a running stage 2 (issue 59) through the router's gRPC and HTTP fronts, with
+real processes: one P, two Ds and a router (``tools.launch.local_cluster(extra_decode=1)``).
+A beam search (W=8, T=8) is stopped on its D after a beam step and resumed on the other
+D; its beams equal the same request run colocated. The negative control resumes a stopped
+search with one live beam's score changed (through the engine wire, as the router sends
+it): its beams differ, so the identity check can fail. Over HTTP, a continuation's beam
+search drained off its D, with a control of its own (a corrupted import, moved)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,17 @@ RACED = object()
 
 @pytest.fixture(scope="module")
 def two_d(model_dir, tmp_path_factory):
+    """P, two Ds and a router with the HTTP front (``http``: its base URL); the engines
+    take injected faults (``--fault-injection``: the HTTP test's negative control)."""
+    from kvhandoff.ports import free_port
     from tests.utils import metric_sum
     from tools.launch import local_cluster
 
+    http_port = free_port()
     with local_cluster(model_dir, tmp_path_factory.mktemp("stage2-move-logs"),
-                       decode_mib=32, prefill_mib=64, lease_s=LEASE_S,
-                       extra_decode=1) as cluster:
+                       decode_mib=32, prefill_mib=64, lease_s=LEASE_S, extra_decode=1,
+                       engine_flags=("--fault-injection",),
+                       router_flags=("--http-port", str(http_port))) as cluster:
         # A D that came up after the router is warmed up in the background, taking no
         # work meanwhile (a move to it would be refused): wait for both Ds' warm-ups.
         deadline = time.monotonic() + 120
@@ -42,7 +48,7 @@ def two_d(model_dir, tmp_path_factory):
             assert time.monotonic() < deadline, "the router never warmed both Ds up"
             time.sleep(0.2)
         time.sleep(0.5)  # the warm-up's end puts the D back to work just after its count
-        yield cluster
+        yield {**cluster, "http": f"http://127.0.0.1:{http_port}"}
 
 
 def _request(request_id: str, prompt: list[int], path: str = "handoff"):
@@ -245,6 +251,91 @@ def test_a_resumed_search_with_a_changed_beam_score_gives_other_beams(two_d):
     tampered.live[0].cum_logprob -= 10.0  # NEGATIVE CONTROL: a wrong score moved over
     other = stage2(d1, "neg-tampered", resume=tampered)
     assert beams(other) != beams(ref)
+    assert_servers_clean(two_d["decode"], 2 * LEASE_S + 5)
+
+
+#: The HTTP test's beam search: longer than W, T above (a drain must find it running).
+HTTP_W, HTTP_T = 8, 48
+
+
+def _http_drained(two_d, prompt: list[int], seed: int, fault: str | None = None):
+    """Over the HTTP front: a parent (stage 1 of ``S1`` tokens), then its continuation
+    with beam search (HTTP_W, HTTP_T) while the test drains the D that runs it (polled
+    until it runs a request; that D is put back after). Returns (parent, beams, the
+    Drain's answer, the drained D), or None for the drain when the search ended
+    first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from tools.client import RouterClient
+    from tools.launch import pool_state
+
+    client = openai.OpenAI(base_url=two_d["http"] + "/v1", api_key="unused", max_retries=0,
+                           timeout=300)
+    model = client.models.list().data[0].id
+    parent = client.completions.create(model=model, prompt=prompt, max_tokens=S1, seed=seed,
+                                       temperature=1.0)
+    drained, source = None, None
+    with ThreadPoolExecutor(1) as pool, RouterClient(two_d["router"]) as grpc_client:
+        answer = pool.submit(client.completions.create, model=model, prompt="",
+                             max_tokens=HTTP_T, n=HTTP_W, extra_body={
+                                 "use_beam_search": True, "continuation_of": parent.id,
+                                 **({"fault": fault} if fault else {})})
+        deadline = time.monotonic() + 120
+        while source is None and not answer.done() and time.monotonic() < deadline:
+            source = next((a for a in _decodes(two_d) if pool_state(a)[1].num_running_reqs),
+                          None)
+            time.sleep(0.002)
+        if source is not None:
+            try:
+                drained = grpc_client.drain(source, timeout_s=120)
+            finally:
+                grpc_client.drain(source, undo=True)
+        beams = answer.result()
+        assert grpc_client.release_parent(parent.id).hold_ended
+    return parent, beams, drained, source
+
+
+def test_an_http_continuation_drained_off_its_d_gives_the_unmoved_beams(two_d):
+    """The OpenAI-compatible HTTP front: a parent, then its continuation's beam search,
+    moved to the other D by Router.Drain of its D while it runs. The answer lists the
+    move (``kvhandoff.moves``: from the drained D to the other, at a beam step, reason
+    "drain"), names the other D as its decode_endpoint, and its beams equal the
+    colocated run's. NEGATIVE CONTROL: the same with block 0 of D's import zeroed
+    (``zero-block``, a fresh prompt): moved the same way (the other D reads D's KV as D
+    holds it), its beams fail the same check."""
+    from tests.utils import assert_http_identical
+    from tools.client import RouterClient, make_request
+
+    decodes = _decodes(two_d)
+
+    def reference(prompt, seed):
+        with RouterClient(two_d["router"]) as client:
+            return client.generate(make_request(
+                prompt=prompt, max_tokens=S1, seed=seed, beam_width=HTTP_W,
+                beam_tokens=HTTP_T, path="colocated"), timeout=300)
+
+    for prompt, seed, fault in ((list(range(700, 780)), 7, None),
+                                (list(range(800, 880)), 8, "zero-block")):
+        ref = reference(prompt, seed)
+        for _ in range(3):  # a busy machine may end the search before the drain
+            parent, beams, drained, source = _http_drained(two_d, prompt, seed, fault)
+            if drained is not None and drained.moved:
+                break
+        assert drained is not None and drained.moved == 1, drained
+        assert (drained.failed, drained.empty) == (0, True), drained
+        info = beams.model_extra["kvhandoff"]
+        (move,) = info["moves"]
+        assert (move["from_endpoint"], move["reason"]) == (source, "drain"), move
+        assert move["to_endpoint"] == info["decode_endpoint"] == next(
+            a for a in decodes if a != source)
+        assert 1 <= move["at_beam_step"] < HTTP_T and move["num_bytes_moved"] > 0, move
+        if fault is None:
+            assert_http_identical(parent, beams, ref, moved=True)
+        else:
+            with pytest.raises(AssertionError, match="cum_logprob|beams differ"):
+                assert_http_identical(parent, beams, ref, moved=True)
     assert_servers_clean(two_d["decode"], 2 * LEASE_S + 5)
 
 
