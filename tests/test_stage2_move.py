@@ -339,6 +339,25 @@ def test_an_http_continuation_drained_off_its_d_gives_the_unmoved_beams(two_d):
     assert_servers_clean(two_d["decode"], 2 * LEASE_S + 5)
 
 
+def test_the_benchs_d_drain_moves_every_search_with_the_waited_beams(two_d):
+    """``kvhandoff bench --moves``' stage-2 part, small (2 searches, W=8, T=48): waited
+    for, then drained off D to D': every search moved, none recomputed, the beams the
+    same both times, the drained D empty when the Drain returns."""
+    import random
+
+    from tools.bench.moves import run_search_drains
+
+    d, d2 = _decodes(two_d)
+    result = run_search_drains(two_d["router"], d, d2, requests=2, prompt_tokens=64,
+                               rng=random.Random(59), width=HTTP_W, tokens=HTTP_T)
+    wait, drain = result["rows"]
+    assert (wait["moved"], drain["moved"]) == (0, 2), result
+    assert wait["recomputed"] == drain["recomputed"] == 0, result
+    assert result["identical"], result
+    assert drain["d_empty_s"] <= drain["drain_call_s"] + 0.5, result
+    assert_servers_clean(two_d["decode"], 2 * LEASE_S + 5)
+
+
 #: The load with drains: KVHANDOFF_MOVE_LOAD_REQUESTS at KVHANDOFF_MOVE_LOAD_CONCURRENCY
 #: (CI: 48 at 8; the issue's full size: 500 at 32).
 LOAD_REQUESTS = int(os.environ.get("KVHANDOFF_MOVE_LOAD_REQUESTS", "48"))

@@ -20,6 +20,15 @@ P, P', D and the router run as processes (``local_cluster``). Two measurements:
   done (the baseline, run first); P' is drained meanwhile, so all N run on P. Reported:
   seconds from that moment until P runs no request (``GetCapacity`` polled every 20
   ms), and until every request is answered.
+- **Drain of a D running N beam searches** (stage 2, issue 59). N two-stage requests
+  (fresh prompts, a short stage 1, beam search of ``SEARCH_W`` beams and ``SEARCH_T``
+  tokens) all run their searches on D (D' drained while they start, put back once
+  every search runs on D: each request's stage 1 streamed and D's running slots reach N
+  x ``SEARCH_W``); then either nothing is done (``wait``, run first) or
+  ``Router.Drain(D)`` moves them to D' (``drain``). The same prompts and seeds both
+  times: the drained requests' beams are compared with the waited ones'. Reported:
+  seconds until D runs no request, the Drain call's own seconds, until every request
+  is answered, and how many moved.
 """
 
 from __future__ import annotations
@@ -40,6 +49,11 @@ from tools.launch import local_cluster
 
 #: Stage-1 tokens streamed on P before the move.
 MOVE_AT = 32
+#: The stage-2 drain's beam searches: width and tokens (a few seconds each here).
+SEARCH_W, SEARCH_T = 32, 64
+#: Their stage 1: this many tokens, then the search.
+SEARCH_STAGE1 = 4
+
 #: Parent lengths at the move (the model's max_model_len is 4096: stage 1's rest, the
 #: suffix and the beams must fit after the longest).
 LENGTHS = (256, 1024, 2048, 3968)
@@ -156,6 +170,73 @@ def measure_drain(stub, p_address: str, *, requests: int, prompt_tokens: int,
             "drain_call_s": round(summary.seconds, 2) if summary else None}
 
 
+def _search_request(prompt: list[int], request_id: str, seed: int, width: int,
+                    tokens: int) -> router_pb2.GenerateRequest:
+    req = _request(prompt, request_id, SEARCH_STAGE1, seed=seed)
+    req.beam.beam_width, req.beam.max_tokens = width, tokens
+    return req
+
+
+def measure_search_drain(stub, d_address: str, d2_address: str, prompts: list[list[int]], *,
+                         drain: bool, width: int = SEARCH_W, tokens: int = SEARCH_T
+                         ) -> dict[str, Any]:
+    """N = len(prompts) beam searches running on D, drained to D' or waited for (see the
+    module docstring); ``beams``: each request's beams, for the identity check."""
+    d_stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(d_address))
+
+    def running() -> int:
+        return d_stub.GetCapacity(engine_pb2.CapacityRequest(), timeout=10).num_running_reqs
+
+    tag = "drain" if drain else "wait"
+    started = [threading.Event() for _ in prompts]
+    _drain(stub, d2_address)  # every search starts on D
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_stream, stub, _search_request(
+            prompt, f"bm-s2{tag}-{i}", 200 + i, width, tokens), started[i], SEARCH_STAGE1)
+            for i, prompt in enumerate(prompts)]
+        for event in started:
+            event.wait(600)
+        deadline = time.monotonic() + 60
+        while running() < len(prompts) * width and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _drain(stub, d2_address, undo=True)  # D' takes work: the drain's destination
+        t0 = time.perf_counter()
+        summary = None
+        if drain:
+            summary = stub.Drain(router_pb2.DrainRequest(endpoint=d_address), timeout=600)
+        while running():
+            time.sleep(0.02)
+        empty_s = time.perf_counter() - t0
+        results = [f.result()[1] for f in futures]
+        answered_s = time.perf_counter() - t0
+    if drain:
+        stub.Drain(router_pb2.DrainRequest(endpoint=d_address, undo=True), timeout=60)
+    return {"mode": tag, "d_empty_s": round(empty_s, 2), "all_answered_s": round(answered_s, 2),
+            "drain_call_s": round(summary.seconds, 2) if summary else None,
+            "moved": sum(1 for r in results if r.moves),
+            "recomputed": sum(1 for r in results if r.stats.recomputed),
+            "stage2_s": [round(r.timings.stage2_ms / 1e3, 2) for r in results],
+            "at_beam_steps": [m.at_beam_step for r in results for m in r.moves],
+            "pause_ms": [round(m.pause_ms, 1) for r in results for m in r.moves],
+            "beams": [[list(b.token_ids) for b in r.beams] for r in results]}
+
+
+def run_search_drains(router: str, d_address: str, d2_address: str, *, requests: int = 4,
+                      prompt_tokens: int = 256, rng: random.Random,
+                      width: int = SEARCH_W, tokens: int = SEARCH_T) -> dict[str, Any]:
+    """The stage-2 drain against waiting, the same N prompts both times."""
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(router))
+    prompts = [[rng.randrange(10, 1000) for _ in range(prompt_tokens)]
+               for _ in range(requests)]
+    wait, drain = (measure_search_drain(stub, d_address, d2_address, prompts, drain=mode,
+                                        width=width, tokens=tokens) for mode in (False, True))
+    identical = wait.pop("beams") == drain.pop("beams")
+    return {"rows": [wait, drain], "identical": identical,
+            "config": {"requests": requests, "prompt_tokens": prompt_tokens,
+                       "beam_width": width, "beam_tokens": tokens,
+                       "stage1_tokens": SEARCH_STAGE1}}
+
+
 def run_moves(router: str, p_address: str, *, p2_address: str | None = None,
               lengths: tuple[int, ...] = LENGTHS,
               stage1_tokens: int = 96, drain_requests: int = 8, drain_prompt_tokens: int = 256,
@@ -175,12 +256,38 @@ def run_moves(router: str, p_address: str, *, p2_address: str | None = None,
                        "drain_stage1_tokens": drain_stage1_tokens, "seed": seed}}
 
 
-def measure_moves(model: str | None, **kw: Any) -> dict[str, Any]:
-    """``run_moves`` on P, P' (256 MiB pools), D (256 MiB) and a router started here."""
+def measure_moves(model: str | None, *, search_requests: int = 4, **kw: Any) -> dict[str, Any]:
+    """``run_moves`` on P, P' (256 MiB pools), D, D' (256 MiB) and a router started here,
+    then ``run_search_drains`` (D drained to D') once the router warmed D' up."""
     with local_cluster(model, Path("out") / "bench-moves-logs", prefill_mib=256,
-                       decode_mib=256, extra_prefill=1) as cluster:
-        return run_moves(cluster["router"], cluster["prefill"].address,
-                         p2_address=cluster["prefills"][1].address, **kw)
+                       decode_mib=256, extra_prefill=1, extra_decode=1) as cluster:
+        result = run_moves(cluster["router"], cluster["prefill"].address,
+                           p2_address=cluster["prefills"][1].address, **kw)
+        d, d2 = (server.address for server in cluster["decode"])
+        wait_warmed(cluster["router_metrics"], [d, d2])
+        result["search_drain"] = run_search_drains(
+            cluster["router"], d, d2, requests=search_requests,
+            rng=random.Random(result["config"]["seed"]))
+        return result
+
+
+def wait_warmed(metrics_url: str, addresses: list[str], timeout_s: float = 120) -> None:
+    """Until the router counts a warm-up of each D (one that came up after the router
+    takes no work before it)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        warmed = {s.labels.get("dest") for f in text_string_to_metric_families(text)
+                  for s in f.samples if s.name == "kvhandoff_router_warmups_total" and s.value}
+        if set(addresses) <= warmed:
+            time.sleep(0.5)  # the warm-up's end puts the D back to work just after its count
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the router did not warm up {addresses} in {timeout_s:g} s")
 
 
 def format_moves(result: dict[str, Any]) -> str:
@@ -198,4 +305,20 @@ def format_moves(result: dict[str, Any]) -> str:
     for row in result["drain"]:
         lines.append(f"  {row['mode']:>5}: P empty after {row['p_empty_s']} s, all answered "
                      f"after {row['all_answered_s']} s, {row['moved']} moved")
+    if "search_drain" in result:
+        lines.append(format_search_drains(result["search_drain"]))
+    return "\n".join(lines)
+
+
+def format_search_drains(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [f"{cfg['requests']} beam searches (W={cfg['beam_width']}, T={cfg['beam_tokens']}, "
+             f"{cfg['prompt_tokens']}-token prompts) on D:"]
+    for row in result["rows"]:
+        lines.append(f"  {row['mode']:>5}: D empty after {row['d_empty_s']} s (Drain call "
+                     f"{row['drain_call_s']} s), all answered after {row['all_answered_s']} s, "
+                     f"{row['moved']} moved, {row['recomputed']} recomputed, stage 2 s "
+                     f"{row['stage2_s']}, moved at beam steps {row['at_beam_steps']} "
+                     f"(paused ms {row['pause_ms']})")
+    lines.append(f"  drained beams equal the waited ones: {result['identical']}")
     return "\n".join(lines)
