@@ -158,10 +158,12 @@ class Executor:
     async def _follow_moves(self, running: Running, plan: Plan, out: Outcome,
                             recompute: bool) -> None:
         """While a move stopped ``running``'s search (``out.stage2``: D's answer), it
-        goes on at the destination, whose claim ``running`` holds instead."""
+        goes on at the destination: D's claim is released at the stop, the
+        destination's held once the resume returns (``go_on`` holds it until then)."""
         searches = self.desk.searches
         while searches.stopped(running.search, out):
             running.enter(Stage.ON_D)
+            running.set_claim(None)  # D stopped it: its room there goes back now
             running.set_claim(await searches.go_on(running.search, plan, out, recompute))
         running.search = None
 

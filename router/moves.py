@@ -108,7 +108,12 @@ class Running:
             self.move_taken.set_result(taken)
 
     def uses(self, ep: Endpoint) -> bool:
-        return ep is self.p if self.stage is Stage.ON_P else ep is self.d
+        """Whether it runs on ``ep`` now: its P in stage 1; in stage 2 the D its search
+        runs on (after a move, the destination from the resume's call on: a drained D
+        is free of it then, though ``d`` follows only once the search ends there)."""
+        if self.stage is Stage.ON_P:
+            return ep is self.p
+        return ep is (self.search.d if self.search is not None else self.d)
 
     def set_claim(self, claim: Claim | None) -> None:
         """Hold ``claim`` (on its D) instead of the one held before, which is released."""
@@ -287,10 +292,17 @@ class MoveDesk:
         moved, in_place = 0, 0
         # Stage 1s on a P whose beam search will start on this D: moved once it runs.
         coming = [r for r in affected if r.stage is Stage.ON_P and r.d is ep and r.p is not ep]
+        # Beam searches: moved all at once (each move waits for D's next beam step, one
+        # step for all of them); stage 1s one after another (P's next token).
+        moving: list[asyncio.Task] = []
         for r in affected:
             if r in coming:
                 continue
             if self._search_or_stage1_here(r, ep) and not r.why_not_movable():
+                if r.stage is Stage.ON_D:
+                    moving.append(asyncio.create_task(
+                        self.move(r.plan.request_id, reason="drain")))
+                    continue
                 try:
                     await self.move(r.plan.request_id, reason="drain")
                     moved += 1
@@ -299,7 +311,6 @@ class MoveDesk:
                     logger.warning("drain of %s: %s not moved (%s)", address,
                                    r.plan.request_id, e)
             in_place += 1
-        moving: list[asyncio.Task] = []
 
         def busy() -> bool:
             return ep.outstanding > 0 or any(

@@ -50,7 +50,7 @@ from tools.launch import local_cluster
 #: Stage-1 tokens streamed on P before the move.
 MOVE_AT = 32
 #: The stage-2 drain's beam searches: width and tokens (a few seconds each here).
-SEARCH_W, SEARCH_T = 32, 64
+SEARCH_W, SEARCH_T = 32, 192
 #: Their stage 1: this many tokens, then the search.
 SEARCH_STAGE1 = 4
 
@@ -201,12 +201,12 @@ def measure_search_drain(stub, d_address: str, d2_address: str, prompts: list[li
             time.sleep(0.01)
         _drain(stub, d2_address, undo=True)  # D' takes work: the drain's destination
         t0 = time.perf_counter()
-        summary = None
-        if drain:
-            summary = stub.Drain(router_pb2.DrainRequest(endpoint=d_address), timeout=600)
-        while running():
+        call = stub.Drain.future(router_pb2.DrainRequest(endpoint=d_address),
+                                 timeout=600) if drain else None
+        while running():  # D polled while the Drain runs
             time.sleep(0.02)
         empty_s = time.perf_counter() - t0
+        summary = call.result() if call is not None else None
         results = [f.result()[1] for f in futures]
         answered_s = time.perf_counter() - t0
     if drain:
