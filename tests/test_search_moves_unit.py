@@ -30,6 +30,8 @@ class FakeEngine:
         self.free, self.slow_s = 200, 0.3
         #: Stops ignored before one counts (D ignores a Stop that comes before the search).
         self.ignored_stops = 0
+        #: How long a resume runs before it answers.
+        self.resume_s = 0.0
         self.requests: list[engine_pb2.Stage2Request] = []
         self.stops: list[engine_pb2.StopRequest] = []
         self._stopped: asyncio.Event | None = None
@@ -58,6 +60,7 @@ class FakeEngine:
     async def Stage2(self, request, timeout=None):  # noqa: N802
         self.requests.append(request)
         if request.HasField("resume"):
+            await asyncio.sleep(self.resume_s)
             if self.fail is not None:
                 raise grpc.aio.AioRpcError(self.fail, grpc.aio.Metadata(),
                                            grpc.aio.Metadata(), "the fake refuses")
@@ -144,6 +147,36 @@ def test_a_moved_search_resumes_on_the_other_d_holding_its_room_there(model_dir)
     assert (move.from_endpoint, move.to_endpoint, move.at_beam_step, move.reason) == (
         first.name, other.name, 2, "move")
     assert out.failed_decode is None and _claims(router) == [0, 0]
+
+
+def test_a_drain_of_d_returns_once_its_search_resumes_elsewhere_and_frees_ds_room(model_dir):
+    """Router.Drain of the D running a search whose resume on the other D takes 1 s: the
+    drain answers before the resume ends (moved 1, empty), with no claim left on the
+    drained D; the run then ends with the other D's beams and no claim at all."""
+    d0, d1 = FakeEngine("d0", "stop"), FakeEngine("d1", "stop")
+    d0.resume_s = d1.resume_s = 1.0
+    router = _router(model_dir, d0, d1)
+
+    async def drained_while_running():
+        await router.pool.refresh_capacity(router.pool.endpoints)
+        run = router.executor.run(_plan())
+        task = asyncio.ensure_future(asyncio.wait_for(_last(run), 30))
+        while not (d0.requests or d1.requests):
+            await asyncio.sleep(0.001)
+        source = next(ep for ep in router.decode if ep.stub.requests)
+        summary = await router.drain(source.address, timeout_s=10)
+        claims = len(source.claims)
+        return summary, claims, task.done(), await task
+
+    summary, claims, ended, out = asyncio.run(drained_while_running())
+    assert (summary.moved, summary.empty, summary.failed) == (1, True, 0), summary
+    assert summary.seconds < 1.0 and not ended, summary
+    assert claims == 0, "the drained D's room is still claimed"
+    assert list(out.stage2.beams) == BEAMS and _claims(router) == [0, 0]
+
+
+async def _last(items):
+    return [item async for item in items][-1]
 
 
 def test_a_stop_d_ignored_is_sent_again_until_d_answers(model_dir):
