@@ -258,13 +258,14 @@ def run_moves(router: str, p_address: str, *, p2_address: str | None = None,
 
 def measure_moves(model: str | None, *, search_requests: int = 4, **kw: Any) -> dict[str, Any]:
     """``run_moves`` on P, P' (256 MiB pools), D, D' (256 MiB) and a router started here,
-    then ``run_search_drains`` (D drained to D') once the router warmed D' up."""
+    then ``run_search_drains`` (D drained to D'), once the router warmed both Ds up (no
+    warm-up runs beside the measurements)."""
     with local_cluster(model, Path("out") / "bench-moves-logs", prefill_mib=256,
                        decode_mib=256, extra_prefill=1, extra_decode=1) as cluster:
-        result = run_moves(cluster["router"], cluster["prefill"].address,
-                           p2_address=cluster["prefills"][1].address, **kw)
         d, d2 = (server.address for server in cluster["decode"])
         wait_warmed(cluster["router_metrics"], [d, d2])
+        result = run_moves(cluster["router"], cluster["prefill"].address,
+                           p2_address=cluster["prefills"][1].address, **kw)
         result["search_drain"] = run_search_drains(
             cluster["router"], d, d2, requests=search_requests,
             rng=random.Random(result["config"]["seed"]))
