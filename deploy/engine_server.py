@@ -73,8 +73,9 @@ class EngineServer:
                     self.engine.engine_id, host)
 
     # The keyword arguments after the request (``blocks_needed``, ``prefix``, ``engine``,
-    # ``affinity``) are read by the deployment's request router (``deploy.request_router``) before
-    # the call lands here: nothing in the replica uses them.
+    # ``affinity``, ``avoid``) are read by the deployment's request router
+    # (``deploy.request_router``) before the call lands here: nothing in the replica
+    # uses them.
 
     async def stage1(self, request: bytes, prefix: tuple = ()) -> AsyncIterator[bytes]:
         req = engine_pb2.Stage1Request.FromString(request)
@@ -82,9 +83,12 @@ class EngineServer:
             yield event.SerializeToString()
 
     async def stage2(self, request: bytes, blocks_needed: int = 0, prefix: tuple = (),
-                     affinity: str = "") -> bytes:
+                     affinity: str = "", avoid: str = "") -> AsyncIterator[bytes]:
+        """Stage2, streamed as two items: this replica's engine id as the call starts (a
+        Stop of the stage 2 names it: ``HandleStub``), then the Stage2Response."""
+        yield self.engine.engine_id.encode()
         req = engine_pb2.Stage2Request.FromString(request)
-        return (await self.servicer.Stage2(req, _CallContext())).SerializeToString()
+        yield (await self.servicer.Stage2(req, _CallContext())).SerializeToString()
 
     async def stage2_stream(self, request: bytes, blocks_needed: int = 0,
                             prefix: tuple = (), affinity: str = "") -> AsyncIterator[bytes]:

@@ -7,7 +7,12 @@ come first, most free blocks first; if none fits the call still goes to the one 
 most free blocks, whose scheduler refuses it at admission with RESOURCE_EXHAUSTED (the
 standalone router's semantics). A continuation carries its parent's id (``affinity``):
 of the replicas that fit, it goes first to the parent's own (``affinity.rendezvous``),
-where its earlier continuations left the parent's KV in the prefix cache. Calls without
+where its earlier continuations left the parent's KV in the prefix cache. A moved beam
+search's resume names the engine it was stopped on (``avoid``): it goes to another
+replica (to that one only when no other runs: its engine refuses it, and the router
+recomputes the stage 2). A call naming an engine (``engine``: the Stop of a stage 2,
+to the replica running it) goes to the replica reporting that engine id, or, if none
+does any more, to any (which drops a Stop of a search it does not run). Calls without
 a need use Serve's own order.
 
 ``OwnerRouter`` (Router): a call naming a parent or a running request goes to the router
@@ -56,6 +61,10 @@ def _free_blocks(replica: RunningReplica) -> int:
     return int(stats.get("free_blocks", -1))
 
 
+def _engine_of(replica: RunningReplica) -> str:
+    return str((replica.routing_stats or {}).get("engine_id", ""))
+
+
 class CapacityRouter(RequestRouter):
     async def choose_replicas(
         self,
@@ -63,6 +72,13 @@ class CapacityRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         kwargs = (pending_request.kwargs or {}) if pending_request else {}
+        engine, avoid = kwargs.get("engine"), kwargs.get("avoid")
+        if engine:
+            named = [r for r in candidate_replicas if _engine_of(r) == engine]
+            return [named] if named else [candidate_replicas]
+        if avoid:
+            candidate_replicas = ([r for r in candidate_replicas if _engine_of(r) != avoid]
+                                  or candidate_replicas)
         need = int(kwargs.get("blocks_needed", 0))
         if not need:
             return [candidate_replicas]

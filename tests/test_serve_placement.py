@@ -9,7 +9,11 @@ address, as before the group, and continuations placed by room alone,
 ``tests/serve_controls.py``), where a continuation reaching the D its handoff does not
 name is refused (PERMISSION_DENIED: "addressed to engine ...") and one moved to the
 other D finds nothing cached there. Unit tests of the placement rule:
-tests/test_affinity.py."""
+tests/test_affinity.py.
+
+On the shipped application alone: a running beam search moved by Router.Move from its D
+replica to the other (issue 59), with its control (Stops naming the replica not running
+a search leave it alone)."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from kvhandoff.v1 import router_pb2, router_pb2_grpc
+from kvhandoff.v1 import engine_pb2, router_pb2, router_pb2_grpc
 from tests.test_ray_serve import APP, METADATA, _alive, _serve_engine_cores
 from tests.utils import assert_identical
 from tools.client import make_request
@@ -174,3 +178,114 @@ def test_twenty_continuations_over_two_d_replicas_import_on_the_parents_own_d(ap
 
 def _stat(got, name: str):
     return None if isinstance(got, grpc.RpcError) else getattr(got.stats, name)
+
+
+#: A beam search long enough to be found running on its replica and stopped there.
+SEARCH_W, SEARCH_T = 16, 24
+
+
+def _search(request_id: str, path: str = "handoff") -> router_pb2.GenerateRequest:
+    """Stage 1 of 4 tokens with vLLM's own seeded sampling (not movable: a Move reaches
+    only the stage 2), then a beam search of SEARCH_W, SEARCH_T."""
+    req = make_request(prompt=list(range(300, 380)), max_tokens=4, seed=5,
+                       beam_width=SEARCH_W, beam_tokens=SEARCH_T, path=path,
+                       request_id=request_id)
+    req.stage1.min_tokens, req.stage1.positional = 4, False
+    return req
+
+
+def _move_search(proxy, request_id: str, call):
+    """Router.Move of ``request_id``'s stage 2 through the proxy, asked until it runs:
+    the answer, or None when the search ended first."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            return proxy.Move(router_pb2.MoveRequest(request_id=request_id),
+                              metadata=METADATA, timeout=60)
+        except grpc.RpcError as e:
+            if "before the stop took effect" in e.details() or call.done():
+                return None
+            if not any(s in e.details() for s in ("is not running here", "has no D yet",
+                                                  "positional",  # still in stage 1
+                                                  "not in its stage 2's beam search yet")):
+                raise
+        time.sleep(0.005)
+    raise AssertionError(f"{request_id}: never in its beam search")
+
+
+def _decode_engines(decode) -> tuple[str, str]:
+    """The two D replicas' engine ids, as their capacity calls answer them (each call to
+    either replica, by Serve's order)."""
+    seen: set[str] = set()
+    for _ in range(50):
+        seen.add(engine_pb2.Capacity.FromString(
+            decode.capacity.remote().result(timeout_s=60)).engine_id)
+        if len(seen) == 2:
+            return tuple(sorted(seen))
+    raise AssertionError(f"50 capacity calls reached only {seen}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("app", ["shipped"], indirect=True)
+def test_a_beam_search_moves_from_its_decode_replica_to_the_other(app):
+    """Router.Move of a request in its beam search under Serve (issue 59): the Stop
+    reaches the D replica running it (``HandleStub`` learnt its engine from the stage-2
+    call; Decode's request router sends a call naming an engine there), the resume goes
+    to the other replica (``avoid``). STEP 1: the colocated reference. STEP 2, the
+    control: Stops sent through Serve's Decode handle naming the engine NOT running a
+    search (where a Stop without its engine may land) leave it alone: it ends unmoved
+    on its replica, beams equal. STEP 3: a search moved by Router.Move: the move names
+    both engines, they differ, the answer ends on the second, its beams equal the
+    reference. Run with Decode's request router ignoring ``engine`` (Serve's order), the
+    control's Stops reach the search, and every Move's Stops miss it until it ends."""
+    from ray import serve
+
+    proxy = app["proxy"]
+    decode = serve.get_deployment_handle("Decode", app_name=APP)
+    engines = _decode_engines(decode)
+    # STEP 1
+    ref = proxy.Generate(_search("mv-ref", "colocated"), metadata=METADATA, timeout=300)
+
+    def running(engine: str) -> int:
+        cap = engine_pb2.Capacity.FromString(
+            decode.capacity.remote(engine=engine).result(timeout_s=60))
+        assert cap.engine_id == engine, (cap.engine_id, engine)
+        return cap.num_running_reqs
+
+    # STEP 2
+    for attempt in range(5):
+        rid = f"ctl-{attempt}"
+        call = proxy.Generate.future(_search(rid), metadata=METADATA, timeout=300)
+        on, stops = None, 0
+        while on is None and not call.done():
+            on = next((e for e in engines if running(e)), None)
+        while on is not None and not call.done():
+            other = engines[1 - engines.index(on)]
+            stop = engine_pb2.StopRequest(request_ids=[f"{rid}-s2"], target_engine_id="Decode")
+            decode.stop.remote(stop.SerializeToString(), engine=other).result(timeout_s=60)
+            stops += 1
+        got = call.result()
+        if on is not None and stops:
+            break
+    print(f"control: {stops} Stops to the other replica while {rid} ran on {on}")
+    assert on is not None and stops, "no search of 5 was seen running"
+    assert not got.moves and got.stats.decode_engine_id == on, (list(got.moves), on)
+    assert_identical(got, ref, imported=False)
+    # STEP 3
+    for attempt in range(3):
+        rid = f"mv-{attempt}"
+        call = proxy.Generate.future(_search(rid), metadata=METADATA, timeout=300)
+        moved = _move_search(proxy, rid, call)
+        got = call.result()
+        if moved is not None:
+            break
+        assert not got.moves, "Move said nothing moved, yet the search moved"
+    assert moved is not None, "every search of 3 ended before its Move"
+    (move,) = got.moves
+    print(f"moved at beam step {move.at_beam_step}: {move.from_engine_id} -> "
+          f"{move.to_engine_id}, {move.num_imported_tokens} tokens imported")
+    assert move.reason == "move" and 1 <= move.at_beam_step < SEARCH_T
+    assert {move.from_engine_id, move.to_engine_id} == set(engines)
+    assert move.to_engine_id == got.stats.decode_engine_id
+    assert move.num_imported_tokens > 0 and not got.stats.recomputed
+    assert_identical(got, ref, imported=False)
