@@ -5,6 +5,7 @@ over deployment handles instead of a gRPC port."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import grpc
 from ray import serve
 
+from deploy.leaving import LeaveWatch
 from engine import EngineConfig
 from kvhandoff.model import resolve_model
 from kvhandoff.v1 import engine_pb2
@@ -69,8 +71,25 @@ class EngineServer:
                               side_channel_port=port, **engine_kwargs)
         self.servicer = make_servicer(role, model_dir)
         self.engine = await start_engine(self.servicer, config)
+        # Its searches move out only where the engine outlives the calls long enough for
+        # the other replicas to read the stopped searches' exports (``drain_s``).
+        self.leave_watch = self._watch_leaving() if role == "decode" and drain_s else None
         logger.info("%s replica ready: engine %s, NIXL side channel %s", role,
                     self.engine.engine_id, host)
+
+    def _watch_leaving(self) -> LeaveWatch:
+        """D: once Serve stops this replica, its searches move to the others
+        (``deploy.leaving``). A handle to its own deployment, whose request router
+        (CapacityRouter) follows the running set; its first call starts that."""
+        context = serve.get_replica_context()
+        engine = self.engine
+        watch = LeaveWatch(context.deployment, context.replica_id.unique_id,
+                           asyncio.get_running_loop(), self.servicer.running_ids,
+                           lambda ids: engine.stop_searches(ids, engine.handoff_target))
+        watch.start()
+        handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        self._own = handle.capacity.remote()  # any replica's answer; kept, never read
+        return watch
 
     # The keyword arguments after the request (``blocks_needed``, ``prefix``, ``engine``,
     # ``affinity``, ``avoid``) are read by the deployment's request router
@@ -96,7 +115,7 @@ class EngineServer:
         async for event in self.servicer.Stage2Stream(req, _CallContext()):
             yield event.SerializeToString()
 
-    async def capacity(self, engine: str = "") -> bytes:
+    async def capacity(self, engine: str = "", avoid: str = "") -> bytes:
         cap = await self.servicer.GetCapacity(engine_pb2.CapacityRequest(), _CallContext())
         return cap.SerializeToString()
 
@@ -161,6 +180,8 @@ class EngineServer:
         engine = getattr(self, "engine", None)
         if engine is None:
             return
+        if getattr(self, "leave_watch", None) is not None:
+            self.leave_watch.close()
         if self.drain_s > 0:
             snap = await engine.wait_pool_clean(self.drain_s)
             if not snap.is_clean:

@@ -13,7 +13,8 @@ replica (to that one only when no other runs: its engine refuses it, and the rou
 recomputes the stage 2). A call naming an engine (``engine``: the Stop of a stage 2,
 to the replica running it) goes to the replica reporting that engine id, or, if none
 does any more, to any (which drops a Stop of a search it does not run). Calls without
-a need use Serve's own order.
+a need use Serve's own order. Each change of the running set is told to
+``deploy.leaving`` (a stopping D replica moves its searches out).
 
 ``OwnerRouter`` (Router): a call naming a parent or a running request goes to the router
 replica that owns its id (``deploy.affinity``); router replicas report their rank
@@ -46,6 +47,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deploy.affinity import owner, rendezvous, routing_key
+from deploy.leaving import replicas_changed
 from kvhandoff.ports import is_loopback
 
 logger = logging.getLogger("kvhandoff.deploy")
@@ -66,6 +68,12 @@ def _engine_of(replica: RunningReplica) -> str:
 
 
 class CapacityRouter(RequestRouter):
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if replicas:  # a D replica's own handle: it may have left the set (deploy.leaving)
+            replicas_changed(replicas[0].replica_id.deployment_id.name,
+                             (r.replica_id.unique_id for r in replicas))
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],

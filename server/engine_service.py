@@ -61,6 +61,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._tasks: dict[str, asyncio.Task] = {}
         self.counts = HandoffCounts()
 
+    def running_ids(self) -> list[str]:
+        """The request ids of the calls this servicer runs now."""
+        return list(self._tasks)
+
     @contextlib.contextmanager
     def _track(self, request_id: str):
         if self.engine is None:

@@ -11,9 +11,10 @@ name is refused (PERMISSION_DENIED: "addressed to engine ...") and one moved to 
 other D finds nothing cached there. Unit tests of the placement rule:
 tests/test_affinity.py.
 
-On the shipped application alone: a running beam search moved by Router.Move from its D
-replica to the other (issue 59), with its control (Stops naming the replica not running
-a search leave it alone)."""
+On the shipped application alone (issue 59): a running beam search moved by Router.Move
+from its D replica to the other, with its control (Stops naming the replica not running
+a search leave it alone); then D replicas Serve stops (a redeploy with one) moving
+their running searches to another (with the replica's watch off, none moved)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ ARGS = {
     "device": "cpu",
     "lease_s": 120,
     "prefill": {"num_cpus": 0.5, "num_replicas": 1, "engine": {**ENGINE, "kv_cache_mib": 64}},
-    "decode": {"num_cpus": 0.5, "num_replicas": 2, "engine": ENGINE},
+    # A stopping D keeps its KV until read (its exports: a search it moved out); room
+    # for two long searches on one D (the scale-down test).
+    "decode": {"num_cpus": 0.5, "num_replicas": 2, "drain_s": 30,
+               "engine": {**ENGINE, "kv_cache_mib": 64}},
     "router": {"num_cpus": 0.25, "num_replicas": 1},
 }
 PARENTS, EACH = 10, 2  # 20 continuations
@@ -92,12 +96,12 @@ def app(request, serve_instance, tmp_path_factory):
             patch.setattr(deploy.app, "EngineServer", _PerReplicaAddress(deploy.app.EngineServer))
         secret = tmp_path_factory.mktemp("placement") / "handoff.secret"
         secret.write_text(secrets.token_hex(32))
-        serve.run(build_app({**ARGS, "handoff_secret_file": str(secret)}), name=APP,
-                  route_prefix="/kvhandoff", blocking=False)
+        args = {**ARGS, "handoff_secret_file": str(secret)}
+        serve.run(build_app(args), name=APP, route_prefix="/kvhandoff", blocking=False)
     try:
         wait_deployed(serve, ARGS)
         channel = grpc.insecure_channel(serve_instance["address"])
-        yield {"shipped": request.param == "shipped",
+        yield {"shipped": request.param == "shipped", "args": args,
                "proxy": router_pb2_grpc.RouterStub(channel)}
         channel.close()
     finally:
@@ -214,15 +218,13 @@ def _move_search(proxy, request_id: str, call):
 
 
 def _decode_engines(decode) -> tuple[str, str]:
-    """The two D replicas' engine ids, as their capacity calls answer them (each call to
-    either replica, by Serve's order)."""
-    seen: set[str] = set()
-    for _ in range(50):
-        seen.add(engine_pb2.Capacity.FromString(
-            decode.capacity.remote().result(timeout_s=60)).engine_id)
-        if len(seen) == 2:
-            return tuple(sorted(seen))
-    raise AssertionError(f"50 capacity calls reached only {seen}")
+    """The two D replicas' engine ids, as their capacity calls answer them: one call by
+    Serve's order, one to any replica but that one's (``avoid``)."""
+    first = engine_pb2.Capacity.FromString(decode.capacity.remote().result(timeout_s=60))
+    second = engine_pb2.Capacity.FromString(
+        decode.capacity.remote(avoid=first.engine_id).result(timeout_s=60))
+    assert first.engine_id != second.engine_id, first.engine_id
+    return first.engine_id, second.engine_id
 
 
 @pytest.mark.timeout(600)
@@ -289,3 +291,66 @@ def test_a_beam_search_moves_from_its_decode_replica_to_the_other(app):
     assert move.to_engine_id == got.stats.decode_engine_id
     assert move.num_imported_tokens > 0 and not got.stats.recomputed
     assert_identical(got, ref, imported=False)
+
+
+#: Wide searches (the built-in model's beams end at EOS within ~15 tokens: a search
+#: lasts by its width), two fitting one D's pool (229 blocks each of its 512): SCALE_N
+#: at once fill both D replicas.
+LONG_W, LONG_T = 32, 96
+SCALE_N = 4
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("app", ["shipped"], indirect=True)
+def test_a_decode_replica_serve_stops_moves_its_searches_to_the_other(app, serve_instance):
+    """Serve stopping D replicas while searches run on them: the application redeployed
+    with one D replica (``serve.run`` of an application without versions replaces every
+    replica, rolling: the old D replicas stop, the old P stops once a new one runs) once
+    SCALE_N searches are all in their stage 2 on the two D replicas. A D replica Serve
+    stops moves its running searches out (``deploy.leaving``: it left the running set)
+    instead of finishing them. STEP 1: the colocated reference. STEP 2: SCALE_N
+    searches, all running on the Ds. STEP 3: the redeploy. Every answer equals the
+    reference, none recomputed; some moved, each from one of the two old engines to
+    another engine. Runs last on the module's shipped application."""
+    from ray import serve as ray_serve
+
+    from deploy.app import build_app
+
+    proxy, serve = app["proxy"], serve_instance["serve"]
+    decode = ray_serve.get_deployment_handle("Decode", app_name=APP)
+
+    def long(request_id: str, path: str = "handoff") -> router_pb2.GenerateRequest:
+        req = _search(request_id, path)
+        req.beam.beam_width, req.beam.max_tokens = LONG_W, LONG_T
+        return req
+
+    def running(engine: str) -> int:
+        return engine_pb2.Capacity.FromString(
+            decode.capacity.remote(engine=engine).result(timeout_s=60)).num_running_reqs
+
+    # STEP 1
+    ref = proxy.Generate(long("sd-ref", "colocated"), metadata=METADATA, timeout=300)
+    engines = _decode_engines(decode)
+    # STEP 2
+    with ThreadPoolExecutor(SCALE_N) as pool:
+        calls = [pool.submit(lambda n=n: proxy.Generate(long(f"sd-{n}"), metadata=METADATA,
+                                                        timeout=300))
+                 for n in range(SCALE_N)]
+        deadline = time.monotonic() + 120
+        while sum(running(e) for e in engines) < SCALE_N:
+            assert time.monotonic() < deadline, "the searches never all ran on the Ds"
+            assert not any(c.done() for c in calls), "a search ended before all ran"
+        # STEP 3
+        args = app["args"]
+        serve.run(build_app({**args, "decode": {**args["decode"], "num_replicas": 1}}),
+                  name=APP, route_prefix="/kvhandoff", blocking=False)
+        got = [call.result() for call in calls]
+    moves = [(g.request_id, m.from_engine_id, m.to_engine_id, m.at_beam_step)
+             for g in got for m in g.moves]
+    print(f"{len(moves)} moves of {SCALE_N} searches: {moves}")
+    assert moves, "no search moved out of a stopped replica"
+    assert all(f in engines and t and t != f for _, f, t, _ in moves), moves
+    for g in got:
+        assert not g.stats.recomputed, g.request_id
+        assert not g.moves or g.moves[-1].to_engine_id == g.stats.decode_engine_id
+        assert_identical(g, ref, imported=False)
