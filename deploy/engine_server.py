@@ -5,6 +5,7 @@ over deployment handles instead of a gRPC port."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import grpc
 from ray import serve
 
+from deploy.leaving import LeaveWatch
 from engine import EngineConfig
 from kvhandoff.model import resolve_model
 from kvhandoff.v1 import engine_pb2
@@ -69,12 +71,30 @@ class EngineServer:
                               side_channel_port=port, **engine_kwargs)
         self.servicer = make_servicer(role, model_dir)
         self.engine = await start_engine(self.servicer, config)
+        # Its searches move out only where the engine outlives the calls long enough for
+        # the other replicas to read the stopped searches' exports (``drain_s``).
+        self.leave_watch = self._watch_leaving() if role == "decode" and drain_s else None
         logger.info("%s replica ready: engine %s, NIXL side channel %s", role,
                     self.engine.engine_id, host)
 
+    def _watch_leaving(self) -> LeaveWatch:
+        """D: once Serve stops this replica, its searches move to the others
+        (``deploy.leaving``). A handle to its own deployment, whose request router
+        (CapacityRouter) follows the running set; its first call starts that."""
+        context = serve.get_replica_context()
+        engine = self.engine
+        watch = LeaveWatch(context.deployment, context.replica_id.unique_id,
+                           asyncio.get_running_loop(), self.servicer.running_ids,
+                           lambda ids: engine.stop_searches(ids, engine.handoff_target))
+        watch.start()
+        handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        self._own = handle.capacity.remote()  # any replica's answer; kept, never read
+        return watch
+
     # The keyword arguments after the request (``blocks_needed``, ``prefix``, ``engine``,
-    # ``affinity``) are read by the deployment's request router (``deploy.request_router``) before
-    # the call lands here: nothing in the replica uses them.
+    # ``affinity``, ``avoid``) are read by the deployment's request router
+    # (``deploy.request_router``) before the call lands here: nothing in the replica
+    # uses them.
 
     async def stage1(self, request: bytes, prefix: tuple = ()) -> AsyncIterator[bytes]:
         req = engine_pb2.Stage1Request.FromString(request)
@@ -82,9 +102,12 @@ class EngineServer:
             yield event.SerializeToString()
 
     async def stage2(self, request: bytes, blocks_needed: int = 0, prefix: tuple = (),
-                     affinity: str = "") -> bytes:
+                     affinity: str = "", avoid: str = "") -> AsyncIterator[bytes]:
+        """Stage2, streamed as two items: this replica's engine id as the call starts (a
+        Stop of the stage 2 names it: ``HandleStub``), then the Stage2Response."""
+        yield self.engine.engine_id.encode()
         req = engine_pb2.Stage2Request.FromString(request)
-        return (await self.servicer.Stage2(req, _CallContext())).SerializeToString()
+        yield (await self.servicer.Stage2(req, _CallContext())).SerializeToString()
 
     async def stage2_stream(self, request: bytes, blocks_needed: int = 0,
                             prefix: tuple = (), affinity: str = "") -> AsyncIterator[bytes]:
@@ -92,7 +115,7 @@ class EngineServer:
         async for event in self.servicer.Stage2Stream(req, _CallContext()):
             yield event.SerializeToString()
 
-    async def capacity(self, engine: str = "") -> bytes:
+    async def capacity(self, engine: str = "", avoid: str = "") -> bytes:
         cap = await self.servicer.GetCapacity(engine_pb2.CapacityRequest(), _CallContext())
         return cap.SerializeToString()
 
@@ -157,6 +180,8 @@ class EngineServer:
         engine = getattr(self, "engine", None)
         if engine is None:
             return
+        if getattr(self, "leave_watch", None) is not None:
+            self.leave_watch.close()
         if self.drain_s > 0:
             snap = await engine.wait_pool_clean(self.drain_s)
             if not snap.is_clean:

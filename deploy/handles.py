@@ -76,7 +76,16 @@ class HandleStub:
 
     Each call ends within the router's ``timeout``, and fails UNAVAILABLE (its handle call
     cancelled) once ``watch`` finds the deployment without a running replica; a call a
-    replica is running when that replica dies fails UNAVAILABLE through Ray's error."""
+    replica is running when that replica dies fails UNAVAILABLE through Ray's error.
+
+    The handle stands for several engines, yet a stage 2 can be moved
+    (``finds_runs``): each Stage2 call learns the engine of the replica it reached (the
+    replica's first item), and a Stop naming that stage 2 goes to that replica
+    (``engine``, Decode's request router); a resume (``Stage2Request.resume``) goes to a
+    replica other than the one its export comes from (``avoid``)."""
+
+    #: ``router.endpoint.Endpoint.finds_runs``: read by ``RouterAPI.over_stubs``.
+    finds_runs = True
 
     def __init__(self, handle: Any, watch: ReplicaWatch | None = None, *,
                  by_prefix: bool = False):
@@ -85,6 +94,9 @@ class HandleStub:
         self.block_size = 0  # learnt from GetCapacity
         #: Calls carry their prompt (``prefix``) for the deployment's PrefillRouter.
         self.by_prefix = by_prefix
+        #: Stage2 calls in flight, by request id: the engine running each, once its
+        #: replica has said (the future is set then; it is removed when the call ends).
+        self._running: dict[str, asyncio.Future[str]] = {}
 
     def _prefix(self, request: Any) -> tuple:
         """What PrefillRouter places a call by: (adapter, prompt token ids); () without."""
@@ -152,12 +164,31 @@ class HandleStub:
     async def Stage2(self, request: engine_pb2.Stage2Request,  # noqa: N802
                      timeout: float | None = None) -> engine_pb2.Stage2Response:
         # A continuation's parent id (``affinity``): Decode's request router keeps a
-        # parent's continuations on one D while it runs and has room.
-        response = self.handle.stage2.remote(request.SerializeToString(),
-                                             blocks_needed=self._need(request),
-                                             prefix=self._prefix(request),
-                                             affinity=request.affinity)
-        return engine_pb2.Stage2Response.FromString(await self._unary(response, timeout))
+        # parent's continuations on one D while it runs and has room. A resume avoids
+        # the engine that stopped it (its export's).
+        stream = self.handle.options(stream=True).stage2.remote(
+            request.SerializeToString(), blocks_needed=self._need(request),
+            prefix=self._prefix(request), affinity=request.affinity,
+            avoid=request.resume.export.engine_id if request.HasField("resume") else "")
+        engine = self._running.setdefault(request.request_id,
+                                          asyncio.get_running_loop().create_future())
+        data = None
+        try:
+            async with self._call(stream, timeout):
+                async for item in stream:
+                    if not engine.done():
+                        engine.set_result(item.decode())
+                    else:
+                        data = item
+        finally:
+            if self._running.get(request.request_id) is engine:
+                del self._running[request.request_id]
+            engine.cancel()  # a Stop still waiting for it sends nothing
+        if data is None:
+            raise RouterError(grpc.StatusCode.INTERNAL,
+                              f"{self.watch.deployment} ended stage 2 "
+                              f"{request.request_id!r} without a response")
+        return engine_pb2.Stage2Response.FromString(data)
 
     async def Stage2Stream(self, request: engine_pb2.Stage2Request,  # noqa: N802
                            timeout: float | None = None
@@ -179,8 +210,21 @@ class HandleStub:
 
     async def Stop(self, request: engine_pb2.StopRequest,  # noqa: N802
                    timeout: float | None = None) -> engine_pb2.StopResponse:
-        response = self.handle.stop.remote(request.SerializeToString(),
-                                           engine=request.engine_id)
+        """To the replica running the requests: the one ``engine_id`` names, else the
+        one this stub's Stage2 call of the first request reached (waited for, within
+        ``timeout``, while that call is on its way; nothing is sent when it ends
+        first: the engine would drop a Stop of a request it does not run)."""
+        engine = request.engine_id
+        running = self._running.get(request.request_ids[0]) if request.request_ids else None
+        if not engine and running is not None:
+            try:
+                async with asyncio.timeout(timeout):
+                    engine = await asyncio.shield(running)
+            except asyncio.CancelledError:
+                if not running.cancelled():
+                    raise
+                return engine_pb2.StopResponse()
+        response = self.handle.stop.remote(request.SerializeToString(), engine=engine)
         return engine_pb2.StopResponse.FromString(await self._unary(response, timeout))
 
     async def GetCapacity(self, request: Any,  # noqa: N802

@@ -7,8 +7,14 @@ come first, most free blocks first; if none fits the call still goes to the one 
 most free blocks, whose scheduler refuses it at admission with RESOURCE_EXHAUSTED (the
 standalone router's semantics). A continuation carries its parent's id (``affinity``):
 of the replicas that fit, it goes first to the parent's own (``affinity.rendezvous``),
-where its earlier continuations left the parent's KV in the prefix cache. Calls without
-a need use Serve's own order.
+where its earlier continuations left the parent's KV in the prefix cache. A moved beam
+search's resume names the engine it was stopped on (``avoid``): it goes to another
+replica (to that one only when no other runs: its engine refuses it, and the router
+recomputes the stage 2). A call naming an engine (``engine``: the Stop of a stage 2,
+to the replica running it) goes to the replica reporting that engine id, or, if none
+does any more, to any (which drops a Stop of a search it does not run). Calls without
+a need use Serve's own order. Each change of the running set is told to
+``deploy.leaving`` (a stopping D replica moves its searches out).
 
 ``OwnerRouter`` (Router): a call naming a parent or a running request goes to the router
 replica that owns its id (``deploy.affinity``); router replicas report their rank
@@ -41,6 +47,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deploy.affinity import owner, rendezvous, routing_key
+from deploy.leaving import replicas_changed
 from kvhandoff.ports import is_loopback
 
 logger = logging.getLogger("kvhandoff.deploy")
@@ -56,13 +63,30 @@ def _free_blocks(replica: RunningReplica) -> int:
     return int(stats.get("free_blocks", -1))
 
 
+def _engine_of(replica: RunningReplica) -> str:
+    return str((replica.routing_stats or {}).get("engine_id", ""))
+
+
 class CapacityRouter(RequestRouter):
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if replicas:  # a D replica's own handle: it may have left the set (deploy.leaving)
+            replicas_changed(replicas[0].replica_id.deployment_id.name,
+                             (r.replica_id.unique_id for r in replicas))
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         kwargs = (pending_request.kwargs or {}) if pending_request else {}
+        engine, avoid = kwargs.get("engine"), kwargs.get("avoid")
+        if engine:
+            named = [r for r in candidate_replicas if _engine_of(r) == engine]
+            return [named] if named else [candidate_replicas]
+        if avoid:
+            candidate_replicas = ([r for r in candidate_replicas if _engine_of(r) != avoid]
+                                  or candidate_replicas)
         need = int(kwargs.get("blocks_needed", 0))
         if not need:
             return [candidate_replicas]

@@ -116,8 +116,12 @@ class RouterAPI:
         ``chunk_store`` and ``rotation`` (``router.core.Router``'s keywords), made
         over those two endpoints (None: this process's own). ``extra``: a subclass's
         own keywords (``deploy.replica_api.ReplicaAPI``)."""
-        p = Endpoint(config.prefill[0], prefill, None, one_engine=False)
-        d = Endpoint(config.decode[0], decode, None, one_engine=False)
+        # A stub that finds the engine running each of its stage 2s says so
+        # (``finds_runs``): D's beam searches can then be moved between its engines.
+        p, d = (Endpoint(address, stub, None, one_engine=False,
+                         finds_runs=bool(getattr(stub, "finds_runs", False)))
+                for address, stub in ((config.prefill[0], prefill),
+                                      (config.decode[0], decode)))
         router = Router(config, endpoints=([p], [d]), new_id=new_id,
                         **(stores(p, d) if stores is not None else {}))
         return cls(router, RouterMetrics(), credentials, **extra)

@@ -42,6 +42,11 @@ class Endpoint:
     #: One engine behind it (its ``capacity.engine_id`` changes only when it restarts);
     #: False where the address stands for several (Ray Serve's replicas).
     one_engine: bool = True
+    #: A Stop naming a stage 2 this router runs here reaches the engine running it, and
+    #: a resume sent here avoids the engine its export comes from: True where
+    #: ``one_engine`` (the address is the engine); Ray Serve's Decode handle stands for
+    #: several and finds the replica its call reached (``deploy.handles.HandleStub``).
+    finds_runs: bool = True
     #: Back after being out of rotation, its pairs' warm-up still running
     #: (``router.warmup``): only that warm-up is routed here (a connection the outage
     #: broke fails its first READ, which must not be a client's).

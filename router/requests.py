@@ -137,6 +137,9 @@ class Move:
     pause_ms: float = 0.0
     num_bytes_moved: int = 0
     at_beam_step: int = 0
+    #: A stage 2's move: the engines behind the two endpoints ("" for stage 1's).
+    from_engine_id: str = ""
+    to_engine_id: str = ""
 
 
 @dataclass

@@ -105,13 +105,14 @@ def search_of(plan: Plan, ep: Endpoint, request: engine_pb2.Stage2Request,
               decode: list[Endpoint]) -> Search:
     """The Search of ``request`` (stage 2 of ``plan``) about to run on ``ep``; it says
     why it cannot move when it is sampled, not on a D (colocated, a parent's P), or on
-    an address standing for several engines (Serve's: Stop would reach any of them)."""
+    an address standing for several engines that cannot tell which one runs it (a Stop
+    would reach any of them: ``Endpoint.finds_runs``)."""
     why = ""
     if not any(ep is d for d in decode):
         why = "runs its stage 2 on a prefill engine (colocated): no D to move it from"
     elif request.HasField("sampling"):
         why = "samples its stage 2: only a beam search moves between Ds"
-    elif not ep.one_engine:
+    elif not ep.finds_runs:
         why = (f"runs its stage 2 on {ep.address}, which stands for several engines "
                "(Serve): the one running it cannot be told to stop it")
     return Search(ep, request.request_id, len(request.prompt_token_ids), plan.beam,
@@ -185,8 +186,12 @@ class SearchMoves:
                                    source.address, code_of(e).name)
 
     async def _room(self, search: Search, request_id: str, to: str) -> Claim:
-        """A claim on the destination: the D at ``to``, or another D with room."""
-        others = [ep for ep in self.pool.decode if ep is not search.d]
+        """A claim on the destination: the D at ``to``, or another D with room. Where
+        the search's address stands for several engines (Serve's Decode), that address
+        is a destination too: the resume sent there goes to another of its engines
+        (``Endpoint.finds_runs``)."""
+        here = search.d
+        others = [ep for ep in self.pool.decode if ep is not here or not here.one_engine]
         if to:
             dest = self.pool.find(to)
             why = ""
@@ -194,7 +199,7 @@ class SearchMoves:
                 raise grpc_error(grpc.StatusCode.NOT_FOUND,
                                  f"request {request_id!r} cannot move to {to}: unknown "
                                  f"engine (this router's: {self.pool.known()})")
-            if dest is search.d:
+            if dest is here and here.one_engine:
                 why = "its beam search already runs there"
             elif not any(dest is d for d in others):
                 why = "a beam search moves to another decode engine"
@@ -278,6 +283,7 @@ class SearchMoves:
         move.num_imported_tokens = resp.num_imported_tokens
         move.num_computed_tokens = resp.num_computed_tokens_first_step
         move.num_bytes_moved, move.pause_ms = resp.num_imported_bytes, resp.first_step_ms
+        move.from_engine_id, move.to_engine_id = stopped.export.engine_id, resp.engine_id
         logger.info("%s: beam search moved at step %d from %s to %s (%d imported)",
                     plan.request_id, stopped.steps_done, source.address, dest.address,
                     resp.num_imported_tokens)

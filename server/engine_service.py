@@ -61,6 +61,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._tasks: dict[str, asyncio.Task] = {}
         self.counts = HandoffCounts()
 
+    def running_ids(self) -> list[str]:
+        """The request ids of the calls this servicer runs now."""
+        return list(self._tasks)
+
     @contextlib.contextmanager
     def _track(self, request_id: str):
         if self.engine is None:
@@ -169,6 +173,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 raise EngineStarting()
             if sampling is not None:
                 raise InvalidRequest("resume", "a resumed stage 2 is a beam search")
+            if request.resume.export.engine_id == self.engine.engine_id:
+                # Its blocks here are an export now: another D reads them.
+                raise InvalidRequest("resume", "the search was stopped on this engine: it "
+                                               "resumes on another")
             moved = engine_pb.stopped_from_pb(request.resume)
             engine_pb.check_stopped(moved, beam, self.engine.vocab_size)
             if moved.prompt != prompt:

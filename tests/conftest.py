@@ -132,6 +132,7 @@ OWN_LANE_FILES = frozenset({
     "test_stale_kv.py", "test_weights_identity.py", "test_model_identity_unit.py",
     "test_field_checks.py", "test_liveness_unit.py", "test_undecodable.py",
     "test_serve_state_unit.py", "test_autoscale_unit.py", "test_search_moves_unit.py",
+    "test_leaving_unit.py",
     # One P, two Ds and a router of its own (module scope).
     "test_stage2_move.py",
     # A LoRA pair of its own (module scope).

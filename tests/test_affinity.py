@@ -137,3 +137,25 @@ def test_a_parents_continuations_go_to_its_own_d_while_it_has_room():
     # No affinity (a two-stage Generate's handoff): most free blocks first.
     assert _place(replicas, blocks_needed=10) == [replicas, []]
     assert _place(replicas) == [replicas]
+
+
+def _engines(*names):
+    return [SimpleNamespace(replica_id=SimpleNamespace(unique_id=f"d-{i}"),
+                            routing_stats={"free_blocks": 50, "engine_id": name})
+            for i, name in enumerate(names)]
+
+
+def test_a_stop_goes_to_the_replica_running_its_engine_and_a_resume_elsewhere():
+    """Decode's request router: a call naming an engine (a stage 2's Stop) goes to the
+    replica reporting it, to any when none does (that engine is gone: the Stop is
+    dropped wherever it lands); a resume (``avoid``: the engine that stopped it) goes
+    to the others, and to that one only when it is alone. Control: the same Stop with
+    no engine goes by Serve's order, to either replica."""
+    replicas = _engines("eng-a", "eng-b")
+    assert _place(replicas, engine="eng-b") == [[replicas[1]]]
+    assert _place(replicas, engine="eng-a") == [[replicas[0]]]
+    assert _place(replicas, engine="eng-gone") == [replicas]
+    assert _place(replicas, avoid="eng-a") == [[replicas[1]]]
+    assert _place(replicas, avoid="eng-b", blocks_needed=10) == [[replicas[0]], []]
+    assert _place(replicas[:1], avoid="eng-a") == [replicas[:1]]
+    assert _place(replicas, engine="") == [replicas]  # control: Serve's order

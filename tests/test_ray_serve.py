@@ -360,8 +360,9 @@ def test_a_call_no_replica_takes_fails_unavailable_not_at_the_deadline(ray_app):
         async def stage1(self, request: bytes):
             yield engine_pb2.Stage1Event().SerializeToString()
 
-        async def stage2(self, request: bytes, blocks_needed: int = 0) -> bytes:
-            return engine_pb2.Stage2Response().SerializeToString()
+        async def stage2(self, request: bytes, **_):
+            yield b"engine-id"
+            yield engine_pb2.Stage2Response().SerializeToString()
 
         async def stage2_stream(self, request: bytes, blocks_needed: int = 0):
             yield engine_pb2.Stage2Event().SerializeToString()

@@ -64,14 +64,16 @@ class FakeEngine:
             if self.fail is not None:
                 raise grpc.aio.AioRpcError(self.fail, grpc.aio.Metadata(),
                                            grpc.aio.Metadata(), "the fake refuses")
-            return engine_pb2.Stage2Response(beams=BEAMS, num_imported_tokens=7)
+            return engine_pb2.Stage2Response(beams=BEAMS, num_imported_tokens=7,
+                                             engine_id=f"{self.name}-other")
         if self.mode in ("stop", "end") and len(self.requests) == 1:
             await asyncio.wait_for(self.stopped.wait(), 5)
             if self.mode == "stop":
                 return engine_pb2.Stage2Response(stopped=engine_pb2.StoppedSearch(
                     prompt_token_ids=request.prompt_token_ids, steps_done=2, members=4,
                     live=[common_pb2.Beam(token_ids=[9, 9], cum_logprob=-0.5)],
-                    export=common_pb2.Handoff(request_id=request.request_id)))
+                    export=common_pb2.Handoff(request_id=request.request_id,
+                                              engine_id=self.name)))
         if self.mode == "slow":
             await asyncio.sleep(self.slow_s)
         return engine_pb2.Stage2Response(beams=BEAMS)
@@ -220,6 +222,41 @@ def test_a_destination_that_fails_the_resume_is_followed_by_a_recompute(model_di
     assert not recompute.HasField("resume") and not recompute.HasField("handoff")
     assert list(out.stage2.beams) == BEAMS and len(out.moves) == 1
     assert _claims(router) == [0, 0]
+
+
+@pytest.mark.parametrize("finds_runs", [True, False])
+def test_a_search_behind_an_address_of_several_engines_moves_where_its_stub_finds_it(
+        model_dir, finds_runs):
+    """One D address standing for several engines (Serve's Decode handle). Where its
+    stub finds the engine running each stage 2 (``finds_runs``: ``HandleStub``), a Move
+    stops the search through that address and resumes it through it too (the stub sends
+    the resume to another engine), the move listing both engines. Control, a stub that
+    cannot: the Move is refused (FAILED_PRECONDITION, "stands for several engines"),
+    nothing stopped."""
+    from router import Endpoint, Router, RouterConfig
+    from router.errors import RouterError
+
+    d = FakeEngine("d", "stop" if finds_runs else "slow")
+    config = RouterConfig(prefill=("p",), decode=("serve:Decode",), model=model_dir,
+                          warm_up=False)
+    router = Router(config, endpoints=(
+        [Endpoint("p", FakeEngine("p"), None, one_engine=False)],
+        [Endpoint("serve:Decode", d, None, one_engine=False, finds_runs=finds_runs)]))
+    out, answer = asyncio.run(_run_and_move(router, _plan()))
+    if not finds_runs:
+        assert isinstance(answer, RouterError), answer
+        assert answer.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "stands for several engines" in str(answer)
+        assert not d.stops and not out.moves and list(out.stage2.beams) == BEAMS
+        return
+    assert (answer.from_endpoint, answer.to_endpoint) == ("serve:Decode", "serve:Decode")
+    (stop,) = d.stops
+    assert stop.request_ids == ["r-s2"] and stop.target_engine_id == "d-target"
+    first, resume = d.requests
+    assert resume.HasField("resume") and resume.resume.export.engine_id == "d"
+    (move,) = out.moves
+    assert (move.from_engine_id, move.to_engine_id, move.at_beam_step) == ("d", "d-other", 2)
+    assert list(out.stage2.beams) == BEAMS and _claims(router) == [0]
 
 
 def test_a_sampled_stage_2_or_a_move_to_a_p_is_refused(model_dir):

@@ -9,7 +9,12 @@ address, as before the group, and continuations placed by room alone,
 ``tests/serve_controls.py``), where a continuation reaching the D its handoff does not
 name is refused (PERMISSION_DENIED: "addressed to engine ...") and one moved to the
 other D finds nothing cached there. Unit tests of the placement rule:
-tests/test_affinity.py."""
+tests/test_affinity.py.
+
+On the shipped application alone (issue 59): a running beam search moved by Router.Move
+from its D replica to the other, with its control (Stops naming the replica not running
+a search leave it alone); then D replicas Serve stops (a redeploy with one) moving
+their running searches to another (with the replica's watch off, none moved)."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from kvhandoff.v1 import router_pb2, router_pb2_grpc
+from kvhandoff.v1 import engine_pb2, router_pb2, router_pb2_grpc
 from tests.test_ray_serve import APP, METADATA, _alive, _serve_engine_cores
 from tests.utils import assert_identical
 from tools.client import make_request
@@ -35,7 +40,10 @@ ARGS = {
     "device": "cpu",
     "lease_s": 120,
     "prefill": {"num_cpus": 0.5, "num_replicas": 1, "engine": {**ENGINE, "kv_cache_mib": 64}},
-    "decode": {"num_cpus": 0.5, "num_replicas": 2, "engine": ENGINE},
+    # A stopping D keeps its KV until read (its exports: a search it moved out); room
+    # for two long searches on one D (the scale-down test).
+    "decode": {"num_cpus": 0.5, "num_replicas": 2, "drain_s": 30,
+               "engine": {**ENGINE, "kv_cache_mib": 64}},
     "router": {"num_cpus": 0.25, "num_replicas": 1},
 }
 PARENTS, EACH = 10, 2  # 20 continuations
@@ -88,12 +96,12 @@ def app(request, serve_instance, tmp_path_factory):
             patch.setattr(deploy.app, "EngineServer", _PerReplicaAddress(deploy.app.EngineServer))
         secret = tmp_path_factory.mktemp("placement") / "handoff.secret"
         secret.write_text(secrets.token_hex(32))
-        serve.run(build_app({**ARGS, "handoff_secret_file": str(secret)}), name=APP,
-                  route_prefix="/kvhandoff", blocking=False)
+        args = {**ARGS, "handoff_secret_file": str(secret)}
+        serve.run(build_app(args), name=APP, route_prefix="/kvhandoff", blocking=False)
     try:
         wait_deployed(serve, ARGS)
         channel = grpc.insecure_channel(serve_instance["address"])
-        yield {"shipped": request.param == "shipped",
+        yield {"shipped": request.param == "shipped", "args": args,
                "proxy": router_pb2_grpc.RouterStub(channel)}
         channel.close()
     finally:
@@ -174,3 +182,175 @@ def test_twenty_continuations_over_two_d_replicas_import_on_the_parents_own_d(ap
 
 def _stat(got, name: str):
     return None if isinstance(got, grpc.RpcError) else getattr(got.stats, name)
+
+
+#: A beam search long enough to be found running on its replica and stopped there.
+SEARCH_W, SEARCH_T = 16, 24
+
+
+def _search(request_id: str, path: str = "handoff") -> router_pb2.GenerateRequest:
+    """Stage 1 of 4 tokens with vLLM's own seeded sampling (not movable: a Move reaches
+    only the stage 2), then a beam search of SEARCH_W, SEARCH_T."""
+    req = make_request(prompt=list(range(300, 380)), max_tokens=4, seed=5,
+                       beam_width=SEARCH_W, beam_tokens=SEARCH_T, path=path,
+                       request_id=request_id)
+    req.stage1.min_tokens, req.stage1.positional = 4, False
+    return req
+
+
+def _move_search(proxy, request_id: str, call):
+    """Router.Move of ``request_id``'s stage 2 through the proxy, asked until it runs:
+    the answer, or None when the search ended first."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            return proxy.Move(router_pb2.MoveRequest(request_id=request_id),
+                              metadata=METADATA, timeout=60)
+        except grpc.RpcError as e:
+            if "before the stop took effect" in e.details() or call.done():
+                return None
+            if not any(s in e.details() for s in ("is not running here", "has no D yet",
+                                                  "positional",  # still in stage 1
+                                                  "not in its stage 2's beam search yet")):
+                raise
+        time.sleep(0.005)
+    raise AssertionError(f"{request_id}: never in its beam search")
+
+
+def _decode_engines(decode) -> tuple[str, str]:
+    """The two D replicas' engine ids, as their capacity calls answer them: one call by
+    Serve's order, one to any replica but that one's (``avoid``)."""
+    first = engine_pb2.Capacity.FromString(decode.capacity.remote().result(timeout_s=60))
+    second = engine_pb2.Capacity.FromString(
+        decode.capacity.remote(avoid=first.engine_id).result(timeout_s=60))
+    assert first.engine_id != second.engine_id, first.engine_id
+    return first.engine_id, second.engine_id
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("app", ["shipped"], indirect=True)
+def test_a_beam_search_moves_from_its_decode_replica_to_the_other(app):
+    """Router.Move of a request in its beam search under Serve (issue 59): the Stop
+    reaches the D replica running it (``HandleStub`` learnt its engine from the stage-2
+    call; Decode's request router sends a call naming an engine there), the resume goes
+    to the other replica (``avoid``). STEP 1: the colocated reference. STEP 2, the
+    control: Stops sent through Serve's Decode handle naming the engine NOT running a
+    search (where a Stop without its engine may land) leave it alone: it ends unmoved
+    on its replica, beams equal. STEP 3: a search moved by Router.Move: the move names
+    both engines, they differ, the answer ends on the second, its beams equal the
+    reference. Run with Decode's request router ignoring ``engine`` (Serve's order), the
+    control's Stops reach the search, and every Move's Stops miss it until it ends."""
+    from ray import serve
+
+    proxy = app["proxy"]
+    decode = serve.get_deployment_handle("Decode", app_name=APP)
+    engines = _decode_engines(decode)
+    # STEP 1
+    ref = proxy.Generate(_search("mv-ref", "colocated"), metadata=METADATA, timeout=300)
+
+    def running(engine: str) -> int:
+        cap = engine_pb2.Capacity.FromString(
+            decode.capacity.remote(engine=engine).result(timeout_s=60))
+        assert cap.engine_id == engine, (cap.engine_id, engine)
+        return cap.num_running_reqs
+
+    # STEP 2
+    for attempt in range(5):
+        rid = f"ctl-{attempt}"
+        call = proxy.Generate.future(_search(rid), metadata=METADATA, timeout=300)
+        on, stops = None, 0
+        while on is None and not call.done():
+            on = next((e for e in engines if running(e)), None)
+        while on is not None and not call.done():
+            other = engines[1 - engines.index(on)]
+            stop = engine_pb2.StopRequest(request_ids=[f"{rid}-s2"], target_engine_id="Decode")
+            decode.stop.remote(stop.SerializeToString(), engine=other).result(timeout_s=60)
+            stops += 1
+        got = call.result()
+        if on is not None and stops:
+            break
+    print(f"control: {stops} Stops to the other replica while {rid} ran on {on}")
+    assert on is not None and stops, "no search of 5 was seen running"
+    assert not got.moves and got.stats.decode_engine_id == on, (list(got.moves), on)
+    assert_identical(got, ref, imported=False)
+    # STEP 3
+    for attempt in range(3):
+        rid = f"mv-{attempt}"
+        call = proxy.Generate.future(_search(rid), metadata=METADATA, timeout=300)
+        moved = _move_search(proxy, rid, call)
+        got = call.result()
+        if moved is not None:
+            break
+        assert not got.moves, "Move said nothing moved, yet the search moved"
+    assert moved is not None, "every search of 3 ended before its Move"
+    (move,) = got.moves
+    print(f"moved at beam step {move.at_beam_step}: {move.from_engine_id} -> "
+          f"{move.to_engine_id}, {move.num_imported_tokens} tokens imported")
+    assert move.reason == "move" and 1 <= move.at_beam_step < SEARCH_T
+    assert {move.from_engine_id, move.to_engine_id} == set(engines)
+    assert move.to_engine_id == got.stats.decode_engine_id
+    assert move.num_imported_tokens > 0 and not got.stats.recomputed
+    assert_identical(got, ref, imported=False)
+
+
+#: Wide searches (the built-in model's beams end at EOS within ~15 tokens: a search
+#: lasts by its width), two fitting one D's pool (229 blocks each of its 512): SCALE_N
+#: at once fill both D replicas.
+LONG_W, LONG_T = 32, 96
+SCALE_N = 4
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("app", ["shipped"], indirect=True)
+def test_a_decode_replica_serve_stops_moves_its_searches_to_the_other(app, serve_instance):
+    """Serve stopping D replicas while searches run on them: the application redeployed
+    with one D replica (``serve.run`` of an application without versions replaces every
+    replica, rolling: the old D replicas stop, the old P stops once a new one runs) once
+    SCALE_N searches are all in their stage 2 on the two D replicas. A D replica Serve
+    stops moves its running searches out (``deploy.leaving``: it left the running set)
+    instead of finishing them. STEP 1: the colocated reference. STEP 2: SCALE_N
+    searches, all running on the Ds. STEP 3: the redeploy. Every answer equals the
+    reference, none recomputed; some moved, each from one of the two old engines to
+    another engine. Runs last on the module's shipped application."""
+    from ray import serve as ray_serve
+
+    from deploy.app import build_app
+
+    proxy, serve = app["proxy"], serve_instance["serve"]
+    decode = ray_serve.get_deployment_handle("Decode", app_name=APP)
+
+    def long(request_id: str, path: str = "handoff") -> router_pb2.GenerateRequest:
+        req = _search(request_id, path)
+        req.beam.beam_width, req.beam.max_tokens = LONG_W, LONG_T
+        return req
+
+    def running(engine: str) -> int:
+        return engine_pb2.Capacity.FromString(
+            decode.capacity.remote(engine=engine).result(timeout_s=60)).num_running_reqs
+
+    # STEP 1
+    ref = proxy.Generate(long("sd-ref", "colocated"), metadata=METADATA, timeout=300)
+    engines = _decode_engines(decode)
+    # STEP 2
+    with ThreadPoolExecutor(SCALE_N) as pool:
+        calls = [pool.submit(lambda n=n: proxy.Generate(long(f"sd-{n}"), metadata=METADATA,
+                                                        timeout=300))
+                 for n in range(SCALE_N)]
+        deadline = time.monotonic() + 120
+        while sum(running(e) for e in engines) < SCALE_N:
+            assert time.monotonic() < deadline, "the searches never all ran on the Ds"
+            assert not any(c.done() for c in calls), "a search ended before all ran"
+        # STEP 3
+        args = app["args"]
+        serve.run(build_app({**args, "decode": {**args["decode"], "num_replicas": 1}}),
+                  name=APP, route_prefix="/kvhandoff", blocking=False)
+        got = [call.result() for call in calls]
+    moves = [(g.request_id, m.from_engine_id, m.to_engine_id, m.at_beam_step)
+             for g in got for m in g.moves]
+    print(f"{len(moves)} moves of {SCALE_N} searches: {moves}")
+    assert moves, "no search moved out of a stopped replica"
+    assert all(f in engines and t and t != f for _, f, t, _ in moves), moves
+    for g in got:
+        assert not g.stats.recomputed, g.request_id
+        assert not g.moves or g.moves[-1].to_engine_id == g.stats.decode_engine_id
+        assert_identical(g, ref, imported=False)

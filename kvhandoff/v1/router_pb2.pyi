@@ -24,7 +24,7 @@ class MoveResponse(_message.Message):
     def __init__(self, from_endpoint: _Optional[str] = ..., to_endpoint: _Optional[str] = ...) -> None: ...
 
 class Move(_message.Message):
-    __slots__ = ("from_endpoint", "to_endpoint", "at_token", "num_imported_tokens", "num_computed_tokens", "reason", "pause_ms", "num_bytes_moved", "at_beam_step")
+    __slots__ = ("from_endpoint", "to_endpoint", "at_token", "num_imported_tokens", "num_computed_tokens", "reason", "pause_ms", "num_bytes_moved", "at_beam_step", "from_engine_id", "to_engine_id")
     FROM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TO_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     AT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class Move(_message.Message):
     PAUSE_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     AT_BEAM_STEP_FIELD_NUMBER: _ClassVar[int]
+    FROM_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     from_endpoint: str
     to_endpoint: str
     at_token: int
@@ -43,7 +45,9 @@ class Move(_message.Message):
     pause_ms: float
     num_bytes_moved: int
     at_beam_step: int
-    def __init__(self, from_endpoint: _Optional[str] = ..., to_endpoint: _Optional[str] = ..., at_token: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., pause_ms: _Optional[float] = ..., num_bytes_moved: _Optional[int] = ..., at_beam_step: _Optional[int] = ...) -> None: ...
+    from_engine_id: str
+    to_engine_id: str
+    def __init__(self, from_endpoint: _Optional[str] = ..., to_endpoint: _Optional[str] = ..., at_token: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., pause_ms: _Optional[float] = ..., num_bytes_moved: _Optional[int] = ..., at_beam_step: _Optional[int] = ..., from_engine_id: _Optional[str] = ..., to_engine_id: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("endpoint", "timeout_ms", "undo")
