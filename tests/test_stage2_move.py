@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -91,6 +92,24 @@ def _decodes(two_d) -> list[str]:
     return [d.address for d in two_d["decode"]]
 
 
+def _drain_where_it_runs(client, decodes: list[str], done) -> tuple[str | None, Any]:
+    """Drain (then undo) the first of ``decodes`` seen running a request (polled every
+    2 ms until ``done()``, at most 120 s): (that D, the Drain's answer), or (None, None)
+    when the request ended first."""
+    from tools.launch import pool_state
+
+    deadline = time.monotonic() + 120
+    while not done() and time.monotonic() < deadline:
+        source = next((a for a in decodes if pool_state(a)[1].num_running_reqs), None)
+        if source is not None:
+            try:
+                return source, client.drain(source, timeout_s=120)
+            finally:
+                client.drain(source, undo=True)
+        time.sleep(0.002)
+    return None, None
+
+
 def test_a_running_beam_search_moved_to_the_other_d_gives_the_unmoved_beams(two_d):
     """Router.Move of a request in its beam search: D stops it after a beam step, the
     other D resumes it; Move names both Ds, the response lists the move (its beam
@@ -130,7 +149,6 @@ def test_a_drain_of_a_d_moves_its_running_beam_search_to_the_other_d(two_d):
     """Router.Drain of the D running a beam search moves it (moved 1, reason "drain"):
     the beams equal the colocated run's, and the drained D's pool is clean after."""
     from tools.client import RouterClient
-    from tools.launch import pool_state
 
     prompt = list(range(400, 480))
     decodes = _decodes(two_d)
@@ -141,17 +159,7 @@ def test_a_drain_of_a_d_moves_its_running_beam_search_to_the_other_d(two_d):
         for attempt in range(10):
             call = client.stub.Generate.future(_request(f"s2dr-{attempt}", prompt),
                                                timeout=300)
-            source, deadline = None, time.monotonic() + 120
-            while source is None and not call.done() and time.monotonic() < deadline:
-                source = next((a for a in decodes if pool_state(a)[1].num_running_reqs),
-                              None)
-                time.sleep(0.002)
-            drained = None
-            if source is not None:
-                try:
-                    drained = client.drain(source, timeout_s=120)
-                finally:
-                    client.drain(source, undo=True)
+            source, drained = _drain_where_it_runs(client, decodes, call.done)
             got = call.result()
             if drained is not None and drained.moved:
                 break
@@ -269,29 +277,18 @@ def _http_drained(two_d, prompt: list[int], seed: int, fault: str | None = None)
     import openai
 
     from tools.client import RouterClient
-    from tools.launch import pool_state
 
     client = openai.OpenAI(base_url=two_d["http"] + "/v1", api_key="unused", max_retries=0,
                            timeout=300)
     model = client.models.list().data[0].id
     parent = client.completions.create(model=model, prompt=prompt, max_tokens=S1, seed=seed,
                                        temperature=1.0)
-    drained, source = None, None
     with ThreadPoolExecutor(1) as pool, RouterClient(two_d["router"]) as grpc_client:
         answer = pool.submit(client.completions.create, model=model, prompt="",
                              max_tokens=HTTP_T, n=HTTP_W, extra_body={
                                  "use_beam_search": True, "continuation_of": parent.id,
                                  **({"fault": fault} if fault else {})})
-        deadline = time.monotonic() + 120
-        while source is None and not answer.done() and time.monotonic() < deadline:
-            source = next((a for a in _decodes(two_d) if pool_state(a)[1].num_running_reqs),
-                          None)
-            time.sleep(0.002)
-        if source is not None:
-            try:
-                drained = grpc_client.drain(source, timeout_s=120)
-            finally:
-                grpc_client.drain(source, undo=True)
+        source, drained = _drain_where_it_runs(grpc_client, _decodes(two_d), answer.done)
         beams = answer.result()
         assert grpc_client.release_parent(parent.id).hold_ended
     return parent, beams, drained, source
