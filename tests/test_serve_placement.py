@@ -324,20 +324,50 @@ def test_a_decode_replica_serve_stops_moves_its_searches_to_the_other(app, serve
         req.beam.beam_width, req.beam.max_tokens = LONG_W, LONG_T
         return req
 
-    def running(engine: str) -> int:
+    prefill = ray_serve.get_deployment_handle("Prefill", app_name=APP)
+
+    def capacity(handle, engine: str = "") -> engine_pb2.Capacity:
         return engine_pb2.Capacity.FromString(
-            decode.capacity.remote(engine=engine).result(timeout_s=60)).num_running_reqs
+            handle.capacity.remote(engine=engine).result(timeout_s=60))
+
+    def all_in_stage_2(each: int) -> bool:
+        """Every search is in its stage 2 on a D (the Ds reserve ``each`` blocks for each
+        one: a D's running count is its beam slots, and a search waiting in the router's
+        queue for room is on no D), every import read (no D queues a step 0) and P runs
+        nothing: the redeploy may replace P."""
+        p = capacity(prefill)
+        ds = [capacity(decode, e) for e in engines]
+        return (not p.num_running_reqs and not p.num_waiting_reqs
+                and not any(d.num_waiting_reqs for d in ds)
+                and sum(d.num_reserved_blocks for d in ds) == SCALE_N * each)
+
+    def reservation(ref: router_pb2.GenerateResponse) -> int:
+        """What D reserves for one of these searches (``decode_engine.engine``): all have
+        the reference's stage-2 prompt (one prompt, one seed)."""
+        from kvhandoff.budget import stage2_reservation
+        from kvhandoff.model import ModelTokens, resolve_model
+        from kvhandoff.types import continuation_prompt
+
+        tokens = ModelTokens.load(resolve_model("builtin"))
+        prompt = continuation_prompt(list(long("x").prompt_token_ids.ids)
+                                     + list(ref.thinking_token_ids),
+                                     list(tokens.default_suffix_ids), tokens.think_end_id)
+        cap = capacity(decode, engines[0])
+        return stage2_reservation(len(prompt), cap.block_size, LONG_W, LONG_T, cap.beam_fork,
+                                  cap.num_total_blocks)
 
     # STEP 1
     ref = proxy.Generate(long("sd-ref", "colocated"), metadata=METADATA, timeout=300)
     engines = _decode_engines(decode)
+    each = reservation(ref)
     # STEP 2
     with ThreadPoolExecutor(SCALE_N) as pool:
         calls = [pool.submit(lambda n=n: proxy.Generate(long(f"sd-{n}"), metadata=METADATA,
                                                         timeout=300))
                  for n in range(SCALE_N)]
-        deadline = time.monotonic() + 120
-        while sum(running(e) for e in engines) < SCALE_N:
+        deadline, in_a_row = time.monotonic() + 120, 0
+        while in_a_row < 3:  # three polls in a row: none was between its two stages
+            in_a_row = in_a_row + 1 if all_in_stage_2(each) else 0
             assert time.monotonic() < deadline, "the searches never all ran on the Ds"
             assert not any(c.done() for c in calls), "a search ended before all ran"
         # STEP 3
