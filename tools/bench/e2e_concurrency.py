@@ -192,8 +192,9 @@ def _router_call(stub: Any, cfg: E2EConfig, prompt: list[int], seed: int, path: 
     return Answer(prompt, seed, list(result.thinking_token_ids),
                   [(list(b.token_ids), b.cum_logprob) for b in result.beams],
                   time.perf_counter() - t0, first,
-                  common_pb2.Path.Name(result.stats.path), result.stats.handoff_failure
-                  if result.stats.recomputed else "")
+                  common_pb2.Path.Name(result.stats.path),
+                  (result.stats.handoff_failure or "recomputed") if result.stats.recomputed
+                  else "")
 
 
 def run_router_level(stub: Any, cfg: E2EConfig, c: int, path: str,
