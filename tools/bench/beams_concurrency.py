@@ -42,6 +42,7 @@ from kvhandoff.types import BeamParams
 from tools.bench.beams import engine_core_hwm_mib, slot_step_ms
 from tools.bench.floor import decode_step_ms_many
 from tools.bench.modes import Bench, make_prompts
+from tools.bench.report import nearest_rank
 from tools.bench.types import BenchConfig
 from tools.local import local_pair
 
@@ -74,12 +75,6 @@ class BeamsConcurrencyResult:
     def as_dict(self) -> dict[str, Any]:
         return {**self.settings, "rows": self.rows, "skipped": self.skipped,
                 "identical": self.identical}
-
-
-def _pct(values: list[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of ``values``."""
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]
 
 
 async def _timed(coro: Any) -> tuple[Any, float]:
@@ -176,7 +171,7 @@ async def concurrency_point(bench: Bench, prompts: list[list[int]], width: int,
                 f"{kind}_qps_runs": [round(c * 1e3 / w, 3) for w in walls],
                 f"{kind}_first_over_second": round(walls[0] / walls[1], 2),
                 f"{kind}_p50_ms": round(statistics.median(lat), 1),
-                f"{kind}_p99_ms": round(_pct(lat, 0.99), 1)}
+                f"{kind}_p99_ms": round(nearest_rank(lat, 0.99), 1)}
     row |= {"ours_over_vllm": round(row["ours_qps"] / row["vllm_qps"], 2),
             "floor_import_ms": round(import_ms, 1), "floor_decode_step_ms": round(decode_ms, 1),
             "floor_ms": round(floor_ms, 1), "floor_qps": round(c * 1e3 / floor_ms, 3)}

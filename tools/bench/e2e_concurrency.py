@@ -46,6 +46,7 @@ import grpc
 
 from kvhandoff.types import BeamParams, Stage1Params
 from kvhandoff.v1 import common_pb2, router_pb2_grpc
+from tools.bench.report import nearest_rank
 from tools.client import make_request
 
 CONCURRENCY = (1, 4, 8, 32)
@@ -134,11 +135,6 @@ def prompts_for(cfg: E2EConfig, vocab: int, c: int, path: str) -> list[tuple[lis
              rng.randrange(1 << 30)) for _ in range(cfg.requests(c))]
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]
-
-
 def level_row(path: str, c: int, answers: list[Answer], wall_s: float,
               expect_path: str | None = None) -> dict[str, Any]:
     """A (path, C) row of the report from its answers."""
@@ -147,8 +143,8 @@ def level_row(path: str, c: int, answers: list[Answer], wall_s: float,
     return {
         "path": path, "concurrency": c, "requests": len(answers),
         "wall_s": round(wall_s, 3), "qps": round(len(answers) / wall_s, 3),
-        "first_beam_ms_p50": round(_pct(ms, 0.5), 1),
-        "first_beam_ms_p99": round(_pct(ms, 0.99), 1),
+        "first_beam_ms_p50": round(nearest_rank(ms, 0.5), 1),
+        "first_beam_ms_p99": round(nearest_rank(ms, 0.99), 1),
         "stage1_first_token_ms_p50": round(statistics.median(first), 1) if first else None,
         "recomputed": sum(1 for a in answers if a.recomputed),
         "off_path": (sum(1 for a in answers if a.path != expect_path)

@@ -10,6 +10,12 @@ from tools.bench.types import MODES, Sample
 from tools.harness.report import LOGPROB_TOLERANCE
 
 
+def nearest_rank(values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of ``values`` (not empty)."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]
+
+
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
