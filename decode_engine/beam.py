@@ -20,6 +20,12 @@ trailing EOS). Here, token for token the same, but inside the engine:
   scheduler copies each parent beam's KV into its children's slots
   (``decode_engine.beam_slots``). No request is made per step; slot 0's final output
   carries the beams.
+- **Slot 0 goes with step 0**, before step 0's picks are known: the engine's scheduler
+  writes them into it once step 0 decided (``decode_engine.slot_fill``), so the slots
+  start in the engine step after step 0's with no round trip through here, and C
+  searches whose step 0s ran in one engine step run every later step together. A
+  search resumed after a move sends its slots after its step 0 (their beams are known
+  already; they fork from its step 0).
 
 With ``fork`` (engines running our connector) the slots copy step 0's partial last
 block instead of recomputing it (``connector.beam_fork``): each computes one token at
@@ -33,6 +39,8 @@ first tokens); the slots start one token into an item and return only whole item
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -49,7 +57,7 @@ if TYPE_CHECKING:
 GenerateFn = Callable[[list[int], "SamplingParams", str], Awaitable["RequestOutput"]]
 
 __all__ = ["BeamSearchOutcome", "StoppedSearch", "beam_score", "beam_search",
-           "error_message", "resume_search", "vllm_beam_search"]
+           "error_message", "resume_search"]
 
 
 @dataclass(slots=True)
@@ -160,14 +168,17 @@ def _step0_extra(extra_args: dict[str, Any] | None, fork: bool, keep: bool, name
 async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamParams, *,
                      eos_token_id: int | None, request_id: str, fork_from: str | None,
                      members: int | None = None, steps: int | None = None, tail: int = 1,
-                     stop_at: int = 0) -> tuple[GroupResult, Any]:
+                     stop_at: int = 0, after: str = "") -> tuple[GroupResult, Any]:
     """The steps inside the engine: a slot per beam (``members`` slots, the first
     ``len(beams)`` starting with a live beam, the rest waiting to be forked into), each
     running the search's remaining ``steps`` (default: all but step 0). Only slot 0 is
     sent; the engine makes the others from it (``decode_engine.beam_slots``). Each beam's
-    last ``tail`` tokens are its own (1: step 0's pick; more in a resumed search). The
-    search's result, from slot 0's final output (``decode_engine.beam_search.
-    GroupSearch.result``, with the steps' figures), and that output."""
+    last ``tail`` tokens are its own (1: step 0's pick; more in a resumed search).
+    ``after``: sent with step 0, whose group it names, before its picks are known
+    (``beams``: one, the prompt and a placeholder token); the engine fills them in
+    (``decode_engine.slot_fill``). The search's result, from slot 0's final output
+    (``decode_engine.beam_search.GroupSearch.result``, with the steps' figures), and
+    that output."""
     from vllm import SamplingParams
 
     group, live = _unique(f"{request_id}-g"), len(beams)
@@ -181,11 +192,13 @@ async def _run_slots(generate: GenerateFn, beams: list[_Sequence], params: BeamP
                      cum_logprob=starts[0].cum_logprob, eos_token_id=eos_token_id,
                      ignore_eos=params.ignore_eos, catalog=params.catalog,
                      in_item=params.catalog is not None, tail=tail, stop_at=stop_at,
+                     after=after,
                      # The other slots are made in the engine from this one
                      # (decode_engine.beam_slots): each the same prompt with its own
                      # last tokens.
-                     clones=[(tuple(seq.tokens[-tail:]) if tail > 1 else seq.tokens[-1],
-                              seq.cum_logprob) for seq in starts[1:]])
+                     clones=None if after else [
+                         (tuple(seq.tokens[-tail:]) if tail > 1 else seq.tokens[-1],
+                          seq.cum_logprob) for seq in starts[1:]])
     sampling = SamplingParams(max_tokens=steps, temperature=0.0,
                               ignore_eos=True, detokenize=False, extra_args={
                                   SLOT_KEY: spec, "kv_transfer_params": {BEAM_KEY: beam}})
@@ -212,16 +225,18 @@ def _group_result(out: Any) -> GroupResult:
 async def _first_step(generate: GenerateFn, prompt: list[int], params: BeamParams, *,
                       eos_token_id: int | None, name: str,
                       first_step_extra_args: dict[str, Any] | None, fork: bool,
-                      held_parent: str | None) -> tuple[Any, GroupResult, bool, float]:
+                      held_parent: str | None, group: str = ""
+                      ) -> tuple[Any, GroupResult, bool, float]:
     """Step 0: one request over the prompt (carrying the import), a beam group of one
-    slot whose processor picks the first W beams; kept for the slots to fork from
-    (``fork``). Returns its output, its result, whether the slots fork, its seconds."""
+    slot (``group``; default: a new name) whose processor picks the first W beams;
+    kept for the slots to fork from (``fork``). Returns its output, its result, whether
+    the slots fork, its seconds."""
     from vllm import SamplingParams
 
     extra = dict(_step0_extra(first_step_extra_args, fork, params.max_tokens > 1, name,
                               held_parent) or {})
     extra[SLOT_KEY] = slot_spec(
-        group=_unique(name), slot=0, members=1, width=params.beam_width, live=1, steps=1,
+        group=group or _unique(name), slot=0, members=1, width=params.beam_width, live=1, steps=1,
         cum_logprob=0.0, eos_token_id=eos_token_id, ignore_eos=params.ignore_eos,
         catalog=params.catalog, goes_on=params.max_tokens > 1)
     t0 = time.perf_counter()
@@ -258,18 +273,39 @@ async def beam_search(
     the outcome is then ``stopped``, with no beams."""
     prompt = list(prompt_token_ids)
     name = f"{request_id}-s0"
-    first, step0, fork, first_step_s = await _first_step(
+    step0_group = _unique(name)
+    # The slots: W, or room for the beams the catalog may grow to.
+    members = min(params.beam_width, max_live or params.beam_width)
+    step0_task = asyncio.ensure_future(_first_step(
         generate, prompt, params, eos_token_id=eos_token_id, name=name,
-        first_step_extra_args=first_step_extra_args, fork=fork, held_parent=held_parent)
-    members = len(step0.live)
-    if params.catalog is not None:  # room for the beams the catalog may grow to
-        members = min(params.beam_width, max_live or params.beam_width)
-    return await _search(
-        generate, prompt, params, first, first_step_s, step0,
-        [_Sequence(prompt + list(t), float(c)) for _, t, c in step0.live],
-        [_Sequence(prompt + list(t), float(c)) for _, t, c in step0.completed],
-        eos_token_id=eos_token_id, request_id=request_id,
-        fork_from=name if fork else None, members=members, done=1, stop_at=stop_at)
+        first_step_extra_args=first_step_extra_args, fork=fork, held_parent=held_parent,
+        group=step0_group))
+    leader = None
+    if params.max_tokens > 1 and members > 1:
+        # The slots' leader goes with step 0 (after it: its request is added first);
+        # the engine fills in step 0's picks and starts the slots at the next engine
+        # step, with no round trip through here (decode_engine.slot_fill).
+        await asyncio.sleep(0)
+        leader = asyncio.ensure_future(_run_slots(
+            generate, [_Sequence(prompt + prompt[-1:], 0.0)], params,
+            eos_token_id=eos_token_id, request_id=request_id,
+            fork_from=name if fork else None, members=members,
+            stop_at=stop_at if stop_at >= 1 else 0, after=step0_group))
+    try:
+        first, step0, fork, first_step_s = await step0_task
+        return await _search(
+            generate, prompt, params, first, first_step_s, step0,
+            [_Sequence(prompt + list(t), float(c)) for _, t, c in step0.live],
+            [_Sequence(prompt + list(t), float(c)) for _, t, c in step0.completed],
+            eos_token_id=eos_token_id, request_id=request_id,
+            fork_from=name if fork else None, members=members, done=1, stop_at=stop_at,
+            leader=leader)
+    finally:
+        for task in (step0_task, leader):
+            if task is not None and not task.done():
+                task.cancel()  # aborts its request on the engine
+                with contextlib.suppress(BaseException):
+                    await task
 
 
 async def resume_search(generate: GenerateFn, moved: StoppedSearch, params: BeamParams, *,
@@ -305,9 +341,11 @@ async def _search(generate: GenerateFn, prompt: list[int], params: BeamParams, f
                   first_step_s: float, step0: GroupResult | None, beams: list[_Sequence],
                   completed: list[_Sequence], *, eos_token_id: int | None, request_id: str,
                   fork_from: str | None, members: int, done: int,
-                  stop_at: int) -> BeamSearchOutcome:
+                  stop_at: int, leader: asyncio.Future | None = None) -> BeamSearchOutcome:
     """The slots' part of a search whose first ``done`` beam steps ran (``beams``: the
-    live ones, ``completed``: those that ended, in vLLM's order), and its outcome."""
+    live ones, ``completed``: those that ended, in vLLM's order), and its outcome.
+    ``leader``: the slots' leader sent with step 0 (``_run_slots``' ``after``), awaited
+    if the search goes on (else its caller cancels it)."""
     def score(seq: _Sequence) -> float:
         return beam_score(seq.tokens, seq.cum_logprob, eos_token_id, params.length_penalty)
 
@@ -315,10 +353,10 @@ async def _search(generate: GenerateFn, prompt: list[int], params: BeamParams, f
     recomputed, slot_steps, dropped = 0, None, step0.dropped if step0 else 0
     if params.max_tokens > done and beams:
         members = max(members, len(beams))
-        result, out = await _run_slots(
+        result, out = await (leader if leader is not None else _run_slots(
             generate, beams, params, eos_token_id=eos_token_id, request_id=request_id,
             fork_from=fork_from, members=members, steps=params.max_tokens - done,
-            tail=done, stop_at=stop_at if stop_at >= done else 0)
+            tail=done, stop_at=stop_at if stop_at >= done else 0))
         slot_steps = result.steps or {}
         first_computed = int(slot_steps.get("first_computed", members))
         # The slots' steps that ran: fewer than planned when no live beam was left.
@@ -353,31 +391,3 @@ def _beam(seq: _Sequence, prompt_len: int, eos_token_id: int | None, ignore_eos:
     ended_by_eos = seq.tokens[-1] == eos_token_id and not ignore_eos
     return Beam(token_ids=seq.tokens[prompt_len:], cum_logprob=seq.cum_logprob,
                 finish_reason="stop" if ended_by_eos else "length")
-
-
-async def vllm_beam_search(llm: Any, tokenizer: Any, prompt_token_ids: list[int],
-                           params: BeamParams, request_id: str,
-                           lora_request: Any = None) -> list[Beam]:
-    """vLLM's own beam search (the online one its server runs) on an AsyncLLM (under
-    ``lora_request``, vLLM's LoRA request): the peer our beam search is compared with. It
-    cannot carry ``kv_transfer_params``."""
-    from types import SimpleNamespace
-
-    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
-    from vllm.inputs import tokens_input
-    from vllm.sampling_params import BeamSearchParams
-
-    class _Peer(BeamSearchOnlineMixin):
-        engine_client = llm
-        renderer = SimpleNamespace(get_tokenizer=lambda: tokenizer)
-
-    search = BeamSearchParams(beam_width=params.beam_width, max_tokens=params.max_tokens,
-                              length_penalty=params.length_penalty,
-                              ignore_eos=params.ignore_eos, include_stop_str_in_output=True)
-    final = None
-    async for out in _Peer().beam_search(tokens_input(prompt_token_ids), request_id, search,
-                                         lora_request=lora_request):
-        final = out
-    assert final is not None
-    return [Beam(token_ids=list(c.token_ids), cum_logprob=c.cumulative_logprob,
-                 finish_reason=c.finish_reason) for c in final.outputs]

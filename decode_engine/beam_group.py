@@ -1,5 +1,6 @@
-"""One beam group's state (:class:`Group`) and the arithmetic of its first step
-(:func:`shared_from_free`, :func:`mid_prompt`), for ``decode_engine.beam_slots``, which owns
+"""One beam group's state (:class:`Group`), the arithmetic of its first step
+(:func:`shared_from_free`, :func:`mid_prompt`, :func:`has_room`) and its copies after a
+fork (:func:`fork_copies`), for ``decode_engine.beam_slots``, which owns
 the groups."""
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ class Group:
     #: Asked to stop to move (``decode_engine.search_stops``): the engine id its
     #: handoff goes to ("": the group's own default); None: not asked.
     stop_to: str | None = None
+    #: A group whose leader came with its search's step 0 (``SlotSpec.after``): step
+    #: 0's group, until the leader is filled in from its result (None: filled, or sent
+    #: filled).
+    after: str | None = None
+    #: A one-slot group (a step 0): whether its request is kept for its slots to fork
+    #: from (``connector.beam_fork``), read when it decided.
+    kept: bool = False
 
     def ids(self) -> list[str]:
         return [self.slots[i] for i in sorted(self.slots)]
@@ -61,3 +69,36 @@ def shared_from_free(pool: Any, leader: Request, num_blocks: int) -> int:
         cached = pool.get_cached_block(block_hash, [0])
         taken += cached is None or cached[0].ref_cnt == 0
     return taken
+
+
+def has_room(scheduler: Any, seqs: int, tokens: int) -> bool:
+    """Whether ``seqs`` more requests computing ``tokens`` fit beside the running
+    ones (each computes at least one token) this step."""
+    running = scheduler.running
+    running_tokens = sum(max(r.num_tokens - r.num_computed_tokens, 1) for r in running)
+    return (len(running) + seqs <= scheduler.max_num_active_reqs
+            and running_tokens + tokens <= scheduler.max_num_scheduled_tokens)
+
+
+def fork_copies(group: Group, blocks: list[list[int]], pool: Any) -> list[Any]:
+    """The block copies (vLLM's ``KVCacheBlockCopy``) that make each slot of ``group``
+    (``blocks``: each slot's own blocks) a copy of its new beam's parent slot, after a
+    step that forked; none, and the group's error set, where a slot's own blocks do not
+    line up with its parent's or are shared."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    assert group.parents is not None
+    copies = []
+    for child, parent in enumerate(group.parents):
+        if child == parent:
+            continue
+        src, dst = blocks[parent], blocks[child]
+        if len(src) != len(dst) or not dst:
+            group.error = (f"slot {child} and its parent slot {parent} hold "
+                           f"{len(dst)} and {len(src)} blocks of their own")
+            return []
+        if any(pool.blocks[b].ref_cnt != 1 for b in dst):
+            group.error = f"slot {child}'s own blocks are shared"
+            return []
+        copies.extend(KVCacheBlockCopy(s, d) for s, d in zip(src, dst))
+    return copies

@@ -15,7 +15,9 @@ rest:
   the others (their last prompt token and score), which this part makes as vLLM
   ``Request``s with vLLM's block hasher and adds to the scheduler. Their outputs go to a
   client that never asked for them and drops them; a leader that ends before its group
-  started (its client aborted) ends them too.
+  started (its client aborted) ends them too. A leader sent with its search's step 0
+  (``SlotSpec.after``) waits for step 0's result and is filled in from it first
+  (``decode_engine.slot_fill``).
 - **Together.** A group's slots wait (the connector skips them) until all arrived and
   the step has room for all of them (running slots, token budget, and the blocks their
   first step takes from the free count); then they go to the front of the queue and
@@ -60,9 +62,17 @@ from vllm.v1.request import RequestStatus
 from connector.handoff import is_made_slot
 from connector.params import BEAM_KEY, KEY, SLOT_KEY, WAIT_KEY, Refusal
 from connector.step_meta import BeamStepMeta
-from decode_engine.beam_group import START_TIMEOUT_S, Group, mid_prompt, shared_from_free
+from decode_engine.beam_group import (
+    START_TIMEOUT_S,
+    Group,
+    fork_copies,
+    has_room,
+    mid_prompt,
+    shared_from_free,
+)
 from decode_engine.search_stops import SearchStops
 from decode_engine.slot_clone import block_hasher, clone_slot, unshare_own_blocks
+from decode_engine.slot_fill import Step0s, fill_leader, why_not_ready
 from decode_engine.slot_spec import GroupResult, SlotSpec
 
 if TYPE_CHECKING:
@@ -100,6 +110,8 @@ class SlotGroups:
         self._slot_of: dict[str, tuple[str, int]] = {}  # request id -> (group, slot)
         #: Searches asked to stop to move (``decode_engine.search_stops``).
         self.stops = SearchStops()
+        #: Step 0s that ended, for leaders sent with them (``decode_engine.slot_fill``).
+        self.step0s = Step0s()
 
     @classmethod
     def for_scheduler(cls, scheduler: Any) -> SlotGroups:
@@ -125,7 +137,10 @@ class SlotGroups:
             return []
         self._join(request, spec)
         unshare_own_blocks(request, spec, self._hash_block_size)
-        return [clone_slot(request, spec, i, tail, cum, self._block_hasher,
+        return self._clones(request, spec)
+
+    def _clones(self, leader: Request, spec: SlotSpec) -> list[Request]:
+        return [clone_slot(leader, spec, i, tail, cum, self._block_hasher,
                            self._hash_block_size)
                 for i, (tail, cum) in enumerate(spec.clones, start=1)]
 
@@ -147,6 +162,8 @@ class SlotGroups:
                 - first // self._block_size, shared_tokens=first)
         group.slots[slot] = request.request_id
         self._slot_of[request.request_id] = (name, slot)
+        if spec.after:
+            group.after = spec.after  # filled in from step 0's result (slot_fill)
         if group.error:
             group.reported = False  # a slot late for a failed group ends with it
         if members == 1:
@@ -158,11 +175,12 @@ class SlotGroups:
         """Start the groups whose slots all arrived and fit this step; a group still
         incomplete after ``START_TIMEOUT_S`` ends (its client went away mid-send)."""
         now = time.monotonic()
+        self._fill_leaders(scheduler, now)
         self.stops.match(self._groups, scheduler.requests)
         claimed_seqs = claimed_tokens = claimed_blocks = 0  # by the groups started here
         pool = scheduler.kv_cache_manager.block_pool
         for group in self._groups.values():
-            if group.started or group.error or group.members == 1:
+            if group.started or group.error or group.members == 1 or group.after:
                 continue
             if now - group.arrived_at > START_TIMEOUT_S:
                 if len(group.slots) < group.members:
@@ -188,7 +206,7 @@ class SlotGroups:
                 group.error = (f"its {group.members} slots need {blocks} blocks at their "
                                f"first step; the pool holds {pool.num_gpu_blocks - 1}")
                 continue
-            if (not self._room(scheduler, group.members + claimed_seqs,
+            if (not has_room(scheduler, group.members + claimed_seqs,
                                tokens + claimed_tokens)
                     or blocks + claimed_blocks > pool.get_num_free_blocks()):
                 continue
@@ -202,14 +220,37 @@ class SlotGroups:
             for member in reversed(members):
                 scheduler.waiting.prepend_request(member)
 
-    @staticmethod
-    def _room(scheduler: Scheduler, seqs: int, tokens: int) -> bool:
-        """Whether ``seqs`` more requests computing ``tokens`` fit beside the running
-        ones (each computes at least one token) this step."""
-        running = scheduler.running
-        running_tokens = sum(max(r.num_tokens - r.num_computed_tokens, 1) for r in running)
-        return (len(running) + seqs <= scheduler.max_num_active_reqs
-                and running_tokens + tokens <= scheduler.max_num_scheduled_tokens)
+    def _fill_leaders(self, scheduler: Scheduler, now: float) -> None:
+        """Leaders sent with their step 0 (``decode_engine.slot_fill``): filled in, and
+        their groups' other slots made, once step 0 decided; ended if it ended without
+        beams, or never came within ``START_TIMEOUT_S``."""
+        for group in list(self._groups.values()):
+            if group.after is None or group.error:
+                continue
+            step0, ended = self.step0s.find(group.after, self._groups)
+            if step0 is None:
+                if now - group.arrived_at > START_TIMEOUT_S:
+                    group.error = (f"its step 0 {group.after} did not come within "
+                                   f"{START_TIMEOUT_S:.0f}s")
+                continue
+            group.error = why_not_ready(step0, ended)
+            if group.error or step0.result is None:
+                continue  # ended, or step 0 still runs
+            leader = scheduler.requests.get(group.slots.get(0, ""))
+            spec = slot_of(leader) if leader is not None else None
+            filled = (fill_leader(leader, spec, GroupResult.read(step0.result),
+                                  self._hash_block_size)
+                      if leader is not None and spec is not None else None)
+            if filled is None:
+                group.error = ("its step 0 left no live beam" if spec is not None
+                               else "its leader ended before step 0 decided")
+                continue
+            self.step0s.claim(group.after)
+            group.after, group.arrived_at = None, now
+            if not step0.kept:  # admitted without fork: the slots compute their block
+                group.tokens_each = group.shared_tokens % self._block_size + filled.tail
+            for clone in self._clones(leader, filled):
+                scheduler.add_request(clone)
 
     def after_schedule(self, scheduler: Scheduler, output: SchedulerOutput
                        ) -> list[KVCacheBlockCopy]:
@@ -242,30 +283,12 @@ class SlotGroups:
             if hashed:
                 pool.evict_blocks(hashed)
             if group.parents is not None:
-                mine = self._copies(group, blocks, pool)
+                mine = fork_copies(group, blocks, pool)
                 group.copied.append(len(mine))
                 copies.extend(mine)
                 group.parents = None
             elif group.step:
                 group.copied.append(0)
-        return copies
-
-    @staticmethod
-    def _copies(group: Group, blocks: list[list[int]], pool: Any) -> list[KVCacheBlockCopy]:
-        assert group.parents is not None
-        copies = []
-        for child, parent in enumerate(group.parents):
-            if child == parent:
-                continue
-            src, dst = blocks[parent], blocks[child]
-            if len(src) != len(dst) or not dst:
-                group.error = (f"slot {child} and its parent slot {parent} hold "
-                               f"{len(dst)} and {len(src)} blocks of their own")
-                return []
-            if any(pool.blocks[b].ref_cnt != 1 for b in dst):
-                group.error = f"slot {child}'s own blocks are shared"
-                return []
-            copies.extend(KVCacheBlockCopy(s, d) for s, d in zip(src, dst))
         return copies
 
     def on_step_output(self, scheduler_output: SchedulerOutput,
@@ -295,6 +318,10 @@ class SlotGroups:
                                f"{group.step}")
             else:
                 group.step += 1
+                if group.members == 1:  # a step 0: kept for its slots to fork from?
+                    beam = (getattr(requests.get(group.ids()[0]), "kv_transfer_params",
+                                    None) or {}).get(BEAM_KEY) or {}
+                    group.kept = bool(beam.get("keep"))
                 group.select_ms.append(float(record.get("select_ms", 0.0)))
                 parents = [int(p) for p in record["parents"]]
                 if parents != list(range(len(parents))):
@@ -354,6 +381,8 @@ class SlotGroups:
             left = [r for r in group.ids() if r in scheduler.requests]
             if not left:
                 del self._groups[name]
+                if group.members == 1:
+                    self.step0s.ended(name, group)  # for a leader still on its way
             elif group.result is None and not group.error:
                 # A slot ended before its group (its client aborted the leader): the
                 # others have no one to answer; they end too.

@@ -60,6 +60,11 @@ class SlotSpec:
     #: (``decode_engine.search_stops``). The slots' ``tail`` is the steps run before
     #: this group.
     stop_at: int = 0
+    #: Sent with its search's step 0, before step 0's picks are known: the name of step
+    #: 0's group. The scheduler fills in the leader's last prompt token, ``live``,
+    #: ``cum`` and ``clones`` from step 0's result (``decode_engine.slot_fill``); ""
+    #: once filled, or for a leader sent with them.
+    after: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         """The dict that travels under ``extra_args[SLOT_KEY]``."""
@@ -79,7 +84,14 @@ class SlotSpec:
             wire["tail"] = self.tail
         if self.stop_at:
             wire["stop_at"] = self.stop_at
+        if self.after:
+            wire["after"] = self.after
         return wire
+
+    def filled(self, live: int, cum: float, clones: tuple[tuple[CloneTail, float], ...]
+               ) -> SlotSpec:
+        """A leader sent ``after`` its step 0, once step 0's picks are known."""
+        return replace(self, live=live, cum=float(cum), clones=clones, after="")
 
     def for_slot(self, slot: int, cum: float) -> SlotSpec:
         """Slot ``slot`` of this one's group, starting with a beam of score ``cum``."""
@@ -103,13 +115,19 @@ class SlotSpec:
                    ignore_eos=bool(wire["ignore_eos"]), catalog=wire["catalog"],
                    in_item=bool(wire.get("in_item")), goes_on=bool(wire.get("goes_on")),
                    clones=tuple((_tail_of(t), float(c)) for t, c in wire.get("clones") or ()),
-                   tail=int(wire.get("tail", 1)), stop_at=int(wire.get("stop_at", 0)))
+                   tail=int(wire.get("tail", 1)), stop_at=int(wire.get("stop_at", 0)),
+                   after=str(wire.get("after") or ""))
         if not 0 <= spec.slot < spec.members:
             raise ValueError(f"{SLOT_KEY}: slot {spec.slot} outside the group's "
                              f"{spec.members}")
         if not 0 <= spec.live <= spec.members <= spec.width:
             raise ValueError(f"{SLOT_KEY}: live {spec.live}, members {spec.members}, "
                              f"width {spec.width} (live <= members <= width)")
+        if spec.after and (spec.slot != 0 or spec.clones or spec.tail != 1
+                           or spec.members < 2):
+            raise ValueError(f"{SLOT_KEY}: a leader sent before its step 0's picks "
+                             "(after) is slot 0 of a group of two or more, with tail 1 "
+                             "and no clones")
         if spec.tail < 1 or any(isinstance(t, tuple) and len(t) != spec.tail
                                 for t, _ in spec.clones):
             raise ValueError(f"{SLOT_KEY}: tail {spec.tail}, and every clone's tokens "
@@ -129,13 +147,13 @@ def slot_spec(*, group: str, slot: int, members: int, width: int, live: int, ste
               cum_logprob: float, eos_token_id: int | None, ignore_eos: bool,
               catalog: str | None = None, in_item: bool = False, goes_on: bool = False,
               clones: list[tuple[CloneTail, float]] | None = None,
-              tail: int = 1, stop_at: int = 0) -> dict[str, Any]:
+              tail: int = 1, stop_at: int = 0, after: str = "") -> dict[str, Any]:
     """A slot's parameters as they travel (:class:`SlotSpec`, its fields)."""
     return SlotSpec(group=group, slot=slot, members=members, width=width, live=live,
                     steps=steps, cum=float(cum_logprob), eos=eos_token_id,
                     ignore_eos=ignore_eos, catalog=catalog, in_item=in_item,
                     goes_on=goes_on, clones=tuple(clones or ()), tail=tail,
-                    stop_at=stop_at).to_wire()
+                    stop_at=stop_at, after=after).to_wire()
 
 
 #: A beam a group returns: the slot it started in, the tokens the slots generated for

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from decode_engine.beam import beam_search, vllm_beam_search
+from decode_engine.beam import beam_search
+from decode_engine.vllm_peer import vllm_beam_search
 from kvhandoff.types import BeamParams
 
 pytestmark = pytest.mark.beams
@@ -51,14 +52,22 @@ def test_prefix_blocks_evicted_before_the_slots_are_recomputed_and_reported(pair
     prompt = [rng.randrange(6, pair.d.vocab_size) for _ in range(90)]
     params = BeamParams(beam_width=4, max_tokens=3)
     reset: list[asyncio.Future] = []
+    step0_done = asyncio.Event()
 
     async def evicting_generate(tokens, sampling, request_id):
         if request_id.startswith("evict-g"):  # a slot ("<request>-g<slot>")
-            # Every slot waits for the drop, made while D is idle.
+            # The slots' leader goes with step 0: it waits for step 0's end and the
+            # drop, made while D is idle; the engine then fills it in from step 0's
+            # result kept past its request (decode_engine.slot_fill).
+            await step0_done.wait()
             if not reset:
                 reset.append(asyncio.ensure_future(pair.d.llm.reset_prefix_cache()))
             await reset[0]
-        return await pair.d.generate(tokens, sampling, request_id)
+        try:
+            return await pair.d.generate(tokens, sampling, request_id)
+        finally:
+            if request_id.endswith("-s0"):
+                step0_done.set()
 
     kept = run(beam_search(pair.d.generate, prompt, params, eos_token_id=pair.eos_id,
                            request_id="evict-ref"))

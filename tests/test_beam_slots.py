@@ -23,7 +23,7 @@ from connector.params import KEY, SLOT_KEY
 from connector.step_meta import OUTBOX
 from decode_engine.beam import beam_search
 from decode_engine.beam_processor import BeamSlotProcessor
-from decode_engine.slot_spec import slot_spec
+from decode_engine.slot_spec import SlotSpec, slot_spec
 from kvhandoff.types import BeamParams, StageError
 
 EOS = 1
@@ -65,6 +65,10 @@ class ScriptedEngine:
         self.slots: dict[int, tuple[list[int], object, asyncio.Future]] = {}
         self.group = None  # the group of ``slots``
         self.steps_run = 0
+        self.decided: dict[str, asyncio.Future] = {}  # one-slot groups' results
+
+    def _decision(self, group: str) -> asyncio.Future:
+        return self.decided.setdefault(group, asyncio.get_running_loop().create_future())
 
     async def generate(self, tokens, sampling, request_id):
         spec = (sampling.extra_args or {}).get(SLOT_KEY)
@@ -72,6 +76,18 @@ class ScriptedEngine:
             return _output(tokens, None if sampling.logprobs is None
                            else [logprobs_dict(tokens, sampling.logprobs)], None)
         BeamSlotProcessor.validate_params(sampling)
+        if spec.get("after"):
+            # A leader sent with its step 0: filled in from step 0's result as the
+            # scheduler fills it (decode_engine.slot_fill, tested below over vLLM's
+            # Scheduler).
+            live = (await self._decision(spec["after"]))["live"]
+            starts = [live[min(i, len(live) - 1)] for i in range(spec["members"])]
+            tokens = list(tokens[:-1]) + [starts[0][1][-1]]
+            spec = SlotSpec.read({SLOT_KEY: spec}).filled(
+                len(live), starts[0][2], tuple((t[-1], c) for _, t, c in starts[1:])
+            ).to_wire()
+            sampling = SamplingParams(**{**_fields(sampling), "extra_args": {
+                **sampling.extra_args, SLOT_KEY: spec}})
         if spec["group"] != self.group:  # the slots of the last group: gone
             self.group, self.slots = spec["group"], {}
         future = asyncio.get_running_loop().create_future()
@@ -113,6 +129,8 @@ class ScriptedEngine:
             contexts = {i: source.get(i, contexts[i]) + [by_slot[i]] for i in order}
         processor.update_state(SimpleNamespace(batch_size=0, removed=list(range(len(rows))),
                                                moved=[], added=[]))
+        if spec["members"] == 1 and "result" in record:  # a step 0
+            self._decision(spec["group"]).set_result(record["result"])
         # As the scheduler answers (decode_engine.beam_slots): the result, the steps' figures.
         info = ({SLOT_KEY: {**record["result"], "steps": {"select_ms": select_ms}}}
                 if "result" in record

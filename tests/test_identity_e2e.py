@@ -55,13 +55,13 @@ VLLM_BOUND = 1e-4
 
 @pytest.fixture
 def vllm_beams(run, vllm_peer):
-    """vLLM's own beam search (``decode_engine.beam.vllm_beam_search``: the online search
+    """vLLM's own beam search (``decode_engine.vllm_peer.vllm_beam_search``: the online search
     vLLM's server runs, one request per beam per step) on one more engine of the built-in
     model, started here with the engines' default settings. Returns a function of a
     prompt and a response: vLLM's beams over that response's stage-2 prompt (prompt,
     stage 1, suffix), computed from token ids on that engine from an empty prefix cache
     (checked: it computed the whole stage-2 prompt itself)."""
-    from decode_engine.beam import vllm_beam_search
+    from decode_engine.vllm_peer import vllm_beam_search
 
     engine, tokenizer, think_end = vllm_peer
     calls = itertools.count()

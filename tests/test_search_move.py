@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from connector.handoff import ImportRequest
-from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
+from decode_engine.vllm_peer import vllm_beam_search
 from kvhandoff.types import BeamParams
 from tests.utils import make_request
 from tools.harness import LOGPROB_TOLERANCE

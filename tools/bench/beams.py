@@ -11,7 +11,7 @@ For each W (increasing) and T, on one P+D pair in this process, the engines to i
   sample moved the ratio by a third on this 2-core machine);
 - **ours and vLLM's, warm**: the same stage-2 prompt on D again, ours (step 0 finds the
   parent's full blocks in D's prefix cache) then vLLM's ``beam_search`` (the online one,
-  ``decode_engine.beam.vllm_beam_search``) in the same cache state; ratio = vLLM / ours;
+  ``decode_engine.vllm_peer.vllm_beam_search``) in the same cache state; ratio = vLLM / ours;
 - **the slots' steps** (ours, warm): the logits processor's milliseconds a step, the
   blocks copied after a step, the engine step with W slots (iteration stats), and what is
   left of the slots' part ("front end": their submission, the final outputs);
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
+from decode_engine.vllm_peer import vllm_beam_search
 from kvhandoff.types import BeamParams
 from tools.bench.floor import decode_step_ms
 from tools.bench.modes import Bench, make_prompts

@@ -8,7 +8,7 @@ On one P+D pair in this process, the engines to itself:
 - for each W (increasing), then each C (increasing), the first C stage-2 prompts, warm
   on D (a 1-token request each first: the parents' full blocks in D's prefix cache):
   - **ours** (``decode_engine.engine.run_beam_stage``) and **vLLM's**
-    (``decode_engine.beam.vllm_beam_search``): C searches at once (``asyncio.gather``),
+    (``decode_engine.vllm_peer.vllm_beam_search``): C searches at once (``asyncio.gather``),
     in the order ours, vLLM's, ours, vLLM's: each run's wall time (QPS = C / wall) and
     each search's latency; the better of the two runs is reported, and the first
     against the second (the first run of a new (W, C) shape);
@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
+from decode_engine.vllm_peer import vllm_beam_search
 from kvhandoff.budget import stage2_reservation
 from kvhandoff.types import BeamParams
 from tools.bench.beams import engine_core_hwm_mib, slot_step_ms

@@ -6,7 +6,7 @@ through the router, against the colocated path and against vLLM alone.
 - **colocated**: the router's colocated path: both stages on P, no handoff.
 - **vLLM alone**: what a deployment without kvhandoff runs on one engine: stage 1 with
   the router's sampling (positional: the same thinking), then stage 2 sent as a new
-  request to vLLM's own ``beam_search`` (``decode_engine.beam.vllm_beam_search``) over
+  request to vLLM's own ``beam_search`` (``decode_engine.vllm_peer.vllm_beam_search``) over
   prompt + thinking + suffix. Its prefix cache still holds the prompt from stage 1 (in
   vLLM's favour).
 
@@ -231,7 +231,7 @@ async def _vllm_call(engine: Any, tokenizer: Any, tokens: Any, cfg: E2EConfig,
     """Stage 1 on ``engine`` (a PrefillEngine), sampled as the router's P samples it by
     default (positionally, ``engine.sampling``: the same thinking on any engine), then
     vLLM's ``beam_search`` over the re-sent stage-2 prompt."""
-    from decode_engine.beam import vllm_beam_search
+    from decode_engine.vllm_peer import vllm_beam_search
     from kvhandoff.types import continuation_prompt
 
     t0 = time.perf_counter()

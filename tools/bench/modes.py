@@ -29,8 +29,8 @@ import time
 from typing import Any
 
 from connector.handoff import ImportRequest
-from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
+from decode_engine.vllm_peer import vllm_beam_search
 from kvhandoff.builtin.generate import _WORDS
 from kvhandoff.builtin.tokens import DEFAULT_SUFFIX_TEXT
 from kvhandoff.types import BeamParams, Stage1Params

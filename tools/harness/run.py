@@ -25,8 +25,8 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from connector.faults import FAULTS
-from decode_engine.beam import vllm_beam_search
 from decode_engine.engine import run_beam_stage
+from decode_engine.vllm_peer import vllm_beam_search
 from kvhandoff.budget import stage2_reservation
 from kvhandoff.types import Beam, BeamParams, Stage1Params, StageError
 from prefill_engine.engine import PINNED, stage1_sampling

@@ -22,7 +22,8 @@ from typing import Any
 
 from connector.handoff import ImportRequest
 from connector.params import KEY
-from decode_engine.beam import StoppedSearch, vllm_beam_search
+from decode_engine.beam import StoppedSearch
+from decode_engine.vllm_peer import vllm_beam_search
 from kvhandoff.types import Beam, BeamParams, Stage1Params
 from tools.harness.cases import history_prompt
 from tools.harness.report import LOGPROB_TOLERANCE
