@@ -13,7 +13,8 @@ through the front end (docs/performance.md, "Stage 2 at concurrency").
 A leader whose step 0 ended without a result (refused, failed, aborted) or left no live
 beam ends with its group's error; the front end, which reads step 0's output first,
 cancels it then anyway. Step 0 may end before its leader arrives: a one-slot group's
-state outlives its request by :data:`KEEP_S` here (:class:`Step0s`).
+state outlives its request by :data:`KEEP_S` here, unless its leader took its result
+already (:class:`Step0s`).
 """
 
 from __future__ import annotations
@@ -31,21 +32,31 @@ if TYPE_CHECKING:
 
 #: How long a step 0's state is kept after its request ended, for a leader still on its
 #: way (sent together; the engine may read step 0's output before the leader arrives).
-KEEP_S = 60.0
+#: As long as a group waits for its slots.
+KEEP_S = 30.0
 
 
 class Step0s:
-    """Step 0s (one-slot groups) that ended, for the leaders sent with them."""
+    """Step 0s (one-slot groups) that ended, for the leaders sent with them: kept
+    :data:`KEEP_S` unless their leader took their result before they ended (a step 0
+    kept for its slots to fork from ends after them)."""
 
     def __init__(self) -> None:
         self._ended: dict[str, tuple[float, Group]] = {}
+        self._taken: set[str] = set()  # claimed while their request ran
 
     def ended(self, name: str, group: Group) -> None:
         """A one-slot group's last request left the scheduler."""
+        if name in self._taken:
+            self._taken.discard(name)
+            return
         now = time.monotonic()
         self._ended[name] = (now, group)
         for old in [n for n, (at, _) in self._ended.items() if now - at > KEEP_S]:
             del self._ended[old]
+
+    def __len__(self) -> int:
+        return len(self._ended)
 
     def find(self, name: str, groups: dict[str, Group]) -> tuple[Group | None, bool]:
         """Step 0's group ``name`` and whether it ended (None: not seen yet)."""
@@ -56,7 +67,9 @@ class Step0s:
         return (ended[1], True) if ended is not None else (None, False)
 
     def claim(self, name: str) -> None:
-        self._ended.pop(name, None)
+        """A leader took step 0 ``name``'s result."""
+        if self._ended.pop(name, None) is None:
+            self._taken.add(name)
 
 
 def why_not_ready(step0: Group, ended: bool) -> str | None:

@@ -116,3 +116,30 @@ def test_a_leader_whose_step_0_never_comes_ends_after_the_start_timeout(model_di
     assert out.num_scheduled_tokens == {}
     assert "its step 0 s did not come" in outputs["g0"].kv_transfer_params[KEY]["error"]
     assert_scheduler_clean(scheduler)
+
+
+def test_a_step_0s_state_is_kept_for_its_leader_only_while_it_may_come(monkeypatch):
+    """An ended step 0 is found by a leader that comes late; one whose leader took its
+    result while it ran (kept for the slots to fork from) is not kept once it ends; an
+    unclaimed one goes after ``KEEP_S``."""
+    import decode_engine.slot_fill
+    from decode_engine.beam_group import Group
+    from decode_engine.slot_fill import Step0s
+
+    def step0():
+        return Group(members=1, first_block=0, tokens_each=1, own_blocks=1)
+
+    step0s = Step0s()
+    late, taken = step0(), step0()
+    step0s.ended("late", late)
+    assert step0s.find("late", {}) == (late, True)
+    assert step0s.find("taken", {"taken": taken}) == (taken, False)
+    step0s.claim("taken")  # filled while it ran
+    step0s.ended("taken", taken)
+    assert step0s.find("taken", {}) == (None, False) and len(step0s) == 1
+    step0s.claim("late")
+    assert len(step0s) == 0
+    monkeypatch.setattr(decode_engine.slot_fill, "KEEP_S", -1.0)
+    step0s.ended("never claimed", step0())
+    step0s.ended("next", step0())
+    assert step0s.find("never claimed", {}) == (None, False)
