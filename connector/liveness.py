@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 LIVE_MSG = "kvhandoff_live"
 #: D waits this long for P's answer; no answer fails the import.
 CHECK_TIMEOUT_S = 5.0
+#: And this much more for an answer already on its way at the deadline: a D process
+#: stopped past the deadline (SIGSTOP, a long pause of its host) wakes with P's reply in
+#: its socket but its I/O thread not yet run, and zmq's recv reports the deadline first.
+LATE_REPLY_S = 0.5
 
 
 Blocks = list[list[int]]
@@ -130,13 +134,20 @@ def _serve(encoded_data: dict[tuple[int, int], Any], ready_event: threading.Even
 def ask_live(host: str, port: int, asked: list[tuple[str, Blocks]],
              timeout_s: float = CHECK_TIMEOUT_S) -> list[bool]:
     """P's answer over its side channel: whether each (request id, block ids) is an
-    export P holds with those blocks. Raises on no answer (``zmq.Again``) or a reply
-    that is not one bool per export asked."""
+    export P holds with those blocks. Raises on no answer within ``timeout_s`` and
+    :data:`LATE_REPLY_S` more (``zmq.Again``) or a reply that is not one bool per export
+    asked."""
     with zmq_ctx(zmq.REQ, make_zmq_path("tcp", host, port)) as sock:
         sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         sock.setsockopt(zmq.LINGER, 0)
         sock.send(msgspec.msgpack.encode((LIVE_MSG, asked)))
-        reply = msgspec.msgpack.decode(sock.recv())
+        try:
+            raw = sock.recv()
+        except zmq.Again:
+            if not sock.poll(int(LATE_REPLY_S * 1000)):
+                raise
+            raw = sock.recv(zmq.NOBLOCK)
+        reply = msgspec.msgpack.decode(raw)
     if not isinstance(reply, list) or len(reply) != len(asked):
         raise ValueError(f"P answered {reply!r}")
     return [bool(r) for r in reply]

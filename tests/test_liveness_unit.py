@@ -98,3 +98,35 @@ def test_d_tells_confirmed_not_live_and_no_answer_apart(side_channel):
     assert confirmed == {"d-1"}
     assert "did not hold export released" in refused["d-2"]
     assert "did not confirm" in refused["d-3"]
+
+
+@pytest.mark.parametrize("late_s,answered", [(0.2, True), (1.2, False)])
+def test_an_answer_on_its_way_at_the_deadline_is_taken(late_s, answered):
+    """P answers ``late_s`` after D's deadline (what a D stopped past its deadline finds
+    on waking: the reply there, its zmq I/O thread not yet run): taken within
+    ``LATE_REPLY_S`` (0.5 s), else no answer (``zmq.Again``), as before."""
+    from connector.liveness import LATE_REPLY_S, LIVE_MSG
+
+    assert LATE_REPLY_S == 0.5
+    port, timeout_s = free_port(), 0.3
+    ctx = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    server.bind(f"tcp://127.0.0.1:{port}")
+
+    def answer_late() -> None:
+        identity, _, raw = server.recv_multipart()
+        assert msgspec.msgpack.decode(raw)[0] == LIVE_MSG
+        time.sleep(timeout_s + late_s)
+        server.send_multipart((identity, b"", msgspec.msgpack.encode([True])))
+
+    thread = threading.Thread(target=answer_late, daemon=True)
+    thread.start()
+    try:
+        if answered:
+            assert ask_live("127.0.0.1", port, [("a", [[1]])], timeout_s=timeout_s) == [True]
+        else:
+            with pytest.raises(zmq.Again):
+                ask_live("127.0.0.1", port, [("a", [[1]])], timeout_s=timeout_s)
+    finally:
+        thread.join(5)
+        server.close(linger=0)
