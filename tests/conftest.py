@@ -118,9 +118,10 @@ def _group_order(item: pytest.Item) -> int:
 #: Lane "own" (module docstring): the files whose tests start, kill, freeze or cut off
 #: processes of their own, and unit-test files. Every other file runs in lane "groups"
 #: (a file that uses a shared group must, so that the group starts once; a new file
-#: lands there unless listed here, which is never wrong, only not parallel). The demo's
-#: test starts its own processes but runs in lane "groups": it evens the lanes out
-#: (docs/decisions.md, "The suite, round three").
+#: lands there unless listed here, which is never wrong, only not parallel). The Ray
+#: Serve files stay in "groups": tests there look for Serve's processes in this network
+#: namespace, so no other Serve instance may run beside them there (docs/decisions.md,
+#: "The suite, round four").
 OWN_LANE_FILES = frozenset({
     "test_faults.py", "test_hosts.py", "test_model_variants.py",
     "test_install.py", "test_soak.py", "test_soak_verdict.py", "test_router_pick.py",
@@ -137,6 +138,8 @@ OWN_LANE_FILES = frozenset({
     "test_stage2_move.py",
     # A LoRA pair of its own (module scope).
     "test_adapters.py",
+    # Processes of their own: the demo's P, D and router; the blend bench's engines.
+    "test_demo.py", "test_bench_blend.py",
     # Ray, but on hosts of its own (tools/netns): its processes are told apart from the
     # other Serve tests' by their network namespace.
     "test_ray_serve_two_nodes.py",

@@ -162,7 +162,10 @@ def test_fuzzed_handoffs_sent_straight_to_d_are_refused_cleanly(cluster, model_d
 
     @fuzz_seed(SEED)
     @FUZZ
-    @given(handoffs(), ids, st.sampled_from(["as drawn", "signed", "signed+digest"]))
+    # A signed+digest case waits out vLLM's 5 s NIXL handshake with the P nobody is (its
+    # base_worker's fixed timeout): one case in five, not in three (about 8 of 40).
+    @given(handoffs(), ids, st.sampled_from(["as drawn", "as drawn", "signed", "signed",
+                                             "signed+digest"]))
     # However few signed+digest cases a seed draws, one always goes through to the READ.
     @example(common_pb2.Handoff(), list(range(40)), "signed+digest")
     def one(handoff, prompt, how):
