@@ -113,6 +113,12 @@ def test_fuzzed_generate_requests_get_clean_statuses(router_client, cluster,
     @fuzz_seed(SEED)
     @FUZZ
     @given(generate_requests() | valid_requests())
+    # However a seed draws, one request is well-formed and one is not.
+    @example(router_pb2.GenerateRequest(
+        request_id="fuzz-ok-example", prompt_token_ids=common_pb2.TokenIds(ids=[10, 11, 12]),
+        stage1=common_pb2.Stage1Sampling(max_tokens=4, seed=1),
+        beam=common_pb2.BeamSearch(beam_width=2, max_tokens=2)))
+    @example(router_pb2.GenerateRequest(request_id="fuzz-empty-example"))
     def one(req):
         try:
             router_client.generate(req, timeout=60)
