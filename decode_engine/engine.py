@@ -22,7 +22,7 @@ from connector.handoff import ImportRequest
 from connector.params import BEAM_KEY, KEY, ImportReport, Refusal
 from decode_engine.beam import StoppedSearch, beam_search, error_message, resume_search
 from engine import VllmEngine
-from kvhandoff.budget import live_slots, stage2_reservation
+from kvhandoff.budget import blocks_needed, live_slots, stage2_reservation
 from kvhandoff.types import (
     Beam,
     BeamParams,
@@ -39,13 +39,23 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def reserving(engine: VllmEngine, blocks: int) -> Iterator[None]:
+def reserving(engine: VllmEngine, blocks: int, *, room: int | None = None,
+              least: int = 0) -> Iterator[None]:
     """Count ``blocks`` (a stage 2's ``stage2_reservation``) as reserved on ``engine``
     while the body runs: D's admission and the router leave them free for it. One the
     whole pool cannot hold reserves nothing: D's admission refuses it whatever else runs
-    (and tells P to release the parent), so it must not crowd out others meanwhile."""
-    if blocks > engine.num_total_blocks:
+    (and tells P to release the parent), so it must not crowd out others meanwhile.
+    An import gives ``room``, what D's admission checks it against (the pool less the
+    reservations made before it, which its handoff carries), and ``least``, the fewest
+    blocks it can be admitted at (beam fork off): one whose ``least`` exceeds its room
+    is refused and reserves nothing; one that fits is admitted at no more than its room
+    and reserves no more. So the reservations never sum past the pool, and an import on
+    its way to a refusal does not get the ones after it refused too (seen once under a
+    burst: "160 reserved of 135")."""
+    if blocks > engine.num_total_blocks or (room is not None and least > room):
         blocks = 0
+    elif room is not None:
+        blocks = min(blocks, room)
     engine.num_reserved_blocks += blocks
     try:
         yield
@@ -64,6 +74,7 @@ async def run_beam_stage(
     cache_salt: str | None = None,
     moved: StoppedSearch | None = None,
     stop_at: int = 0,
+    room: int | None = None,
 ) -> Stage2Result:
     """Stage 2 on ``engine`` (under ``adapter``, "": none; every step under
     ``cache_salt``, if any); shared by the handoff path (D) and the colocated path
@@ -71,7 +82,7 @@ async def run_beam_stage(
     the first step copies from). ``moved``: a search stopped on another engine, resumed
     here (its prompt is ``prompt_token_ids``; step 0 imports its export); ``stop_at``:
     stop it to move once that many beam steps ran (``decode_engine.beam.beam_search``):
-    the result is then ``stopped``."""
+    the result is then ``stopped``. ``room``: an import's, as :func:`reserving` takes it."""
     validate_prompt(
         prompt_token_ids,
         vocab_size=engine.vocab_size,
@@ -88,9 +99,11 @@ async def run_beam_stage(
                                   beam.max_tokens, engine.config.beam_fork,
                                   engine.num_total_blocks,
                                   from_parent=beam.catalog is not None)
+    least = blocks_needed(len(prompt_token_ids), engine.block_size, slots, beam.max_tokens,
+                          from_parent=beam.catalog is not None)
     t0 = time.perf_counter()
     generate = functools.partial(engine.generate, adapter=adapter, cache_salt=cache_salt)
-    with reserving(engine, reserved):
+    with reserving(engine, reserved, room=room, least=least):
         if moved is not None:
             outcome = await resume_search(
                 generate, moved, beam, eos_token_id=engine.eos_token_id,
@@ -158,6 +171,7 @@ async def run_sample_stage(
     on_tokens: Callable[[list[int]], None] | None = None,
     adapter: str = "",
     cache_salt: str | None = None,
+    room: int | None = None,
 ) -> Stage2Result:
     """A sampled stage 2 on ``engine`` (under ``adapter``, "": none): one sequence of
     ``params`` over ``parent + suffix``, returned as one beam (tokens, the sum of their
@@ -181,10 +195,11 @@ async def run_sample_stage(
     reserved = stage2_reservation(len(prompt_token_ids), engine.block_size, 1,
                                   params.max_tokens, engine.config.beam_fork,
                                   engine.num_total_blocks)
+    least = blocks_needed(len(prompt_token_ids), engine.block_size, 1, params.max_tokens)
     t0 = time.perf_counter()
     first_step_s, first, last = 0.0, None, None
     token_ids: list[int] = []
-    with reserving(engine, reserved):
+    with reserving(engine, reserved, room=room, least=least):
         async for out in engine.stream(prompt_token_ids, sampling, request_id, adapter,
                                        cache_salt):
             if first is None:
@@ -276,18 +291,20 @@ class DecodeEngine(VllmEngine):
         # The stage 2s already running here: admission leaves their peaks free. It
         # counts the slots the search makes (a catalog may keep fewer than W alive).
         slots = beam.beam_width if sampling is not None else check_catalog(self, beam)
-        params = replace(handoff, beam_width=slots,
-                         reserved_blocks=self.num_reserved_blocks).to_params()
+        reserved = self.num_reserved_blocks
+        params = replace(handoff, beam_width=slots, reserved_blocks=reserved).to_params()
+        # The room admission checks it in: what it may reserve (``reserving``).
+        room = self.num_total_blocks - reserved
         if sampling is not None:
             result = await run_sample_stage(
                 self, prompt_token_ids, sampling, request_id,
                 first_step_extra_args={"kv_transfer_params": params}, on_tokens=on_tokens,
-                adapter=adapter, cache_salt=salt)
+                adapter=adapter, cache_salt=salt, room=room)
         else:
             result = await run_beam_stage(
                 self, prompt_token_ids, beam, request_id,
                 first_step_extra_args={"kv_transfer_params": params}, adapter=adapter,
-                cache_salt=salt, moved=moved, stop_at=stop_at,
+                cache_salt=salt, moved=moved, stop_at=stop_at, room=room,
             )
         if result.stopped is not None:
             # The stopped search's export reaches this engine's worker with the next

@@ -131,6 +131,38 @@ def test_a_stage_2_the_pool_cannot_hold_reserves_nothing_on_d():
         assert engine.num_reserved_blocks == 145
     assert engine.num_reserved_blocks == 10
 
+
+def test_an_import_admission_must_refuse_reserves_nothing_and_none_reserves_past_its_room():
+    """A burst on D with one search running (100 of 135 blocks reserved): an import
+    whose fewest blocks (fork off) exceed the room admission checks it in (35) is
+    refused and reserves nothing; one that fits reserves at most its room. The control,
+    the same burst counted without rooms (as before): the refused one's 60 count against
+    the next, "160 reserved of 135"."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from decode_engine.engine import reserving
+
+    burst = [(60, 40), (30, 25), (20, 4)]  # (reservation with fork, fewest blocks)
+    for with_room in (True, False):
+        engine = SimpleNamespace(num_total_blocks=135, num_reserved_blocks=100)
+        seen = []
+        with contextlib.ExitStack() as stack:
+            for blocks, least in burst:
+                room = engine.num_total_blocks - engine.num_reserved_blocks
+                stack.enter_context(reserving(engine, blocks, room=room if with_room else None,
+                                              least=least))
+                seen.append(engine.num_reserved_blocks)
+        assert engine.num_reserved_blocks == 100
+        if with_room:
+            assert seen == [100, 130, 135]  # refused: 0; fits: 30; fits in 5: at most 5
+        else:
+            assert seen == [160, 190, 210]
+    # A stage 2 no admission checks (the colocated path) is counted whole.
+    engine = SimpleNamespace(num_total_blocks=135, num_reserved_blocks=100)
+    with reserving(engine, 60):
+        assert engine.num_reserved_blocks == 160
+
 def test_suffix_does_not_repeat_think_end():
     assert continuation_prompt([5, 3], [3, 9, 4], think_end_id=3) == [5, 3, 9, 4]
     assert continuation_prompt([5, 1], [3, 9, 4], think_end_id=3) == [5, 1, 3, 9, 4]
